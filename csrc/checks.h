@@ -1,0 +1,67 @@
+// Argument checks shared by every op family. Each message names the op, the argument, what was
+// expected and what was passed, so a wrong call fails with a sentence instead of a crash.
+#pragma once
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Optional.h>
+
+#include <initializer_list>
+#include <sstream>
+#include <string>
+
+namespace specdec {
+
+inline std::string shape_str(at::IntArrayRef sizes) {
+  std::ostringstream os;
+  os << "[";
+  for (size_t i = 0; i < sizes.size(); ++i) os << (i ? ", " : "") << sizes[i];
+  os << "]";
+  return os.str();
+}
+
+inline void check_rank(const char* op, const char* name, const at::Tensor& t, int64_t rank,
+                       const char* layout) {
+  TORCH_CHECK(t.dim() == rank, op, ": ", name, " must be a ", rank, "-D tensor ", layout,
+              ", got shape ", shape_str(t.sizes()));
+}
+
+inline void check_dtype(const char* op, const char* name, const at::Tensor& t,
+                        std::initializer_list<at::ScalarType> allowed) {
+  bool ok = false;
+  std::ostringstream names;
+  for (auto s : allowed) {
+    ok = ok || t.scalar_type() == s;
+    names << (names.tellp() > 0 ? " or " : "") << c10::toString(s);
+  }
+  TORCH_CHECK(ok, op, ": ", name, " must have dtype ", names.str(), ", got ", t.scalar_type());
+}
+
+inline void check_size(const char* op, const char* name, const at::Tensor& t, int64_t dim,
+                       int64_t expected, const char* what) {
+  TORCH_CHECK(t.size(dim) == expected, op, ": ", name, " dimension ", dim, " must be ", what,
+              " = ", expected, ", got shape ", shape_str(t.sizes()));
+}
+
+inline void check_same_device(const char* op, const char* name, const at::Tensor& t,
+                              const at::Tensor& reference, const char* reference_name) {
+  TORCH_CHECK(t.device() == reference.device(), op, ": ", name, " must be on the same device as ",
+              reference_name, " (", reference.device(), "), got ", t.device());
+}
+
+inline void check_contiguous(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
+}
+
+// A per-row parameter: optional 1-D [B] tensor of one dtype on the reference device.
+inline void check_row_param(const char* op, const char* name, const c10::optional<at::Tensor>& t,
+                            int64_t batch, at::ScalarType dtype, const at::Tensor& reference,
+                            const char* reference_name) {
+  if (!t.has_value()) return;
+  check_rank(op, name, *t, 1, "[B]");
+  check_size(op, name, *t, 0, batch, "B");
+  check_dtype(op, name, *t, {dtype});
+  check_same_device(op, name, *t, reference, reference_name);
+  check_contiguous(op, name, *t);
+}
+
+}  // namespace specdec

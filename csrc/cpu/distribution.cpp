@@ -1,0 +1,60 @@
+#include "distribution.h"
+
+namespace specdec::cpu {
+
+void TargetDistribution::measure_at(uint32_t pivot, bool count_only, float& measure,
+                                    uint32_t& min_key_at_or_above, uint32_t& max_key_below) const {
+  float total = 0.0f;
+  uint32_t min_above = 0xFFFFFFFFu;
+  uint32_t max_below = 0u;
+  for (int64_t j = 0; j < vocab_; ++j) {
+    const uint32_t key = float_key(logits_[j]);
+    if (key >= pivot) {
+      total += count_only ? 1.0f : weights_[j];
+      min_above = key < min_above ? key : min_above;
+    } else {
+      max_below = key > max_below ? key : max_below;
+    }
+  }
+  measure = total;
+  min_key_at_or_above = min_above;
+  max_key_below = max_below;
+}
+
+void TargetDistribution::apply_filter(const FilterParams& filter, float max_logit) {
+  uint32_t min_key = 0xFFFFFFFFu;
+  for (int64_t j = 0; j < vocab_; ++j) {
+    const uint32_t key = float_key(logits_[j]);
+    min_key = key < min_key ? key : min_key;
+  }
+  const uint32_t past_max_key = float_key(max_logit) + 1u;
+  uint32_t threshold = min_key;
+
+  auto run_search = [&](ThresholdSearch search, bool count_only) {
+    while (!search.done()) {
+      float measure;
+      uint32_t min_above, max_below;
+      measure_at(search.pivot(), count_only, measure, min_above, max_below);
+      search.update(measure, min_above, max_below);
+    }
+    return search.lo;
+  };
+  if (filter.top_k > 0 && filter.top_k < vocab_) {
+    threshold = run_search({min_key, past_max_key, static_cast<float>(filter.top_k)}, true);
+  }
+  if (filter.top_p < 1.0f) {
+    float kept_mass;
+    uint32_t unused_min, unused_max;
+    measure_at(threshold, false, kept_mass, unused_min, unused_max);
+    threshold = run_search({threshold, past_max_key, filter.top_p * kept_mass}, false);
+  }
+  float mass = 0.0f;
+  for (int64_t j = 0; j < vocab_; ++j) {
+    const float w = float_key(logits_[j]) >= threshold ? weights_[j] : 0.0f;
+    weights_[j] = w;
+    mass += w;
+  }
+  mass_ = mass;
+}
+
+}  // namespace specdec::cpu

@@ -1,0 +1,18 @@
+"""specdec_ext: lossless speculative decoding for Hugging Face models.
+
+The kernels are torch ops under ``torch.ops.specdec_ext`` with typed wrappers in
+``specdec_ext.ops``.
+"""
+try:
+    from . import _C  # noqa: F401  (registers torch.ops.specdec_ext.*)
+except ImportError as error:  # pragma: no cover - depends on how the package was installed
+    raise ImportError(
+        "specdec_ext._C is not built. Install the package (`pip install --no-build-isolation .`) "
+        "or build in place (`python setup.py build_ext --inplace`); running from a source tree "
+        f"without the compiled extension does not work. Original error: {error}"
+    ) from error
+
+from . import ops  # noqa: E402
+
+__all__ = ["ops"]
+__version__ = "0.1.0"

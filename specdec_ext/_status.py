@@ -1,0 +1,34 @@
+"""Per-row status codes the verifier ops write into ``num_accepted`` (csrc/common/sampling_math.h).
+
+A negative value marks a row whose input was invalid; the ops never raise from inside a kernel, so
+they stay free of host synchronisation and safe inside CUDA graphs. The Python wrappers turn the
+codes into errors that name the argument.
+"""
+import torch
+
+ROW_STATUS_MESSAGES = {
+    -1: "target_logits: row {row} has a NaN or +inf logit (or every logit is -inf) at a verified position",
+    -2: "draft_probs: row {row} has a NaN, negative or > 1 probability at a verified position",
+    -3: "draft_token_ids: row {row} has a token id outside [0, V) among its drafted tokens",
+    -4: "num_draft: row {row} is outside [0, k]",
+    -5: "temperature: row {row} is negative or NaN",
+    -6: "top_k: row {row} is negative",
+    -7: "top_p: row {row} is outside (0, 1]",
+    -8: "uniforms: row {row} has a value outside [0, 1)",
+    -9: "parents: row {row} is not a valid tree (a parent index must be -1 or smaller than the node's own)",
+    -10: "num_nodes: row {row} is outside [0, N]",
+}
+
+
+def raise_for_row_status(op_name: str, num_accepted: torch.Tensor) -> None:
+    """Raise ``ValueError`` naming the argument if any row of ``num_accepted`` is negative.
+
+    Reads ``num_accepted`` on the host (one device synchronisation on CUDA).
+    """
+    bad = (num_accepted < 0).nonzero()
+    if bad.numel() == 0:
+        return
+    row = int(bad[0, 0])
+    code = int(num_accepted[row])
+    message = ROW_STATUS_MESSAGES.get(code, f"row {{row}} failed with status {code}")
+    raise ValueError(f"{op_name}: " + message.format(row=row))

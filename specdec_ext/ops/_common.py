@@ -1,0 +1,17 @@
+"""Argument helpers shared by the op wrappers."""
+from typing import Union
+
+import torch
+
+RowParam = Union[None, float, int, torch.Tensor]
+
+
+def row_tensor(value: RowParam, name: str, batch: int, dtype: torch.dtype, device: torch.device):
+    """A [B] tensor from a scalar (broadcast to every row), a tensor, or None (op default)."""
+    if value is None or isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number or a [B] tensor, got {type(value).__name__}")
+    return torch.full((batch,), value, dtype=dtype, device=device)
+
+

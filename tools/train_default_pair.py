@@ -1,0 +1,373 @@
+#!/usr/bin/env python
+"""Train the bundled default (target, draft) model pair of specdec_ext, reproducibly, on a CPU.
+
+What it builds (all from a fixed seed):
+
+* a byte-level BPE tokenizer (HF ``tokenizers``: ByteLevel pre-tokenizer and decoder, vocab 8192,
+  one special token ``<|endoftext|>`` used as BOS/EOS/PAD and as the separator between files), saved
+  as a ``PreTrainedTokenizerFast`` directory (``tokenizer.json`` + ``tokenizer_config.json``);
+* a Llama-style target (``LlamaForCausalLM``, untied embeddings, d_model 512, 6 layers, 8 heads,
+  MLP 1280, about 26.5M parameters counting both embeddings);
+* a Llama-style draft sharing the tokenizer (d_model 128, 2 layers, 4 heads, MLP 512, about 2.6M
+  parameters), distilled from the finished target: loss = alpha * KL(p_target || q_draft) at T=1
+  + (1 - alpha) * next-token cross entropy.
+
+Data: Python source files (``*.py`` only) from exactly these three trees of the running interpreter:
+
+1. ``stdlib``: ``sysconfig.get_paths()['stdlib']``, excluding its top-level ``test/`` and
+   ``site-packages/`` directories (and anything under a ``__pycache__`` directory);
+2. ``torch``: the installed package directory ``os.path.dirname(torch.__file__)``;
+3. ``transformers``: the installed package directory ``os.path.dirname(transformers.__file__)``.
+
+Files larger than 512 KiB or not valid UTF-8 are skipped. Each file is named ``<tree>/<relpath>``;
+a file is held out for evaluation when ``int(sha1(name).hexdigest(), 16) % 100 < 2`` (whole files,
+about 2 %). The held-out list is written to ``OUT/heldout_files.txt`` (and ``train_files.txt``).
+Training text: the training files in a seeded random order, each preceded by ``<|endoftext|>``,
+concatenated and cut into windows of 257 tokens (256 inputs + the shifted targets) with stride 256;
+the windows are visited in a seeded random order, so step s always sees the same batch (``--resume``
+continues with the same data order).
+
+Optimisation: AdamW (betas 0.9/0.95, weight decay 0.1 on matrices), linear warmup then cosine
+decay to 10 %, gradient clipping at 1.0, bf16 autocast with fp32 master weights, one thread.
+The number of steps of each phase is fixed from ``--minutes`` by timing the first steps (or set it
+exactly with ``--target-steps`` / ``--draft-steps`` to reproduce a run bit for bit); it is stored in
+the checkpoint. Checkpoints are written every ``--ckpt-minutes`` to ``OUT/ckpt/``.
+
+Output: ``OUT/final/{target,draft,tokenizer}`` in bf16 safetensors, ready to copy into
+``specdec_ext/default_pair/``.
+
+Example (the shipped pair):
+    python tools/train_default_pair.py --out runs/default_pair --minutes 75 --draft-fraction 0.21
+    python tools/train_default_pair.py --out runs/default_pair --minutes 75 --draft-fraction 0.21 --resume
+"""
+import argparse
+import hashlib
+import json
+import math
+import os
+import random
+import sys
+import sysconfig
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+EOT = "<|endoftext|>"
+SEQ = 256
+MAX_FILE_BYTES = 512 * 1024
+
+TARGET_SHAPE = dict(hidden_size=512, intermediate_size=1280, num_hidden_layers=6,
+                    num_attention_heads=8, num_key_value_heads=8)
+DRAFT_SHAPE = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=4)
+
+
+def log(*a):
+    print(time.strftime("%H:%M:%S"), *a, flush=True)
+
+
+# ----------------------------------------------------------------------------------------- data
+def source_trees():
+    import transformers
+    return [
+        ("stdlib", sysconfig.get_paths()["stdlib"], ("test", "site-packages")),
+        ("torch", os.path.dirname(torch.__file__), ()),
+        ("transformers", os.path.dirname(transformers.__file__), ()),
+    ]
+
+
+def is_heldout(name):
+    return int(hashlib.sha1(name.encode()).hexdigest(), 16) % 100 < 2
+
+
+def collect_files():
+    """Return sorted list of (name, abspath) for every usable *.py file of the three trees."""
+    out = []
+    for tree, root, excluded_top in source_trees():
+        for dirpath, dirnames, filenames in os.walk(root):
+            rel_dir = os.path.relpath(dirpath, root)
+            if rel_dir == ".":
+                dirnames[:] = [d for d in dirnames if d not in excluded_top]
+            dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+            for fn in sorted(filenames):
+                if not fn.endswith(".py"):
+                    continue
+                p = os.path.join(dirpath, fn)
+                if not os.path.isfile(p) or os.path.getsize(p) > MAX_FILE_BYTES:
+                    continue
+                out.append((tree + "/" + os.path.relpath(p, root).replace(os.sep, "/"), p))
+    out.sort()
+    return out
+
+
+def read_text(path):
+    try:
+        with open(path, "rb") as f:
+            return f.read().decode("utf-8")
+    except (UnicodeDecodeError, OSError):
+        return None
+
+
+def train_tokenizer(texts, vocab_size, out_dir):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=[EOT],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOT, eos_token=EOT,
+                                   pad_token=EOT, unk_token=None,
+                                   clean_up_tokenization_spaces=False, model_max_length=2048)
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def prepare_data(args):
+    """Tokenizer + token stream, cached in OUT/data (deterministic, so a rerun rebuilds the same)."""
+    from transformers import AutoTokenizer
+    data_dir = os.path.join(args.out, "data")
+    tok_dir = os.path.join(args.out, "tokenizer")
+    ids_path = os.path.join(data_dir, "train_ids.npy")
+    meta_path = os.path.join(data_dir, "meta.json")
+    if os.path.exists(ids_path) and os.path.exists(meta_path) and os.path.exists(tok_dir):
+        tok = AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
+        return tok, np.load(ids_path, mmap_mode="r"), json.load(open(meta_path))
+    os.makedirs(data_dir, exist_ok=True)
+    t0 = time.time()
+    files = collect_files()
+    train, held = [], []
+    for name, path in files:
+        text = read_text(path)
+        if text is None or not text.strip():
+            continue
+        (held if is_heldout(name) else train).append((name, text))
+    log(f"files: {len(train)} train, {len(held)} held out ({time.time() - t0:.0f}s)")
+    with open(os.path.join(args.out, "heldout_files.txt"), "w") as f:
+        f.write("".join(n + "\n" for n, _ in held))
+    with open(os.path.join(args.out, "train_files.txt"), "w") as f:
+        f.write("".join(n + "\n" for n, _ in train))
+    # tokenizer: trained on a deterministic third of the training files (by name hash)
+    sub = [t for n, t in train if int(hashlib.sha1(n.encode()).hexdigest(), 16) % 3 == 0]
+    tok = train_tokenizer(sub, args.vocab_size, tok_dir)
+    log(f"tokenizer trained on {len(sub)} files, vocab {len(tok)} ({time.time() - t0:.0f}s)")
+    order = list(range(len(train)))
+    random.Random(args.seed).shuffle(order)
+    eot = tok.convert_tokens_to_ids(EOT)
+    enc = tok.backend_tokenizer.encode_batch([train[i][1] for i in order], add_special_tokens=False)
+    parts = []
+    for e in enc:
+        parts.append(np.array([eot], dtype=np.uint16))
+        parts.append(np.asarray(e.ids, dtype=np.uint16))
+    ids = np.concatenate(parts)
+    np.save(ids_path, ids)
+    per_tree = {}
+    for n, t in train:
+        per_tree.setdefault(n.split("/")[0], [0, 0])[0] += 1
+    for n, t in held:
+        per_tree.setdefault(n.split("/")[0], [0, 0])[1] += 1
+    meta = dict(train_files=len(train), heldout_files=len(held), train_tokens=int(len(ids)),
+                per_tree_train_heldout=per_tree, trees={t: r for t, r, _ in source_trees()},
+                tokenizer_files=len(sub), vocab=len(tok))
+    json.dump(meta, open(meta_path, "w"), indent=1)
+    log(f"train stream: {len(ids):,} tokens ({time.time() - t0:.0f}s)")
+    return tok, np.load(ids_path, mmap_mode="r"), meta
+
+
+class Batches:
+    """Deterministic batch b = windows perm[b*B:(b+1)*B] of the stream (new permutation per epoch)."""
+
+    def __init__(self, ids, batch, seed):
+        self.ids, self.batch, self.seed = ids, batch, seed
+        self.n = (len(ids) - 1) // SEQ
+        self._perm = {}
+
+    def perm(self, epoch):
+        if epoch not in self._perm:
+            self._perm = {epoch: np.random.default_rng(self.seed + 1000 * epoch).permutation(self.n)}
+        return self._perm[epoch]
+
+    def get(self, step):
+        rows = []
+        for j in range(step * self.batch, (step + 1) * self.batch):
+            w = self.perm(j // self.n)[j % self.n]
+            rows.append(np.asarray(self.ids[w * SEQ: w * SEQ + SEQ + 1], dtype=np.int64))
+        return torch.from_numpy(np.stack(rows))
+
+
+# ---------------------------------------------------------------------------------------- model
+def make_model(shape, tok, seed):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    eot = tok.convert_tokens_to_ids(EOT)
+    cfg = LlamaConfig(vocab_size=len(tok), max_position_embeddings=2048, tie_word_embeddings=False,
+                      bos_token_id=eot, eos_token_id=eot, pad_token_id=eot, rms_norm_eps=1e-5,
+                      attention_dropout=0.0, **shape)
+    torch.manual_seed(seed)
+    m = LlamaForCausalLM(cfg)
+    m.config._attn_implementation = "sdpa"
+    return m
+
+
+def n_params(m):
+    return sum(p.numel() for p in m.parameters())
+
+
+def make_opt(model, lr):
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed_tokens" not in n]
+    other = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed_tokens" not in n)]
+    return torch.optim.AdamW([dict(params=decay, weight_decay=0.1), dict(params=other, weight_decay=0.0)],
+                             lr=lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def lr_at(step, total, peak, warmup):
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    t = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def logits_of(model, x):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return model(input_ids=x).logits.float()
+
+
+# ------------------------------------------------------------------------------------ training
+def save_ckpt(path, state):
+    tmp = path + ".tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def run_phase(args, phase, model, batches, peak_lr, warmup, budget_s, fixed_steps, ckpt_path,
+              teacher=None):
+    opt = make_opt(model, peak_lr)
+    step, total, spent, plan = 0, fixed_steps, 0.0, []
+    if args.resume and os.path.exists(ckpt_path):
+        st = torch.load(ckpt_path, map_location="cpu", weights_only=False)
+        if st["phase"] == phase:
+            model.load_state_dict(st["model"])
+            opt.load_state_dict(st["opt"])
+            step, total, spent, plan = st["step"], st["total"], st["spent"], st["plan"]
+            log(f"[{phase}] resumed at step {step}/{total}")
+    if step and total and step >= total:
+        return model
+    model.train()
+    step0, calib_at, calib_t = step, 12, None
+    t_start, last_ckpt, last_log = time.time(), time.time(), time.time()
+    ema, tok_seen = None, 0
+    while total is None or step < total:
+        x = batches.get(step)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, total or 10 ** 9, peak_lr, warmup)
+        inp, tgt = x[:, :-1], x[:, 1:]
+        logits = logits_of(model, inp)
+        ce = F.cross_entropy(logits.reshape(-1, logits.size(-1)), tgt.reshape(-1))
+        if teacher is not None:
+            with torch.no_grad():
+                t_logp = F.log_softmax(logits_of(teacher, inp), -1)
+            s_logp = F.log_softmax(logits, -1)
+            kl = (t_logp.exp() * (t_logp - s_logp)).sum(-1).mean()
+            loss = args.kl_alpha * kl + (1 - args.kl_alpha) * ce
+        else:
+            loss = ce
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        tok_seen += inp.numel()
+        ema = ce.item() if ema is None else 0.98 * ema + 0.02 * ce.item()
+        now = time.time()
+        if total is None and step == 2:
+            calib_t = now
+        if total is None and step == calib_at:
+            per_step = (now - calib_t) / (calib_at - 2)
+            per_step *= 1.08  # margin: the first steps run a little faster than the average
+            total = max(step + 1, int((budget_s - spent - (now - t_start)) / per_step) + step)
+            plan.append((step, total))
+            log(f"[{phase}] {per_step:.2f}s/step -> total steps {total} for {budget_s / 60:.1f} min")
+        if fixed_steps is None and total and step % 50 == 0 and step > calib_at:
+            # replan (shrink only) when the machine got slower: keeps the run inside its budget
+            el = spent + now - t_start
+            per_step = (now - t_start) / max(1, step - step0)
+            if el + (total - step) * per_step > budget_s * 1.10:
+                total = max(step + 1, step + int((budget_s - el) / per_step))
+                plan.append((step, total))
+                log(f"[{phase}] behind schedule: replanned to {total} steps")
+        if now - last_log > 30 or (total and step == total):
+            el = spent + now - t_start
+            rate = tok_seen / (now - t_start)
+            eta = (total - step) * (now - t_start) / max(1, tok_seen / inp.numel()) if total else float("nan")
+            extra = f" kl {kl.item():.3f}" if teacher is not None else ""
+            log(f"[{phase}] step {step}/{total} ce {ce.item():.3f} (ema {ema:.3f}){extra} "
+                f"lr {opt.param_groups[0]['lr']:.2e} {rate:.0f} tok/s elapsed {el / 60:.1f}m ETA {eta / 60:.1f}m")
+            last_log = now
+        if now - last_ckpt > args.ckpt_minutes * 60 or (total and step == total):
+            save_ckpt(ckpt_path, dict(phase=phase, model=model.state_dict(), opt=opt.state_dict(),
+                                      step=step, total=total, spent=spent + now - t_start, plan=plan))
+            last_ckpt = now
+    return model
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--minutes", type=float, default=75.0, help="total training budget (both phases)")
+    ap.add_argument("--draft-fraction", type=float, default=0.21, help="share of --minutes for the draft")
+    ap.add_argument("--target-steps", type=int, default=None, help="fix the target's steps (reproduce)")
+    ap.add_argument("--draft-steps", type=int, default=None, help="fix the draft's steps (reproduce)")
+    ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--vocab-size", type=int, default=8192)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--target-lr", type=float, default=1.5e-3)
+    ap.add_argument("--draft-lr", type=float, default=3e-3)
+    ap.add_argument("--kl-alpha", type=float, default=0.9)
+    ap.add_argument("--ckpt-minutes", type=float, default=4.0)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--prepare-only", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    os.makedirs(args.out, exist_ok=True)
+    ck = os.path.join(args.out, "ckpt")
+    os.makedirs(ck, exist_ok=True)
+    t0 = time.time()
+    tok, ids, meta = prepare_data(args)
+    if args.prepare_only:
+        return
+    budget = args.minutes * 60
+    target = make_model(TARGET_SHAPE, tok, args.seed)
+    draft = make_model(DRAFT_SHAPE, tok, args.seed + 1)
+    log(f"target {n_params(target) / 1e6:.2f}M params, draft {n_params(draft) / 1e6:.2f}M params, "
+        f"stream {meta['train_tokens']:,} tokens")
+    tpath, dpath = os.path.join(ck, "target.pt"), os.path.join(ck, "draft.pt")
+    run_phase(args, "target", target, Batches(ids, args.batch, args.seed), args.target_lr, 100,
+              budget * (1 - args.draft_fraction), args.target_steps, tpath)
+    target.eval()
+    for p in target.parameters():
+        p.requires_grad_(False)
+    run_phase(args, "draft", draft, Batches(ids, args.batch, args.seed + 7), args.draft_lr, 50,
+              budget * args.draft_fraction, args.draft_steps, dpath, teacher=target)
+    final = os.path.join(args.out, "final")
+    for name, m in (("target", target), ("draft", draft)):
+        m.eval()
+        m.config.use_cache = True
+        m.to(torch.bfloat16).save_pretrained(os.path.join(final, name))
+    tok.save_pretrained(os.path.join(final, "tokenizer"))
+    st_t = torch.load(tpath, map_location="cpu", weights_only=False)
+    st_d = torch.load(dpath, map_location="cpu", weights_only=False)
+    summary = dict(meta, target_params=n_params(target), draft_params=n_params(draft),
+                   target_steps=st_t["total"], draft_steps=st_d["total"],
+                   target_plan=st_t["plan"], draft_plan=st_d["plan"], batch=args.batch, seq=SEQ,
+                   target_tokens=st_t["total"] * args.batch * SEQ, draft_tokens=st_d["total"] * args.batch * SEQ,
+                   target_train_s=st_t["spent"], draft_train_s=st_d["spent"], argv=sys.argv[1:])
+    json.dump(summary, open(os.path.join(final, "train_summary.json"), "w"), indent=1)
+    log(f"done in {(time.time() - t0) / 60:.1f} min (this invocation); summary: {json.dumps(summary)}")
+
+
+if __name__ == "__main__":
+    main()
