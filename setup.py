@@ -58,7 +58,7 @@ def _sources(pattern):
 
 def _extension():
     cpp_sources = _sources("csrc/*.cpp") + _sources("csrc/cpu/*.cpp")
-    cxx_flags = ["-O3", "-fno-math-errno"]
+    cxx_flags = ["-O3", "-fno-math-errno", "-fno-trapping-math"]
     if _use_cuda():
         if not torch.cuda.is_available():
             os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")

@@ -2,6 +2,39 @@
 
 namespace specdec::cpu {
 
+int32_t TargetDistribution::subtract(const float* q_row, int64_t token) {
+  if (one_hot_token_ >= 0) {
+    // max(0, onehot(a) - q) is zero or a multiple of onehot(a): p stays one-hot; only check q.
+    return (q_row == nullptr || residual_pass(weights_.data(), 0.0f, q_row, vocab_, false).q_valid)
+               ? 0
+               : kStatusInvalidDraftProbs;
+  }
+  materialize();
+  if (q_row == nullptr) {  // remove `token`: r_j = w_j / mass for j != token
+    const float removed = weights_[token];
+    weights_[token] = 0.0f;
+    const float mass = row_sum(weights_.data(), vocab_);
+    if (mass > 0.0f) {
+      mass_ = mass;
+    } else {
+      weights_[token] = removed;
+    }
+    return 0;
+  }
+  const float inv_mass = 1.0f / mass_;
+  const ResidualSum residual = residual_pass(weights_.data(), inv_mass, q_row, vocab_, false);
+  if (!residual.q_valid) return kStatusInvalidDraftProbs;
+  if (!(residual.mass > 0.0f)) return 0;
+  mass_ = residual_pass(weights_.data(), inv_mass, q_row, vocab_, true).mass;
+  return 0;
+}
+
+int64_t TargetDistribution::sample(float u) {
+  if (one_hot_token_ >= 0) return one_hot_token_;
+  materialize();
+  return inverse_cdf(weights_.data(), vocab_, u * mass_);
+}
+
 void TargetDistribution::measure_at(uint32_t pivot, bool count_only, float& measure,
                                     uint32_t& min_key_at_or_above, uint32_t& max_key_below) const {
   float total = 0.0f;
@@ -21,13 +54,13 @@ void TargetDistribution::measure_at(uint32_t pivot, bool count_only, float& meas
   max_key_below = max_below;
 }
 
-void TargetDistribution::apply_filter(const FilterParams& filter, float max_logit) {
+void TargetDistribution::apply_filter(const FilterParams& filter) {
   uint32_t min_key = 0xFFFFFFFFu;
   for (int64_t j = 0; j < vocab_; ++j) {
     const uint32_t key = float_key(logits_[j]);
     min_key = key < min_key ? key : min_key;
   }
-  const uint32_t past_max_key = float_key(max_logit) + 1u;
+  const uint32_t past_max_key = float_key(max_logit_) + 1u;
   uint32_t threshold = min_key;
 
   auto run_search = [&](ThresholdSearch search, bool count_only) {
@@ -48,13 +81,10 @@ void TargetDistribution::apply_filter(const FilterParams& filter, float max_logi
     measure_at(threshold, false, kept_mass, unused_min, unused_max);
     threshold = run_search({threshold, past_max_key, filter.top_p * kept_mass}, false);
   }
-  float mass = 0.0f;
   for (int64_t j = 0; j < vocab_; ++j) {
-    const float w = float_key(logits_[j]) >= threshold ? weights_[j] : 0.0f;
-    weights_[j] = w;
-    mass += w;
+    if (float_key(logits_[j]) < threshold) weights_[j] = 0.0f;
   }
-  mass_ = mass;
+  mass_ = row_sum(weights_.data(), vocab_);
 }
 
 }  // namespace specdec::cpu

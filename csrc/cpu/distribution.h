@@ -1,7 +1,13 @@
 // One position's filtered target distribution on the CPU, shared by chain_verify and tree_verify.
-// It lives in per-thread scratch: `weights` holds unnormalised probabilities w, p = w / mass.
+// p = w / mass with w the unnormalised weights. Until a caller needs the whole row (subtract or
+// sample), w stays implicit: w_j = exp((l_j - max) / T) is recomputed from the logits, so an
+// accepted position costs one max pass and one exp-sum pass and writes nothing.
 #pragma once
+#include <ATen/core/Tensor.h>
+
 #include <cstdint>
+#include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "../common/sampling_math.h"
@@ -11,100 +17,86 @@ namespace specdec::cpu {
 
 class TargetDistribution {
  public:
-  explicit TargetDistribution(int64_t vocab) : vocab_(vocab), logits_(vocab), weights_(vocab) {}
+  explicit TargetDistribution(int64_t vocab) : vocab_(vocab), converted_(vocab), weights_(vocab) {}
 
   // p <- filtered softmax(logits / T) (one-hot at the argmax when T == 0).
   // Returns 0 or kStatusNonFiniteLogits.
   template <typename scalar_t>
   int32_t load(const scalar_t* logits, const FilterParams& filter) {
-    float max_logit = -__builtin_inff();
-    int64_t argmax = 0;
-    bool finite = true;
-    for (int64_t j = 0; j < vocab_; ++j) {
-      const float l = static_cast<float>(logits[j]);
-      logits_[j] = l;
-      finite = finite && !(l != l) && l != __builtin_inff();
-      if (l > max_logit) {
-        max_logit = l;
-        argmax = j;
-      }
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      logits_ = logits;
+    } else {
+      for (int64_t j = 0; j < vocab_; ++j) converted_[j] = static_cast<float>(logits[j]);
+      logits_ = converted_.data();
     }
-    if (!finite || max_logit == -__builtin_inff()) return kStatusNonFiniteLogits;
+    const RowMax row = row_max(logits_, vocab_);
+    if (row.has_nan || row.max == __builtin_inff() || row.max == -__builtin_inff()) {
+      return kStatusNonFiniteLogits;
+    }
+    max_logit_ = row.max;
     if (filter.temperature == 0.0f) {
-      load_one_hot(argmax);
+      int64_t argmax = 0;
+      while (logits_[argmax] != row.max) ++argmax;  // the lowest index on ties
+      one_hot_token_ = argmax;
+      mass_ = 1.0f;
       return 0;
     }
-    const float inv_temperature = 1.0f / filter.temperature;
-    float mass = 0.0f;
-    for (int64_t j = 0; j < vocab_; ++j) {
-      const float w = exp_nonpositive((logits_[j] - max_logit) * inv_temperature);
-      weights_[j] = w;
-      mass += w;
-    }
-    mass_ = mass;
-    if (filter.top_k > 0 || filter.top_p < 1.0f) apply_filter(filter, max_logit);
+    one_hot_token_ = -1;
+    inv_temperature_ = 1.0f / filter.temperature;
+    const bool filtered = filter.top_k > 0 || filter.top_p < 1.0f;
+    mass_ = exp_sum(logits_, vocab_, max_logit_, inv_temperature_, filtered ? weights_.data() : nullptr);
+    materialized_ = filtered;
+    if (filtered) apply_filter(filter);
     return 0;
   }
 
-  float prob(int64_t token) const { return weights_[token] / mass_; }
+  float prob(int64_t token) const {
+    if (one_hot_token_ >= 0) return token == one_hot_token_ ? 1.0f : 0.0f;
+    const float w = materialized_ ? weights_[token]
+                                  : exp_nonpositive((logits_[token] - max_logit_) * inv_temperature_);
+    return w / mass_;
+  }
 
   // p <- normalise(max(0, p - q)), the residual after rejecting a draft sampled from q; q is a
   // probability row, or one-hot at `token` when q_row is null (which removes `token` from p).
   // Where the residual mass is zero (p == q) p is kept. Returns 0 or kStatusInvalidDraftProbs.
-  int32_t subtract(const float* q_row, int64_t token) {
-    const float inv_mass = 1.0f / mass_;
-    float residual_mass = 0.0f;
-    bool valid = true;
-    for (int64_t j = 0; j < vocab_; ++j) {
-      const float q = q_row ? q_row[j] : (j == token ? 1.0f : 0.0f);
-      valid = valid && q >= 0.0f && q <= 1.0f;  // false for NaN
-      const float r = weights_[j] * inv_mass - q;
-      residual_mass += r > 0.0f ? r : 0.0f;
-    }
-    if (!valid) return kStatusInvalidDraftProbs;
-    if (!(residual_mass > 0.0f)) return 0;
-    for (int64_t j = 0; j < vocab_; ++j) {
-      const float q = q_row ? q_row[j] : (j == token ? 1.0f : 0.0f);
-      const float r = weights_[j] * inv_mass - q;
-      weights_[j] = r > 0.0f ? r : 0.0f;
-    }
-    mass_ = residual_mass;
-    return 0;
-  }
+  int32_t subtract(const float* q_row, int64_t token);
 
   // Inverse CDF: the smallest index whose running sum of w exceeds u * mass.
-  int64_t sample(float u) const {
-    const float target = u * mass_;
-    float running = 0.0f;
-    int64_t last_positive = 0;
-    for (int64_t j = 0; j < vocab_; ++j) {
-      const float w = weights_[j];
-      if (w > 0.0f) {
-        running += w;
-        last_positive = j;
-        if (running > target) return j;
-      }
-    }
-    return last_positive;  // rounding left the running sum at or below the target
-  }
+  int64_t sample(float u);
 
  private:
-  void load_one_hot(int64_t argmax) {
-    for (int64_t j = 0; j < vocab_; ++j) weights_[j] = 0.0f;
-    weights_[argmax] = 1.0f;
-    mass_ = 1.0f;
+  void materialize() {
+    if (!materialized_) exp_sum(logits_, vocab_, max_logit_, inv_temperature_, weights_.data());
+    materialized_ = true;
   }
-
   // Zeroes the weights of logits below lambda = max(lambda_k, lambda_p) (sampling_math.h).
-  void apply_filter(const FilterParams& filter, float max_logit);
+  void apply_filter(const FilterParams& filter);
   // Sum of weights (or count, with count_only) over keys >= pivot, and the keys around the pivot.
   void measure_at(uint32_t pivot, bool count_only, float& measure, uint32_t& min_key_at_or_above,
                   uint32_t& max_key_below) const;
 
   int64_t vocab_;
-  std::vector<float> logits_;
-  std::vector<float> weights_;
+  std::vector<float> converted_;  // fp32 copy of 16-bit logits
+  std::vector<float> weights_;    // w, valid when materialized_
+  const float* logits_ = nullptr;
+  float max_logit_ = 0.0f;
+  float inv_temperature_ = 1.0f;
   float mass_ = 0.0f;
+  int64_t one_hot_token_ = -1;  // >= 0 for greedy rows: p is one-hot there
+  bool materialized_ = false;
 };
+
+// Per-row filter parameters with their defaults (T = 1, top-k and top-p off); shared by the
+// verifiers of this backend (chain_verify in sampling.cpp, tree_verify in tree.cpp).
+inline FilterParams read_filter(const std::optional<at::Tensor>& temperature,
+                                const std::optional<at::Tensor>& top_k,
+                                const std::optional<at::Tensor>& top_p, int64_t row) {
+  FilterParams f;
+  f.temperature = temperature ? temperature->data_ptr<float>()[row] : 1.0f;
+  f.top_k = top_k ? top_k->data_ptr<int32_t>()[row] : 0;
+  f.top_p = top_p ? top_p->data_ptr<float>()[row] : 1.0f;
+  return f;
+}
 
 }  // namespace specdec::cpu

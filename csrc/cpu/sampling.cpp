@@ -13,17 +13,6 @@
 namespace specdec::cpu {
 namespace {
 
-// Per-row parameters with their defaults; shared by the verifiers of this backend.
-FilterParams read_filter(const std::optional<at::Tensor>& temperature,
-                         const std::optional<at::Tensor>& top_k,
-                         const std::optional<at::Tensor>& top_p, int64_t row) {
-  FilterParams f;
-  f.temperature = temperature ? temperature->data_ptr<float>()[row] : 1.0f;
-  f.top_k = top_k ? top_k->data_ptr<int32_t>()[row] : 0;
-  f.top_p = top_p ? top_p->data_ptr<float>()[row] : 1.0f;
-  return f;
-}
-
 template <typename scalar_t>
 void chain_verify_rows(const ChainVerifyArgs& a) {
   const int64_t batch = a.target_logits.size(0);
@@ -55,14 +44,14 @@ void chain_verify_rows(const ChainVerifyArgs& a) {
       for (int64_t c = 0; status == 0 && c <= k; ++c) {
         if (!is_valid_uniform(uniform(c))) status = kStatusInvalidUniform;
       }
+      for (int64_t i = 0; status == 0 && i < n; ++i) {
+        const int64_t x = draft_ids[b * k + i];
+        if (x < 0 || x >= vocab) status = kStatusDraftTokenOutOfRange;
+      }
       int64_t accepted = 0;
       int64_t emitted = -1;
       for (; status == 0 && accepted < n; ++accepted) {
         const int64_t x = draft_ids[b * k + accepted];
-        if (x < 0 || x >= vocab) {
-          status = kStatusDraftTokenOutOfRange;
-          break;
-        }
         status = dist.load(logits + (b * (k + 1) + accepted) * vocab, filter);
         if (status != 0) break;
         const float* q_row = draft_probs ? draft_probs + (b * k + accepted) * vocab : nullptr;

@@ -1,21 +1,32 @@
-// Row-wise float helpers for the CPU kernels, written as plain loops that the compiler vectorises
-// (no libm calls inside the loops).
+// Row-wise float loops of the CPU kernels. Each keeps kLanes independent accumulators, so the
+// compiler vectorises it without reassociating floating point (no -ffast-math), and is compiled
+// twice (x86-64-v3, i.e. AVX2 + FMA, and baseline x86-64) with the best picked at load time.
+// Selects in these loops vectorise only with -fno-trapping-math (setup.py and CMakeLists.txt).
 #pragma once
 #include <cstdint>
 #include <cstring>
 
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define SPECDEC_CPU_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define SPECDEC_CPU_CLONES
+#endif
+
 namespace specdec::cpu {
 
+constexpr int kLanes = 16;
+
 // exp(x) for x <= 0 with about 2 ulp error (Cody-Waite reduction, degree-6 polynomial);
-// exactly 0 below the smallest normal result, so masked (-inf) logits get zero weight.
+// exactly 0 below the smallest normal result, so masked (-inf) logits get zero weight. Branch-free
+// (selects and a round-to-nearest by the 1.5 * 2^23 trick) so that loops over it vectorise.
 inline float exp_nonpositive(float x) {
   constexpr float kLog2e = 1.44269504088896341f;
   constexpr float kLn2Hi = 0.693359375f;
   constexpr float kLn2Lo = -2.12194440e-4f;
   constexpr float kMinArg = -87.3f;
-  const bool underflow = !(x >= kMinArg);  // also true for NaN and -inf
-  const float xc = underflow ? 0.0f : x;
-  const float n = __builtin_floorf(xc * kLog2e + 0.5f);
+  constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const float xc = x < kMinArg ? kMinArg : x;
+  const float n = (xc * kLog2e + kRoundMagic) - kRoundMagic;
   const float r = (xc - n * kLn2Hi) - n * kLn2Lo;
   float poly = 1.9875691500e-4f;
   poly = poly * r + 1.3981999507e-3f;
@@ -27,7 +38,148 @@ inline float exp_nonpositive(float x) {
   const int32_t exponent_bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &exponent_bits, sizeof(scale));
-  return underflow ? 0.0f : expm * scale;
+  const float result = expm * scale;
+  return x < kMinArg ? 0.0f : result;
+}
+
+inline float lane_sum(const float (&lanes)[kLanes]) {
+  float total = 0.0f;
+  for (int l = 0; l < kLanes; ++l) total += lanes[l];
+  return total;
+}
+
+struct RowMax {
+  float max;
+  bool has_nan;
+};
+
+// Largest value of x[0, n) and whether any is NaN.
+SPECDEC_CPU_CLONES inline RowMax row_max(const float* x, int64_t n) {
+  float m[kLanes];
+  int32_t nan[kLanes];
+  for (int l = 0; l < kLanes; ++l) m[l] = -__builtin_inff(), nan[l] = 0;
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    for (int l = 0; l < kLanes; ++l) {
+      const float v = x[j + l];
+      m[l] = v > m[l] ? v : m[l];
+      nan[l] |= v != v;
+    }
+  }
+  for (; j < n; ++j) {
+    m[0] = x[j] > m[0] ? x[j] : m[0];
+    nan[0] |= x[j] != x[j];
+  }
+  RowMax result{m[0], nan[0] != 0};
+  for (int l = 1; l < kLanes; ++l) {
+    result.max = m[l] > result.max ? m[l] : result.max;
+    result.has_nan = result.has_nan || nan[l] != 0;
+  }
+  return result;
+}
+
+// sum_j exp((x[j] - shift) * scale) for (x - shift) * scale <= 0, each term also written to out
+// when kStore.
+template <bool kStore>
+SPECDEC_CPU_CLONES inline float exp_sum_impl(const float* x, int64_t n, float shift, float scale, float* out) {
+  float s[kLanes] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    for (int l = 0; l < kLanes; ++l) {
+      const float e = exp_nonpositive((x[j + l] - shift) * scale);
+      s[l] += e;
+      if constexpr (kStore) out[j + l] = e;
+    }
+  }
+  for (; j < n; ++j) {
+    const float e = exp_nonpositive((x[j] - shift) * scale);
+    s[0] += e;
+    if constexpr (kStore) out[j] = e;
+  }
+  return lane_sum(s);
+}
+
+inline float exp_sum(const float* x, int64_t n, float shift, float scale, float* out) {
+  return out ? exp_sum_impl<true>(x, n, shift, scale, out) : exp_sum_impl<false>(x, n, shift, scale, nullptr);
+}
+
+// The residual r_j = max(0, w_j * inv_mass - q_j): its sum, and whether every q_j is in [0, 1].
+// Written over w when `write` is set.
+struct ResidualSum {
+  float mass;
+  bool q_valid;
+};
+
+template <bool kWrite>
+SPECDEC_CPU_CLONES inline ResidualSum residual_pass_impl(float* w, float inv_mass, const float* q, int64_t n) {
+  float s[kLanes] = {};
+  int32_t bad[kLanes] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    for (int l = 0; l < kLanes; ++l) {
+      const float qv = q[j + l];
+      bad[l] |= !(qv >= 0.0f && qv <= 1.0f);
+      const float r = w[j + l] * inv_mass - qv;
+      const float rp = r > 0.0f ? r : 0.0f;
+      s[l] += rp;
+      if constexpr (kWrite) w[j + l] = rp;
+    }
+  }
+  for (; j < n; ++j) {
+    bad[0] |= !(q[j] >= 0.0f && q[j] <= 1.0f);
+    const float r = w[j] * inv_mass - q[j];
+    const float rp = r > 0.0f ? r : 0.0f;
+    s[0] += rp;
+    if constexpr (kWrite) w[j] = rp;
+  }
+  bool q_valid = true;
+  for (int l = 0; l < kLanes; ++l) q_valid = q_valid && bad[l] == 0;
+  return {lane_sum(s), q_valid};
+}
+
+inline ResidualSum residual_pass(float* w, float inv_mass, const float* q, int64_t n, bool write) {
+  return write ? residual_pass_impl<true>(w, inv_mass, q, n) : residual_pass_impl<false>(w, inv_mass, q, n);
+}
+
+SPECDEC_CPU_CLONES inline float row_sum(const float* w, int64_t n) {
+  float s[kLanes] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    for (int l = 0; l < kLanes; ++l) s[l] += w[j + l];
+  }
+  for (; j < n; ++j) s[0] += w[j];
+  return lane_sum(s);
+}
+
+// Inverse CDF over non-negative weights: the smallest index whose running sum exceeds target;
+// the last index with positive weight if rounding leaves the running sum at or below it.
+inline int64_t inverse_cdf(const float* w, int64_t n, float target) {
+  constexpr int64_t kChunk = 1024;  // whole chunks are skipped by their vectorised sums
+  float running = 0.0f;
+  int64_t last_positive = 0;
+  for (int64_t begin = 0; begin < n; begin += kChunk) {
+    const int64_t end = begin + kChunk < n ? begin + kChunk : n;
+    const float chunk = row_sum(w + begin, end - begin);
+    if (chunk <= 0.0f) continue;
+    if (running + chunk <= target) {
+      running += chunk;
+      for (int64_t j = end - 1; j >= begin; --j) {
+        if (w[j] > 0.0f) {
+          last_positive = j;
+          break;
+        }
+      }
+      continue;
+    }
+    for (int64_t j = begin; j < end; ++j) {
+      if (w[j] > 0.0f) {
+        running += w[j];
+        last_positive = j;
+        if (running > target) return j;
+      }
+    }
+  }
+  return last_positive;
 }
 
 }  // namespace specdec::cpu

@@ -15,3 +15,11 @@ def row_tensor(value: RowParam, name: str, batch: int, dtype: torch.dtype, devic
     return torch.full((batch,), value, dtype=dtype, device=device)
 
 
+
+
+def check_same_device(op: str, reference_name: str, reference: torch.Tensor, **tensors) -> None:
+    """The device check of the C++ ops, for the fake kernels (which torch.compile and meta tensors run)."""
+    for name, tensor in tensors.items():
+        if tensor is not None and tensor.device != reference.device:
+            raise RuntimeError(f"{op}: {name} must be on the same device as {reference_name} "
+                               f"({reference.device}), got {tensor.device}")

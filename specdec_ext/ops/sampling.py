@@ -12,7 +12,7 @@ import torch
 
 from .. import _C  # noqa: F401  (loads the library: registers torch.ops.specdec_ext)
 from .._status import raise_for_row_status
-from ._common import RowParam, row_tensor
+from ._common import RowParam, check_same_device, row_tensor
 
 def chain_verify(
     target_logits: torch.Tensor,
@@ -178,19 +178,22 @@ def philox_uniforms(seed: torch.Tensor, offset: torch.Tensor, num_draws: int) ->
     return out
 
 
-# Fake kernels: every op mutates its outputs in place and returns nothing, so the fakes only need to
-# exist (torch.compile and opcheck trace through them).
+# Fake kernels: every op mutates its outputs in place and returns nothing; the fakes repeat the
+# device check, which is the one a mixed-device call reaches when one argument is a meta tensor.
 @torch.library.register_fake("specdec_ext::chain_verify")
 def _chain_verify_fake(target_logits, draft_token_ids, draft_probs, num_draft, temperature, top_k,
                        top_p, seed, offset, uniforms, tokens, num_accepted):
-    return None
+    check_same_device("chain_verify", "target_logits", target_logits, draft_token_ids=draft_token_ids,
+                      draft_probs=draft_probs, num_draft=num_draft, temperature=temperature, top_k=top_k,
+                      top_p=top_p, seed=seed, offset=offset, uniforms=uniforms, tokens=tokens,
+                      num_accepted=num_accepted)
 
 
 @torch.library.register_fake("specdec_ext::residual_probs")
 def _residual_probs_fake(target_probs, draft_probs, out):
-    return None
+    check_same_device("residual_probs", "target_probs", target_probs, draft_probs=draft_probs, out=out)
 
 
 @torch.library.register_fake("specdec_ext::philox_uniforms")
 def _philox_uniforms_fake(seed, offset, out):
-    return None
+    check_same_device("philox_uniforms", "out", out, seed=seed, offset=offset)
