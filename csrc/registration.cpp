@@ -14,4 +14,12 @@ TORCH_LIBRARY(specdec_ext, m) {
   m.def("residual_probs(Tensor target_probs, Tensor draft_probs, Tensor(a!) out) -> ()");
   // The Philox uniforms the verifiers draw: out[b, c] = philox(seed[b], offset[b], c).
   m.def("philox_uniforms(Tensor seed, Tensor offset, Tensor(a!) out) -> ()");
+  // Tree attention mask [B,N,N] and node depths [B,N] from parents [B,N] (see csrc/tree.h).
+  m.def("build_tree_mask(Tensor parents, Tensor? num_nodes, Tensor(a!) mask, Tensor(b!) depth) -> ()");
+  // Lossless verification of a token tree per row: path [B,N], tokens [B,N+1], num_accepted [B] (csrc/tree.h).
+  m.def("tree_verify(Tensor target_logits, Tensor tree_token_ids, Tensor parents, Tensor? draft_probs, Tensor? num_nodes, Tensor? temperature, Tensor? top_k, Tensor? top_p, Tensor? seed, Tensor? offset, Tensor? uniforms, Tensor(a!) path, Tensor(b!) tokens, Tensor(c!) num_accepted) -> ()");
+  // Scatter K/V [B, T, H, D] into pool slots by slot_mapping [B, T] (-1 skips). See csrc/kv_cache.h.
+  m.def("kv_write(Tensor key, Tensor value, Tensor slot_mapping, Tensor(a!) kv_cache) -> ()");
+  // Per row, move positions src_positions[b, j] to dst_start[b] + j through block_tables.
+  m.def("kv_compact(Tensor(a!) kv_cache, Tensor block_tables, Tensor src_positions, Tensor dst_start) -> ()");
 }

@@ -1,0 +1,209 @@
+"""PagedKVCache: a page pool per layer, a free-page allocator, block tables and lengths per row.
+
+Storage (dtype and device of the model)::
+
+    pool          [L, 2, num_pages, page_size, H, D]   pool[l] is layer l's [K, V] pool (the layout
+                                                       of ops.kv_write); pool.view(2 L, ...) is what
+                                                       ops.kv_compact moves for all layers at once
+    block_tables  [max_batch, max_pages_per_row] int32 page of each row's logical page, -1 = none
+    lengths       [max_batch] int64                    committed tokens per row
+
+Logical position p of row b lives in slot ``block_tables[b, p // page_size] * page_size +
+p % page_size``. Rows own disjoint pages; a row owns exactly ceil(reserved / page_size) pages, where
+``reserved`` is the most positions it was sized for since its last rollback. Rollback is metadata:
+the length shrinks and whole pages past it go back to the free list.
+
+The allocator and the lengths live on the host (Python lists, the source of truth); the device
+tensors ``block_tables`` and ``lengths`` are refreshed from them after every change (one small copy,
+never a device->host read).
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from . import ops
+
+
+class PoolFullError(ValueError):
+    """The page pool has too few free pages for a request (names the row, needed and free pages)."""
+
+
+class PagedKVCache:
+    """Paged K/V storage for ``num_layers`` layers and up to ``max_batch`` rows (see the module doc)."""
+
+    def __init__(self, *, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
+                 page_size: int, max_batch: int, max_pages_per_row: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
+                            ("head_dim", head_dim), ("num_pages", num_pages), ("page_size", page_size),
+                            ("max_batch", max_batch), ("max_pages_per_row", max_pages_per_row)):
+            if int(value) < 1:
+                raise ValueError(f"PagedKVCache: {name} must be >= 1, got {value}")
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.num_pages, self.page_size = num_pages, page_size
+        self.max_batch, self.max_pages_per_row = max_batch, max_pages_per_row
+        self.device = torch.device(device)
+        self.dtype = dtype
+        # [L, 2, num_pages, page_size, H, D]; zero-initialised so that stale slots are finite.
+        self.pool = torch.zeros((num_layers, 2, num_pages, page_size, num_kv_heads, head_dim),
+                                dtype=dtype, device=self.device)
+        self.block_tables = torch.full((max_batch, max_pages_per_row), -1, dtype=torch.int32,
+                                       device=self.device)           # [max_batch, P] int32
+        self.lengths = torch.zeros(max_batch, dtype=torch.int64, device=self.device)  # [max_batch]
+        self._tables_host = torch.full((max_batch, max_pages_per_row), -1, dtype=torch.int32)
+        self._lengths_host: List[int] = [0] * max_batch
+        self._pages: List[List[int]] = [[] for _ in range(max_batch)]
+        self._free: List[int] = list(range(num_pages - 1, -1, -1))  # a stack: page 0 comes first
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def max_len(self) -> int:
+        """Positions a row can hold: max_pages_per_row * page_size."""
+        return self.max_pages_per_row * self.page_size
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free)
+
+    def length(self, row: int) -> int:
+        """Committed tokens of ``row`` (host value)."""
+        return self._lengths_host[row]
+
+    def host_lengths(self) -> List[int]:
+        return list(self._lengths_host)
+
+    def pages(self, row: int) -> List[int]:
+        """The pages ``row`` owns, in logical order."""
+        return list(self._pages[row])
+
+    def layer(self, layer_idx: int) -> torch.Tensor:
+        """Layer ``layer_idx``'s pool, K then V. Shape: [2, num_pages, page_size, H, D]."""
+        return self.pool[layer_idx]
+
+    def slot(self, row: int, position: int) -> int:
+        return self._pages[row][position // self.page_size] * self.page_size + position % self.page_size
+
+    # ------------------------------------------------------------------ allocation
+    def _check_row(self, row: int) -> None:
+        if not 0 <= row < self.max_batch:
+            raise IndexError(f"PagedKVCache: row {row} is outside [0, {self.max_batch})")
+
+    def reserve(self, needs: Sequence[Tuple[int, int]]) -> None:
+        """Make each ``row`` own pages for ``positions`` positions, for (row, positions) in ``needs``.
+
+        All or nothing: when the pool cannot hold every request, nothing is allocated and
+        ``PoolFullError`` names the first row that does not fit, its needed and the free pages.
+        A row never shrinks here (see :meth:`rollback`).
+        """
+        extra = []
+        for row, positions in needs:
+            self._check_row(row)
+            if positions > self.max_len:
+                raise ValueError(f"PagedKVCache: row {row} needs {positions} positions, more than "
+                                 f"max_pages_per_row * page_size = {self.max_len}")
+            pages = -(-positions // self.page_size)
+            extra.append((row, max(0, pages - len(self._pages[row]))))
+        total, free = 0, len(self._free)
+        for row, count in extra:
+            total += count
+            if total > free:
+                raise PoolFullError(
+                    f"PagedKVCache: the page pool is full: row {row} needs {count} more page(s) "
+                    f"({total} with the rows before it in this request) but only {free} of "
+                    f"{self.num_pages} pages are free (page_size={self.page_size})")
+        changed = False
+        for row, count in extra:
+            for _ in range(count):
+                page = self._free.pop()
+                self._tables_host[row, len(self._pages[row])] = page
+                self._pages[row].append(page)
+                changed = True
+        if changed:
+            self.block_tables.copy_(self._tables_host, non_blocking=True)
+
+    def set_lengths(self, new_lengths: Sequence[Tuple[int, int]], *, free_pages: bool = True) -> None:
+        """Set (row, length) pairs; with ``free_pages`` the whole pages past each length are freed."""
+        changed_tables = False
+        for row, length in new_lengths:
+            self._check_row(row)
+            if not 0 <= length <= len(self._pages[row]) * self.page_size:
+                raise ValueError(f"PagedKVCache: row {row} cannot have length {length}: it owns "
+                                 f"{len(self._pages[row])} page(s) of {self.page_size}")
+            self._lengths_host[row] = length
+            if free_pages:
+                keep = -(-length // self.page_size)
+                while len(self._pages[row]) > keep:
+                    self._free.append(self._pages[row].pop())
+                    self._tables_host[row, len(self._pages[row])] = -1
+                    changed_tables = True
+        if changed_tables:
+            self.block_tables.copy_(self._tables_host, non_blocking=True)
+        self.lengths.copy_(torch.tensor(self._lengths_host, dtype=torch.int64), non_blocking=True)
+
+    def rollback(self, row: int, new_length: int) -> None:
+        """Shorten ``row`` to ``new_length`` committed tokens and free its pages past it."""
+        if new_length > self._lengths_host[row]:
+            raise ValueError(f"PagedKVCache: rollback of row {row} to {new_length} tokens, but it holds "
+                             f"only {self._lengths_host[row]}")
+        self.set_lengths([(row, new_length)])
+
+    def free(self, row: int) -> None:
+        """Release every page of ``row`` (length 0)."""
+        self.set_lengths([(row, 0)])
+
+    def free_all(self) -> None:
+        self.set_lengths([(row, 0) for row in range(self.max_batch)])
+
+    # ------------------------------------------------------------------ data
+    def slot_mapping(self, row: int, start: int, count: int) -> List[int]:
+        return [self.slot(row, p) for p in range(start, start + count)]
+
+    def append(self, row: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Append n tokens to ``row``: key/value [L, n, H, D] (all layers), committed at once."""
+        n = key.shape[1]
+        start = self._lengths_host[row]
+        self.reserve([(row, start + n)])
+        slots = torch.tensor([self.slot_mapping(row, start, n)], dtype=torch.int64, device=self.device)
+        for layer in range(self.num_layers):
+            ops.kv_write(key[layer].unsqueeze(0), value[layer].unsqueeze(0), slots, self.pool[layer])
+        self.set_lengths([(row, start + n)], free_pages=False)
+
+    def compact(self, src_positions: torch.Tensor, dst_start: torch.Tensor,
+                new_lengths: Sequence[Tuple[int, int]], rows: Optional[int] = None) -> None:
+        """Move kept positions of rows 0..B-1 to consecutive positions (all layers), then set lengths.
+
+        src_positions [B, N] int64 (-1 ends a row), dst_start [B] int64 (see ops.kv_compact);
+        ``new_lengths`` (row, length) pairs applied afterwards (pages past them are freed).
+        """
+        batch = src_positions.shape[0] if rows is None else rows
+        L = self.num_layers
+        flat = self.pool.view(L * 2, self.num_pages, self.page_size, self.num_kv_heads, self.head_dim)
+        ops.kv_compact(flat, self.block_tables[:batch], src_positions, dst_start)
+        self.set_lengths(new_lengths)
+
+    def read(self, row: int, length: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """K and V of ``row``'s first ``length`` (default: committed) positions: [L, n, H, D] each."""
+        n = self._lengths_host[row] if length is None else length
+        slots = torch.tensor(self.slot_mapping(row, 0, n), dtype=torch.int64, device=self.device)
+        flat = self.pool.view(self.num_layers, 2, -1, self.num_kv_heads, self.head_dim)
+        return flat[:, 0, slots], flat[:, 1, slots]
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError unless every page is free or owned by exactly one row, the tables
+        match the owners and every length fits its pages (a test helper; reads device tensors)."""
+        owner = {}
+        for row, pages in enumerate(self._pages):
+            for page in pages:
+                assert page not in owner, f"page {page} owned by rows {owner[page]} and {row}"
+                owner[page] = row
+            assert self._lengths_host[row] <= len(pages) * self.page_size, f"row {row} overflows its pages"
+        assert not (set(owner) & set(self._free)), "a page is both owned and free"
+        assert len(self._free) == len(set(self._free)), "a page is free twice"
+        assert len(owner) + len(self._free) == self.num_pages, "a page leaked"
+        tables = self.block_tables.cpu()
+        for row, pages in enumerate(self._pages):
+            expect = pages + [-1] * (self.max_pages_per_row - len(pages))
+            assert tables[row].tolist() == expect, f"row {row}: block table {tables[row].tolist()} != {expect}"
+        assert self.lengths.cpu().tolist() == self._lengths_host, "device lengths differ from the host's"
