@@ -29,16 +29,26 @@ continues with the same data order).
 
 Optimisation: AdamW (betas 0.9/0.95, weight decay 0.1 on matrices), linear warmup then cosine
 decay to 10 %, gradient clipping at 1.0, bf16 autocast with fp32 master weights, one thread.
-The number of steps of each phase is fixed from ``--minutes`` by timing the first steps (or set it
-exactly with ``--target-steps`` / ``--draft-steps`` to reproduce a run bit for bit); it is stored in
-the checkpoint. Checkpoints are written every ``--ckpt-minutes`` to ``OUT/ckpt/``.
+The number of steps of each phase is planned from ``--minutes`` by timing the first steps and
+re-planned every 50 steps from the recent speed (the machine is shared), the cosine schedule following
+the current plan; every change is logged and kept in ``train_summary.json`` (``target_plan``,
+``draft_plan``: [step, total steps from then on]). ``--replay-plan OUT/final/train_summary.json``
+follows a recorded plan exactly instead of timing (same step counts and LR schedule: data order,
+initialisation and schedule then depend only on the seed and the plan, so the run is reproduced step
+for step; floating-point results may still differ across CPUs and torch versions). ``--target-steps``
+/ ``--draft-steps`` fix the counts with a plain cosine schedule. Checkpoints are written every
+``--ckpt-minutes`` to ``OUT/ckpt/``.
 
-Output: ``OUT/final/{target,draft,tokenizer}`` in bf16 safetensors, ready to copy into
-``specdec_ext/default_pair/``.
+Output: ``OUT/final/{target,draft,tokenizer}`` in bf16 safetensors, plus ``heldout_files.txt`` and
+``train_summary.json``, ready to copy into ``specdec_ext/default_pair/``.
 
-Example (the shipped pair):
+Example (the shipped pair: started with a 75-minute budget, interrupted after 12 minutes and resumed
+with 80; see specdec_ext/default_pair/MODEL_CARD.md):
     python tools/train_default_pair.py --out runs/default_pair --minutes 75 --draft-fraction 0.21
-    python tools/train_default_pair.py --out runs/default_pair --minutes 75 --draft-fraction 0.21 --resume
+    python tools/train_default_pair.py --out runs/default_pair --minutes 80 --draft-fraction 0.21 --resume
+    # or, without timing, the exact recorded step plans:
+    python tools/train_default_pair.py --out runs/default_pair \
+        --replay-plan specdec_ext/default_pair/train_summary.json
 """
 import argparse
 import hashlib
@@ -46,6 +56,7 @@ import json
 import math
 import os
 import random
+import shutil
 import sys
 import sysconfig
 import time
@@ -124,6 +135,11 @@ def train_tokenizer(texts, vocab_size, out_dir):
                                    pad_token=EOT, unk_token=None,
                                    clean_up_tokenization_spaces=False, model_max_length=2048)
     fast.save_pretrained(out_dir)
+    # name the class every transformers version knows (4.x and 5.x; 5.x aliases it to TokenizersBackend)
+    cfg_path = os.path.join(out_dir, "tokenizer_config.json")
+    cfg = json.load(open(cfg_path))
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    json.dump(cfg, open(cfg_path, "w"), indent=2, sort_keys=True)
     return fast
 
 
@@ -243,7 +259,9 @@ def save_ckpt(path, state):
 
 
 def run_phase(args, phase, model, batches, peak_lr, warmup, budget_s, fixed_steps, ckpt_path,
-              teacher=None):
+              teacher=None, replay=None):
+    """Train one phase. ``replay``: a recorded plan [(step, total), ...] to follow instead of timing."""
+    replay = {int(s): int(t) for s, t in replay} if replay else None
     opt = make_opt(model, peak_lr)
     step, total, spent, plan = 0, fixed_steps, 0.0, []
     if args.resume and os.path.exists(ckpt_path):
@@ -252,13 +270,17 @@ def run_phase(args, phase, model, batches, peak_lr, warmup, budget_s, fixed_step
             model.load_state_dict(st["model"])
             opt.load_state_dict(st["opt"])
             step, total, spent, plan = st["step"], st["total"], st["spent"], st["plan"]
+            if replay is None and fixed_steps is not None and fixed_steps != total:
+                total = fixed_steps
+                plan.append((step, total))
             log(f"[{phase}] resumed at step {step}/{total}")
     if step and total and step >= total:
         return model
     model.train()
-    step0, calib_at, calib_t = step, 12, None
+    step0, calib_t = step, None
+    calib_at = step0 + 12
     t_start, last_ckpt, last_log = time.time(), time.time(), time.time()
-    ema, tok_seen = None, 0
+    ema, tok_seen, hist = None, 0, []
     while total is None or step < total:
         x = batches.get(step)
         for g in opt.param_groups:
@@ -282,22 +304,34 @@ def run_phase(args, phase, model, batches, peak_lr, warmup, budget_s, fixed_step
         tok_seen += inp.numel()
         ema = ce.item() if ema is None else 0.98 * ema + 0.02 * ce.item()
         now = time.time()
-        if total is None and step == 2:
+        if replay is not None:
+            if step in replay:
+                total = replay[step]
+                plan.append((step, total))
+        elif total is None and step == step0 + 2:
             calib_t = now
-        if total is None and step == calib_at:
-            per_step = (now - calib_t) / (calib_at - 2)
+        if replay is None and total is None and step == calib_at:
+            per_step = (now - calib_t) / 10
             per_step *= 1.08  # margin: the first steps run a little faster than the average
             total = max(step + 1, int((budget_s - spent - (now - t_start)) / per_step) + step)
             plan.append((step, total))
             log(f"[{phase}] {per_step:.2f}s/step -> total steps {total} for {budget_s / 60:.1f} min")
-        if fixed_steps is None and total and step % 50 == 0 and step > calib_at:
-            # replan (shrink only) when the machine got slower: keeps the run inside its budget
+        if step % 50 == 0:
+            hist.append((step, now))
+        if replay is None and fixed_steps is None and total and step % 50 == 0 and step >= step0 + 100 and total - step > 100:
+            # replan to the wall-clock budget from the recent speed (the machine is shared, so the
+            # speed changes): shrink when behind by > 5 %, grow when ahead by > 8 %; this also lets
+            # --resume with a different --minutes re-target the remaining steps
             el = spent + now - t_start
-            per_step = (now - t_start) / max(1, step - step0)
-            if el + (total - step) * per_step > budget_s * 1.10:
-                total = max(step + 1, step + int((budget_s - el) / per_step))
+            s_a, t_a = hist[-4] if len(hist) >= 4 else (step0, t_start)
+            per_step = (now - t_a) / max(1, step - s_a)
+            projected = el + (total - step) * per_step
+            if projected > budget_s * 1.05 or projected < budget_s * 0.92:
+                new_total = max(step + 1, step + int((budget_s - el) / per_step))
+                log(f"[{phase}] projected {projected / 60:.1f} min for a {budget_s / 60:.1f} min budget: "
+                    f"replanned {total} -> {new_total} steps")
+                total = new_total
                 plan.append((step, total))
-                log(f"[{phase}] behind schedule: replanned to {total} steps")
         if now - last_log > 30 or (total and step == total):
             el = spent + now - t_start
             rate = tok_seen / (now - t_start)
@@ -321,6 +355,9 @@ def main():
     ap.add_argument("--target-steps", type=int, default=None, help="fix the target's steps (reproduce)")
     ap.add_argument("--draft-steps", type=int, default=None, help="fix the draft's steps (reproduce)")
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--replay-plan", default=None,
+                    help="train_summary.json of an earlier run: follow its recorded step plans exactly "
+                         "(same LR schedule and step counts, no timing) to reproduce it")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--vocab-size", type=int, default=8192)
     ap.add_argument("--batch", type=int, default=8)
@@ -345,19 +382,23 @@ def main():
     log(f"target {n_params(target) / 1e6:.2f}M params, draft {n_params(draft) / 1e6:.2f}M params, "
         f"stream {meta['train_tokens']:,} tokens")
     tpath, dpath = os.path.join(ck, "target.pt"), os.path.join(ck, "draft.pt")
+    plans = json.load(open(args.replay_plan)) if args.replay_plan else {}
     run_phase(args, "target", target, Batches(ids, args.batch, args.seed), args.target_lr, 100,
-              budget * (1 - args.draft_fraction), args.target_steps, tpath)
+              budget * (1 - args.draft_fraction), args.target_steps, tpath,
+              replay=plans.get("target_plan"))
     target.eval()
     for p in target.parameters():
         p.requires_grad_(False)
     run_phase(args, "draft", draft, Batches(ids, args.batch, args.seed + 7), args.draft_lr, 50,
-              budget * args.draft_fraction, args.draft_steps, dpath, teacher=target)
+              budget * args.draft_fraction, args.draft_steps, dpath, teacher=target,
+              replay=plans.get("draft_plan"))
     final = os.path.join(args.out, "final")
     for name, m in (("target", target), ("draft", draft)):
         m.eval()
         m.config.use_cache = True
         m.to(torch.bfloat16).save_pretrained(os.path.join(final, name))
-    tok.save_pretrained(os.path.join(final, "tokenizer"))
+    shutil.copytree(os.path.join(args.out, "tokenizer"), os.path.join(final, "tokenizer"), dirs_exist_ok=True)
+    shutil.copy(os.path.join(args.out, "heldout_files.txt"), os.path.join(final, "heldout_files.txt"))
     st_t = torch.load(tpath, map_location="cpu", weights_only=False)
     st_d = torch.load(dpath, map_location="cpu", weights_only=False)
     summary = dict(meta, target_params=n_params(target), draft_params=n_params(draft),
