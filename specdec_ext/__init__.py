@@ -3,6 +3,8 @@
 The kernels are torch ops under ``torch.ops.specdec_ext`` with typed wrappers in
 ``specdec_ext.ops``.
 """
+import torch  # noqa: F401  (loads libc10/libtorch, which _C links against)
+
 try:
     from . import _C  # noqa: F401  (registers torch.ops.specdec_ext.*)
 except ImportError as error:  # pragma: no cover - depends on how the package was installed
@@ -13,6 +15,10 @@ except ImportError as error:  # pragma: no cover - depends on how the package wa
     ) from error
 
 from . import ops  # noqa: E402
+from .audit import audit  # noqa: E402
+from .default_pair import load_default_pair  # noqa: E402
+from .generate import GenerationResult, VocabularyMismatchError, generate, load_pair  # noqa: E402
 
-__all__ = ["ops"]
+__all__ = ["ops", "generate", "audit", "load_pair", "load_default_pair", "GenerationResult",
+           "VocabularyMismatchError"]
 __version__ = "0.1.0"

@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# The one-call GPU check (an H100/H200 with nvcc, torch and transformers installed; no internet):
+#
+#   1. env      nvidia-smi, python / torch / transformers / pytest versions
+#   2. build    pip install --no-build-isolation --no-deps .  (TORCH_CUDA_ARCH_LIST=9.0, MAX_JOBS=16)
+#   3. tests    CUDA tests: test_cuda_ops.py, test_cuda_tree.py, test_kv_ops.py::test_cuda_matches_cpu,
+#               test_cuda_graphs.py (graph replay == eager) and test_profiling.py
+#   4. tpot     benchmarks/bench_tpot.py --device cuda (eager vs graphs, plain vs speculative, 1B verify cost)
+#   5. kernels  bench_sampling.py --quick, bench_tree.py (small), bench_kv.py --quick, all --device cuda
+#
+# Every phase runs under `timeout`, clamped to what is left of a total budget (GPU_CHECK_BUDGET, default
+# 450 s), so one hang cannot eat the lease; a phase whose prerequisite failed is skipped; the summary
+# table is printed (and written) whatever happened. Logs: $OUT (the device tool collects it) or
+# /tmp/specdec_gpu_check; eight files (env, build, tests, tpot, bench_sampling, bench_tree, bench_kv logs and summary.md: the
+# device tool brings back 8 at most).
+#
+#   bash benchmarks/gpu_check.sh            # through the device tool: run(command="bash benchmarks/gpu_check.sh")
+#
+# Tests and benchmarks run from a scratch directory so that `import specdec_ext` finds the installed
+# package (with its compiled _C), not the source tree. pytest is used when importable; otherwise the
+# tests phase says so and is skipped (the benchmarks still run).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+REPO="$(pwd)"
+LOG="${OUT:-/tmp/specdec_gpu_check}"
+mkdir -p "$LOG"
+BUDGET="${GPU_CHECK_BUDGET:-450}"
+PY="${PYTHON:-python3}"
+export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-16}"
+export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+SCRATCH="$(mktemp -d)"
+SUMMARY=()
+FAILED_LOGS=()
+declare -A STATUS
+
+# phase NAME CAP_SECONDS LOGFILE CMD...: run CMD under timeout (min(CAP, budget left)), append to LOGFILE
+phase() {
+  local name="$1" cap="$2" logfile="$3"
+  shift 3
+  local left=$((BUDGET - SECONDS))
+  local limit=$((cap < left ? cap : left))
+  if ((limit < 15)); then
+    STATUS[$name]="skipped"
+    SUMMARY+=("| $name | SKIPPED: time budget spent | 0 | - |")
+    return
+  fi
+  local start=$SECONDS
+  echo "=== $name (limit ${limit}s): $*" | tee -a "$LOG/$logfile"
+  (cd "$SCRATCH" && timeout --kill-after=10 "$limit" "$@") >>"$LOG/$logfile" 2>&1
+  local rc=$?
+  local took=$((SECONDS - start))
+  local verdict="ok"
+  if ((rc == 124 || rc == 137)); then verdict="TIMED OUT after ${limit}s"; elif ((rc != 0)); then verdict="FAILED (rc $rc)"; fi
+  STATUS[$name]="$verdict"
+  [ "$verdict" = "ok" ] || FAILED_LOGS+=("$name:$logfile")
+  SUMMARY+=("| $name | $verdict | $took | $logfile |")
+  echo "=== $name: $verdict in ${took}s" | tee -a "$LOG/$logfile"
+}
+
+skip() {  # skip NAME REASON
+  STATUS[$1]="skipped"
+  SUMMARY+=("| $1 | SKIPPED: $2 | 0 | - |")
+}
+
+# 1. env --------------------------------------------------------------------------------------------
+phase env 30 env.log bash -c "nvidia-smi; $PY -c 'import sys, torch, transformers; print(sys.version); print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, \"available\", torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else \"\"); print(\"transformers\", transformers.__version__)'; for m in pytest numpy scipy hypothesis ninja; do $PY -c \"import \$m; print('\$m', getattr(\$m, '__version__', '?'))\" || echo \"\$m MISSING\"; done; which nsys ncu || true"
+
+# 2. build ------------------------------------------------------------------------------------------
+phase build 240 build.log bash -c "cd '$REPO' && $PY -m pip install --no-build-isolation --no-deps --no-index . && cd / && $PY -c 'import specdec_ext._C as c, specdec_ext; print(\"installed\", specdec_ext.__file__, \"built_with_cuda\", c.built_with_cuda); assert c.built_with_cuda'"
+BUILT="${STATUS[build]}"
+
+# 3. tests ------------------------------------------------------------------------------------------
+if [ "$BUILT" != "ok" ]; then
+  skip tests "build $BUILT"
+elif ! $PY -c "import pytest" 2>/dev/null; then
+  skip tests "pytest is not installed"
+else
+  phase tests 150 tests.log "$PY" -m pytest -q -p no:cacheprovider -rs \
+    "$REPO/python_tests/test_cuda_ops.py" "$REPO/python_tests/test_cuda_tree.py" \
+    "$REPO/python_tests/test_kv_ops.py::test_cuda_matches_cpu" \
+    "$REPO/python_tests/test_cuda_graphs.py" "$REPO/python_tests/test_profiling.py"
+fi
+
+# 4. TPOT -------------------------------------------------------------------------------------------
+if [ "$BUILT" != "ok" ]; then
+  skip tpot "build $BUILT"
+else
+  phase tpot 170 tpot.log "$PY" "$REPO/benchmarks/bench_tpot.py" --device cuda
+fi
+
+# 5. kernel benchmarks --------------------------------------------------------------------------------
+if [ "$BUILT" != "ok" ]; then
+  skip kernels "build $BUILT"
+else
+  phase bench_sampling 60 bench_sampling.log "$PY" "$REPO/benchmarks/bench_sampling.py" --device cuda --quick
+  phase bench_tree 45 bench_tree.log "$PY" "$REPO/benchmarks/bench_tree.py" --device cuda --nodes 8 32 --batch 1 16 --repeats 10
+  phase bench_kv 60 bench_kv.log "$PY" "$REPO/benchmarks/bench_kv.py" --device cuda --quick
+fi
+
+# summary --------------------------------------------------------------------------------------------
+{
+  echo
+  echo "## gpu_check summary ($(date -u +%FT%TZ), ${SECONDS}s of a ${BUDGET}s budget)"
+  echo
+  echo "| phase | result | seconds | log |"
+  echo "|---|---|---|---|"
+  printf '%s\n' "${SUMMARY[@]}"
+  if [ -f "$LOG/tests.log" ]; then
+    echo
+    echo "tests: $(grep -E '[0-9]+ (passed|failed|error)' "$LOG/tests.log" | tail -1)"
+  fi
+  for entry in "${FAILED_LOGS[@]}"; do
+    echo
+    echo "last lines of ${entry#*:} (${entry%%:*}):"
+    tail -n 8 "$LOG/${entry#*:}" | sed 's/^/    /'
+  done
+  if [ -f "$LOG/tpot.log" ]; then
+    echo
+    sed -n '/^| model/,$p' "$LOG/tpot.log"
+  fi
+} | tee "$LOG/summary.md"
+rm -rf "$SCRATCH"

@@ -1,0 +1,118 @@
+"""The ``specdec`` command line: --help of every command, generate (streamed and not), audit, bench."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from specdec_ext import cli
+from test_generate_utils import CHAR_VOCAB, char_tokenizer, noisy_copy, one_thread, tiny_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    with one_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def pair_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pair")
+    tokenizer = char_tokenizer()
+    target = tiny_model("llama", vocab=CHAR_VOCAB, hidden=48, layers=2, logit_scale=4.0)
+    draft = noisy_copy(target, noise=0.3)
+    for name, model in (("target", target), ("draft", draft)):
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+    return str(root / "target"), str(root / "draft")
+
+
+def test_python_dash_m_help_lists_the_commands():
+    out = subprocess.run([sys.executable, "-m", "specdec_ext", "--help"], capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": ROOT}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    for command in ("generate", "audit", "bench", "demo"):
+        assert command in out.stdout
+
+
+@pytest.mark.parametrize("command,flags", [
+    ("generate", ["--target", "--draft", "--max-new-tokens", "--k", "--temperature", "--top-k", "--top-p", "--seed",
+                  "--eos-token-id", "--no-eos", "--stop", "--no-stream", "--json", "--threads", "--runner",
+                  "--prompt-file"]),
+    ("audit", ["--positions", "--samples", "--ks", "--bench-tokens", "--alpha", "--max-prompts", "--no-break-even",
+               "--temperature", "--top-p"]),
+    ("demo", ["--files", "--lines", "--max-new-tokens", "--k"]),
+    ("bench", ["--ks", "--prompts", "--lines", "--max-new-tokens", "--repeats", "--threads", "--dtype", "--no-hf"]),
+])
+def test_help_explains_every_flag(command, flags, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([command, "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for flag in flags:
+        assert flag in out, flag
+    # every option line carries an explanation
+    parser = cli.build_parser() if command != "bench" else None
+    if parser is not None:
+        sub = parser._subparsers._group_actions[0].choices[command]
+        for action in sub._actions:
+            assert action.help, action.option_strings
+
+
+def test_generate_streams_text_and_prints_stats(pair_dirs, capsys):
+    target, draft = pair_dirs
+    assert cli.main(["generate", "def f(x):", "import ", "--target", target, "--draft", draft,
+                     "--max-new-tokens", "12", "-k", "3", "--no-eos"]) == 0
+    captured = capsys.readouterr()
+    assert "--- [0]" in captured.out and "--- [1]" in captured.out
+    assert "tokens per pass" in captured.err and "acceptance" in captured.err
+    assert cli.main(["generate", "x = ", "--target", target, "--draft", draft, "--max-new-tokens", "6",
+                     "--no-stream", "--json", "--temperature", "0.8", "--seed", "1"]) == 0
+    out = capsys.readouterr().out
+    stats = json.loads(out[out.index("{"):])
+    assert stats["new_tokens"] <= 6 and stats["k"] == 4
+
+
+def test_generate_needs_both_models(pair_dirs):
+    with pytest.raises(SystemExit, match="--target and --draft together"):
+        cli.main(["generate", "x", "--target", pair_dirs[0]])
+
+
+def test_audit_command(pair_dirs, capsys):
+    target, draft = pair_dirs
+    code = cli.main(["audit", "abc", "--target", target, "--draft", draft, "--samples", "200", "--positions", "2",
+                     "--ks", "1,2", "--bench-tokens", "6", "--max-prompts", "1"])
+    out = capsys.readouterr().out
+    assert code == 0 and "verdict: PASS" in out and "break-even" in out
+
+
+def test_bench_command_runs_on_a_tiny_pair(pair_dirs, tmp_path, capsys):
+    target, draft = pair_dirs
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("def f(x):\n    return ")
+    assert cli.main(["bench", "--target", target, "--draft", draft, "--prompt-file", str(prompt), "--ks", "2,3",
+                     "--max-new-tokens", "10", "--repeats", "2"]) == 0
+    out = capsys.readouterr().out
+    for name in ("HF plain greedy", "HF assisted (draft)", "HF prompt lookup", "ours plain (k=0)", "ours k=2",
+                 "ours k=3", "cost model", "targets:"):
+        assert name in out, name
+    rows = [line for line in out.splitlines() if line.startswith(("HF ", "ours "))]
+    assert all(line.split()[-1] == "yes" for line in rows)  # every method reproduces plain greedy
+
+
+def test_demo_completes_heldout_prompts_with_the_bundled_pair(capsys):
+    from specdec_ext.default_pair import DRAFT_DIR, TARGET_DIR
+
+    if not (os.path.isfile(os.path.join(TARGET_DIR, "model.safetensors"))
+            and os.path.isfile(os.path.join(DRAFT_DIR, "model.safetensors"))):
+        pytest.skip("the bundled default pair is not present")
+    prompts = cli.heldout_prompts(2, 5)
+    assert len(prompts) == 2 and all(name.startswith("stdlib/") for name, _ in prompts)
+    assert cli.main(["demo", "--files", "1", "--lines", "5", "--max-new-tokens", "6", "-k", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "speedup" in out and "tokens per target pass" in out and "identical to plain greedy" in out

@@ -1,0 +1,293 @@
+"""generate(): greedy equality with HF generate, EOS / max tokens / stop strings, streaming, stats,
+the recompute oracle against the paged runner, and every bad-input path."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import specdec_ext
+from specdec_ext import VocabularyMismatchError, generate
+from specdec_ext.reference_runner import RecomputeRunner
+from specdec_ext.stats import expected_tokens_per_pass, predicted_speedup
+from test_generate_utils import ARCHS, CHAR_VOCAB, char_tokenizer, hf_greedy, noisy_copy, one_thread, tiny_model
+
+PROMPTS = [[5, 6, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19], [20], [30, 31, 32, 33, 34]]
+NEW = 24
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    with one_thread():
+        yield
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def pair(request):
+    target = tiny_model(request.param, hidden=48, layers=2, logit_scale=4.0)
+    return request.param, target, noisy_copy(target, noise=0.3)
+
+
+@pytest.fixture(scope="module")
+def references(pair):
+    _, target, _ = pair
+    return [hf_greedy(target, p, NEW) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_greedy_matches_hf_generate_batch1_and_batch4(pair, references, k):
+    _, target, draft = pair
+    one = generate([PROMPTS[1]], target, draft, max_new_tokens=NEW, k=k)
+    assert one.token_ids == [references[1]]
+    batch = generate(PROMPTS, target, draft, max_new_tokens=NEW, k=k)
+    assert batch.token_ids == references
+    assert all(len(t) == NEW for t in batch.token_ids)  # max_new_tokens is exact
+    assert batch.finish_reasons == ["length"] * len(PROMPTS)
+    stats = batch.stats
+    assert 1.0 <= stats.tokens_per_pass <= k + 1
+    assert 0.0 < stats.acceptance_rate < 1.0  # the noisy draft is neither perfect nor useless
+    assert stats.new_tokens == NEW * len(PROMPTS)
+
+
+def test_greedy_with_an_unrelated_draft_and_the_target_as_its_own_draft(pair, references):
+    arch, target, _ = pair
+    other = tiny_model(arch, hidden=32, layers=1, seed=7)  # a different, smaller model
+    assert generate(PROMPTS, target, other, max_new_tokens=NEW, k=3).token_ids == references
+    self_draft = generate(PROMPTS, target, target, max_new_tokens=NEW, k=4)
+    assert self_draft.token_ids == references
+    assert self_draft.stats.acceptance_rate == 1.0
+    assert self_draft.stats.acceptance_by_position == [1.0] * 4
+
+
+def test_eos_inside_an_accepted_run_ends_the_row_there(pair, references):
+    _, target, draft = pair
+    row = references[1]
+    eos = row[7]
+    cut = row.index(eos) + 1
+    result = generate(PROMPTS, target, draft, max_new_tokens=NEW, k=6, eos_token_id=eos)
+    assert result.token_ids[1] == row[:cut]
+    assert result.finish_reasons[1] == "eos"
+    assert hf_greedy(target, PROMPTS[1], NEW, eos_token_id=eos) == row[:cut]
+    for b, ref in enumerate(references):  # every row ends at its own first EOS (or at NEW tokens)
+        expected = ref[: ref.index(eos) + 1] if eos in ref else ref
+        assert result.token_ids[b] == expected
+    # with the target as its own draft the EOS lands inside a fully accepted run of 7 tokens
+    assert generate(PROMPTS, target, target, max_new_tokens=NEW, k=6, eos_token_id=eos).token_ids == result.token_ids
+
+
+@pytest.mark.parametrize("max_new", [0, 1, 2, 5])
+def test_max_new_tokens_is_exact(pair, references, max_new):
+    _, target, draft = pair
+    result = generate(PROMPTS, target, target, max_new_tokens=max_new, k=4)
+    assert result.token_ids == [r[:max_new] for r in references]
+
+
+def test_paged_runner_and_recompute_oracle_agree(pair):
+    _, target, draft = pair
+    kw = dict(max_new_tokens=16, k=3, temperature=1.0, top_k=20, seed=11)
+    paged = generate(PROMPTS, target, draft, runner="paged", **kw)
+    oracle = generate(PROMPTS, target, draft, runner="recompute", **kw)
+    assert paged.token_ids == oracle.token_ids
+
+
+def test_recompute_runner_logits_match_the_paged_runner(pair):
+    from specdec_ext.model_runner import PagedModelRunner
+
+    _, target, _ = pair
+    runners = [cls(target, max_batch_size=3, max_seq_len=40) for cls in (RecomputeRunner, PagedModelRunner)]
+    prompts = [[1, 2, 3, 4], [5], [6, 7, 8, 9, 10, 11]]
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        outs = [r.start(prompts) for r in runners]
+        torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
+        for step in range(4):
+            ids = torch.randint(0, 96, (3, 4), generator=g)
+            num = torch.tensor([4, 2, 3])
+            outs = [r.forward(ids, num) for r in runners]
+            for b in range(3):
+                torch.testing.assert_close(outs[0][b, : num[b]], outs[1][b, : num[b]], atol=1e-4, rtol=1e-4)
+            keep = torch.tensor([step % 3, 1, 3])
+            for r in runners:
+                r.commit(keep)
+        assert runners[0].lengths.tolist() == runners[1].lengths.tolist()
+        for r in runners:
+            r.truncate(torch.tensor([5, 1, 8]))
+        outs = [r.forward(torch.tensor([[3], [4], [5]])) for r in runners]
+        torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
+
+
+def test_recompute_runner_tree_forward_scores_each_node_after_its_root_path():
+    target = tiny_model("llama")
+    runner = RecomputeRunner(target, max_batch_size=1, max_seq_len=32)
+    with torch.no_grad():
+        runner.start([[1, 2, 3]])
+        # token 0 = 9; node 0 (token 1 = 10) child of the root; node 1 (token 2 = 11) child of node 0;
+        # node 2 (token 3 = 12) child of the root
+        logits = runner.forward(torch.tensor([[9, 10, 11, 12]]), tree_parents=torch.tensor([[-1, 0, -1]], dtype=torch.int32))
+        plain = target(torch.tensor([[1, 2, 3, 9, 10, 11]])).logits[0].float()
+        torch.testing.assert_close(logits[0, :3], plain[3:6], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(logits[0, 3], target(torch.tensor([[1, 2, 3, 9, 12]])).logits[0, -1].float(),
+                                   atol=1e-5, rtol=1e-5)
+        runner.commit_tree(torch.tensor([[2, -1, -1]]), torch.tensor([1]))
+        assert runner.tokens(0) == [1, 2, 3, 9, 12]
+
+
+# ---------------------------------------------------------------------------------- text and stops
+@pytest.fixture(scope="module")
+def text_pair():
+    tokenizer = char_tokenizer()
+    target = tiny_model("llama", vocab=CHAR_VOCAB, hidden=48, layers=2, logit_scale=4.0)
+    return target, noisy_copy(target, noise=0.3), tokenizer
+
+
+def test_text_prompts_stop_strings_and_streaming(text_pair):
+    target, draft, tokenizer = text_pair
+    prompts = ["def f(x):\n", "import os\nimport "]
+    plain = generate(prompts, target, draft, tokenizer=tokenizer, max_new_tokens=40, k=3, eos_token_id=False)
+    assert plain.text == [tokenizer.decode(t, skip_special_tokens=True) for t in plain.token_ids]
+    text = plain.text[0]
+    stop = text[10:12]  # a stop string that occurs in the greedy continuation
+    first = text.find(stop)
+    stopped = generate(prompts, target, draft, tokenizer=tokenizer, max_new_tokens=40, k=3, eos_token_id=False,
+                       stop=[stop, "never@@"])
+    assert stopped.text[0] == text[:first]
+    assert stopped.finish_reasons[0] == "stop"
+    assert tokenizer.decode(stopped.token_ids[0]) == text[: first + len(stop)]  # ends at the completing token
+    assert plain.token_ids[0][: len(stopped.token_ids[0])] == stopped.token_ids[0]
+
+    stream = generate(prompts, target, draft, tokenizer=tokenizer, max_new_tokens=40, k=3, eos_token_id=False,
+                      stream=True)
+    pieces = {0: [], 1: []}
+    for piece in stream:
+        assert isinstance(piece, str)
+        pieces[piece.index].append(str(piece))
+    assert ["".join(pieces[b]) for b in (0, 1)] == plain.text
+    assert len(pieces[0]) > 1  # it streamed, step by step
+    assert stream.result.token_ids == plain.token_ids
+
+    stopped_stream = generate(prompts, target, draft, tokenizer=tokenizer, max_new_tokens=40, k=3, eos_token_id=False,
+                              stop=[stop, "never@@"], stream=True)
+    shown = {0: "", 1: ""}
+    for piece in stopped_stream:
+        shown[piece.index] += piece
+        assert stop not in shown[piece.index]  # a stop string is never shown, not even in part at the end
+    assert [shown[0], shown[1]] == stopped_stream.result.text == stopped.text
+
+
+def test_single_string_prompt_and_token_tensor_prompt(text_pair):
+    target, draft, tokenizer = text_pair
+    a = generate("x = ", target, draft, tokenizer=tokenizer, max_new_tokens=8, k=2)
+    ids = tokenizer("x = ")["input_ids"]
+    b = generate(torch.tensor(ids), target, draft, tokenizer=tokenizer, max_new_tokens=8, k=2)
+    c = generate(ids, target, draft, max_new_tokens=8, k=2)  # token ids, no tokenizer: no text
+    assert a.token_ids == b.token_ids == c.token_ids and len(a.token_ids) == 1
+    assert c.text is None and a.text == b.text
+
+
+def test_models_load_from_local_paths(text_pair, tmp_path):
+    target, draft, tokenizer = text_pair
+    target.save_pretrained(tmp_path / "t")
+    tokenizer.save_pretrained(tmp_path / "t")
+    draft.save_pretrained(tmp_path / "d")
+    tokenizer.save_pretrained(tmp_path / "d")
+    from_paths = generate("def g", str(tmp_path / "t"), str(tmp_path / "d"), max_new_tokens=6, k=2)
+    loaded = generate("def g", target, draft, tokenizer=tokenizer, max_new_tokens=6, k=2)
+    assert from_paths.token_ids == loaded.token_ids and from_paths.text == loaded.text
+
+
+# ---------------------------------------------------------------------------------- stats
+def test_stats_and_cost_model(pair):
+    _, target, draft = pair
+    stats = generate(PROMPTS, target, draft, max_new_tokens=NEW, k=3).stats
+    assert len(stats.acceptance_by_position) == 3
+    assert stats.reached[0] == stats.row_steps
+    assert stats.emitted == stats.row_steps + sum(stats.accepted)  # tokens per pass = mean accepted + 1
+    assert stats.draft_time > 0 and stats.verify_time > 0 and stats.tokens_per_second > 0 and stats.tpot > 0
+    assert stats.target_step_time and stats.draft_cost > 0 and stats.verify_cost > 0
+    assert stats.predicted_speedup == pytest.approx(
+        predicted_speedup(stats.acceptance_rate, 3, stats.draft_cost, stats.verify_cost))
+    assert "tokens per pass" in stats.summary()
+    assert set(stats.as_dict()) >= {"tokens_per_pass", "acceptance_by_position", "tpot_s", "predicted_speedup"}
+    assert expected_tokens_per_pass(0.7, 5) == pytest.approx((1 - 0.7 ** 6) / 0.3)
+    assert expected_tokens_per_pass(1.0, 4) == 5 and expected_tokens_per_pass(0.0, 4) == 1
+    assert predicted_speedup(0.7, 5, 0.02, 1.0) == pytest.approx(2.94 / 1.1, rel=1e-2)
+
+
+# ---------------------------------------------------------------------------------- bad input
+def test_bad_input_raises_clear_errors(text_pair):
+    target, draft, tokenizer = text_pair
+    with pytest.raises(ValueError, match="prompt 0 is empty"):
+        generate("", target, draft, tokenizer=tokenizer)
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        generate([[1, 2], []], target, draft)
+    with pytest.raises(ValueError, match="prompts is empty"):
+        generate([], target, draft)
+    with pytest.raises(ValueError, match="k .* must be an int >= 1"):
+        generate([[1, 2]], target, draft, k=0)
+    with pytest.raises(ValueError, match="max_new_tokens must be an int >= 0"):
+        generate([[1, 2]], target, draft, max_new_tokens=-1)
+    with pytest.raises(ValueError, match="temperature"):
+        generate([[1, 2]], target, draft, temperature=-1.0)
+    with pytest.raises(ValueError, match="top_p"):
+        generate([[1, 2]], target, draft, temperature=1.0, top_p=0.0)
+    with pytest.raises(ValueError, match=r"outside \[0, 64\)"):
+        generate([[1, 200]], target, draft)
+    with pytest.raises(ValueError, match="prompt 1 has 300 tokens.*cache holds 256"):
+        generate([[1, 2], [3] * 300], target, draft, max_new_tokens=4)
+    with pytest.raises(ValueError, match="cache holds 20"):
+        generate([[1] * 10], target, draft, max_new_tokens=8, k=4, max_seq_len=20)
+    with pytest.raises(ValueError, match="both target= and draft="):
+        generate([[1, 2]], target, None)
+    with pytest.raises(ValueError, match="text prompts need a tokenizer"):
+        generate("abc", target, draft)
+    with pytest.raises(ValueError, match="seed"):
+        generate([[1], [2]], target, draft, seed=[1, 2, 3])
+
+
+def test_vocabulary_mismatch_names_the_first_mismatching_tokens(text_pair):
+    target, draft, tokenizer = text_pair
+    swapped = char_tokenizer(chars=list("bacdefghijklmnopqrstuvwxyz0123456789 .,:;()[]=+-*/\n_'\"#<>!?"))
+    with pytest.raises(VocabularyMismatchError, match=r"id 2: target 'a' vs draft 'b'.*id 3: target 'b' vs draft 'a'"):
+        generate("abc", target, draft, tokenizer=tokenizer, draft_tokenizer=swapped)
+    small = tiny_model("llama", vocab=40)  # scores fewer tokens than the tokenizer has
+    with pytest.raises(VocabularyMismatchError, match="draft model scores 40 tokens but the tokenizer has 61"):
+        generate("abc", target, small, tokenizer=tokenizer, draft_tokenizer=tokenizer)
+    padded = tiny_model("llama", vocab=80)  # padded embeddings are fine
+    out = generate("abc", target, padded, tokenizer=tokenizer, draft_tokenizer=tokenizer, max_new_tokens=4, k=2)
+    assert len(out.token_ids[0]) == 4
+    with pytest.raises(VocabularyMismatchError, match="target scores 64 tokens"):
+        generate([[1, 2]], target, tiny_model("llama", vocab=40))  # no tokenizers: sizes must agree
+
+
+def test_exports():
+    assert specdec_ext.generate is generate
+    assert callable(specdec_ext.audit) and callable(specdec_ext.load_pair)
+
+
+def test_plain_generate_is_the_k0_baseline(pair, references):
+    from specdec_ext.generate import plain_generate
+
+    _, target, _ = pair
+    plain = plain_generate(PROMPTS, target, max_new_tokens=NEW)
+    assert plain.token_ids == references
+    assert plain.stats.tokens_per_pass == 1.0 and plain.stats.draft_time < plain.stats.verify_time
+
+
+@pytest.mark.parametrize("runner", ["paged", "recompute"])
+def test_rows_finishing_at_different_steps_stay_frozen_within_the_cache(pair, runner):
+    _, target, draft = pair
+    prompts = PROMPTS + [[40 + i for i in range(12)], [1, 2]]
+    out = generate(prompts, target, draft, max_new_tokens=5, k=6, temperature=1.0, seed=list(range(6)),
+                   eos_token_id=[3, 4, 5, 6, 7], runner=runner)
+    for tokens, reason in zip(out.token_ids, out.finish_reasons):
+        assert 1 <= len(tokens) <= 5
+        assert reason == ("eos" if tokens[-1] in (3, 4, 5, 6, 7) else "length")
+        assert not any(t in (3, 4, 5, 6, 7) for t in tokens[:-1])
+
+
+def test_confidence_stopped_drafts_are_ragged_and_still_exact(pair, references):
+    _, target, draft = pair
+    out = generate(PROMPTS, target, draft, max_new_tokens=NEW, k=4, draft_confidence=0.6)
+    assert out.token_ids == references
+    assert out.stats.reached[0] > out.stats.reached[3]  # some rows stopped drafting early
+    with pytest.raises(ValueError, match="draft_confidence"):
+        generate(PROMPTS, target, draft, draft_confidence=1.5)

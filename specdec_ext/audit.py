@@ -1,0 +1,276 @@
+"""audit(): the losslessness audit and break-even report a user runs on their own (target, draft) pair.
+
+1. Losslessness. For each prompt, ``samples`` seeded speculative generations and ``samples`` plain
+   samples (an independent sampler: full HF forwards, the filtered softmax, ``torch.multinomial``)
+   of the first ``positions`` tokens. Per position (and for the joint of all positions) a two-sample
+   chi-square test over the token counts (categories with fewer than MIN_POOLED_COUNT samples in
+   both sets pooled), and the total variation between the two empirical distributions next to the
+   TV of a random split of the pooled samples (what sampling noise alone gives). Verdict: PASS when
+   every p-value exceeds alpha / number of tests (Bonferroni).
+2. Break-even. For k = 1..8: the measured acceptance a, the draft cost c and the verify cost v (both
+   relative to one plain target step), the cost model's tokens per pass and speedup E / (v + k c),
+   and the measured tokens per pass and decode speedup over plain decoding with the same runner.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence
+
+import torch
+
+from .decode import chain_verifier
+from .generate import _normalise_prompts, generate, load_pair, plain_generate
+from .metadata import SamplingParams, filtered_probs
+from .stats import expected_tokens_per_pass, predicted_speedup
+
+AUDIT_K = 4  # draft length of the losslessness runs
+AUDIT_BATCH = 256  # rows per generate call of the losslessness runs
+MIN_POOLED_COUNT = 10  # chi-square categories rarer than this (both sets together) are pooled
+DEFAULT_ALPHA = 1e-3  # family-wise false-alarm rate of the verdict
+DEFAULT_KS = tuple(range(1, 9))
+BENCH_PROMPTS = 2  # prompts timed (batch 1 each) per k in the break-even report
+PERMUTATION_SEED = 0
+
+
+@dataclass
+class DistributionTest:
+    prompt: int
+    position: str  # "1", "2", ... or "joint"
+    samples_spec: int
+    samples_plain: int
+    categories: int  # after pooling
+    chi2: float
+    dof: int
+    p_value: float
+    tv: float  # total variation between the two empirical distributions
+    tv_noise: float  # TV between two random halves of the pooled samples (the noise level)
+
+
+@dataclass
+class BreakEvenRow:
+    k: int
+    acceptance: float
+    draft_cost: float  # c
+    verify_cost: float  # v
+    predicted_tokens_per_pass: float
+    measured_tokens_per_pass: float
+    predicted_speedup: float
+    measured_speedup: float
+
+
+@dataclass
+class AuditReport:
+    sampling: SamplingParams
+    tests: List[DistributionTest]
+    alpha: float
+    break_even: List[BreakEvenRow] = field(default_factory=list)
+    target_step_time: Optional[float] = None
+    acceptance: Optional[float] = None
+
+    @property
+    def threshold(self) -> float:
+        return self.alpha / max(len(self.tests), 1)
+
+    @property
+    def passed(self) -> bool:
+        return all(t.p_value > self.threshold for t in self.tests)
+
+    @property
+    def verdict(self) -> str:
+        return "PASS" if self.passed else "FAIL"
+
+    def text(self) -> str:
+        s = self.sampling
+        lines = [f"losslessness audit: T={s.temperature} top_k={s.top_k} top_p={s.top_p}",
+                 f"{'prompt':>6} {'pos':>5} {'n_spec':>7} {'n_plain':>7} {'cats':>5} {'chi2':>9} {'dof':>4} "
+                 f"{'p-value':>9} {'TV':>7} {'TV noise':>8}"]
+        for t in self.tests:
+            lines.append(f"{t.prompt:>6} {t.position:>5} {t.samples_spec:>7} {t.samples_plain:>7} {t.categories:>5} "
+                         f"{t.chi2:>9.2f} {t.dof:>4} {t.p_value:>9.3g} {t.tv:>7.4f} {t.tv_noise:>8.4f}")
+        lines.append(f"verdict: {self.verdict} (every p-value must exceed {self.threshold:.2g} = alpha {self.alpha:g} / "
+                     f"{len(self.tests)} tests); "
+                     + ("the speculative tokens are indistinguishable from plain sampling" if self.passed else
+                        "the speculative tokens do NOT follow plain target sampling"))
+        if self.break_even:
+            lines.append("")
+            lines.append(f"break-even (plain target step {self.target_step_time * 1e3:.2f} ms, measured acceptance "
+                         f"a={self.acceptance:.3f}):")
+            lines.append(f"{'k':>3} {'a':>6} {'c':>6} {'v':>6} {'E pred':>7} {'E meas':>7} {'speedup pred':>12} "
+                         f"{'speedup meas':>12}")
+            for r in self.break_even:
+                lines.append(f"{r.k:>3} {r.acceptance:>6.3f} {r.draft_cost:>6.3f} {r.verify_cost:>6.3f} "
+                             f"{r.predicted_tokens_per_pass:>7.2f} {r.measured_tokens_per_pass:>7.2f} "
+                             f"{r.predicted_speedup:>11.2f}x {r.measured_speedup:>11.2f}x")
+            best = max(self.break_even, key=lambda r: r.measured_speedup)
+            lines.append(f"best measured k = {best.k} ({best.measured_speedup:.2f}x); speculation "
+                         + ("pays off" if best.measured_speedup > 1 else "does not pay off") + " on this pair")
+        return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------- statistics
+def two_sample_chi_square(a: Sequence, b: Sequence):
+    """Chi-square test of homogeneity of two samples of hashable categories -> (chi2, dof, p, cats)."""
+    counts_a, counts_b = _counts(a), _counts(b)
+    cats = sorted(set(counts_a) | set(counts_b), key=repr)
+    table, pooled = [], [0, 0]
+    for c in cats:
+        x, y = counts_a.get(c, 0), counts_b.get(c, 0)
+        if x + y < MIN_POOLED_COUNT:
+            pooled[0] += x
+            pooled[1] += y
+        else:
+            table.append([x, y])
+    if sum(pooled):
+        table.append(pooled)
+    if len(table) < 2:
+        return 0.0, 0, 1.0, len(table)
+    obs = torch.tensor(table, dtype=torch.float64)  # [cats, 2]
+    expected = obs.sum(1, keepdim=True) * obs.sum(0, keepdim=True) / obs.sum()
+    chi2 = float(((obs - expected) ** 2 / expected).sum())
+    dof = len(table) - 1
+    p = float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(chi2 / 2, dtype=torch.float64)))
+    return chi2, dof, p, len(table)
+
+
+def total_variation(a: Sequence, b: Sequence) -> float:
+    counts_a, counts_b = _counts(a), _counts(b)
+    return 0.5 * sum(abs(counts_a.get(c, 0) / len(a) - counts_b.get(c, 0) / len(b))
+                     for c in set(counts_a) | set(counts_b))
+
+
+def _counts(values) -> dict:
+    out: dict = {}
+    for v in values:
+        out[v] = out.get(v, 0) + 1
+    return out
+
+
+# ------------------------------------------------------------------------------- sampling
+@torch.no_grad()
+def plain_samples(model, prompt: List[int], count: int, positions: int, sampling: SamplingParams,
+                  seed: int) -> List[tuple]:
+    """``count`` plain samples of the first ``positions`` tokens: full HF forwards, filtered softmax,
+    torch.multinomial (nothing of the speculative machinery)."""
+    generator = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    out: List[tuple] = []
+    for start in range(0, count, AUDIT_BATCH):
+        rows = min(AUDIT_BATCH, count - start)
+        ids = torch.tensor([prompt] * rows, dtype=torch.int64, device=device)
+        for _ in range(positions):
+            probs = filtered_probs(model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[:, -1], sampling)
+            token = torch.multinomial(probs.cpu(), 1, generator=generator).to(device)
+            ids = torch.cat([ids, token], dim=1)
+        out.extend(tuple(r) for r in ids[:, len(prompt):].tolist())
+    return out
+
+
+def speculative_samples(target, draft, prompt: List[int], count: int, positions: int, sampling: SamplingParams,
+                        seed: int, runner, verifier=chain_verifier) -> List[tuple]:
+    out: List[tuple] = []
+    for start in range(0, count, AUDIT_BATCH):
+        rows = min(AUDIT_BATCH, count - start)
+        result = generate([prompt] * rows, target, draft, max_new_tokens=positions, k=AUDIT_K,
+                          temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                          seed=[seed + start + i for i in range(rows)], eos_token_id=False, runner=runner,
+                          cost_probe=False, verifier=verifier)
+        out.extend(tuple(t) for t in result.token_ids)
+    return out
+
+
+def _test(prompt_index: int, label: str, spec: List, plain: List) -> DistributionTest:
+    chi2, dof, p, cats = two_sample_chi_square(spec, plain)
+    pooled = spec + plain
+    order = torch.randperm(len(pooled), generator=torch.Generator().manual_seed(PERMUTATION_SEED)).tolist()
+    half = len(pooled) // 2
+    noise = total_variation([pooled[i] for i in order[:half]], [pooled[i] for i in order[half:]])
+    return DistributionTest(prompt_index, label, len(spec), len(plain), cats, chi2, dof, p,
+                            total_variation(spec, plain), noise)
+
+
+# ------------------------------------------------------------------------------- break-even
+def break_even(target, draft, prompts: List[List[int]], sampling: SamplingParams, *, ks=DEFAULT_KS,
+               max_new_tokens: int = 48, runner="auto", seed: int = 0):
+    """Rows of the break-even table, the plain target step time and the pooled acceptance."""
+    bench = prompts[:BENCH_PROMPTS]
+    kw = dict(max_new_tokens=max_new_tokens, temperature=sampling.temperature, top_k=sampling.top_k,
+              top_p=sampling.top_p, seed=seed, eos_token_id=False, runner=runner)
+    generate([bench[0]], target, draft, k=1, **{**kw, "max_new_tokens": 4})  # warm-up
+    plain_steps, plain_time = 0, 0.0
+    for p in bench:
+        stats = plain_generate([p], target, **kw).stats
+        plain_steps += stats.steps
+        plain_time += stats.decode_time
+    plain_step = plain_time / plain_steps
+    rows, accepted, reached = [], 0, 0
+    for k in ks:
+        runs = [generate([p], target, draft, k=k, **kw).stats for p in bench]
+        acc = sum(sum(s.accepted) for s in runs) / max(sum(sum(s.reached) for s in runs), 1)
+        accepted += sum(sum(s.accepted) for s in runs)
+        reached += sum(sum(s.reached) for s in runs)
+        steps = sum(s.steps for s in runs)
+        unit = plain_step  # costs relative to a step of plain decoding over the same runner
+        c = sum(s.draft_time for s in runs) / steps / k / unit
+        v = sum(s.verify_time for s in runs) / steps / unit
+        tpp = sum(s.emitted for s in runs) / sum(s.row_steps for s in runs)
+        decode_time = sum(s.decode_time for s in runs)
+        decode_tokens = sum(s.new_tokens - s.batch_size for s in runs)  # the first token is prefill's
+        measured = decode_tokens / decode_time * plain_step
+        rows.append(BreakEvenRow(k, acc, c, v, expected_tokens_per_pass(acc, k), tpp,
+                                 predicted_speedup(acc, k, c, v), measured))
+    return rows, plain_step, accepted / max(reached, 1)
+
+
+# ------------------------------------------------------------------------------- the audit
+def audit(target=None, draft=None, prompts=None, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+          positions: int = 3, samples: int = 1000, ks=DEFAULT_KS, bench_tokens: int = 48, alpha: float = DEFAULT_ALPHA,
+          seed: int = 0, tokenizer=None, runner="auto", max_prompts: int = 2, run_break_even: bool = True,
+          verbose: bool = True, verifier=chain_verifier) -> AuditReport:
+    """Audit a (target, draft) pair: is speculative sampling lossless on it, and where does it break even?
+
+    Parameters
+    ----------
+    target, draft : model id / local path / loaded model (both None: the bundled pair)
+    prompts : str, list of str or token ids; the first ``max_prompts`` are used
+    temperature, top_k, top_p : the sampling filter audited (temperature > 0)
+    positions : int
+        Generated positions compared (each on its own, and jointly).
+    samples : int
+        Samples per prompt of each of the speculative and the plain sampler.
+    ks : draft lengths of the break-even report (default 1..8)
+    bench_tokens : new tokens per timed run of the break-even report
+    alpha : family-wise significance level of the verdict
+    verbose : print the report
+    verifier : the verification step audited (default: the lossless chain_verify)
+
+    Returns
+    -------
+    AuditReport (``.passed``, ``.verdict``, ``.tests``, ``.break_even``, ``.text()``)
+    """
+    sampling = SamplingParams(float(temperature), top_k, float(top_p))
+    sampling.validate()
+    if sampling.greedy:
+        raise ValueError("audit: temperature must be > 0 (greedy decoding is checked token for token instead)")
+    if positions < 1 or samples < 2:
+        raise ValueError(f"audit: positions must be >= 1 and samples >= 2, got {positions} and {samples}")
+    target_model, draft_model, tokenizer = load_pair(target, draft, tokenizer)
+    if prompts is None:
+        raise ValueError("audit: pass prompts (text or token ids)")
+    token_prompts = _normalise_prompts(prompts, tokenizer)[0][:max_prompts]
+    tests: List[DistributionTest] = []
+    for i, prompt in enumerate(token_prompts):
+        spec = speculative_samples(target_model, draft_model, prompt, samples, positions, sampling, seed, runner,
+                                   verifier)
+        plain = plain_samples(target_model, prompt, samples, positions, sampling, seed)
+        for pos in range(positions):
+            tests.append(_test(i, str(pos + 1), [s[pos] for s in spec], [s[pos] for s in plain]))
+        if positions > 1:
+            tests.append(_test(i, "joint", spec, plain))
+    report = AuditReport(sampling, tests, alpha)
+    if run_break_even:
+        report.break_even, report.target_step_time, report.acceptance = break_even(
+            target_model, draft_model, token_prompts, sampling, ks=ks, max_new_tokens=bench_tokens, runner=runner,
+            seed=seed)
+    if verbose:
+        print(report.text())
+    return report

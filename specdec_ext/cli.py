@@ -1,0 +1,239 @@
+"""The ``specdec`` command line (also ``python -m specdec_ext``): generate, audit, bench, demo."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import sysconfig
+from typing import List, Optional
+
+DEMO_PROMPT_LINES = 20  # lines of each held-out file used as a demo prompt
+DEMO_FILES = 3
+DEMO_NEW_TOKENS = 64
+DEFAULT_AUDIT_PROMPTS = ["import os\nimport sys\n\n\ndef main(", "class Parser:\n    def __init__(self"]
+
+
+def _model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", help="target model: a local path or model id, loaded offline "
+                        "(default: the bundled pair's target; give --target and --draft together)")
+    parser.add_argument("--draft", help="draft model sharing the target's vocabulary, or 'ngram' for lookup drafting "
+                        "over the prompt and the generated tokens (no draft model) (default: the bundled pair's draft)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's choice; 1 is best for small models on a busy CPU)")
+    parser.add_argument("--runner", default="auto", choices=["auto", "paged", "recompute"],
+                        help="model runner: paged KV cache (auto picks it when available) or the slow "
+                        "full-recompute oracle (default: auto)")
+
+
+def _sampling_args(parser: argparse.ArgumentParser, temperature: float) -> None:
+    parser.add_argument("--temperature", type=float, default=temperature,
+                        help=f"sampling temperature; 0 is greedy (default: {temperature})")
+    parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 is off (default: 0)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 is off (default: 1)")
+    parser.add_argument("--seed", type=int, default=None, help="Philox seed of every row (default: random)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specdec", description="Lossless speculative decoding for Hugging Face models: a small draft "
+        "proposes k tokens, the target verifies them in one pass, and the output is distributed exactly as "
+        "sampling from the target.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,audit,bench,demo}")
+
+    g = sub.add_parser("generate", help="generate text (streamed) and print the stats",
+                       description="Generate continuations of the prompts with speculative decoding, stream the "
+                       "text as tokens are accepted, then print the stats (tokens per target pass, acceptance "
+                       "by draft position, draft/verify time, tokens/s, TPOT, cost-model prediction).")
+    g.add_argument("prompts", nargs="*", help="prompt texts (use --prompt-file for multi-line prompts)")
+    g.add_argument("--prompt", action="append", default=[], dest="prompt_flags", metavar="TEXT",
+                   help="a prompt text, as an option (repeatable; added after the positional prompts)")
+    g.add_argument("--prompt-file", action="append", default=[], help="a file whose content is one prompt (repeatable)")
+    _model_args(g)
+    g.add_argument("--max-new-tokens", type=int, default=128, help="exact cap on new tokens per prompt (default: 128)")
+    g.add_argument("-k", "--k", type=int, default=4, dest="k", help="draft tokens per step (default: 4)")
+    _sampling_args(g, temperature=0.0)
+    g.add_argument("--eos-token-id", type=int, action="append", default=None,
+                   help="stop a row at this token (repeatable; default: the target's EOS)")
+    g.add_argument("--no-eos", action="store_true", help="do not stop at EOS")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable); excluded from the text")
+    g.add_argument("--no-stream", action="store_true", help="print each prompt's text at the end instead of streaming")
+    g.add_argument("--json", action="store_true", help="print the stats as JSON instead of text")
+
+    a = sub.add_parser("audit", help="check losslessness on your pair and where speculation breaks even",
+                       description="For the first --positions generated tokens, compare speculative and plain "
+                       "sampling (chi-square, total variation, sample sizes) and print a verdict; then a "
+                       "break-even report: measured acceptance, draft cost c, verify cost v, predicted and "
+                       "measured speedup for each k.")
+    a.add_argument("prompts", nargs="*", help="prompt texts (default: two short code prompts)")
+    _model_args(a)
+    _sampling_args(a, temperature=1.0)
+    a.add_argument("--positions", type=int, default=3, help="generated positions compared (default: 3)")
+    a.add_argument("--samples", type=int, default=1000,
+                   help="samples per prompt of each sampler, speculative and plain (default: 1000)")
+    a.add_argument("--ks", default="1,2,3,4,5,6,7,8", help="draft lengths of the break-even report (default: 1..8)")
+    a.add_argument("--bench-tokens", type=int, default=48, help="new tokens per timed break-even run (default: 48)")
+    a.add_argument("--alpha", type=float, default=1e-3, help="family-wise significance level (default: 0.001)")
+    a.add_argument("--max-prompts", type=int, default=2, help="prompts used (default: 2)")
+    a.add_argument("--no-break-even", action="store_true", help="skip the timed break-even report")
+
+    b = sub.add_parser("bench", help="benchmark against HF plain, assisted and prompt-lookup generation",
+                       description="Run benchmarks/bench_generate.py: HF plain greedy generate, HF assisted "
+                       "generation, HF prompt lookup and ours at several k, side by side (tokens/s, speedup, "
+                       "tokens per target pass, identical to plain greedy?). Run `specdec bench --help` for "
+                       "its flags.", add_help=False)
+    b.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments of benchmarks/bench_generate.py")
+
+    d = sub.add_parser("demo", help="complete held-out code prompts with the bundled pair, next to plain decoding",
+                       description="Complete a few held-out code prompts (the first lines of Python files the "
+                       "bundled pair was not trained on) with speculative decoding and print each text with "
+                       "tokens/s, speedup over plain decoding of the same target, and tokens per target pass.")
+    _model_args(d)
+    d.add_argument("--files", type=int, default=DEMO_FILES, help=f"held-out files to complete (default: {DEMO_FILES})")
+    d.add_argument("--lines", type=int, default=DEMO_PROMPT_LINES,
+                   help=f"lines of each file used as the prompt (default: {DEMO_PROMPT_LINES})")
+    d.add_argument("--max-new-tokens", type=int, default=DEMO_NEW_TOKENS,
+                   help=f"new tokens per prompt (default: {DEMO_NEW_TOKENS})")
+    d.add_argument("-k", "--k", type=int, default=3, dest="k", help="draft tokens per step (default: 3)")
+    return parser
+
+
+# ---------------------------------------------------------------------------------------- commands
+def _set_threads(threads: Optional[int]) -> None:
+    if threads is not None:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def _pair_args(args):
+    if args.draft == "ngram":  # lookup drafting: no draft model (the target defaults to the bundled one)
+        return args.target, "ngram"
+    if (args.target is None) != (args.draft is None):
+        raise SystemExit("specdec: give --target and --draft together (or neither, for the bundled pair)")
+    return args.target, args.draft
+
+
+def cmd_generate(args) -> int:
+    from .generate import generate
+
+    prompts: List[str] = list(args.prompts) + list(args.prompt_flags)
+    for path in args.prompt_file:
+        with open(path, encoding="utf-8") as f:
+            prompts.append(f.read())
+    if not prompts:
+        raise SystemExit("specdec generate: give at least one prompt (positional, --prompt or --prompt-file)")
+    target, draft = _pair_args(args)
+    eos = False if args.no_eos else args.eos_token_id
+    kw = dict(max_new_tokens=args.max_new_tokens, k=args.k, temperature=args.temperature, top_k=args.top_k,
+              top_p=args.top_p, seed=args.seed, eos_token_id=eos, stop=args.stop or None, runner=args.runner)
+    if args.no_stream:
+        result = generate(prompts, target, draft, **kw)
+        for i, text in enumerate(result.text or []):
+            print(f"--- [{i}] {prompts[i]!r}\n{text}")
+    else:
+        stream = generate(prompts, target, draft, stream=True, **kw)
+        last = None
+        for piece in stream:
+            if piece.index != last and len(prompts) > 1:
+                print(f"\n--- [{piece.index}] ", end="")
+            last = piece.index
+            print(piece, end="", flush=True)
+        print()
+        result = stream.result
+    if args.json:
+        print(json.dumps(result.stats.as_dict(), indent=2))
+    else:
+        print("\n" + result.stats.summary(), file=sys.stderr)
+    return 0
+
+
+def cmd_audit(args) -> int:
+    from .audit import audit
+
+    target, draft = _pair_args(args)
+    ks = tuple(int(x) for x in args.ks.split(",") if x.strip())
+    report = audit(target, draft, args.prompts or DEFAULT_AUDIT_PROMPTS, temperature=args.temperature,
+                   top_k=args.top_k, top_p=args.top_p, positions=args.positions, samples=args.samples, ks=ks,
+                   bench_tokens=args.bench_tokens, alpha=args.alpha, seed=args.seed or 0, runner=args.runner,
+                   max_prompts=args.max_prompts, run_break_even=not args.no_break_even)
+    return 0 if report.passed else 1
+
+
+def _bench_module():
+    """benchmarks/bench_generate.py of the source tree (it is not part of an installed wheel)."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "bench_generate.py")
+    if not os.path.isfile(path):
+        raise SystemExit(f"specdec bench: {path} not found: run it from a source checkout of specdec_ext")
+    spec = importlib.util.spec_from_file_location("specdec_bench_generate", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def cmd_bench(args) -> int:
+    return _bench_module().main(args.bench_args)
+
+
+def heldout_prompts(files: int, lines: int) -> List[tuple]:
+    """(name, prompt) from the bundled pair's held-out list: the first ``lines`` lines of held-out stdlib
+    files (the pair never trained on them)."""
+    from .default_pair import PAIR_DIR
+
+    listing = os.path.join(PAIR_DIR, "heldout_files.txt")
+    stdlib = sysconfig.get_paths()["stdlib"]
+    out = []
+    with open(listing, encoding="utf-8") as f:
+        names = [line.strip() for line in f if line.strip().startswith("stdlib/")]
+    for name in names:
+        path = os.path.join(stdlib, name[len("stdlib/"):])
+        try:
+            with open(path, encoding="utf-8") as src:
+                text = "".join(src.readlines()[:lines])
+        except OSError:
+            continue
+        if text.strip():
+            out.append((name, text))
+        if len(out) == files:
+            break
+    if not out:
+        raise SystemExit(f"specdec demo: none of the held-out files in {listing} exist under {stdlib}")
+    return out
+
+
+def cmd_demo(args) -> int:
+    from .generate import generate, load_pair, plain_generate
+
+    target_spec, draft_spec = _pair_args(args)
+    target, draft, tokenizer = load_pair(target_spec, draft_spec)
+    kw = dict(max_new_tokens=args.max_new_tokens, eos_token_id=False, runner=args.runner, tokenizer=tokenizer)
+    generate(["x = 1"], target, draft, k=args.k, **{**kw, "max_new_tokens": 4})  # warm-up
+    for name, prompt in heldout_prompts(args.files, args.lines):
+        plain = plain_generate([prompt], target, **kw)
+        spec = generate([prompt], target, draft, k=args.k, **kw)
+        same = "identical to plain greedy" if spec.token_ids == plain.token_ids else "DIFFERS from plain greedy"
+        print(f"=== {name} (first {args.lines} lines) ===")
+        print(prompt + "\033[1m" + spec.text[0] + "\033[0m" if sys.stdout.isatty() else prompt + spec.text[0])
+        s, p = spec.stats, plain.stats
+        print(f"--- speculative k={args.k}: {s.tokens_per_second:.1f} tok/s, plain: {p.tokens_per_second:.1f} tok/s, "
+              f"speedup {s.tokens_per_second / p.tokens_per_second:.2f}x, {s.tokens_per_pass:.2f} tokens per target "
+              f"pass, acceptance {s.acceptance_rate:.2f}; {same}\n")
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "audit": cmd_audit, "bench": cmd_bench, "demo": cmd_demo}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # bench has its own parser (and its own --help)
+        return _bench_module().main(argv[1:])
+    args = build_parser().parse_args(argv)
+    _set_threads(getattr(args, "threads", None))
+    return COMMANDS[args.command](args)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

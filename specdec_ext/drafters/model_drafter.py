@@ -1,0 +1,120 @@
+"""ModelDrafter: a small HF causal LM proposes k tokens per row over its own model runner.
+
+Per step (shapes: B rows, k drafts, V the target's vocabulary, V_d the draft model's):
+
+1. feed the committed tokens the draft has not seen (1 or 2 per row: the recovered/bonus token, and
+   the last draft token when all k were accepted) -> logits at the last fed position   [B, V_d]
+2. k times: filter like the target (softmax(l / T), top-k, top-p, renormalised) -> q   [B, V]
+   sample with Philox uniforms u[:, i] by inverse CDF (greedy: argmax, q not needed)
+   feed the sampled token (except after the last one)
+3. after verification (accept): truncate the draft cache to the tokens it fed that were committed.
+
+Vocabularies padded to different sizes are reconciled here: draft logits beyond the target's V are
+dropped, missing ones are -inf (never proposed).
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence, Tuple
+
+import torch
+
+from .. import ops
+from ..metadata import MAX_DRAFT_FEED, SpecDecodeMetadata, filtered_probs, sample_inverse_cdf
+from . import Drafter
+
+
+class ModelDrafter(Drafter):
+    """A HF draft model behind a model runner (``runner_factory(model, max_batch_size=, max_seq_len=)``)."""
+
+    def __init__(self, model, runner_factory: Callable, *, k: int, vocab_size: int,
+                 confidence_threshold: float = 0.0):
+        self.model = model
+        # A row stops drafting after a token the draft itself gives probability below this (its own
+        # distribution q, or softmax(l) when greedy): such tokens are usually rejected, so the draft
+        # forwards after them are mostly wasted. 0 = off (always k). The rows' num_draft then differ;
+        # the decision depends on the draft alone, so verification stays lossless.
+        self.confidence_threshold = float(confidence_threshold)
+        self._fed_drafts = 0  # draft tokens fed to the draft cache in the last propose (<= k - 1)
+        self.runner_factory = runner_factory
+        self.k = int(k)
+        self.vocab_size = int(vocab_size)  # the target's V: proposals and q rows live in it
+        self.runner = None
+        self._feed_columns: Optional[torch.Tensor] = None  # [MAX_DRAFT_FEED] int64: 0, 1
+        self._ones: Optional[torch.Tensor] = None  # [B] int64
+        self._rows: Optional[torch.Tensor] = None  # [B] int64: 0..B-1
+
+    # ------------------------------------------------------------------ lifecycle
+    def prefill(self, prompts: Sequence[Sequence[int]], meta: SpecDecodeMetadata) -> None:
+        B, S = meta.token_buffer.shape
+        device = meta.token_buffer.device
+        if self.runner is None or self.runner.max_batch_size < B or self.runner.max_seq_len < S:
+            self.runner = self.runner_factory(self.model, max_batch_size=B, max_seq_len=S)
+        self.runner.start([list(p) for p in prompts])  # the draft's prompt logits are not needed
+        self._feed_columns = torch.arange(MAX_DRAFT_FEED, dtype=torch.int64, device=device)
+        self._ones = torch.ones((B,), dtype=torch.int64, device=device)
+        self._rows = torch.arange(B, dtype=torch.int64, device=device)
+
+    def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft logits [B, V_d] -> [B, V] in the target's vocabulary."""
+        v_draft = logits.shape[-1]
+        if v_draft == self.vocab_size:
+            return logits
+        if v_draft > self.vocab_size:
+            return logits[:, : self.vocab_size]
+        return torch.nn.functional.pad(logits, (0, self.vocab_size - v_draft), value=-float("inf"))
+
+    def _feed_unseen(self, meta: SpecDecodeMetadata) -> torch.Tensor:
+        """Feed the committed tokens not yet in the draft cache; logits at the last one [B, V_d]."""
+        S = meta.token_buffer.shape[1]
+        seen = self.runner.lengths.to(meta.seq_lens.device)  # [B]
+        num_feed = meta.seq_lens - seen  # [B], 1..MAX_DRAFT_FEED
+        positions = (seen[:, None] + self._feed_columns).clamp(max=S - 1)  # [B, MAX_DRAFT_FEED]
+        feed = torch.gather(meta.token_buffer, 1, positions)  # [B, MAX_DRAFT_FEED]
+        logits = self.runner.forward(feed, num_feed)  # [B, MAX_DRAFT_FEED, V_d]
+        self.runner.commit(num_feed)
+        last = (num_feed - 1).clamp(min=0)
+        return logits[self._rows, last]
+
+    # ------------------------------------------------------------------ the step
+    def propose(self, meta: SpecDecodeMetadata) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        sampling, k = meta.sampling, self.k
+        logits = self._fit_vocab(self._feed_unseen(meta))  # [B, V]
+        uniforms = None if sampling.greedy else ops.philox_uniforms(meta.seed, meta.draft_offset, k)  # [B, k]
+        meta.num_draft.fill_(k)
+        drafting = torch.ones_like(meta.active) if self.confidence_threshold > 0 else None  # [B] bool
+        self._fed_drafts = 0
+        for i in range(k):
+            if sampling.greedy:
+                token = logits.argmax(-1)  # [B]
+                if drafting is not None:
+                    confidence = torch.softmax(logits.float(), -1).amax(-1)  # [B]
+            else:
+                q = filtered_probs(logits, sampling)  # [B, V]
+                token = sample_inverse_cdf(q, uniforms[:, i])  # [B]
+                meta.draft_probs[:, i].copy_(q)
+                if drafting is not None:
+                    confidence = q.gather(1, token[:, None])[:, 0]  # [B]
+            meta.draft_token_ids[:, i].copy_(token)
+            if drafting is not None:
+                stop = drafting & (confidence < self.confidence_threshold) & meta.active  # [B]
+                meta.num_draft.masked_fill_(stop, i + 1)
+                drafting &= ~stop
+                if not bool((drafting & meta.active).any()):  # every live row has stopped drafting
+                    break
+            if i + 1 < k:
+                logits = self._fit_vocab(self.runner.forward(token[:, None], self._ones)[:, 0])
+                self.runner.commit(self._ones)
+                self._fed_drafts += 1
+        return meta.draft_token_ids, meta.draft_probs
+
+    def accept(self, meta: SpecDecodeMetadata) -> None:
+        """Roll the draft cache back to the committed tokens it has fed.
+
+        Before this step the draft had fed seq_len_old tokens plus drafts 1.._fed_drafts; the first
+        num_accepted drafts were committed. At least one committed token is always left unfed, so
+        the next step has something to feed (frozen rows re-feed their last token).
+        """
+        seq_old = meta.seq_lens - meta.num_kept  # [B]
+        accepted = meta.num_accepted.to(torch.int64).clamp(min=0, max=self._fed_drafts)  # [B]
+        valid = torch.minimum(seq_old + accepted, meta.seq_lens - 1)  # [B]
+        self.runner.truncate(valid)

@@ -1,0 +1,116 @@
+"""NgramDrafter: training-free lookup drafting (``draft="ngram"``) over a suffix automaton per row.
+
+Each row keeps a ``specdec_ext._C.SuffixAutomaton`` (csrc/suffix_automaton.h) over its prompt and
+every committed token. Per step it proposes up to k tokens per row: the tokens that followed the
+EARLIEST earlier occurrence of the longest suffix of the row that occurred before (continuing as an
+overlapping copy when that continuation runs into the end of the row, so a loop of period P < k is
+proposed in full); nothing while that match is shorter than ``min_match`` tokens. Proposals are
+ragged: ``meta.num_draft[b]`` is the number proposed for row b (0..k), the rest of
+``meta.draft_token_ids[b]`` is padded with token 0.
+
+The drafts are deterministic, so ``draft_probs`` is None: chain_verify treats q as one-hot at the
+drafted token (accept x with probability p(x), recover from normalise(max(0, p - onehot(x)))), and the
+output is distributed exactly as sampling from the target. ``prefill`` sets ``meta.draft_probs`` to
+None so that the verifier sees it at every step (the buffer SpecDecodeMetadata.allocate makes at
+T > 0 is a model drafter's).
+
+Host work per step: one device-to-host read of the new committed tokens (in ``accept``), one host-to-
+device copy of the proposals (in ``propose``); O(k) automaton work per row. Committed tokens are never
+rolled back, so the automaton is append-only; rejected drafts never enter it.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from ..metadata import SpecDecodeMetadata
+from . import Drafter
+
+DEFAULT_MIN_MATCH = 2  # a one-token match is a weak signal on natural text (see suffix_automaton.h)
+PAD_TOKEN = 0  # draft slots past num_draft[b] (ignored by the verifier; any valid id would do)
+
+
+def _suffix_automaton_class():
+    try:
+        from .._C import SuffixAutomaton
+    except ImportError as error:  # pragma: no cover - only without the compiled extension
+        raise ImportError("NgramDrafter needs the compiled extension specdec_ext._C (SuffixAutomaton): build it "
+                          f"with `pip install --no-build-isolation .` or tools/dev_build.sh ({error})") from error
+    return SuffixAutomaton
+
+
+class NgramDrafter(Drafter):
+    """Prompt/generation lookup drafter: one suffix automaton per row (see the module docstring).
+
+    Parameters
+    ----------
+    k : int
+        Draft tokens per step (at most; rows propose 0..k).
+    min_match : int
+        Shortest matched suffix (tokens) that proposes anything (>= 1, default 2).
+    overlap_copy : bool
+        Continue the copy from the proposal itself when the continuation reaches the end of the row.
+    """
+
+    deterministic = True  # draft_probs is None: q is one-hot at the drafted token
+
+    def __init__(self, k: int, *, min_match: int = DEFAULT_MIN_MATCH, overlap_copy: bool = True):
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"k (draft tokens per step) must be an int >= 1, got {k!r}")
+        if isinstance(min_match, bool) or not isinstance(min_match, int) or min_match < 1:
+            raise ValueError(f"min_match must be an int >= 1, got {min_match!r}")
+        self.k = k
+        self.min_match = min_match
+        self.overlap_copy = bool(overlap_copy)
+        self._automaton_class = _suffix_automaton_class()
+        self.automata: List = []  # one SuffixAutomaton per row
+
+    # ------------------------------------------------------------------ lifecycle
+    def prefill(self, prompts: Sequence[Sequence[int]], meta: SpecDecodeMetadata) -> None:
+        """Index each row's prompt and first emitted token (token_buffer[b, :seq_lens[b]])."""
+        if meta.k != self.k:
+            raise ValueError(f"NgramDrafter(k={self.k}) used with metadata for k={meta.k}")
+        meta.draft_probs = None  # deterministic drafts: chain_verify takes q one-hot
+        lengths = meta.seq_lens.tolist()
+        rows = meta.token_buffer.cpu()
+        self.automata = []
+        for b, n in enumerate(lengths):
+            automaton = self._automaton_class(self.min_match, self.overlap_copy)
+            automaton.extend(rows[b, :n])
+            self.automata.append(automaton)
+
+    def propose(self, meta: SpecDecodeMetadata) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Up to k tokens per row into meta.draft_token_ids [B, k] (padded), meta.num_draft [B]."""
+        k = self.k
+        drafts = [a.propose(k) for a in self.automata]
+        counts = [len(d) for d in drafts]
+        padded = [d + [PAD_TOKEN] * (k - len(d)) for d in drafts]
+        meta.draft_token_ids.copy_(torch.tensor(padded, dtype=torch.int64).view(len(drafts), k))
+        meta.num_draft.copy_(torch.tensor(counts, dtype=torch.int32))
+        meta.draft_probs = None
+        return meta.draft_token_ids, None
+
+    def accept(self, meta: SpecDecodeMetadata) -> None:
+        """Index the tokens committed since the last call: token_buffer[b, seen_b:seq_lens[b]].
+
+        One host read: seq_lens and the k+1 token columns from each row's old length (a step commits
+        at most k+1 tokens per row; more, e.g. a caller that skipped accept, falls back to a slice).
+        """
+        S = meta.token_buffer.shape[1]
+        device = meta.token_buffer.device
+        seen = torch.tensor([len(a) for a in self.automata], dtype=torch.int64, device=device)  # [B]
+        columns = torch.arange(self.k + 1, dtype=torch.int64, device=device)  # [k+1]
+        window = torch.gather(meta.token_buffer, 1, (seen[:, None] + columns).clamp(max=S - 1))  # [B, k+1]
+        host = torch.cat([meta.seq_lens[:, None], window], dim=1).tolist()  # [B, 1 + k+1]
+        for b, automaton in enumerate(self.automata):
+            new = host[b][0] - len(automaton)
+            if new < 0:
+                raise RuntimeError(f"NgramDrafter: row {b} has {host[b][0]} tokens but its automaton already "
+                                   f"indexed {len(automaton)} (committed tokens are never rolled back)")
+            if new == 0:
+                continue  # frozen row
+            if new <= self.k + 1:
+                automaton.extend(host[b][1:1 + new])
+            else:
+                automaton.extend(meta.token_buffer[b, len(automaton):host[b][0]].cpu())

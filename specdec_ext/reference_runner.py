@@ -1,0 +1,192 @@
+"""RecomputeRunner: the model-runner interface computed the obvious way, as an oracle.
+
+It has exactly the interface of ``specdec_ext.model_runner.PagedModelRunner`` but no KV cache: it
+keeps each row's committed token list and, for every forward, runs a plain HF forward over the whole
+sequence (committed + tentative tokens). Rows of the same total length run together (no padding, so
+no mask semantics are involved); a tree proposal runs one sequence per node (committed + the node's
+root path), which needs no tree mask at all. Slow (quadratic), simple, and hard to get wrong: tests
+compare the paged runner's logits and the decode loop's tokens against it.
+
+Tentative tokens: ``forward`` appends T tokens per row tentatively at positions lengths[b] + t;
+``commit(num_kept)`` keeps the first num_kept[b] of them; a later ``forward`` without a commit
+replaces them.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+
+def _output_vocab_size(model) -> int:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None and hasattr(head, "out_features"):
+        return int(head.out_features)
+    if head is not None and hasattr(head, "weight"):
+        return int(head.weight.shape[0])
+    return int(model.config.vocab_size)
+
+
+class RecomputeRunner:
+    """Full-recompute implementation of the model-runner interface (see the module docstring)."""
+
+    def __init__(self, model, *, max_batch_size: int, max_seq_len: int, page_size: int = 16,
+                 num_pages: Optional[int] = None):
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
+        self.model = model
+        self.max_batch_size = int(max_batch_size)
+        self.max_seq_len = int(max_seq_len)
+        self.page_size = page_size  # accepted for interface parity; nothing is paged here
+        self.num_pages = num_pages
+        self.vocab_size = _output_vocab_size(model)
+        self.device = next(model.parameters()).device
+        self._committed: List[List[int]] = []
+        self._tentative: List[List[int]] = []  # per row: the tokens of the last forward, in node order
+        self._parents: List[Optional[List[int]]] = []  # per row: tree parents of the tentative nodes
+
+    # ------------------------------------------------------------------ state
+    @property
+    def batch_size(self) -> int:
+        return len(self._committed)
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """Committed tokens per row. Shape: [B] int64."""
+        return torch.tensor([len(row) for row in self._committed], dtype=torch.int64, device=self.device)
+
+    def tokens(self, row: int) -> List[int]:
+        """The committed tokens of a row (a copy)."""
+        return list(self._committed[row])
+
+    # ------------------------------------------------------------------ forward
+    @torch.no_grad()
+    def _last_logits(self, sequences: Sequence[Sequence[int]], keep: Sequence[int]) -> List[torch.Tensor]:
+        """For each sequence, fp32 logits at its last keep[i] positions ([keep[i], V]); one HF forward
+        per group of equal-length sequences."""
+        out: List[Optional[torch.Tensor]] = [None] * len(sequences)
+        groups: Dict[int, List[int]] = defaultdict(list)
+        for i, seq in enumerate(sequences):
+            groups[len(seq)].append(i)
+        for length, members in groups.items():
+            n_keep = max(keep[i] for i in members)
+            ids = torch.tensor([list(sequences[i]) for i in members], dtype=torch.int64, device=self.device)
+            logits = self.model(input_ids=ids, use_cache=False, logits_to_keep=n_keep).logits
+            logits = logits[:, -n_keep:].float()
+            for j, i in enumerate(members):
+                out[i] = logits[j, n_keep - keep[i]:]
+        return out  # type: ignore[return-value]
+
+    def start(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Reset to ``prompts`` (committed) and return fp32 logits at each prompt's last position.
+
+        Shape: [B, V]
+        """
+        prompts = [[int(t) for t in p] for p in prompts]
+        if not prompts:
+            raise ValueError("start: no prompts")
+        if len(prompts) > self.max_batch_size:
+            raise ValueError(f"start: {len(prompts)} prompts exceed max_batch_size={self.max_batch_size}")
+        for b, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"start: prompt {b} is empty")
+            if len(p) > self.max_seq_len:
+                raise ValueError(f"start: prompt {b} has {len(p)} tokens, more than max_seq_len={self.max_seq_len}")
+        self._committed = prompts
+        self._tentative = [[] for _ in prompts]
+        self._parents = [None for _ in prompts]
+        rows = self._last_logits(prompts, [1] * len(prompts))
+        return torch.stack([r[0] for r in rows])
+
+    def forward(self, input_ids: torch.Tensor, num_tokens: Optional[torch.Tensor] = None,
+                tree_parents: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Append T tokens per row tentatively and return fp32 logits at those positions.
+
+        input_ids [B, T] int64; num_tokens [B] (default T; positions past it are ignored and get zero
+        logits); tree_parents [B, T-1] int32: parent node of nodes 1..T-1 (node 0, the root, follows
+        the committed tokens; -1 also means "child of the committed tokens"). Returns [B, T, V].
+        """
+        B, T = input_ids.shape
+        if B != self.batch_size:
+            raise ValueError(f"forward: input_ids has {B} rows, the runner holds {self.batch_size}")
+        ids = input_ids.tolist()
+        counts = [T] * B if num_tokens is None else [int(n) for n in num_tokens.tolist()]
+        parents = None if tree_parents is None else tree_parents.tolist()
+        sequences, keep, owners = [], [], []
+        for b in range(B):
+            n = counts[b]
+            if not 0 <= n <= T:
+                raise ValueError(f"forward: num_tokens[{b}] = {n} is outside [0, {T}]")
+            if len(self._committed[b]) + n > self.max_seq_len:
+                raise ValueError(f"forward: row {b} would hold {len(self._committed[b]) + n} tokens, "
+                                 f"more than max_seq_len={self.max_seq_len}")
+            self._tentative[b] = ids[b][:n]
+            if parents is None:
+                self._parents[b] = None
+                if n:
+                    sequences.append(self._committed[b] + ids[b][:n])
+                    keep.append(n)
+                    owners.append((b, None))
+                continue
+            # token 0 is the root; node i (token i + 1) has parent node tree_parents[b, i], -1 = token 0
+            token_parents = [-1] + [int(p) + 1 for p in parents[b][: max(n - 1, 0)]]
+            self._parents[b] = token_parents
+            for t in range(n):
+                path, token = [], t
+                while token >= 0:
+                    if token_parents[token] >= token:
+                        raise ValueError(f"forward: tree_parents row {b} is not a tree (node {token - 1})")
+                    path.append(ids[b][token])
+                    token = token_parents[token]
+                sequences.append(self._committed[b] + path[::-1])
+                keep.append(1)
+                owners.append((b, t))
+        out = torch.zeros((B, T, self.vocab_size), dtype=torch.float32, device=self.device)
+        if sequences:
+            for (b, t), logits in zip(owners, self._last_logits(sequences, keep)):
+                if t is None:
+                    out[b, : logits.shape[0]] = logits
+                else:
+                    out[b, t] = logits[0]
+        return out
+
+    def commit(self, num_kept: torch.Tensor) -> None:
+        """Keep the first num_kept[b] tentative tokens of each row (a chain). num_kept [B]."""
+        for b, n in enumerate(num_kept.tolist()):
+            n = int(n)
+            if not 0 <= n <= len(self._tentative[b]):
+                raise ValueError(f"commit: num_kept[{b}] = {n} is outside [0, {len(self._tentative[b])}]")
+            self._committed[b].extend(self._tentative[b][:n])
+            self._tentative[b] = []
+
+    def commit_tree(self, path: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        """After a tree forward: keep token 0 and the accepted nodes path[b, :num_accepted[b]] (node
+        indices in increasing order, node i = token i + 1): lengths[b] += 1 + num_accepted[b].
+        A row whose forward had no tokens keeps nothing. path [B, N] int, num_accepted [B] int.
+        """
+        for b, (row, n) in enumerate(zip(path.tolist(), num_accepted.tolist())):
+            tentative, n = self._tentative[b], int(n)
+            if not tentative:
+                if n:
+                    raise ValueError(f"commit_tree: row {b} had no tokens but num_accepted[{b}] = {n}")
+                continue
+            nodes = [int(x) for x in row[:n]]
+            if (not 0 <= n <= len(tentative) - 1 or any(not 0 <= x < len(tentative) - 1 for x in nodes)
+                    or any(x >= y for x, y in zip(nodes, nodes[1:]))):
+                raise ValueError(f"commit_tree: row {b}: path {nodes} is not an increasing list of its "
+                                 f"{len(tentative) - 1} tree nodes")
+            self._committed[b].append(tentative[0])
+            self._committed[b].extend(tentative[x + 1] for x in nodes)
+            self._tentative[b] = []
+
+    def truncate(self, new_lengths: torch.Tensor) -> None:
+        """Roll each row back to new_lengths[b] committed tokens (never grows). new_lengths [B]."""
+        for b, n in enumerate(new_lengths.tolist()):
+            n = int(n)
+            if not 0 <= n <= len(self._committed[b]):
+                raise ValueError(f"truncate: new_lengths[{b}] = {n} is outside [0, {len(self._committed[b])}]")
+            del self._committed[b][n:]
+            self._tentative[b] = []

@@ -1,0 +1,199 @@
+"""Statistics of a speculative generation and the cost model they are checked against.
+
+Cost model (mission note, DESIGN.md): with per-token acceptance a and k drafted tokens per step,
+
+    E[tokens per target pass] = (1 - a^(k+1)) / (1 - a)          (= k + 1 when a = 1)
+    speedup over plain decoding = E / (v + k c)
+
+where c is the cost of one draft forward and v the cost of one verify step (target forward over k+1
+tokens plus the verifier and bookkeeping), both relative to one plain decode step of the target.
+The measured acceptance a is the fraction of drafted positions that were reached and accepted
+(the maximum-likelihood estimate of an i.i.d. per-token acceptance).
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+
+
+def expected_tokens_per_pass(acceptance: float, k: int) -> float:
+    """E = (1 - a^(k+1)) / (1 - a): tokens emitted per target pass (accepted + the recovered/bonus)."""
+    if acceptance >= 1.0:
+        return float(k + 1)
+    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+
+
+def predicted_speedup(acceptance: float, k: int, draft_cost: float, verify_cost: float) -> float:
+    """speedup = E / (v + k c), costs relative to one plain target decode step."""
+    return expected_tokens_per_pass(acceptance, k) / (verify_cost + k * draft_cost)
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued device work so that host timers measure it (no-op on the CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Timer:
+    """perf_counter() after a device synchronisation."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def now(self) -> float:
+        synchronize(self.device)
+        return time.perf_counter()
+
+
+@dataclass
+class GenerationStats:
+    """What a generation measured. Times in seconds; rates per second."""
+
+    k: int
+    batch_size: int
+    steps: int = 0  # decode steps (one target pass each, for the whole batch)
+    row_steps: int = 0  # (row, step) pairs of active rows
+    emitted: int = 0  # tokens the verifier emitted over active row-steps (before EOS/max cuts)
+    new_tokens: int = 0  # tokens returned (after EOS, max_new_tokens and stop-string cuts)
+    reached: List[int] = field(default_factory=list)  # [k] row-steps that reached draft position i
+    accepted: List[int] = field(default_factory=list)  # [k] row-steps that accepted draft position i
+    prefill_time: float = 0.0
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    total_time: float = 0.0
+    target_step_time: Optional[float] = None  # one plain target decode step (cost probe), if measured
+
+    def __post_init__(self):
+        if not self.reached:
+            self.reached = [0] * self.k
+            self.accepted = [0] * self.k
+
+    # --------------------------------------------------------------- recording
+    def record_step(self, num_accepted: List[int], num_draft: List[int], active: List[bool]) -> None:
+        """One verify step: per-row accepted counts, drafted counts and whether the row was active."""
+        self.steps += 1
+        for n, d, live in zip(num_accepted, num_draft, active):
+            if not live:
+                continue
+            self.row_steps += 1
+            self.emitted += n + 1
+            for i in range(min(n + 1, d)):  # positions 0..n were reached (n is the rejected one)
+                self.reached[i] += 1
+                if i < n:
+                    self.accepted[i] += 1
+
+    # --------------------------------------------------------------- derived
+    @property
+    def tokens_per_pass(self) -> float:
+        """Mean tokens emitted per row per target pass: mean accepted + 1."""
+        return self.emitted / self.row_steps if self.row_steps else float("nan")
+
+    @property
+    def acceptance_by_position(self) -> List[float]:
+        """P(draft position i accepted | position i reached), i = 0..k-1."""
+        return [a / r if r else float("nan") for a, r in zip(self.accepted, self.reached)]
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Per-token acceptance a: accepted / reached draft positions (all positions pooled)."""
+        reached = sum(self.reached)
+        return sum(self.accepted) / reached if reached else float("nan")
+
+    @property
+    def decode_time(self) -> float:
+        return self.draft_time + self.verify_time
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.total_time if self.total_time > 0 else float("nan")
+
+    @property
+    def tpot(self) -> float:
+        """Time per output token of a row after the first: decode time / (mean new tokens per row - 1)."""
+        per_row = self.new_tokens / max(self.batch_size, 1)
+        return self.decode_time / (per_row - 1) if per_row > 1 else float("nan")
+
+    @property
+    def draft_time_per_step(self) -> float:
+        return self.draft_time / self.steps if self.steps else float("nan")
+
+    @property
+    def verify_time_per_step(self) -> float:
+        return self.verify_time / self.steps if self.steps else float("nan")
+
+    @property
+    def draft_cost(self) -> float:
+        """c: one draft forward relative to one plain target step (needs target_step_time)."""
+        if not self.target_step_time or not self.steps or self.k == 0:
+            return float("nan")
+        return self.draft_time_per_step / self.k / self.target_step_time
+
+    @property
+    def verify_cost(self) -> float:
+        """v: one verify step relative to one plain target step (needs target_step_time)."""
+        if not self.target_step_time or not self.steps:
+            return float("nan")
+        return self.verify_time_per_step / self.target_step_time
+
+    @property
+    def predicted_tokens_per_pass(self) -> float:
+        return expected_tokens_per_pass(self.acceptance_rate, self.k) if self.row_steps else float("nan")
+
+    @property
+    def predicted_speedup(self) -> float:
+        """The cost model's decode speedup from the measured acceptance a and step costs c, v."""
+        if math.isnan(self.draft_cost) or math.isnan(self.acceptance_rate):
+            return float("nan")
+        return predicted_speedup(self.acceptance_rate, self.k, self.draft_cost, self.verify_cost)
+
+    @property
+    def measured_decode_speedup(self) -> float:
+        """Tokens per decode second over 1 / target_step_time (decode phase only, no prefill)."""
+        if not self.target_step_time or not self.steps:
+            return float("nan")
+        return self.tokens_per_pass * self.target_step_time / (self.decode_time / self.steps)
+
+    def as_dict(self) -> Dict[str, object]:
+        return {
+            "k": self.k,
+            "batch_size": self.batch_size,
+            "steps": self.steps,
+            "new_tokens": self.new_tokens,
+            "tokens_per_pass": self.tokens_per_pass,
+            "acceptance_rate": self.acceptance_rate,
+            "acceptance_by_position": self.acceptance_by_position,
+            "prefill_time_s": self.prefill_time,
+            "draft_time_s": self.draft_time,
+            "verify_time_s": self.verify_time,
+            "total_time_s": self.total_time,
+            "tokens_per_s": self.tokens_per_second,
+            "tpot_s": self.tpot,
+            "target_step_time_s": self.target_step_time,
+            "draft_cost_c": self.draft_cost,
+            "verify_cost_v": self.verify_cost,
+            "predicted_tokens_per_pass": self.predicted_tokens_per_pass,
+            "predicted_speedup": self.predicted_speedup,
+        }
+
+    def summary(self) -> str:
+        """A few human-readable lines."""
+        by_pos = ", ".join(f"{a:.2f}" for a in self.acceptance_by_position)
+        lines = [
+            f"tokens: {self.new_tokens} in {self.total_time:.3f}s ({self.tokens_per_second:.1f} tok/s, "
+            f"TPOT {self.tpot * 1e3:.2f} ms), batch {self.batch_size}, k={self.k}",
+            f"target passes: {self.steps}, tokens per pass {self.tokens_per_pass:.2f} "
+            f"(cost model {self.predicted_tokens_per_pass:.2f}), acceptance a={self.acceptance_rate:.3f}, "
+            f"by position [{by_pos}]",
+            f"time: prefill {self.prefill_time * 1e3:.1f} ms, draft {self.draft_time * 1e3:.1f} ms, "
+            f"verify {self.verify_time * 1e3:.1f} ms",
+        ]
+        if self.target_step_time:
+            lines.append(
+                f"cost model: target step {self.target_step_time * 1e3:.2f} ms, c={self.draft_cost:.3f}, "
+                f"v={self.verify_cost:.3f} -> predicted decode speedup {self.predicted_speedup:.2f}x "
+                f"(measured {self.measured_decode_speedup:.2f}x)")
+        return "\n".join(lines)
