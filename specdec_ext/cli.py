@@ -12,16 +12,18 @@ from typing import List, Optional
 DEMO_PROMPT_LINES = 20  # lines of each held-out file used as a demo prompt
 DEMO_FILES = 3
 DEMO_NEW_TOKENS = 64
+DEMO_THREADS = 1  # the bundled models are small: intra-op threads cost more than they save on a CPU
 DEFAULT_AUDIT_PROMPTS = ["import os\nimport sys\n\n\ndef main(", "class Parser:\n    def __init__(self"]
 
 
-def _model_args(parser: argparse.ArgumentParser) -> None:
+def _model_args(parser: argparse.ArgumentParser, threads: Optional[int] = None) -> None:
     parser.add_argument("--target", help="target model: a local path or model id, loaded offline "
                         "(default: the bundled pair's target; give --target and --draft together)")
     parser.add_argument("--draft", help="draft model sharing the target's vocabulary, or 'ngram' for lookup drafting "
                         "over the prompt and the generated tokens (no draft model) (default: the bundled pair's draft)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads (default: torch's choice; 1 is best for small models on a busy CPU)")
+    parser.add_argument("--threads", type=int, default=threads,
+                        help="torch CPU threads (default: " + ("torch's choice" if threads is None else str(threads))
+                        + "; 1 is best for small models on a busy CPU)")
     parser.add_argument("--runner", default="auto", choices=["auto", "paged", "recompute"],
                         help="model runner: paged KV cache (auto picks it when available) or the slow "
                         "full-recompute oracle (default: auto)")
@@ -89,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Complete a few held-out code prompts (the first lines of Python files the "
                        "bundled pair was not trained on) with speculative decoding and print each text with "
                        "tokens/s, speedup over plain decoding of the same target, and tokens per target pass.")
-    _model_args(d)
+    _model_args(d, threads=DEMO_THREADS)
     d.add_argument("--files", type=int, default=DEMO_FILES, help=f"held-out files to complete (default: {DEMO_FILES})")
     d.add_argument("--lines", type=int, default=DEMO_PROMPT_LINES,
                    help=f"lines of each file used as the prompt (default: {DEMO_PROMPT_LINES})")
@@ -209,7 +211,9 @@ def cmd_demo(args) -> int:
     target_spec, draft_spec = _pair_args(args)
     target, draft, tokenizer = load_pair(target_spec, draft_spec)
     kw = dict(max_new_tokens=args.max_new_tokens, eos_token_id=False, runner=args.runner, tokenizer=tokenizer)
-    generate(["x = 1"], target, draft, k=args.k, **{**kw, "max_new_tokens": 4})  # warm-up
+    warm_up = {**kw, "max_new_tokens": 4}
+    generate(["x = 1"], target, draft, k=args.k, **warm_up)
+    plain_generate(["x = 1"], target, **warm_up)
     for name, prompt in heldout_prompts(args.files, args.lines):
         plain = plain_generate([prompt], target, **kw)
         spec = generate([prompt], target, draft, k=args.k, **kw)
