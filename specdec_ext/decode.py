@@ -50,6 +50,20 @@ def chain_verifier(meta: SpecDecodeMetadata, target_logits: torch.Tensor) -> Non
     )
 
 
+def tree_verifier(meta: SpecDecodeMetadata, target_logits: torch.Tensor) -> None:
+    """The lossless tree verifier: tree_verify with deterministic candidates (draft_probs None) into
+    meta.tree_path / meta.output_tokens / meta.num_accepted.
+
+    target_logits [B, N+1, V]
+    """
+    ops.tree_verify(
+        target_logits, meta.draft_token_ids, meta.tree_parents, None,
+        temperature=meta.temperature, top_k=meta.top_k, top_p=meta.top_p,
+        seed=meta.seed, offset=meta.verify_offset,
+        out=(meta.tree_path, meta.output_tokens, meta.num_accepted), check_status=False,
+    )
+
+
 def required_cache_len(max_prompt_len: int, max_new_tokens: int, k: int) -> int:
     """Cache positions a row needs. A row commits at most k+1 tokens per step, so it ends with at most
     prompt + max_new_tokens + k committed (the excess is cut on the host); once finished it is frozen
@@ -157,7 +171,8 @@ def verify(target, meta: SpecDecodeMetadata, verifier: Verifier) -> None:
     meta.target_input[:, :1].copy_(pending)
     meta.target_input[:, 1:].copy_(meta.draft_token_ids)
     meta.target_num_tokens.copy_(meta.num_draft.to(torch.int64) + 1)
-    logits = target.forward(meta.target_input, meta.target_num_tokens)  # [B, k+1, V]
+    tree = {} if meta.tree_parents is None else {"tree_parents": meta.tree_parents}  # [B, N] int32
+    logits = target.forward(meta.target_input, meta.target_num_tokens, **tree)  # [B, k+1, V]
     verifier(meta, logits)
 
 
@@ -166,7 +181,12 @@ def commit(target, drafter: Optional[Drafter], meta: SpecDecodeMetadata) -> None
     S = meta.token_buffer.shape[1]
     emitted = meta.num_accepted.to(torch.int64) + 1  # [B]
     meta.num_kept.copy_(torch.where(meta.active, emitted, torch.zeros_like(emitted)))
-    target.commit(meta.num_kept)
+    if meta.tree_parents is None:
+        target.commit(meta.num_kept)
+    else:  # tree: keep pending + the accepted path (kv_compact), then roll frozen rows back
+        before = target.lengths.clone()  # [B]
+        target.commit_tree(meta.tree_path, meta.num_accepted)
+        target.truncate(before + meta.num_kept.to(before.device))
     columns = torch.arange(meta.k + 1, device=meta.seq_lens.device)  # [k+1]
     write = columns[None, :] < meta.num_kept[:, None]  # [B, k+1]
     positions = torch.where(write, meta.seq_lens[:, None] + columns, S - SCRATCH_COLUMNS)  # [B, k+1]
@@ -210,6 +230,8 @@ def decode(target, drafter: Optional[Drafter], prompts: Sequence[Sequence[int]],
     """Run the loop; yields, after the prefill and after every step, the new tokens of each row.
 
     ``drafter=None`` with ``k=0`` is plain decoding over the same runner and sampler (the baseline).
+    A drafter with ``is_tree = True`` proposes a tree of k nodes (meta.tree_parents); the loop then
+    verifies with :func:`tree_verifier` (unless ``verifier`` is given) and commits with commit_tree.
     ``rows`` (one RowState per prompt) receives the returned tokens and finish reasons; ``stats``
     the measurements. seeds [B] int64.
     """
@@ -223,6 +245,10 @@ def decode(target, drafter: Optional[Drafter], prompts: Sequence[Sequence[int]],
     B = len(prompts)
     meta = SpecDecodeMetadata.allocate(batch_size=B, k=k, max_seq_len=max_seq_len, vocab_size=vocab_size,
                                        sampling=sampling, seeds=seeds, device=device)
+    tree = bool(getattr(drafter, "is_tree", False))
+    if tree:
+        meta.enable_tree()
+        verifier = tree_verifier if verifier is chain_verifier else verifier
     start = timer.now()
     with nvtx_range("prefill"):
         prefill(target, drafter, prompts, meta)
@@ -238,7 +264,7 @@ def decode(target, drafter: Optional[Drafter], prompts: Sequence[Sequence[int]],
 
     # draft / verify / commit: CUDA graphs over meta's static buffers on CUDA, eager elsewhere
     steps = cuda_graphs.DecodeSteps(target, drafter, meta, verifier, draft_step=draft, verify_step=verify,
-                                    commit_step=commit)
+                                    commit_step=commit, enabled=False if tree else None)  # trees: eager
     step = FIRST_DECODE_STEP
     while not all(r.finished for r in rows):
         meta.active.copy_(torch.tensor([not r.finished for r in rows]))
@@ -251,7 +277,7 @@ def decode(target, drafter: Optional[Drafter], prompts: Sequence[Sequence[int]],
             steps.verify()
         num_accepted = meta.num_accepted.tolist()  # the step's one host read
         if min(num_accepted) < 0:
-            raise_for_row_status("chain_verify", meta.num_accepted)
+            raise_for_row_status("tree_verify" if tree else "chain_verify", meta.num_accepted)
         with nvtx_range("rollback"):
             steps.commit()
         emitted = meta.output_tokens.tolist()

@@ -12,6 +12,7 @@ import torch
 from . import cuda_graphs
 from .decode import RowState, StopCriteria, Verifier, chain_verifier, decode, required_cache_len
 from .drafters import ModelDrafter, NgramDrafter
+from .drafters.tree_drafter import TreeModelDrafter, tree_num_nodes
 from .metadata import SamplingParams
 from .reference_runner import RecomputeRunner, _output_vocab_size
 from .stats import GenerationStats
@@ -296,7 +297,8 @@ def generate(prompts, target: ModelSpec = None, draft: ModelSpec = None, *, max_
              k: int = 4, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed=None,
              eos_token_id=None, stop=None, stream: bool = False, tokenizer=None, draft_tokenizer=None,
              max_seq_len: Optional[int] = None, runner="auto", verifier: Verifier = chain_verifier,
-             cost_probe: bool = True, draft_confidence: float = 0.0) -> Union[GenerationResult, GenerationStream]:
+             cost_probe: bool = True, draft_confidence: float = 0.0,
+             draft_tree: Optional[Tuple[int, int, int]] = None) -> Union[GenerationResult, GenerationStream]:
     """Lossless speculative generation: the tokens are distributed exactly as sampling from the target.
 
     Parameters
@@ -337,6 +339,14 @@ def generate(prompts, target: ModelSpec = None, draft: ModelSpec = None, *, max_
     draft_confidence : float
         A row stops drafting (before k) after a token the draft gives probability below this; it
         saves draft passes that would mostly be rejected. 0 (default) always drafts k. Lossless either way.
+    draft_tree : (b, d, N), optional
+        Draft a token tree instead of a chain: the draft model expands its top-b tokens per node over
+        d levels (each level keeping its best min(b^l, N) nodes by cumulative draft log-probability),
+        then the N best expanded nodes form the tree (drafters/tree_drafter.py; b = 1 is a chain of
+        min(d, N)); one target pass verifies them with the tree mask,
+        tree_verify (deterministic-candidate rule, lossless at any temperature) picks the path and
+        commit_tree keeps it. ``k`` is then ignored (the verify budget is N + 1 tokens). Needs a draft
+        model (not "ngram"); draft_confidence does not apply; the steps run eagerly (no CUDA graphs).
 
     Returns
     -------
@@ -344,6 +354,13 @@ def generate(prompts, target: ModelSpec = None, draft: ModelSpec = None, *, max_
     """
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k (draft tokens per step) must be an int >= 1, got {k!r}")
+    if draft_tree is not None:
+        if (not isinstance(draft_tree, (tuple, list)) or len(draft_tree) != 3
+                or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in draft_tree)):
+            raise ValueError(f"draft_tree must be a tuple (b, d, N) of ints >= 1, got {draft_tree!r}")
+        if isinstance(draft, str) and draft == NGRAM_DRAFT:
+            raise ValueError("draft_tree needs a draft model, not the n-gram drafter")
+        k = tree_num_nodes(*draft_tree)  # the verify budget: N' + 1 tokens, N' = min(N, expanded nodes)
     if not 0.0 <= draft_confidence < 1.0:
         raise ValueError(f"draft_confidence must lie in [0, 1), got {draft_confidence}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
@@ -366,7 +383,7 @@ def generate(prompts, target: ModelSpec = None, draft: ModelSpec = None, *, max_
     return _run(prompts, target_model, draft_model, tokenizer, k=k, max_new_tokens=max_new_tokens,
                 temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id, stop=stop,
                 stream=stream, max_seq_len=max_seq_len, runner=runner, verifier=verifier, cost_probe=cost_probe,
-                draft_confidence=draft_confidence)
+                draft_confidence=draft_confidence, draft_tree=draft_tree)
 
 
 def plain_generate(prompts, target: ModelSpec = None, *, max_new_tokens: int = 128, temperature: float = 0.0,
@@ -392,7 +409,8 @@ def _load_target(target: ModelSpec, tokenizer):
 
 
 def _run(prompts, target_model, draft_model, tokenizer, *, k, max_new_tokens, temperature, top_k, top_p, seed,
-         eos_token_id, stop, stream, max_seq_len, runner, verifier, cost_probe, draft_confidence=0.0, ngram=False):
+         eos_token_id, stop, stream, max_seq_len, runner, verifier, cost_probe, draft_confidence=0.0, ngram=False,
+         draft_tree=None):
     """Validate the rest of the arguments, build the runners and the drafter, run the loop."""
     sampling = SamplingParams(float(temperature), top_k, float(top_p))
     sampling.validate()
@@ -436,6 +454,9 @@ def _run(prompts, target_model, draft_model, tokenizer, *, k, max_new_tokens, te
         target_runner = factory(target_model, max_batch_size=B, max_seq_len=needed)
         if ngram:
             drafter = NgramDrafter(k)
+        elif draft_model is not None and draft_tree is not None:
+            drafter = TreeModelDrafter(draft_model, factory, branch=draft_tree[0], depth=draft_tree[1],
+                                       budget=draft_tree[2], vocab_size=vocab_size)
         elif draft_model is not None:
             drafter = ModelDrafter(draft_model, factory, k=k, vocab_size=vocab_size,
                                    confidence_threshold=draft_confidence)

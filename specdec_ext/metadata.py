@@ -81,6 +81,13 @@ class SpecDecodeMetadata:
     num_kept: torch.Tensor  # [B] int64: tokens the target commits (num_accepted + 1, 0 when frozen)
     step: int = 0  # decode step index (host-side; offsets are derived from it)
 
+    # tree proposals (only with a tree drafter; None on the chain path) --------------------------
+    # The k draft slots are then N tree nodes: draft_token_ids [B, N] holds their tokens, target_input
+    # [B, N+1] is [pending, nodes], output_tokens [B, N+1] the accepted path then the recovered/bonus
+    # token; draft_probs is None (deterministic candidates, tree_verify's draft_probs=None rule).
+    tree_parents: Optional[torch.Tensor] = None  # [B, N] int32: csrc/tree.h layout, -1 = child of pending
+    tree_path: Optional[torch.Tensor] = None  # [B, N] int32: tree_verify's accepted node indices, then -1
+
     @property
     def batch_size(self) -> int:
         return self.token_buffer.shape[0]
@@ -114,6 +121,13 @@ class SpecDecodeMetadata:
             num_accepted=torch.zeros((B,), dtype=torch.int32, device=device),
             num_kept=torch.zeros((B,), **long),
         )
+
+    def enable_tree(self) -> None:
+        """Switch the k draft slots to a tree of N = k nodes (allocates tree_parents and tree_path)."""
+        B, N, device = self.batch_size, self.k, self.token_buffer.device
+        self.tree_parents = torch.full((B, N), -1, dtype=torch.int32, device=device)
+        self.tree_path = torch.full((B, N), -1, dtype=torch.int32, device=device)
+        self.draft_probs = None
 
     def set_step(self, step: int) -> None:
         """Point the Philox counters at step ``step`` (in place: the buffers stay the same)."""

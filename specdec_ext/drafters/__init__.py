@@ -43,5 +43,6 @@ class Drafter:
 
 from .model_drafter import ModelDrafter  # noqa: E402
 from .ngram import NgramDrafter  # noqa: E402
+from .tree_drafter import TreeModelDrafter  # noqa: E402  (proposes a tree: meta.tree_parents)
 
-__all__ = ["Drafter", "ModelDrafter", "NgramDrafter"]
+__all__ = ["Drafter", "ModelDrafter", "NgramDrafter", "TreeModelDrafter"]
