@@ -88,3 +88,19 @@ def test_missing_files_raise_clearly(monkeypatch, tmp_path):
     monkeypatch.setattr(dp, "_REQUIRED", {str(tmp_path / "target"): ("config.json",)})
     with pytest.raises(FileNotFoundError, match="default model pair"):
         dp.load_default_pair()
+
+
+def test_greedy_speculative_generation_equals_the_targets_own_greedy(pair):
+    import specdec_ext
+
+    target, draft, tok = pair
+    prompt = "import os\n\n\ndef read_lines(path):\n    with open(path) as f:\n"
+    ids = tok.encode(prompt, add_special_tokens=False)
+    new_tokens = 32
+    with torch.no_grad():
+        expected = target.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=new_tokens,
+                                   min_new_tokens=new_tokens, pad_token_id=tok.eos_token_id)[0, len(ids):].tolist()
+    result = specdec_ext.generate([ids], target, draft, tokenizer=tok, max_new_tokens=new_tokens, k=4,
+                                  eos_token_id=False)
+    assert result.token_ids[0] == expected
+    assert result.stats.tokens_per_pass > 1.5  # the drafts are really accepted
