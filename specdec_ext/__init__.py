@@ -15,10 +15,11 @@ except ImportError as error:  # pragma: no cover - depends on how the package wa
     ) from error
 
 from . import ops  # noqa: E402
+from .adaptive import AdaptiveK  # noqa: E402
 from .audit import audit  # noqa: E402
 from .default_pair import load_default_pair  # noqa: E402
 from .generate import GenerationResult, VocabularyMismatchError, generate, load_pair  # noqa: E402
 
-__all__ = ["ops", "generate", "audit", "load_pair", "load_default_pair", "GenerationResult",
+__all__ = ["ops", "generate", "audit", "load_pair", "load_default_pair", "AdaptiveK", "GenerationResult",
            "VocabularyMismatchError"]
 __version__ = "0.1.0"

@@ -16,6 +16,19 @@ DEMO_THREADS = 1  # the bundled models are small: intra-op threads cost more tha
 DEFAULT_AUDIT_PROMPTS = ["import os\nimport sys\n\n\ndef main(", "class Parser:\n    def __init__(self"]
 
 
+def _draft_length(value: str):
+    """-k: 'auto' or an int >= 1."""
+    if value == "auto":
+        return value
+    try:
+        k = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or an int >= 1, got {value!r}") from None
+    if k < 1:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or an int >= 1, got {value!r}")
+    return k
+
+
 def _model_args(parser: argparse.ArgumentParser, threads: Optional[int] = None) -> None:
     parser.add_argument("--target", help="target model: a local path or model id, loaded offline "
                         "(default: the bundled pair's target; give --target and --draft together)")
@@ -54,7 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-file", action="append", default=[], help="a file whose content is one prompt (repeatable)")
     _model_args(g)
     g.add_argument("--max-new-tokens", type=int, default=128, help="exact cap on new tokens per prompt (default: 128)")
-    g.add_argument("-k", "--k", type=int, default=4, dest="k", help="draft tokens per step (default: 4)")
+    g.add_argument("-k", "--k", type=_draft_length, default=4, dest="k",
+                   help="draft tokens per step, or 'auto' (chosen per step from the measured acceptance and "
+                   "costs; seeded sampling is then not reproducible) (default: 4)")
     _sampling_args(g, temperature=0.0)
     g.add_argument("--eos-token-id", type=int, action="append", default=None,
                    help="stop a row at this token (repeatable; default: the target's EOS)")

@@ -24,6 +24,7 @@ from typing import Callable, Iterator, List, Optional, Sequence
 import torch
 
 from . import cuda_graphs, ops
+from .adaptive import AdaptiveK, widen_logits
 from ._status import raise_for_row_status
 from .drafters import Drafter
 from .metadata import SamplingParams, SpecDecodeMetadata
@@ -160,9 +161,16 @@ def prefill(target, drafter: Optional[Drafter], prompts: Sequence[Sequence[int]]
 def draft(drafter: Optional[Drafter], meta: SpecDecodeMetadata) -> None:
     """Propose k tokens per row into meta.draft_token_ids [B, k] (and meta.draft_probs [B, k, V]).
 
-    Without a drafter (k = 0) the loop is plain decoding: one sampled token per target pass."""
-    if drafter is not None:
-        drafter.propose(meta)
+    Without a drafter (k = 0) the loop is plain decoding: one sampled token per target pass.
+    With adaptive k, meta.draft_budget (host, per row) caps the drafts; a budget of 0 for every row
+    skips the drafter (``drafter.skip``) and the step is plain decoding for the batch."""
+    if drafter is None:
+        return
+    if meta.draft_budget is not None and max(meta.draft_budget, default=0) == 0:
+        meta.num_draft.zero_()
+        drafter.skip(meta)
+        return
+    drafter.propose(meta)
 
 
 def verify(target, meta: SpecDecodeMetadata, verifier: Verifier) -> None:
@@ -172,7 +180,12 @@ def verify(target, meta: SpecDecodeMetadata, verifier: Verifier) -> None:
     meta.target_input[:, 1:].copy_(meta.draft_token_ids)
     meta.target_num_tokens.copy_(meta.num_draft.to(torch.int64) + 1)
     tree = {} if meta.tree_parents is None else {"tree_parents": meta.tree_parents}  # [B, N] int32
-    logits = target.forward(meta.target_input, meta.target_num_tokens, **tree)  # [B, k+1, V]
+    # adaptive k (meta.draft_budget set): the pass covers only the first max(draft_budget) + 1 columns
+    # (every num_draft[b] <= draft_budget[b]); the logits are widened into a static [B, k+1, V] buffer
+    width = meta.verify_width
+    logits = target.forward(meta.target_input[:, :width], meta.target_num_tokens, **tree)  # [B, width, V]
+    if width < meta.k + 1:
+        logits = widen_logits(meta, logits)  # [B, k+1, V]
     verifier(meta, logits)
 
 
@@ -226,10 +239,13 @@ def probe_target_step(target, meta: SpecDecodeMetadata, timer: Timer) -> float:
 def decode(target, drafter: Optional[Drafter], prompts: Sequence[Sequence[int]], *, k: int, sampling: SamplingParams,
            seeds: torch.Tensor, stop: StopCriteria, max_seq_len: int, vocab_size: int,
            verifier: Verifier = chain_verifier, stats: Optional[GenerationStats] = None,
-           rows: Optional[List[RowState]] = None, cost_probe: bool = True) -> Iterator[List[List[int]]]:
+           rows: Optional[List[RowState]] = None, cost_probe: bool = True,
+           adaptive: Optional[AdaptiveK] = None) -> Iterator[List[List[int]]]:
     """Run the loop; yields, after the prefill and after every step, the new tokens of each row.
 
     ``drafter=None`` with ``k=0`` is plain decoding over the same runner and sampler (the baseline).
+    ``adaptive`` (specdec_ext/adaptive.py, ``k`` = its k_max): each step it gives every row a draft
+    budget 0..k and the target pass is only as wide as the largest budget + 1 (steps run eagerly).
     A drafter with ``is_tree = True`` proposes a tree of k nodes (meta.tree_parents); the loop then
     verifies with :func:`tree_verifier` (unless ``verifier`` is given) and commits with commit_tree.
     ``rows`` (one RowState per prompt) receives the returned tokens and finish reasons; ``stats``
@@ -261,14 +277,23 @@ def decode(target, drafter: Optional[Drafter], prompts: Sequence[Sequence[int]],
         probe_start = timer.now()
         stats.target_step_time = probe_target_step(target, meta, timer)
         start += timer.now() - probe_start  # the probe is not part of the run
+    if adaptive is not None and drafter is not None and not tree:  # (a tree drafter: fixed budget)
+        probe_start = timer.now()  # forget the rows; V(t) probed at a few widths (rolled back) once per process
+        adaptive.start(target, drafter, meta, timer, probe=not all(r.finished for r in rows))
+        start += timer.now() - probe_start
+    else:
+        adaptive = None
 
     # draft / verify / commit: CUDA graphs over meta's static buffers on CUDA, eager elsewhere
+    # (trees and adaptive k vary the shapes per step: eager; graphs per width bucket would be next)
     steps = cuda_graphs.DecodeSteps(target, drafter, meta, verifier, draft_step=draft, verify_step=verify,
-                                    commit_step=commit, enabled=False if tree else None)  # trees: eager
+                                    commit_step=commit, enabled=False if tree or adaptive is not None else None)
     step = FIRST_DECODE_STEP
     while not all(r.finished for r in rows):
-        meta.active.copy_(torch.tensor([not r.finished for r in rows]))
+        active = [not r.finished for r in rows]
+        meta.active.copy_(torch.tensor(active))
         meta.set_step(step)
+        budget = meta.draft_budget = adaptive.plan(active) if adaptive is not None else None
         t0 = timer.now()
         with nvtx_range("draft"):
             steps.draft()
@@ -281,10 +306,14 @@ def decode(target, drafter: Optional[Drafter], prompts: Sequence[Sequence[int]],
         with nvtx_range("rollback"):
             steps.commit()
         emitted = meta.output_tokens.tolist()
+        t2 = timer.now()
         stats.draft_time += t1 - t0
-        stats.verify_time += timer.now() - t1
-        active = [not r.finished for r in rows]
-        stats.record_step(num_accepted, meta.num_draft.tolist(), active)
+        stats.verify_time += t2 - t1
+        num_draft = meta.num_draft.tolist()
+        stats.record_step(num_accepted, num_draft, active)
+        if adaptive is not None:
+            adaptive.observe(budget, num_draft, num_accepted, active, draft_time=t1 - t0, verify_time=t2 - t1,
+                             drafted=max(budget, default=0), width=meta.verify_width)
         new = [apply_stops(rows[b], emitted[b][: num_accepted[b] + 1], stop) if active[b] else []
                for b in range(B)]
         stats.new_tokens += sum(len(n) for n in new)
@@ -292,3 +321,5 @@ def decode(target, drafter: Optional[Drafter], prompts: Sequence[Sequence[int]],
         yield new[:real]
     stats.total_time = timer.now() - start
     steps.finish(target, drafter)
+    if adaptive is not None:
+        stats.adaptive = adaptive.finish()

@@ -9,6 +9,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from . import adaptive as adaptive_k
 from . import cuda_graphs
 from .decode import RowState, StopCriteria, Verifier, chain_verifier, decode, required_cache_len
 from .drafters import ModelDrafter, NgramDrafter
@@ -20,6 +21,7 @@ from .stats import GenerationStats
 Prompt = Union[str, Sequence[int]]
 ModelSpec = Union[None, str, os.PathLike, torch.nn.Module]
 
+DEFAULT_K = 4  # fixed, so seeded sampling is reproducible; k="auto" adapts per step (opt-in)
 NGRAM_DRAFT = "ngram"  # draft= value selecting suffix-automaton lookup over the prompt and output
 MAX_MISMATCHES_REPORTED = 5  # mismatching token ids named in a vocabulary error
 SEED_BITS = 62  # random row seeds are drawn in [0, 2^62)
@@ -294,7 +296,8 @@ class _Finisher:
 
 # ------------------------------------------------------------------------------------- generate
 def generate(prompts, target: ModelSpec = None, draft: ModelSpec = None, *, max_new_tokens: int = 128,
-             k: int = 4, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed=None,
+             k: Union[int, str, "adaptive_k.AdaptiveK"] = DEFAULT_K, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 1.0, seed=None,
              eos_token_id=None, stop=None, stream: bool = False, tokenizer=None, draft_tokenizer=None,
              max_seq_len: Optional[int] = None, runner="auto", verifier: Verifier = chain_verifier,
              cost_probe: bool = True, draft_confidence: float = 0.0,
@@ -310,8 +313,12 @@ def generate(prompts, target: ModelSpec = None, draft: ModelSpec = None, *, max_
         over each row's prompt and output proposes the continuation of its longest earlier match.
     max_new_tokens : int
         Exact cap on new tokens per prompt (>= 0).
-    k : int
-        Draft tokens per step (>= 1).
+    k : int >= 1 (default 4), "auto", or an ``AdaptiveK``
+        Draft tokens per step. "auto": per step, the draft length 0..8 that maximises the expected
+        tokens per second from the measured acceptance by position and draft/verify costs, speculation
+        switched off where it does not pay (specdec_ext/adaptive.py; an ``AdaptiveK`` sets k_max and
+        the controller's knobs). A seeded sample at temperature > 0 then depends on the measured times
+        (still distributed exactly as the target's): pass an int for reproducible seeded sampling.
     temperature, top_k, top_p : float, int, float
         The sampling filter (0 = greedy; top_k 0 and top_p 1 are off), applied to target and draft.
     seed : int, list of int, or None
@@ -352,8 +359,7 @@ def generate(prompts, target: ModelSpec = None, draft: ModelSpec = None, *, max_
     -------
     GenerationResult (``.token_ids``, ``.text``, ``.finish_reasons``, ``.stats``) or GenerationStream.
     """
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"k (draft tokens per step) must be an int >= 1, got {k!r}")
+    k, controller = adaptive_k.resolve(k)
     if draft_tree is not None:
         if (not isinstance(draft_tree, (tuple, list)) or len(draft_tree) != 3
                 or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in draft_tree)):
@@ -361,6 +367,7 @@ def generate(prompts, target: ModelSpec = None, draft: ModelSpec = None, *, max_
         if isinstance(draft, str) and draft == NGRAM_DRAFT:
             raise ValueError("draft_tree needs a draft model, not the n-gram drafter")
         k = tree_num_nodes(*draft_tree)  # the verify budget: N' + 1 tokens, N' = min(N, expanded nodes)
+        controller = None  # a tree drafter has its own node budget (adaptive k is for chains)
     if not 0.0 <= draft_confidence < 1.0:
         raise ValueError(f"draft_confidence must lie in [0, 1), got {draft_confidence}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
@@ -370,7 +377,7 @@ def generate(prompts, target: ModelSpec = None, draft: ModelSpec = None, *, max_
         return _run(prompts, target_model, None, tokenizer, k=k, max_new_tokens=max_new_tokens,
                     temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id,
                     stop=stop, stream=stream, max_seq_len=max_seq_len, runner=runner, verifier=verifier,
-                    cost_probe=cost_probe, ngram=True)
+                    cost_probe=cost_probe, ngram=True, adaptive=controller)
     target_model, draft_model, tokenizer = load_pair(target, draft, tokenizer)
     if draft_tokenizer is None and not isinstance(draft, torch.nn.Module) and draft is not None:
         draft_tokenizer = _load_tokenizer(draft)
@@ -383,7 +390,7 @@ def generate(prompts, target: ModelSpec = None, draft: ModelSpec = None, *, max_
     return _run(prompts, target_model, draft_model, tokenizer, k=k, max_new_tokens=max_new_tokens,
                 temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id, stop=stop,
                 stream=stream, max_seq_len=max_seq_len, runner=runner, verifier=verifier, cost_probe=cost_probe,
-                draft_confidence=draft_confidence, draft_tree=draft_tree)
+                draft_confidence=draft_confidence, draft_tree=draft_tree, adaptive=controller)
 
 
 def plain_generate(prompts, target: ModelSpec = None, *, max_new_tokens: int = 128, temperature: float = 0.0,
@@ -410,7 +417,7 @@ def _load_target(target: ModelSpec, tokenizer):
 
 def _run(prompts, target_model, draft_model, tokenizer, *, k, max_new_tokens, temperature, top_k, top_p, seed,
          eos_token_id, stop, stream, max_seq_len, runner, verifier, cost_probe, draft_confidence=0.0, ngram=False,
-         draft_tree=None):
+         draft_tree=None, adaptive=None):
     """Validate the rest of the arguments, build the runners and the drafter, run the loop."""
     sampling = SamplingParams(float(temperature), top_k, float(top_p))
     sampling.validate()
@@ -468,7 +475,7 @@ def _run(prompts, target_model, draft_model, tokenizer, *, k, max_new_tokens, te
             decode_text=(lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer is not None else None)
         events = decode(target_runner, drafter, token_prompts, k=k, sampling=sampling, seeds=seeds,
                         stop=stop_criteria, max_seq_len=needed, vocab_size=vocab_size, verifier=verifier,
-                        stats=stats, rows=rows, cost_probe=cost_probe)
+                        stats=stats, rows=rows, cost_probe=cost_probe, adaptive=adaptive)
     if stream:
         return GenerationStream(events, rows, finisher)
     for _ in events:

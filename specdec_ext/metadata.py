@@ -14,7 +14,7 @@ same for a row whatever else shares the batch, so a row's tokens do not depend o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
@@ -80,6 +80,10 @@ class SpecDecodeMetadata:
     num_accepted: torch.Tensor  # [B] int32: accepted draft tokens (the row emits num_accepted + 1)
     num_kept: torch.Tensor  # [B] int64: tokens the target commits (num_accepted + 1, 0 when frozen)
     step: int = 0  # decode step index (host-side; offsets are derived from it)
+    # adaptive k (specdec_ext/adaptive.py) ---------------------------------------------------------
+    draft_budget: Optional[List[int]] = None  # host [B]: most drafts row b may propose this step (None:
+    # k); a drafter that knows its counts on the host lowers it to them (the verify pass's width)
+    verify_logits: Optional[torch.Tensor] = None  # [B, k+1, V]: narrower verify passes widened into it
 
     # tree proposals (only with a tree drafter; None on the chain path) --------------------------
     # The k draft slots are then N tree nodes: draft_token_ids [B, N] holds their tokens, target_input
@@ -91,6 +95,11 @@ class SpecDecodeMetadata:
     @property
     def batch_size(self) -> int:
         return self.token_buffer.shape[0]
+
+    @property
+    def verify_width(self) -> int:
+        """Tokens per row of this step's target pass: k + 1, or max(draft_budget) + 1 (adaptive k)."""
+        return self.k + 1 if self.draft_budget is None else max(self.draft_budget, default=0) + 1
 
     @classmethod
     def allocate(cls, *, batch_size: int, k: int, max_seq_len: int, vocab_size: int,

@@ -66,6 +66,7 @@ class GenerationStats:
     verify_time: float = 0.0
     total_time: float = 0.0
     target_step_time: Optional[float] = None  # one plain target decode step (cost probe), if measured
+    adaptive: Optional[Dict[str, object]] = None  # adaptive k: AdaptiveK.summary() (chosen widths, costs)
 
     def __post_init__(self):
         if not self.reached:
@@ -177,6 +178,7 @@ class GenerationStats:
             "verify_cost_v": self.verify_cost,
             "predicted_tokens_per_pass": self.predicted_tokens_per_pass,
             "predicted_speedup": self.predicted_speedup,
+            "adaptive": self.adaptive,
         }
 
     def summary(self) -> str:
@@ -196,4 +198,8 @@ class GenerationStats:
                 f"cost model: target step {self.target_step_time * 1e3:.2f} ms, c={self.draft_cost:.3f}, "
                 f"v={self.verify_cost:.3f} -> predicted decode speedup {self.predicted_speedup:.2f}x "
                 f"(measured {self.measured_decode_speedup:.2f}x)")
+        if self.adaptive:
+            a = self.adaptive
+            lines.append(f"adaptive k (k_max={a['k_max']}): mean k per row {a['mean_row_k']:.2f}, steps by verify "
+                         f"width {a['steps_by_width']}, speculation off for {a['speculation_off_steps']} steps")
         return "\n".join(lines)

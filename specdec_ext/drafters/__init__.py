@@ -10,6 +10,12 @@ HF draft model, n-gram / suffix lookup, or heads on the target plug in the same 
                                       and sets meta.num_draft [B]
     drafter.accept(meta)              after verification: meta.num_accepted [B] and meta.seq_lens [B]
                                       (updated) tell it what was committed; roll its state back
+    drafter.skip(meta)                adaptive k: instead of propose when no row drafts this step (the
+                                      step is plain decoding); accept(meta) still follows
+
+Adaptive k (specdec_ext/adaptive.py): when meta.draft_budget (host list [B]) is set, row b proposes at
+most draft_budget[b] tokens (num_draft[b] <= draft_budget[b] <= k); a drafter that learns its counts
+on the host may lower meta.draft_budget to them (assign a new list), which narrows the verify pass.
 
 Contract: the drafter samples only what the verifier checks. A stochastic drafter returns the exact
 (filtered) distribution q each token was sampled from; a deterministic one returns None (q is then
@@ -39,6 +45,9 @@ class Drafter:
 
     def accept(self, meta: SpecDecodeMetadata) -> None:
         raise NotImplementedError
+
+    def skip(self, meta: SpecDecodeMetadata) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support adaptive k (skip)")
 
 
 from .model_drafter import ModelDrafter  # noqa: E402

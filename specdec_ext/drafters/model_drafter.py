@@ -35,6 +35,8 @@ class ModelDrafter(Drafter):
         # the decision depends on the draft alone, so verification stays lossless.
         self.confidence_threshold = float(confidence_threshold)
         self._fed_drafts = 0  # draft tokens fed to the draft cache in the last propose (<= k - 1)
+        self._skipped = 0  # adaptive k: steps skipped since the last feed (each commits <= 1 token per row)
+        self._skipped_step = False  # the last step was skipped (accept leaves the cache as it is)
         self.runner_factory = runner_factory
         self.k = int(k)
         self.vocab_size = int(vocab_size)  # the target's V: proposals and q rows live in it
@@ -53,6 +55,7 @@ class ModelDrafter(Drafter):
         self._feed_columns = torch.arange(MAX_DRAFT_FEED, dtype=torch.int64, device=device)
         self._ones = torch.ones((B,), dtype=torch.int64, device=device)
         self._rows = torch.arange(B, dtype=torch.int64, device=device)
+        self._skipped, self._skipped_step = 0, False
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits [B, V_d] -> [B, V] in the target's vocabulary."""
@@ -67,10 +70,14 @@ class ModelDrafter(Drafter):
         """Feed the committed tokens not yet in the draft cache; logits at the last one [B, V_d]."""
         S = meta.token_buffer.shape[1]
         seen = self.runner.lengths.to(meta.seq_lens.device)  # [B]
-        num_feed = meta.seq_lens - seen  # [B], 1..MAX_DRAFT_FEED
-        positions = (seen[:, None] + self._feed_columns).clamp(max=S - 1)  # [B, MAX_DRAFT_FEED]
-        feed = torch.gather(meta.token_buffer, 1, positions)  # [B, MAX_DRAFT_FEED]
-        logits = self.runner.forward(feed, num_feed)  # [B, MAX_DRAFT_FEED, V_d]
+        num_feed = meta.seq_lens - seen  # [B], 1..MAX_DRAFT_FEED (+ skipped steps)
+        columns = self._feed_columns
+        if self._skipped:  # adaptive k skipped the drafter: each skipped step committed <= 1 token per row
+            columns = torch.arange(MAX_DRAFT_FEED + self._skipped, dtype=torch.int64, device=columns.device)
+            self._skipped = 0
+        positions = (seen[:, None] + columns).clamp(max=S - 1)  # [B, W]
+        feed = torch.gather(meta.token_buffer, 1, positions)  # [B, W]
+        logits = self.runner.forward(feed, num_feed)  # [B, W, V_d]
         self.runner.commit(num_feed)
         last = (num_feed - 1).clamp(min=0)
         return logits[self._rows, last]
@@ -78,12 +85,17 @@ class ModelDrafter(Drafter):
     # ------------------------------------------------------------------ the step
     def propose(self, meta: SpecDecodeMetadata) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         sampling, k = meta.sampling, self.k
+        budget = meta.draft_budget  # adaptive k: host [B] caps, or None
+        steps = k if budget is None else min(k, max(budget, default=0))
         logits = self._fit_vocab(self._feed_unseen(meta))  # [B, V]
         uniforms = None if sampling.greedy else ops.philox_uniforms(meta.seed, meta.draft_offset, k)  # [B, k]
-        meta.num_draft.fill_(k)
+        if budget is None:
+            meta.num_draft.fill_(k)
+        else:
+            meta.num_draft.copy_(torch.tensor([min(k, b) for b in budget], dtype=torch.int32))
         drafting = torch.ones_like(meta.active) if self.confidence_threshold > 0 else None  # [B] bool
-        self._fed_drafts = 0
-        for i in range(k):
+        self._fed_drafts, self._skipped_step = 0, False
+        for i in range(steps):
             if sampling.greedy:
                 token = logits.argmax(-1)  # [B]
                 if drafting is not None:
@@ -97,23 +109,31 @@ class ModelDrafter(Drafter):
             meta.draft_token_ids[:, i].copy_(token)
             if drafting is not None:
                 stop = drafting & (confidence < self.confidence_threshold) & meta.active  # [B]
-                meta.num_draft.masked_fill_(stop, i + 1)
+                meta.num_draft.masked_fill_(stop & (meta.num_draft > i + 1), i + 1)
                 drafting &= ~stop
                 if not bool((drafting & meta.active).any()):  # every live row has stopped drafting
                     break
-            if i + 1 < k:
+            if i + 1 < steps:
                 logits = self._fit_vocab(self.runner.forward(token[:, None], self._ones)[:, 0])
                 self.runner.commit(self._ones)
                 self._fed_drafts += 1
         return meta.draft_token_ids, meta.draft_probs
+
+    def skip(self, meta: SpecDecodeMetadata) -> None:
+        """No draft this step (adaptive k): the next propose feeds the tokens committed meanwhile."""
+        self._skipped += 1
+        self._skipped_step = True
 
     def accept(self, meta: SpecDecodeMetadata) -> None:
         """Roll the draft cache back to the committed tokens it has fed.
 
         Before this step the draft had fed seq_len_old tokens plus drafts 1.._fed_drafts; the first
         num_accepted drafts were committed. At least one committed token is always left unfed, so
-        the next step has something to feed (frozen rows re-feed their last token).
+        the next step has something to feed (frozen rows re-feed their last token). After a skipped
+        step (adaptive k) the cache is left as it is.
         """
+        if self._skipped_step:
+            return
         seq_old = meta.seq_lens - meta.num_kept  # [B]
         accepted = meta.num_accepted.to(torch.int64).clamp(min=0, max=self._fed_drafts)  # [B]
         valid = torch.minimum(seq_old + accepted, meta.seq_lens - 1)  # [B]

@@ -83,13 +83,19 @@ class NgramDrafter(Drafter):
     def propose(self, meta: SpecDecodeMetadata) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Up to k tokens per row into meta.draft_token_ids [B, k] (padded), meta.num_draft [B]."""
         k = self.k
-        drafts = [a.propose(k) for a in self.automata]
+        budget = meta.draft_budget  # adaptive k: host [B] caps, or None
+        drafts = [a.propose(k if budget is None else min(k, budget[b])) for b, a in enumerate(self.automata)]
         counts = [len(d) for d in drafts]
+        if budget is not None:
+            meta.draft_budget = counts  # known on the host: narrows the verify pass
         padded = [d + [PAD_TOKEN] * (k - len(d)) for d in drafts]
         meta.draft_token_ids.copy_(torch.tensor(padded, dtype=torch.int64).view(len(drafts), k))
         meta.num_draft.copy_(torch.tensor(counts, dtype=torch.int32))
         meta.draft_probs = None
         return meta.draft_token_ids, None
+
+    def skip(self, meta: SpecDecodeMetadata) -> None:
+        """No proposal this step (adaptive k); accept() indexes the committed token as usual."""
 
     def accept(self, meta: SpecDecodeMetadata) -> None:
         """Index the tokens committed since the last call: token_buffer[b, seen_b:seq_lens[b]].

@@ -1,0 +1,553 @@
+"""Adaptive draft length: per row and per step, the k that maximises expected tokens per second.
+
+``AdaptiveK`` is a host-side controller the decode loop consults once per step (``plan``) and
+informs once per step (``observe``). It never touches the device: it works on the host lists the
+loop already reads (num_accepted, num_draft) and on the loop's step timers.
+
+The maths
+---------
+Acceptance by position. For row b and draft position i = 1..k_max let a_i be the probability that
+draft i is accepted GIVEN that drafts 1..i-1 were (position i was *reached*). Acceptance usually
+decays with i (the draft drifts away from the target), so a_i is estimated per position, not as one
+i.i.d. a. Each verify step of a row that drafted d tokens and accepted n of them reached positions
+1..min(n+1, d) and accepted positions 1..n. With exponential forgetting (factor g per observation
+of a position, an effective window of 1 / (1 - g) observations) the counts are
+
+    R_i <- g R_i + [i reached],    A_i <- g A_i + [i accepted]          (only when i was reached)
+
+starting from m pseudo-observations of acceptance p0 at position 1 (R_1 = m, A_1 = m p0: a prior
+that is forgotten like any observation, so a row that never accepts goes to a_1 -> 0), and
+
+    a_1 = A_1 / R_1,      a_i = (A_i + m a_{i-1}) / (R_i + m)   for i > 1
+
+(a deep position with little data behaves like the position before it). A later generation with
+the same target, drafter and batch size starts its rows from m pseudo-observations of the
+acceptance by position pooled over the previous generation's rows (``start`` / ``finish``).
+
+Expected tokens. A row drafting k tokens emits the accepted prefix plus one recovered/bonus token:
+
+    E(k) = 1 + sum_{i=1..k} prod_{j<=i} a_j           (E(0) = 1: plain decoding)
+
+which is (1 - a^(k+1)) / (1 - a) of the mission note when every a_i = a.
+
+Cost. The step's time with k drafts is
+
+    time(k) = V(k + 1) + D(k)         (D(0) = 0: no draft pass at all; D(k) ~ k c)
+
+where V(t) is the measured time of a verify step over t tokens per row (the target forward over
+[B, t], the verifier and the commit) at the CURRENT batch size, and D(k) the measured time of a
+draft step of k tokens per row: k c with c the draft time per drafted position (the step's draft
+time / the drafts per row it ran) until two different k were observed, then interpolated between the
+observed k like V (a draft step has a fixed part, e.g. feeding the committed tokens, that k c alone
+would overcharge to long drafts; a draft pass right after skipped steps also feeds their tokens and
+is not timed). V is known at a few widths:
+a start-up probe (``probe``: target forwards over [B, t] for t in {1, 2, 4, k_max+1}, rolled back
+with ``truncate``; run once per process for a target model and batch size, whose costs the later
+controllers share) and every step the loop runs (an exponential moving average per width). Between
+known widths V is interpolated linearly, beyond them extrapolated with the last slope, and made
+non-decreasing in t. A probed width not observed recently is rescaled by the running ratio of
+observed to probed times (the probe times the forward only; a step also verifies and commits).
+In relative units v = V(k+1) / V(1), c' = c / V(1) (D(k) = k c) this is the note's speedup
+E / (v + k c').
+
+Choice. Row b's preferred draft length is
+
+    k_b = argmax_{k in 0..k_max} E_b(k) / time(k)                      (tokens per second)
+
+so k_b = 0 (speculation off for the row) exactly when no draft length beats plain decoding.
+All rows share one target pass whose width is the largest k in the batch plus one, so the batch is
+then capped: with caps K = 0..max k_b (row b drafts min(k_b, K)) the controller picks
+
+    K* = argmax_K  sum_{b active} E_b(min(k_b, K)) / time(K)
+
+With the paged runner the verify pass is padded to [B, K+1]: a row drafting fewer than K saves no
+time and loses expected tokens (E is increasing), so by default (``rows="padded"``) every active
+row drafts K* and K* = argmax_K sum_b E_b(K) / time(K); a row whose own k_b is 0 then rides along
+at no cost. ``rows="own"`` gives row b min(k_b, K*) instead, for a verify whose cost follows each
+row's own count (a varlen pass). Either way K* = 0 switches speculation off for the batch (the
+drafter is not called; the target runs a plain one-token step): this is how the batch-size crossover of the regime map shows up, measured rather
+than hard-coded: as the batch grows, V(t) / V(1) grows (the verify pass stops being memory-bound)
+and time(K) outgrows the extra tokens.
+
+Exploration. A row whose choice is 0 stops producing acceptance data, so its estimate could never
+recover after a change of regime (the text becomes repetitive, a new prompt section...). Every
+``explore_every`` steps, every such row drafts ``explore_k`` tokens anyway (all at the same step: if
+the batch was off, that is one draft pass for the batch); a row whose exploration was fully accepted
+explores again on the next step, so a recovered row gets back to speculation within a few steps.
+An exploration that finds nothing doubles the interval (up to ``EXPLORE_BACKOFF`` x explore_every
+steps); one that is fully accepted resets it. The cost is at most one small draft pass per
+``explore_every`` steps, falling to one per 4 x explore_every while speculation keeps not paying.
+
+Losslessness does not depend on any of this: every choice of k per row and step verifies with the
+same lossless rule. Two consequences to know: greedy output is unchanged (it is the target's greedy
+output), but a SEEDED sample at temperature > 0 depends on the per-step choices (the Philox counters
+are per step), which depend on measured times: it is still distributed exactly as the target's, but
+not reproducible run to run. Pass a fixed k for reproducible seeded sampling.
+
+Host cost: O(B k_max) numpy work per step (about 60-90 us at B = 1..64 on this CPU), nearly none
+while speculation is off (the last plan is reused until something is drafted); no device
+synchronisation (the loop's timers and its read of num_accepted / num_draft are the only ones).
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Dict, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+DEFAULT_K_MAX = 8  # static buffer width of k="auto" (drafts per row per step, at most)
+DEFAULT_PRIOR_ACCEPTANCE = 0.7  # p0: acceptance assumed before a row has data
+DEFAULT_PRIOR_STRENGTH = 1.0  # m: pseudo-observations of the prior
+DEFAULT_FORGETTING = 0.9  # g: per-observation decay of the counts (window ~ 10 observations)
+DEFAULT_COST_SMOOTHING = 0.3  # weight of a new time measurement in the moving averages
+DEFAULT_PRIOR_DRAFT_COST = 0.1  # c / V(1) assumed until the first draft pass is timed
+DEFAULT_EXPLORE_EVERY = 16  # steps between explorations of the rows whose choice is 0
+DEFAULT_EXPLORE_K = 1  # one draft token: the cheapest look (a full accept explores again next step)
+DEFAULT_PROBE_PASSES = 2  # timed forwards per probed width (the median is kept), after one warm-up
+COST_MEMORY_STEPS = 64  # an observed width older than this falls back to the rescaled probe
+COST_REFRESH_STEPS = 4  # plan() recomputes time(k) from the measurements every this many steps
+EXPLORE_BACKOFF = 4  # fruitless explorations stretch the interval up to this many times explore_every
+
+
+def expected_tokens_table(acceptance: np.ndarray) -> np.ndarray:
+    """E(k) for k = 0..K from acceptance by position.
+
+    acceptance [B, K] (a_1..a_K, conditional on reaching the position) -> [B, K+1]:
+    E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j.
+    """
+    acceptance = np.asarray(acceptance, dtype=np.float64)
+    reach = np.cumprod(acceptance, axis=-1)  # P(position i accepted) = prod_{j<=i} a_j
+    zeros = np.zeros(acceptance.shape[:-1] + (1,))
+    return 1.0 + np.concatenate([zeros, np.cumsum(reach, axis=-1)], axis=-1)
+
+
+def best_draft_lengths(expected: np.ndarray, step_time: np.ndarray) -> np.ndarray:
+    """Per row, argmax_k expected[b, k] / step_time[k] (ties -> the smaller k). [B, K+1], [K+1] -> [B]."""
+    rate = np.asarray(expected) / np.asarray(step_time)[None, :]
+    return np.argmax(rate >= rate.max(axis=1, keepdims=True) * (1.0 - 1e-12), axis=1)
+
+
+class VerifyCosts:
+    """What is known of V(t), the verify step's time over t tokens per row, at one batch size.
+
+    Arrays are indexed by t (index 0 unused): ``probe`` the start-up forward times, ``obs`` the moving
+    average of observed verify steps, ``obs_step`` when t was last observed, ``scale`` the moving
+    average of observed / probed time, ``step`` a step counter (for the staleness of ``obs``)."""
+
+    def __init__(self, k_max: int):
+        self.probe = np.full(k_max + 2, np.nan)
+        self.obs = np.full(k_max + 2, np.nan)
+        self.obs_step = np.full(k_max + 2, -10 ** 9, dtype=np.int64)
+        self.scale = 1.0
+        self.step = 0
+        self.probe_curve: Optional[np.ndarray] = None  # probe interpolated at every width (cache)
+
+
+class DrafterMemory:
+    """What a finished generation leaves for the next one with the same target, drafter and batch
+    size: the draft cost per token and the acceptance by position pooled over its rows (the next
+    rows' prior, with strength m: an empirical-Bayes prior instead of p0)."""
+
+    def __init__(self):
+        self.draft_per_token: Optional[float] = None
+        self.draft_obs: Optional[np.ndarray] = None  # [k_max+1] draft time per drafted count
+        self.acceptance: Optional[np.ndarray] = None  # [k_max]
+
+
+# State shared by the controllers of one target model (weakly keyed): VerifyCosts per (batch size,
+# k_max), so that the start-up probe runs once per process and later generations start from (and
+# keep refining) what earlier ones measured; DrafterMemory per (batch size, k_max, drafter).
+_SHARED: "weakref.WeakKeyDictionary[object, Dict[tuple, object]]" = weakref.WeakKeyDictionary()
+
+
+def _drafter_key(drafter) -> tuple:
+    model = getattr(drafter, "model", None)
+    if model is not None:
+        return ("model", id(model))
+    return ("drafter", type(drafter).__module__, type(drafter).__qualname__)
+
+
+def best_batch_cap(expected: np.ndarray, step_time: np.ndarray, preferred: np.ndarray,
+                   active: np.ndarray) -> int:
+    """argmax_K sum_{b active} expected[b, min(preferred[b], K)] / step_time[K], K = 0..max preferred.
+
+    The batch shares one pass of width K + 1; K = 0 is plain decoding for the whole batch."""
+    if not active.any():
+        return 0
+    rows = np.nonzero(active)[0]
+    top = int(preferred[rows].max())
+    caps = np.arange(top + 1)
+    chosen = np.minimum(preferred[rows][:, None], caps[None, :])  # [rows, caps]
+    rates = np.take_along_axis(expected[rows], chosen, axis=1).sum(axis=0) / step_time[: top + 1]
+    return int(np.argmax(rates >= rates.max() * (1.0 - 1e-12)))  # ties -> the smaller cap
+
+
+class AdaptiveK:
+    """The adaptive-k controller (see the module docstring for the maths).
+
+    Parameters
+    ----------
+    k_max : int
+        Largest draft length (the static buffers' k).
+    prior_acceptance, prior_strength : float
+        p0 and m of the acceptance prior.
+    forgetting : float
+        g in (0, 1]: decay of the acceptance counts per observation (1 = never forget).
+    cost_smoothing : float
+        Weight of a new time measurement in the moving averages of V(t) and c.
+    prior_draft_cost : float
+        c / V(1) assumed until the first draft pass is timed.
+    explore_every, explore_k : int
+        Every explore_every steps (backing off to EXPLORE_BACKOFF x that while explorations find
+        nothing) the rows whose choice is 0 draft explore_k tokens (0 disables).
+    probe_widths : sequence of int, optional
+        Widths t timed by ``probe`` (default {1, 2, 4, k_max + 1}).
+    probe_passes : int
+        Timed forwards per probed width.
+    share_costs : bool
+        Share measurements with the other controllers of the same target model and batch size: the
+        verify costs (the probe then runs once per process) and, per drafter, the draft cost and the
+        pooled acceptance by position, the next generation's prior (default True).
+    rows : "padded" or "own"
+        How a row's budget follows from the choice (module docstring, "Choice"): "padded" (default,
+        right for a verify pass over [B, K+1] whatever each row's count, as the paged runner's):
+        every active row drafts the batch's K*; "own": row b drafts min(k_b, K*), its own argmax
+        capped by the batch (right when a row's verify tokens cost by themselves, e.g. a varlen pass).
+    """
+
+    def __init__(self, k_max: int = DEFAULT_K_MAX, *, prior_acceptance: float = DEFAULT_PRIOR_ACCEPTANCE,
+                 prior_strength: float = DEFAULT_PRIOR_STRENGTH, forgetting: float = DEFAULT_FORGETTING,
+                 cost_smoothing: float = DEFAULT_COST_SMOOTHING, prior_draft_cost: float = DEFAULT_PRIOR_DRAFT_COST,
+                 explore_every: int = DEFAULT_EXPLORE_EVERY, explore_k: int = DEFAULT_EXPLORE_K,
+                 probe_widths: Optional[Sequence[int]] = None, probe_passes: int = DEFAULT_PROBE_PASSES,
+                 share_costs: bool = True, rows: str = "padded"):
+        if rows not in ("padded", "own"):
+            raise ValueError(f"rows must be 'padded' or 'own', got {rows!r}")
+        if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 1:
+            raise ValueError(f"k_max must be an int >= 1, got {k_max!r}")
+        if not 0.0 <= prior_acceptance <= 1.0:
+            raise ValueError(f"prior_acceptance must lie in [0, 1], got {prior_acceptance}")
+        if not prior_strength > 0.0:
+            raise ValueError(f"prior_strength must be > 0, got {prior_strength}")
+        if not 0.0 < forgetting <= 1.0:
+            raise ValueError(f"forgetting must lie in (0, 1], got {forgetting}")
+        if not 0.0 < cost_smoothing <= 1.0:
+            raise ValueError(f"cost_smoothing must lie in (0, 1], got {cost_smoothing}")
+        if explore_every < 0 or explore_k < 0:
+            raise ValueError("explore_every and explore_k must be >= 0")
+        self.k_max = k_max
+        self.prior_acceptance = float(prior_acceptance)
+        self.prior_strength = float(prior_strength)
+        self.forgetting = float(forgetting)
+        self.cost_smoothing = float(cost_smoothing)
+        self.prior_draft_cost = float(prior_draft_cost)
+        self.explore_every = int(explore_every)
+        self.explore_k = min(int(explore_k), k_max)
+        widths = probe_widths if probe_widths is not None else (1, 2, 4, k_max + 1)
+        self.probe_widths = sorted({int(t) for t in widths if 1 <= int(t) <= k_max + 1})
+        self.probe_passes = max(1, int(probe_passes))
+        self.share_costs = bool(share_costs)
+        self.rows = rows
+        self._memory: Optional[DrafterMemory] = None
+        self.reset(1)
+
+    # ------------------------------------------------------------------ state
+    def reset(self, batch_size: int) -> None:
+        """Forget the rows (a new generation of ``batch_size`` rows); the measured costs are kept when
+        the batch size is the same (they depend on it)."""
+        B, K = batch_size, self.k_max
+        self.batch_size = B
+        self.reached = np.zeros((B, K))  # R_i, decayed
+        self.accepted = np.zeros((B, K))  # A_i, decayed
+        self.reached[:, 0] = self.prior_strength  # the prior: m pseudo-observations of p0 at position 1
+        self.accepted[:, 0] = self.prior_strength * self.prior_acceptance
+        self.exploring = np.zeros(B, dtype=bool)  # the row's drafts of this step are an exploration
+        self.follow_up = np.zeros(B, dtype=bool)  # the row's last exploration was fully accepted
+        self._explore_interval = max(self.explore_every, 1)
+        self._next_explore = self._explore_interval - 1  # step index of the next scheduled exploration
+        self.step = 0
+        self._times: Optional[np.ndarray] = None  # time(k) cached by plan()
+        self._last_plan: Optional[List[int]] = None  # plan() reuses it while nothing was drafted
+        self._last_active: tuple = ()
+        self._changed = True
+        self._prev_off = False  # the last step did not call the drafter
+        self.history: Dict[int, int] = {}  # chosen batch width K -> steps (for the stats)
+        self.row_k_sum = 0  # sum of per-row draft budgets over active row-steps
+        self.row_steps = 0
+        if getattr(self, "_cost_batch_size", None) != B:  # costs are measured at one batch size
+            self._cost_batch_size = B
+            self.costs = VerifyCosts(K)
+        self.draft_per_token: Optional[float] = None  # c, seconds (per drafter: measured afresh)
+        self.draft_obs = np.full(K + 1, np.nan)  # [s] moving average of the draft time of s-token steps
+
+    # ------------------------------------------------------------------ estimates
+    def acceptance(self) -> np.ndarray:
+        """a_i per row: [B, k_max] (see the module docstring)."""
+        out = np.empty_like(self.reached)
+        m = self.prior_strength
+        out[:, 0] = self.accepted[:, 0] / np.maximum(self.reached[:, 0], 1e-12)
+        for i in range(1, self.k_max):
+            out[:, i] = (self.accepted[:, i] + m * out[:, i - 1]) / (self.reached[:, i] + m)
+        return out
+
+    def verify_times(self) -> np.ndarray:
+        """V(t) for t = 1..k_max+1 in seconds: [k_max+1] (index t-1), or all NaN before any measurement."""
+        widths = np.arange(1, self.k_max + 2)
+        known = np.full(self.k_max + 2, np.nan)
+        costs = self.costs
+        probed = ~np.isnan(costs.probe)
+        known[probed] = costs.probe[probed] * costs.scale
+        fresh = ~np.isnan(costs.obs) & (costs.step - costs.obs_step <= COST_MEMORY_STEPS)
+        known[fresh] = costs.obs[fresh]
+        points = np.nonzero(~np.isnan(known[1:]))[0] + 1
+        if len(points) == 0:
+            return np.full(self.k_max + 1, np.nan)
+        values = known[points]
+        if len(points) == 1:
+            curve = np.full(len(widths), values[0])
+        else:
+            curve = np.interp(widths, points, values)
+            lo_slope = (values[1] - values[0]) / (points[1] - points[0])
+            hi_slope = (values[-1] - values[-2]) / (points[-1] - points[-2])
+            below, above = widths < points[0], widths > points[-1]
+            curve[below] = values[0] + lo_slope * (widths[below] - points[0])
+            curve[above] = values[-1] + max(hi_slope, 0.0) * (widths[above] - points[-1])
+        curve = np.maximum.accumulate(np.maximum(curve, 1e-9))  # verifying more never costs less
+        return curve
+
+    def step_times(self) -> np.ndarray:
+        """time(k) = V(k+1) + k c for k = 0..k_max: [k_max+1] seconds (relative units before any timing)."""
+        verify = self.verify_times()
+        if np.isnan(verify).any():
+            verify = np.ones(self.k_max + 1)  # nothing measured yet: verification assumed free
+        return verify + self.draft_times(verify[0])
+
+    def draft_times(self, unit: float = 1.0) -> np.ndarray:
+        """D(s), the draft time of a step drafting s tokens per row, s = 0..k_max: [k_max+1] seconds.
+
+        From the moving averages per s observed (linear between them, the end slopes beyond, D(0) = 0,
+        non-decreasing): a draft step has a fixed part (feeding the committed tokens, launch overhead)
+        besides its per-token part, which s c alone would overcharge. With fewer than two s observed:
+        s c (c the per-token average; before any timing prior_draft_cost x ``unit``)."""
+        s = np.arange(self.k_max + 1)
+        points = np.nonzero(~np.isnan(self.draft_obs[1:]))[0] + 1
+        if len(points) < 2:
+            c = self.draft_per_token if self.draft_per_token is not None else self.prior_draft_cost * unit
+            return c * s.astype(np.float64)
+        values = self.draft_obs[points]
+        curve = np.interp(s, points, values)
+        lo = (values[1] - values[0]) / (points[1] - points[0])
+        hi = (values[-1] - values[-2]) / (points[-1] - points[-2])
+        below, above = (s >= 1) & (s < points[0]), s > points[-1]
+        curve[below] = np.maximum(values[0] + max(lo, 0.0) * (s[below] - points[0]), 0.0)
+        curve[above] = values[-1] + max(hi, 0.0) * (s[above] - points[-1])
+        curve[0] = 0.0
+        return np.maximum.accumulate(curve)
+
+    # ------------------------------------------------------------------ the loop's calls
+    def plan(self, active: Sequence[bool]) -> List[int]:
+        """Draft budgets of this step, one per row (0 for finished rows). Host lists only."""
+        refresh = self._times is None or self.step % COST_REFRESH_STEPS == 0
+        key = tuple(active)
+        if (not refresh and not self._changed and self._last_plan is not None and key == self._last_active
+                and not (self.explore_every and self.explore_k and self.step >= self._next_explore)):
+            return list(self._last_plan)  # nothing observed since the last plan could change it (off steps)
+        active = np.asarray(active, dtype=bool)
+        expected = expected_tokens_table(self.acceptance())  # [B, K+1]
+        if refresh:
+            self._times = self.step_times()  # [K+1]: the costs move slowly; refreshed every few steps
+        times = self._times
+        preferred = best_draft_lengths(expected, times)  # [B]
+        if self.rows == "padded":  # min(k_b, K) -> K: in a padded pass a shorter row saves nothing
+            preferred = np.full_like(preferred, self.k_max)
+        cap = best_batch_cap(expected, times, preferred, active)
+        budget = np.minimum(preferred, cap)
+        self.exploring[:] = False
+        if self.explore_every and self.explore_k:
+            scheduled = self.step >= self._next_explore  # all rows at once: one draft pass
+            due = active & (budget == 0) & (scheduled | self.follow_up)
+            if scheduled and not due.any():
+                self._next_explore = self.step + self._explore_interval  # nobody to explore: no backoff
+            budget[due] = self.explore_k
+            self.exploring[due] = True
+        budget[~active] = 0
+        plan = [int(x) for x in budget]
+        self._last_plan, self._last_active, self._changed = plan, key, False
+        return plan
+
+    def observe(self, budget: Sequence[int], num_draft: Sequence[int], num_accepted: Sequence[int],
+                active: Sequence[bool], *, draft_time: float, verify_time: float, drafted: int, width: int) -> None:
+        """One step's outcome: the budgets ``plan`` gave, the drafted and accepted counts per row,
+        whether each row was active, the step's draft and verify times (seconds), the drafts per row
+        the drafter ran (0 when it was not called) and the verify width (tokens per row)."""
+        self.step += 1
+        costs = self.costs
+        costs.step += 1
+        w = self.cost_smoothing
+        self.history[width - 1] = self.history.get(width - 1, 0) + 1
+        # costs
+        caught_up = self._prev_off  # this draft pass also fed the tokens of the skipped steps: not timed
+        self._prev_off = drafted == 0
+        if drafted > 0 and draft_time > 0 and not caught_up:
+            per_token = draft_time / drafted
+            self.draft_per_token = per_token if self.draft_per_token is None else (
+                (1 - w) * self.draft_per_token + w * per_token)
+            if drafted <= self.k_max:
+                old = self.draft_obs[drafted]
+                self.draft_obs[drafted] = draft_time if np.isnan(old) else (1 - w) * old + w * draft_time
+        if 1 <= width <= self.k_max + 1 and verify_time > 0:
+            old = costs.obs[width]
+            costs.obs[width] = verify_time if np.isnan(old) else (1 - w) * old + w * verify_time
+            costs.obs_step[width] = costs.step
+            probe = self._probe_at(width)
+            if probe is not None:
+                costs.scale = (1 - w) * costs.scale + w * verify_time / probe
+        if max(num_draft, default=0) == 0 and not self.exploring.any():  # nothing drafted: no acceptance data
+            self.row_steps += sum(1 for a in active if a)
+            return
+        self._changed = True
+        # acceptance by position
+        d = np.asarray(num_draft, dtype=np.int64)
+        n = np.clip(np.asarray(num_accepted, dtype=np.int64), 0, None)
+        live = np.asarray(active, dtype=bool) & (d > 0)
+        positions = np.arange(self.k_max)[None, :]  # 0-based: position i+1
+        reached = live[:, None] & (positions < np.minimum(n + 1, d)[:, None])
+        accepted = reached & (positions < n[:, None])
+        g = self.forgetting
+        self.reached = np.where(reached, g * self.reached + 1.0, self.reached)
+        self.accepted = np.where(reached, g * self.accepted + accepted, self.accepted)
+        # exploration bookkeeping: a fully accepted exploration explores again next step and resets
+        # the interval; a fruitless one doubles it
+        self.follow_up = self.exploring & live & (n >= d)
+        if self.exploring.any():
+            if self.follow_up.any():
+                self._explore_interval = max(self.explore_every, 1)
+            else:
+                self._explore_interval = min(2 * self._explore_interval, EXPLORE_BACKOFF * max(self.explore_every, 1))
+            self._next_explore = self.step - 1 + self._explore_interval
+        act = np.asarray(active, dtype=bool)
+        self.row_k_sum += int(np.asarray(budget, dtype=np.int64)[act].sum())
+        self.row_steps += int(act.sum())
+
+    def _probe_at(self, width: int) -> Optional[float]:
+        """The probe's forward time at ``width``, interpolated between the probed widths (cached)."""
+        costs = self.costs
+        if costs.probe_curve is None:
+            probed = np.nonzero(~np.isnan(costs.probe))[0]
+            if len(probed) == 0:
+                return None
+            costs.probe_curve = np.interp(np.arange(self.k_max + 2), probed, costs.probe[probed])
+        return float(costs.probe_curve[width])
+
+    # ------------------------------------------------------------------ start, probe, finish
+    def start(self, target, drafter, meta, timer, probe: bool = True) -> Dict[int, float]:
+        """The loop's call after prefill: forget the rows (``reset``), pick up what earlier
+        generations with this target / drafter / batch size measured (``share_costs``), and probe
+        the verify costs when they were never measured (``probe``). Returns the probed times."""
+        B = meta.batch_size
+        self.reset(B)
+        self._memory = None
+        table = None
+        model = getattr(target, "model", None)
+        if self.share_costs and model is not None:
+            try:
+                table = _SHARED.setdefault(model, {})
+            except TypeError:  # not weakly referenceable: nothing shared
+                table = None
+        if table is not None:
+            costs = table.setdefault(("costs", B, self.k_max), self.costs)
+            fresh = costs is self.costs
+            self.costs = costs
+            self._memory = table.setdefault(("drafter", B, self.k_max, _drafter_key(drafter)), DrafterMemory())
+            if self._memory.draft_per_token is not None:
+                self.draft_per_token = self._memory.draft_per_token
+                self.draft_obs = self._memory.draft_obs.copy()
+            if self._memory.acceptance is not None:
+                self.set_prior(self._memory.acceptance)
+            if not fresh:
+                return {}
+        return self.probe(target, meta, timer) if probe else {}
+
+    def set_prior(self, acceptance: Sequence[float]) -> None:
+        """Every row's prior: m pseudo-observations of ``acceptance`` [k_max] at each position."""
+        a = np.clip(np.asarray(acceptance, dtype=np.float64), 0.0, 1.0)
+        m = self.prior_strength
+        self.reached[:] = m
+        self.accepted[:, 0] = m * a[0]
+        # deeper positions also shrink towards the one before: pick A_i so that the estimate is a_i
+        self.accepted[:, 1:] = np.clip(2 * m * a[1:] - m * a[:-1], 0.0, m)[None, :]
+
+    def finish(self) -> Dict[str, object]:
+        """The loop's call at the end: leave the draft cost and the pooled acceptance for the next
+        generation (``share_costs``) and return ``summary()``."""
+        if self._memory is not None and self.row_steps:
+            self._memory.draft_per_token = self.draft_per_token
+            self._memory.draft_obs = self.draft_obs.copy()
+            self._memory.acceptance = self.acceptance().mean(axis=0)
+        return self.summary()
+
+    def probe(self, target, meta, timer) -> Dict[int, float]:
+        """Time target forwards over [B, t] for t in probe_widths (median of probe_passes after one
+        warm-up), each rolled back with ``target.truncate``, so the caches are left as they were.
+        Returns {t: seconds}."""
+        B = meta.batch_size
+        pending = torch.gather(meta.token_buffer, 1, (meta.seq_lens - 1)[:, None])  # [B, 1]
+        lengths = target.lengths.clone()  # [B]
+        out: Dict[int, float] = {}
+        target.forward(pending)  # warm-up
+        target.truncate(lengths)
+        for t in self.probe_widths:
+            tokens = pending.expand(B, t).contiguous()  # [B, t]: the content does not change the cost
+            times = []
+            for _ in range(self.probe_passes):
+                start = timer.now()
+                target.forward(tokens)
+                times.append(timer.now() - start)
+                target.truncate(lengths)
+            out[t] = sorted(times)[len(times) // 2]
+            self.costs.probe[t] = out[t]
+        self.costs.probe_curve = None
+        return out
+
+    # ------------------------------------------------------------------ reporting
+    def summary(self) -> Dict[str, object]:
+        """What the controller measured and chose (for GenerationStats.adaptive)."""
+        verify = self.verify_times()
+        return {
+            "k_max": self.k_max,
+            "steps_by_width": {k + 1: n for k, n in sorted(self.history.items())},
+            "mean_row_k": self.row_k_sum / self.row_steps if self.row_steps else float("nan"),
+            "speculation_off_steps": self.history.get(0, 0),
+            "verify_time_by_width_s": None if np.isnan(verify).any() else [float(v) for v in verify],
+            "draft_time_per_token_s": self.draft_per_token,
+            "acceptance_by_position": [float(a) for a in self.acceptance().mean(axis=0)],
+        }
+
+
+def resolve(k, default_k_max: int = DEFAULT_K_MAX):
+    """generate()'s ``k`` -> (static k, controller or None): "auto" -> (k_max, AdaptiveK(k_max)),
+    an AdaptiveK -> (its k_max, it), an int >= 1 -> (k, None)."""
+    if isinstance(k, str):
+        if k != "auto":
+            raise ValueError(f"k (draft tokens per step) must be an int >= 1, 'auto' or an AdaptiveK, got {k!r}")
+        return default_k_max, AdaptiveK(default_k_max)
+    if isinstance(k, AdaptiveK):
+        return k.k_max, k
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k (draft tokens per step) must be an int >= 1, 'auto' or an AdaptiveK, got {k!r}")
+    return k, None
+
+
+def widen_logits(meta, logits: torch.Tensor) -> torch.Tensor:
+    """A narrower verify pass [B, t, V] -> meta.verify_logits [B, k+1, V] (allocated on first use).
+
+    chain_verify reads positions 0..num_draft[b] of row b only and num_draft[b] <= t - 1, so the
+    columns past t (stale) are never read."""
+    B, t, V = logits.shape
+    buffer = getattr(meta, "verify_logits", None)
+    if buffer is None or buffer.dtype != logits.dtype or buffer.shape != (B, meta.k + 1, V):
+        buffer = torch.zeros((B, meta.k + 1, V), dtype=logits.dtype, device=logits.device)
+        meta.verify_logits = buffer
+    buffer[:, :t].copy_(logits)
+    return buffer
