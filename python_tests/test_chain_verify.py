@@ -234,7 +234,6 @@ def test_opcheck():
 
 # ---------------------------------------------------------------------------------------------
 def good_args():
-    rng = np.random.default_rng(0)
     return dict(target_logits=torch.randn(2, 3, 5), draft_token_ids=torch.zeros(2, 2, dtype=torch.int64),
                 draft_probs=torch.full((2, 2, 5), 0.2), seed=torch.arange(2, dtype=torch.int64))
 

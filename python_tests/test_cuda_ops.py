@@ -7,7 +7,6 @@ the GPU as a tree, so when u * mass lies within rounding of a CDF step they may 
 tokens. A differing token is accepted only if it lies between the CPU's picks for u - DELTA and
 u + DELTA (inverse CDF is monotone in u), checked with explicit uniforms.
 """
-import numpy as np
 import pytest
 import torch
 
