@@ -1,0 +1,200 @@
+"""LeanLlamaRunner: logits equal to a plain HF forward (the recompute oracle) through ragged starts,
+padded multi-token chunks, commits and truncations; unsupported configs fall back; the decode loop
+over it reproduces HF greedy."""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from specdec_ext.lean_llama import LeanLlamaRunner, lean_runner_factory, unsupported_reason
+from specdec_ext.reference_runner import RecomputeRunner
+
+TOL = 1e-4
+VOCAB = 100
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny(arch: str, seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  bos_token_id=None, eos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+    common.update(overrides)
+    if arch == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    elif arch == "llama_bias":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(attention_bias=True, mlp_bias=True, **common))
+    elif arch == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
+    elif arch == "mistral":
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=None, **common))
+    else:
+        raise ValueError(arch)
+    with torch.no_grad():  # non-trivial norms and biases (HF initialises them to 1 / 0)
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = None
+    return model.eval()
+
+
+def drive(model, lean_kw=None, oracle_model=None, steps=8, seed=0, B=3, max_seq_len=48, vocab=VOCAB):
+    """Run the same random script on the lean runner and the oracle; return the max |logit diff|."""
+    lean = LeanLlamaRunner(model, max_batch_size=B + 1, max_seq_len=max_seq_len, **(lean_kw or {}))
+    oracle = RecomputeRunner(oracle_model or model, max_batch_size=B + 1, max_seq_len=max_seq_len)
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, vocab, (int(n),), generator=g).tolist()
+               for n in torch.randint(1, 12, (B,), generator=g)]
+    worst = (lean.start(prompts) - oracle.start(prompts)).abs().max().item()
+    assert lean.lengths.tolist() == [len(p) for p in prompts]
+    for step in range(steps):
+        T = [1, 2, 3, 5][step % 4]
+        ids = torch.randint(0, vocab, (B, T), generator=g)
+        num = None if step % 3 == 0 else torch.randint(0 if T > 1 else 1, T + 1, (B,), generator=g)
+        a, b = lean.forward(ids, num), oracle.forward(ids, num)
+        assert a.shape == (B, T, lean.vocab_size) and a.dtype == torch.float32
+        counts = [T] * B if num is None else num.tolist()
+        for r in range(B):
+            if counts[r]:
+                worst = max(worst, (a[r, : counts[r]] - b[r, : counts[r]]).abs().max().item())
+        kept = torch.tensor([int(torch.randint(0, c + 1, (1,), generator=g)) for c in counts])
+        lean.commit(kept)
+        oracle.commit(kept)
+        if step % 3 == 2:
+            new = torch.tensor([max(1, int(n) - int(torch.randint(0, 3, (1,), generator=g)))
+                                for n in oracle.lengths])
+            lean.truncate(new)
+            oracle.truncate(new)
+        assert lean.lengths.tolist() == oracle.lengths.tolist()
+    return worst
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama_bias", "mistral"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_logits_match_hf_through_ragged_chunks_commits_and_truncations(arch, seed):
+    model = tiny(arch, seed=seed)
+    assert unsupported_reason(model) is None
+    assert drive(model, seed=seed) < TOL
+
+
+def test_batch_of_one_and_mha():
+    model = tiny("llama", num_key_value_heads=4)
+    assert drive(model, B=1, steps=12) < TOL
+
+
+def test_weights_are_the_models_own_tensors():
+    model = tiny("llama")
+    lean = LeanLlamaRunner(model, max_batch_size=1, max_seq_len=8)
+    assert lean.head_weight is model.lm_head.weight
+    assert lean.layers[0][2][0] is model.model.layers[0].self_attn.q_proj.weight
+    assert lean.embed is model.model.embed_tokens.weight
+
+
+def test_batch_larger_than_the_cache():
+    model = tiny("llama")
+    lean = LeanLlamaRunner(model, max_batch_size=40, max_seq_len=4)
+    oracle = RecomputeRunner(model, max_batch_size=40, max_seq_len=4)
+    prompts = [[b % VOCAB, (3 * b) % VOCAB][: 1 + b % 2] for b in range(40)]
+    assert (lean.start(prompts) - oracle.start(prompts)).abs().max() < TOL
+    ids = torch.arange(40)[:, None] % VOCAB
+    assert (lean.forward(ids) - oracle.forward(ids)).abs().max() < TOL
+
+
+def test_cache_grows_past_the_padding_slack():
+    model = tiny("llama")
+    lean = LeanLlamaRunner(model, max_batch_size=2, max_seq_len=10)
+    oracle = RecomputeRunner(model, max_batch_size=2, max_seq_len=10)
+    prompts = [[1, 2, 3, 4, 5, 6, 7, 8], [9]]
+    lean.start(prompts), oracle.start(prompts)
+    ids = torch.randint(0, VOCAB, (2, 40))
+    num = torch.tensor([2, 9])
+    a, b = lean.forward(ids, num), oracle.forward(ids, num)
+    assert (a[0, :2] - b[0, :2]).abs().max() < TOL and (a[1, :9] - b[1, :9]).abs().max() < TOL
+    with pytest.raises(ValueError, match="max_seq_len"):
+        lean.forward(ids[:, :3])
+
+
+def test_bundled_draft_fp32_and_bf16_computed_in_fp32():
+    default_pair = pytest.importorskip("specdec_ext.default_pair")
+    _, draft32, _ = default_pair.load_default_pair(dtype=torch.float32)
+    assert unsupported_reason(draft32) is None
+    V = draft32.config.vocab_size
+    assert drive(draft32, steps=6, max_seq_len=64, vocab=V) < TOL
+    # bf16 weights upcast exactly: the fp32 lean runner over them is the fp32 model
+    _, draft16, _ = default_pair.load_default_pair(dtype=torch.bfloat16)
+    assert drive(draft16, lean_kw=dict(compute_dtype=torch.float32), oracle_model=draft32, steps=6,
+                 max_seq_len=64, vocab=V) < TOL
+
+
+def test_bf16_model_dtype_is_close():
+    model = tiny("llama").to(torch.bfloat16)
+    assert drive(model, steps=4) < 0.1  # bf16 rounding only
+
+
+def test_unsupported_configs_raise_and_the_factory_falls_back():
+    from specdec_ext.model_runner import PagedModelRunner
+
+    cases = [
+        tiny("llama", rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}),
+        tiny("llama", hidden_act="gelu"),
+        transformers.MistralForCausalLM(transformers.MistralConfig(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=2, sliding_window=8)).eval(),
+        transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+            vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+            num_attention_heads=4)).eval(),
+    ]
+    factory = lean_runner_factory(PagedModelRunner)
+    for model in cases:
+        assert unsupported_reason(model, 32) is not None
+        with pytest.raises(NotImplementedError):
+            LeanLlamaRunner(model, max_batch_size=1, max_seq_len=32)
+        assert isinstance(factory(model, max_batch_size=1, max_seq_len=32), PagedModelRunner)
+    assert isinstance(factory(tiny("qwen2"), max_batch_size=1, max_seq_len=32), LeanLlamaRunner)
+
+
+def test_interface_errors():
+    lean = LeanLlamaRunner(tiny("llama"), max_batch_size=2, max_seq_len=16)
+    with pytest.raises(ValueError):
+        lean.forward(torch.tensor([[1]]))  # before start
+    lean.start([[1, 2], [3]])
+    with pytest.raises(NotImplementedError):
+        lean.forward(torch.tensor([[1, 2], [3, 4]]), tree_parents=torch.tensor([[-1], [-1]], dtype=torch.int32))
+    lean.forward(torch.tensor([[1, 2], [3, 4]]), torch.tensor([2, 1]))
+    with pytest.raises(ValueError, match="commit"):
+        lean.commit(torch.tensor([1, 2]))
+    lean.commit(torch.tensor([2, 1]))
+    assert lean.lengths.tolist() == [4, 2]
+    with pytest.raises(ValueError, match="truncate"):
+        lean.truncate(torch.tensor([5, 1]))
+    lean.truncate(torch.tensor([1, 2]))
+    assert lean.lengths.tolist() == [1, 2]
+
+
+def test_generate_over_the_lean_runner_matches_hf_greedy():
+    from specdec_ext import generate
+    from specdec_ext.model_runner import PagedModelRunner
+
+    target = tiny("llama", seed=3)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(4.0)
+    draft = tiny("qwen2", seed=4)
+    prompts = [[5, 6, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19], [20]]
+    refs = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=20,
+                              pad_token_id=0)
+        refs.append(out[0, len(p):].tolist())
+    for k in (1, 4):
+        result = generate(prompts, target, draft, max_new_tokens=20, k=k, runner=lean_runner_factory(PagedModelRunner))
+        assert result.token_ids == refs

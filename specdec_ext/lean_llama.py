@@ -1,0 +1,391 @@
+"""LeanLlamaRunner: a minimal pure-torch forward for Llama-family draft models (the runner interface).
+
+Why: a 2-layer d=128 draft costs ~1.3 ms per one-token HF forward on one CPU thread, nearly all of it
+module/Python overhead (hooks, the attention-interface dispatch, masks, our paged-cache gather), not
+arithmetic. This runner runs the same math directly over the HF model's own weight tensors (no
+copies; optionally ``compute_dtype=torch.float32`` over fp32 copies made once per weight version,
+which ``lean_runner_factory`` uses for bf16/fp16 models on the CPU): RMSNorm, default RoPE, GQA
+attention with ``scaled_dot_product_attention``, a SiLU-gated MLP, the LM head; linear biases are
+used when the modules have them (Qwen2's q/k/v, Llama's ``attention_bias`` / ``mlp_bias``).
+
+Cache: contiguous, preallocated per row, ``[layers, B, kv_heads, capacity, head_dim]`` (K and V),
+in the compute dtype. Row b's committed tokens are positions 0 .. lengths[b]-1; a ``forward`` writes
+its T tokens TENTATIVELY at lengths[b] + t (padding columns too, harmlessly past the row's tokens);
+``commit`` / ``truncate`` only move ``lengths`` (rollback is metadata only). The host holds the
+lengths (source of truth); ``lengths`` returns them as a device tensor.
+
+Interface (that of ``PagedModelRunner`` used by ``ModelDrafter`` and the decode loop): ``start``,
+``forward`` (chains only: ``tree_parents`` raises NotImplementedError), ``commit``, ``truncate``,
+``lengths``, ``batch_size``, ``vocab_size``, ``max_batch_size``, ``max_seq_len``, ``device``, ``dtype``.
+
+Supported: ``llama`` / ``mistral`` / ``qwen2`` model types with default RoPE, SiLU MLP, full attention
+(a sliding window is accepted only when it covers max_seq_len). ``unsupported_reason(model)`` says why
+not otherwise; ``lean_runner_factory(fallback)`` picks this runner when it can and ``fallback``
+otherwise (and where CUDA graphs are enabled: the static paged runner's steps are captured).
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = ["LeanLlamaRunner", "lean_runner_factory", "unsupported_reason", "SUPPORTED_MODEL_TYPES"]
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+CAPACITY_SLACK = 16  # cache positions past max_seq_len for padding columns of a forward
+
+
+def _text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _rope_parameters(cfg) -> dict:
+    params = getattr(cfg, "rope_parameters", None)
+    if isinstance(params, dict):
+        return params
+    scaling = getattr(cfg, "rope_scaling", None)  # transformers 4.x
+    out = dict(scaling) if isinstance(scaling, dict) else {}
+    out.setdefault("rope_type", out.get("type", "default"))
+    if getattr(cfg, "rope_theta", None) is not None:
+        out.setdefault("rope_theta", cfg.rope_theta)
+    return out
+
+
+def unsupported_reason(model, max_seq_len: Optional[int] = None) -> Optional[str]:
+    """None when LeanLlamaRunner reproduces ``model``'s forward; else why not (a short sentence)."""
+    cfg = _text_config(getattr(model, "config", None))
+    if cfg is None:
+        return "the model has no config"
+    model_type = getattr(cfg, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model_type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}"
+    rope = _rope_parameters(cfg)
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        return f"rope_type {rope_type!r} (only the default RoPE is implemented)"
+    if rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0)) not in (None, 1.0):
+        return "partial rotary embeddings"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return f"hidden_act {cfg.hidden_act!r} (only silu)"
+    if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
+        return "pretraining_tp > 1"
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types is not None and any(t != "full_attention" for t in layer_types):
+        return f"layer types {sorted(set(layer_types))} (only full attention)"
+    window = getattr(cfg, "sliding_window", None)
+    if window is not None and (model_type == "mistral" or getattr(cfg, "use_sliding_window", False)):
+        if max_seq_len is None or window < max_seq_len:
+            return f"sliding_window={window} smaller than the cache ({max_seq_len})"
+    base = getattr(model, "model", None)
+    head = getattr(model, "lm_head", None)
+    if base is None or head is None or not hasattr(base, "layers") or not hasattr(base, "embed_tokens"):
+        return "not a *ForCausalLM with .model.layers and .lm_head"
+    if not hasattr(getattr(base, "rotary_emb", None), "inv_freq"):
+        return "no rotary_emb.inv_freq buffer"
+    for i, layer in enumerate(base.layers):
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        names = ("q_proj", "k_proj", "v_proj", "o_proj")
+        if attn is None or mlp is None or not all(hasattr(attn, n) for n in names) or \
+                not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+            return f"layer {i} does not have the Llama attention/MLP layout"
+        if hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
+            return f"layer {i} has q/k norms"
+    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if getattr(cfg, name, None):
+            return f"{name} is set"
+    if getattr(model, "training", False) and getattr(cfg, "attention_dropout", 0.0):
+        return "training mode with attention dropout"
+    return None
+
+
+def _output_vocab_size(model) -> int:
+    return int(model.lm_head.weight.shape[0])
+
+
+class LeanLlamaRunner:
+    """Llama-family causal LM over a contiguous per-row KV cache (see the module docstring)."""
+
+    def __init__(self, model, *, max_batch_size: int, max_seq_len: int, page_size: int = 16,
+                 num_pages: Optional[int] = None, compute_dtype: Optional[torch.dtype] = None):
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
+        reason = unsupported_reason(model, max_seq_len)
+        if reason is not None:
+            raise NotImplementedError(f"LeanLlamaRunner: {reason}")
+        self.model = model
+        self.max_batch_size, self.max_seq_len = int(max_batch_size), int(max_seq_len)
+        self.page_size = page_size  # interface parity; nothing is paged
+        cfg = _text_config(model.config)
+        base = model.model
+        weight_dtype = base.embed_tokens.weight.dtype
+        # compute_dtype None: the model's own weight tensors (no copies). Otherwise the weights are
+        # cast once (a copy, e.g. fp32 for a bf16 draft on a CPU, where half-precision GEMVs are slow).
+        self.dtype = compute_dtype or weight_dtype
+        cast = (lambda w: w) if self.dtype == weight_dtype else (lambda w: _cast(w, self.dtype))
+        self.embed = cast(base.embed_tokens.weight)
+        self.device = self.embed.device
+        self.num_heads = int(cfg.num_attention_heads)
+        self.kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.num_heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads)
+        self.gqa = self.kv_heads != self.num_heads
+        self.scale = self.head_dim ** -0.5
+        self.vocab_size: int = _output_vocab_size(model)
+        lin = lambda m: (cast(m.weight), cast(m.bias))
+        self.layers = []
+        for layer in base.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            self.layers.append((
+                cast(layer.input_layernorm.weight), _eps(layer.input_layernorm, cfg),
+                lin(attn.q_proj), lin(attn.k_proj), lin(attn.v_proj), lin(attn.o_proj),
+                cast(layer.post_attention_layernorm.weight), _eps(layer.post_attention_layernorm, cfg),
+                lin(mlp.gate_proj), lin(mlp.up_proj), lin(mlp.down_proj)))
+        self.norm_weight, self.norm_eps = cast(base.norm.weight), _eps(base.norm, cfg)
+        self.head_weight, self.head_bias = cast(model.lm_head.weight), cast(model.lm_head.bias)
+        rotary = base.rotary_emb
+        self._inv_freq = rotary.inv_freq.detach().to(device=self.device, dtype=torch.float32)
+        self._rope_scaling = float(getattr(rotary, "attention_scaling", 1.0) or 1.0)
+        self._batch = 0
+        self._len: List[int] = []         # committed tokens per row (host: the source of truth)
+        self._tentative: List[int] = []   # tokens written by the last forward, per row
+        self._rows = torch.arange(self.max_batch_size, device=self.device)
+        self._alloc(self.max_seq_len + CAPACITY_SLACK)
+
+    # ------------------------------------------------------------------ storage
+    def _alloc(self, capacity: int) -> None:
+        shape = (len(self.layers), self.max_batch_size, self.kv_heads, capacity, self.head_dim)
+        old = getattr(self, "k_cache", None)
+        k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if old is not None:
+            n = old.shape[3]
+            k[:, :, :, :n] = self.k_cache
+            v[:, :, :, :n] = self.v_cache
+        self.k_cache, self.v_cache = k, v
+        self.capacity = capacity
+        # RoPE tables exactly as HF's rotary embedding computes them (fp32, then the model dtype);
+        # rotate_half's sign is folded into sin so that q_rot = q * cos + roll(q, D/2) * sin.
+        freqs = torch.arange(capacity, device=self.device, dtype=torch.float32)[:, None] * self._inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        half = self.head_dim // 2
+        self._cos = (emb.cos() * self._rope_scaling).to(self.dtype)  # [capacity, D]
+        sin = (emb.sin() * self._rope_scaling).to(self.dtype)
+        sin[:, :half] = -sin[:, :half]
+        self._sin = sin
+        self._arange = torch.arange(capacity, device=self.device)
+
+    # ------------------------------------------------------------------ state
+    @property
+    def batch_size(self) -> int:
+        return self._batch
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """Committed tokens per row, int64 on the model's device. Shape: [B]."""
+        return torch.tensor(self._len, dtype=torch.int64, device=self.device)
+
+    # ------------------------------------------------------------------ the model
+    def _rms(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, weight.shape, weight, eps)
+        h = x.float()  # HF: normalise in fp32, cast back, then scale in the model dtype
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * h.to(x.dtype)
+
+    def _model(self, ids: torch.Tensor, start: List[int], keep: Optional[torch.Tensor]) -> torch.Tensor:
+        """ids [B, T]; row b's token t at position start[b] + t, seeing positions <= start[b] + t.
+        keep: None (logits of every token, [B, T, V]) or column indices [B] ([B, V]). fp32 logits."""
+        B, T = ids.shape
+        H, Hk, D = self.num_heads, self.kv_heads, self.head_dim
+        S = max(start) + T
+        if S > self.capacity:
+            self._alloc(S + CAPACITY_SLACK)
+        uniform = all(s == start[0] for s in start)
+        if uniform:
+            s0 = start[0]
+            cos, sin = self._cos[s0:S], self._sin[s0:S]  # [T, D]
+            if T == 1:
+                mask, causal = None, False
+            elif s0 == 0:
+                mask, causal = None, True  # square causal (top-left == bottom-right alignment)
+            else:
+                q_pos = self._arange[s0:S, None]  # [T, 1]
+                mask = torch.zeros((T, S), dtype=self.dtype, device=self.device)
+                mask.masked_fill_(self._arange[None, :S] > q_pos, float("-inf"))
+                causal = False
+        else:
+            pos = torch.tensor(start, dtype=torch.int64, device=self.device)[:, None] + self._arange[:T]  # [B, T]
+            cos, sin = self._cos[pos].unsqueeze(1), self._sin[pos].unsqueeze(1)  # [B, 1, T, D]
+            mask = torch.zeros((B, 1, T, S), dtype=self.dtype, device=self.device)
+            mask.masked_fill_((self._arange[:S] > pos[:, :, None]).unsqueeze(1), float("-inf"))
+            causal = False
+            rows = self._rows[:B, None]  # [B, 1]
+        half = D // 2
+        x = F.embedding(ids, self.embed)  # [B, T, d]
+        for l, (w_in, eps_in, (wq, bq), (wk, bk), (wv, bv), (wo, bo), w_post, eps_post,
+                (wg, bg), (wu, bu), (wd, bd)) in enumerate(self.layers):
+            h = self._rms(x, w_in, eps_in)
+            q = F.linear(h, wq, bq).view(B, T, H, D).transpose(1, 2)  # [B, H, T, D]
+            k = F.linear(h, wk, bk).view(B, T, Hk, D)
+            v = F.linear(h, wv, bv).view(B, T, Hk, D)
+            q = q * cos + q.roll(half, -1) * sin
+            k = k.transpose(1, 2)  # [B, Hk, T, D]
+            k = k * cos + k.roll(half, -1) * sin
+            kc, vc = self.k_cache[l], self.v_cache[l]  # [Bmax, Hk, cap, D]
+            if uniform:
+                kc[:B, :, s0:S] = k
+                vc[:B, :, s0:S] = v.transpose(1, 2)
+            else:
+                kc[rows, :, pos] = k.transpose(1, 2)
+                vc[rows, :, pos] = v
+            a = F.scaled_dot_product_attention(q, kc[:B, :, :S], vc[:B, :, :S], attn_mask=mask, is_causal=causal,
+                                               scale=self.scale, enable_gqa=self.gqa)  # [B, H, T, D]
+            x = x + F.linear(a.transpose(1, 2).reshape(B, T, H * D), wo, bo)
+            h = self._rms(x, w_post, eps_post)
+            x = x + F.linear(F.silu(F.linear(h, wg, bg)) * F.linear(h, wu, bu), wd, bd)
+        if keep is not None:
+            x = x[self._rows[:B], keep]  # [B, d]
+        x = self._rms(x, self.norm_weight, self.norm_eps)
+        return F.linear(x, self.head_weight, self.head_bias).float()
+
+    # ------------------------------------------------------------------ API
+    def start(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Free every row and prefill B ragged prompts; returns the logits at each prompt's last
+        position, fp32 [B, V]. Afterwards lengths[b] = len(prompts[b])."""
+        if not prompts:
+            raise ValueError("start: no prompts")
+        if len(prompts) > self.max_batch_size:
+            raise ValueError(f"start: {len(prompts)} prompts exceed max_batch_size={self.max_batch_size}")
+        for b, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"start: prompt {b} is empty")
+            if len(p) > self.max_seq_len:
+                raise ValueError(f"start: prompt {b} has {len(p)} tokens, more than max_seq_len={self.max_seq_len}")
+        B = len(prompts)
+        T = max(len(p) for p in prompts)
+        # Right-padded: every row starts at position 0 (a plain causal mask); padding columns write
+        # K/V past the row's tokens, which its lengths never cover.
+        ids = torch.zeros((B, T), dtype=torch.int64)
+        for b, p in enumerate(prompts):
+            ids[b, : len(p)] = torch.as_tensor(list(p), dtype=torch.int64)
+        counts = [len(p) for p in prompts]
+        last = torch.tensor([c - 1 for c in counts], dtype=torch.int64, device=self.device)
+        with torch.no_grad():
+            logits = self._model(ids.to(self.device), [0] * B, last)
+        self._batch = B
+        self._len = counts
+        self._tentative = [0] * B
+        return logits
+
+    def forward(self, input_ids: torch.Tensor, num_tokens: Optional[torch.Tensor] = None,
+                tree_parents: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Append T tokens per row tentatively and return their logits, fp32 [B, T, V].
+
+        input_ids [B, T] int64; num_tokens [B] (default T): row b's tokens past num_tokens[b] are
+        padding (not kept, garbage logits). Token t sits at position lengths[b] + t and sees the
+        prefix and tokens 0..t. Trees are not supported (NotImplementedError).
+        """
+        if tree_parents is not None:
+            raise NotImplementedError("LeanLlamaRunner: tree forwards are not implemented (use PagedModelRunner)")
+        if self._batch == 0:
+            raise ValueError("forward: call start() first")
+        if input_ids.dim() != 2:
+            raise ValueError(f"forward: input_ids must be [B, T], got shape {list(input_ids.shape)}")
+        B, T = input_ids.shape
+        if T == 0:
+            raise ValueError("forward: input_ids must hold at least one token per row (T >= 1)")
+        if B != self._batch:
+            raise ValueError(f"forward: input_ids has {B} rows, the runner holds {self._batch}")
+        counts = [T] * B if num_tokens is None else num_tokens.tolist()
+        lengths = self._len
+        for b in range(B):
+            c = counts[b]
+            if not 0 <= c <= T:
+                raise ValueError(f"forward: num_tokens[{b}] = {c} is outside [0, {T}]")
+            if lengths[b] + c > self.max_seq_len:
+                raise ValueError(f"row {b} would hold {lengths[b] + c} tokens, more than "
+                                 f"max_seq_len={self.max_seq_len}")
+        with torch.no_grad():
+            logits = self._model(input_ids.to(self.device), lengths, None)
+        self._tentative = [int(c) for c in counts]
+        return logits
+
+    def commit(self, num_kept: torch.Tensor) -> None:
+        """Row b keeps its first num_kept[b] tentative tokens (lengths[b] += num_kept[b])."""
+        kept = num_kept.tolist()
+        if len(kept) != self._batch:
+            raise ValueError(f"commit: num_kept has {len(kept)} rows, the runner holds {self._batch}")
+        tentative = self._tentative
+        for b, k in enumerate(kept):
+            if not 0 <= k <= tentative[b]:
+                raise ValueError(f"commit: num_kept[{b}] = {k} is outside [0, {tentative[b]}]")
+        self._len = [n + int(k) for n, k in zip(self._len, kept)]
+        self._tentative = [0] * self._batch
+
+    def commit_tree(self, path: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        raise NotImplementedError("LeanLlamaRunner: tree commits are not implemented (use PagedModelRunner)")
+
+    def truncate(self, new_lengths: torch.Tensor) -> None:
+        """Roll rows back to shorter committed lengths (never grows). new_lengths [B] int."""
+        target = new_lengths.tolist()
+        if len(target) != self._batch:
+            raise ValueError(f"truncate: new_lengths has {len(target)} rows, the runner holds {self._batch}")
+        for b, n in enumerate(target):
+            if not 0 <= n <= self._len[b]:
+                raise ValueError(f"truncate: new_lengths[{b}] = {n} is outside [0, {self._len[b]}]")
+        self._len = [int(n) for n in target]
+        self._tentative = [0] * self._batch
+
+
+_CASTS = WeakIdKeyDictionary()  # weight -> (version, dtype, copy)
+
+
+def _cast(weight: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """``weight`` in ``dtype``, reused across runners while the weight is unchanged."""
+    if weight is None:
+        return None
+    key = (weight._version, weight.data_ptr(), dtype)
+    hit = _CASTS.get(weight)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    copy = weight.detach().to(dtype)
+    _CASTS[weight] = (key, copy)
+    return copy
+
+
+def _eps(norm, cfg) -> float:
+    eps = getattr(norm, "variance_epsilon", None)
+    if eps is None:
+        eps = getattr(norm, "eps", None)
+    return float(eps if eps is not None else cfg.rms_norm_eps)
+
+
+def lean_runner_factory(fallback_factory: Callable, *, cpu_fp32: bool = True) -> Callable:
+    """A runner factory: LeanLlamaRunner for supported models, ``fallback_factory`` otherwise.
+
+    The fallback is also kept where graph capture is enabled (CUDA; the decode loop captures
+    only the static paged runner's steps; an eager lean draft would lose the draft/commit graphs).
+    cpu_fp32: on the CPU a bf16/fp16 model computes in fp32 over fp32 copies of its weights (made
+    once per weight version): half-precision GEMVs are several times slower there. It changes only
+    the draft's rounding, never what the target accepts (verification stays lossless).
+    """
+    def factory(model, *, max_batch_size: int, max_seq_len: int, **kwargs):
+        device = next(model.parameters()).device
+        use_lean = unsupported_reason(model, max_seq_len) is None
+        if use_lean:
+            from . import cuda_graphs  # looked up per call (tests force graphs on by patching it)
+            use_lean = not cuda_graphs.graphs_enabled(device)[0]
+        if use_lean:
+            dtype = next(model.parameters()).dtype
+            compute = torch.float32 if (cpu_fp32 and device.type == "cpu" and
+                                        dtype in (torch.bfloat16, torch.float16)) else None
+            return LeanLlamaRunner(model, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+                                   compute_dtype=compute)
+        return fallback_factory(model, max_batch_size=max_batch_size, max_seq_len=max_seq_len, **kwargs)
+
+    factory.fallback = fallback_factory
+    factory.__name__ = f"lean_runner_factory({getattr(fallback_factory, '__name__', fallback_factory)})"
+    return factory
