@@ -22,6 +22,8 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>
 
+#include <string>
+
 #include "checks.h"
 
 namespace specdec {
@@ -69,50 +71,69 @@ inline void check_sampling_params(const char* op, int64_t batch, const at::Tenso
   }
 }
 
-inline void check_chain_verify(const ChainVerifyArgs& a) {
-  constexpr const char* op = "chain_verify";
-  check_rank(op, "target_logits", a.target_logits, 3, "[B, k+1, V]");
-  check_dtype(op, "target_logits", a.target_logits, {at::kFloat, at::kBFloat16, at::kHalf});
-  check_contiguous(op, "target_logits", a.target_logits);
-  const int64_t batch = a.target_logits.size(0);
-  const int64_t k = a.target_logits.size(1) - 1;
-  const int64_t vocab = a.target_logits.size(2);
-  TORCH_CHECK(k >= 0, op, ": target_logits must have k+1 >= 1 positions, got shape ",
-              shape_str(a.target_logits.sizes()));
-  TORCH_CHECK(vocab >= 1, op, ": target_logits must have a vocabulary of at least 1 token");
+// Target logits [B, n+1, V], the drafted ids [B, n] and the optional draft probabilities [B, n, V]
+// that every verifier takes; `n` names the draft dimension ("k" for chains, "N" for trees).
+struct VerifierShape {
+  int64_t batch, drafts, vocab;
+};
 
-  check_rank(op, "draft_token_ids", a.draft_token_ids, 2, "[B, k]");
-  check_size(op, "draft_token_ids", a.draft_token_ids, 0, batch, "B");
-  check_size(op, "draft_token_ids", a.draft_token_ids, 1, k, "k (target_logits has k+1 positions)");
-  check_dtype(op, "draft_token_ids", a.draft_token_ids, {at::kLong});
-  check_same_device(op, "draft_token_ids", a.draft_token_ids, a.target_logits, "target_logits");
-  check_contiguous(op, "draft_token_ids", a.draft_token_ids);
+inline VerifierShape check_verifier_inputs(const char* op, const char* n, const at::Tensor& target_logits,
+                                           const char* ids_name, const at::Tensor& ids,
+                                           const c10::optional<at::Tensor>& draft_probs) {
+  const std::string logits_layout = std::string("[B, ") + n + "+1, V]";
+  check_rank(op, "target_logits", target_logits, 3, logits_layout.c_str());
+  check_dtype(op, "target_logits", target_logits, {at::kFloat, at::kBFloat16, at::kHalf});
+  check_contiguous(op, "target_logits", target_logits);
+  const VerifierShape shape{target_logits.size(0), target_logits.size(1) - 1, target_logits.size(2)};
+  TORCH_CHECK(shape.drafts >= 0, op, ": target_logits must have ", n, "+1 >= 1 positions, got shape ",
+              shape_str(target_logits.sizes()));
+  TORCH_CHECK(shape.vocab >= 1, op, ": target_logits must have a vocabulary of at least 1 token");
 
-  if (a.draft_probs.has_value()) {
-    const at::Tensor& q = *a.draft_probs;
-    check_rank(op, "draft_probs", q, 3, "[B, k, V]");
-    check_size(op, "draft_probs", q, 0, batch, "B");
-    check_size(op, "draft_probs", q, 1, k, "k");
-    check_size(op, "draft_probs", q, 2, vocab, "V (the target's vocabulary)");
+  const std::string ids_layout = std::string("[B, ") + n + "]";
+  const std::string ids_what = std::string(n) + " (target_logits has " + n + "+1 positions)";
+  check_rank(op, ids_name, ids, 2, ids_layout.c_str());
+  check_size(op, ids_name, ids, 0, shape.batch, "B");
+  check_size(op, ids_name, ids, 1, shape.drafts, ids_what.c_str());
+  check_dtype(op, ids_name, ids, {at::kLong});
+  check_same_device(op, ids_name, ids, target_logits, "target_logits");
+  check_contiguous(op, ids_name, ids);
+
+  if (draft_probs.has_value()) {
+    const at::Tensor& q = *draft_probs;
+    const std::string q_layout = std::string("[B, ") + n + ", V]";
+    check_rank(op, "draft_probs", q, 3, q_layout.c_str());
+    check_size(op, "draft_probs", q, 0, shape.batch, "B");
+    check_size(op, "draft_probs", q, 1, shape.drafts, n);
+    check_size(op, "draft_probs", q, 2, shape.vocab, "V (the target's vocabulary)");
     check_dtype(op, "draft_probs", q, {at::kFloat});
-    check_same_device(op, "draft_probs", q, a.target_logits, "target_logits");
+    check_same_device(op, "draft_probs", q, target_logits, "target_logits");
     check_contiguous(op, "draft_probs", q);
   }
-  check_row_param(op, "num_draft", a.num_draft, batch, at::kInt, a.target_logits, "target_logits");
-  check_sampling_params(op, batch, a.target_logits, "target_logits", a.temperature, a.top_k,
-                        a.top_p, a.seed, a.offset, a.uniforms, k + 1);
+  return shape;
+}
 
-  check_rank(op, "tokens", a.tokens, 2, "[B, k+1]");
-  check_size(op, "tokens", a.tokens, 0, batch, "B");
-  check_size(op, "tokens", a.tokens, 1, k + 1, "k+1");
-  check_dtype(op, "tokens", a.tokens, {at::kLong});
-  check_same_device(op, "tokens", a.tokens, a.target_logits, "target_logits");
-  check_contiguous(op, "tokens", a.tokens);
-  check_rank(op, "num_accepted", a.num_accepted, 1, "[B]");
-  check_size(op, "num_accepted", a.num_accepted, 0, batch, "B");
-  check_dtype(op, "num_accepted", a.num_accepted, {at::kInt});
-  check_same_device(op, "num_accepted", a.num_accepted, a.target_logits, "target_logits");
-  check_contiguous(op, "num_accepted", a.num_accepted);
+// An output the op writes: [B] (width < 0) or [B, width], one dtype, beside target_logits.
+inline void check_output(const char* op, const char* name, const at::Tensor& out, int64_t batch,
+                         int64_t width, const char* width_name, at::ScalarType dtype,
+                         const at::Tensor& target_logits) {
+  const std::string layout = width < 0 ? std::string("[B]") : std::string("[B, ") + width_name + "]";
+  check_rank(op, name, out, width < 0 ? 1 : 2, layout.c_str());
+  check_size(op, name, out, 0, batch, "B");
+  if (width >= 0) check_size(op, name, out, 1, width, width_name);
+  check_dtype(op, name, out, {dtype});
+  check_same_device(op, name, out, target_logits, "target_logits");
+  check_contiguous(op, name, out);
+}
+
+inline void check_chain_verify(const ChainVerifyArgs& a) {
+  constexpr const char* op = "chain_verify";
+  const VerifierShape shape = check_verifier_inputs(op, "k", a.target_logits, "draft_token_ids",
+                                                    a.draft_token_ids, a.draft_probs);
+  check_row_param(op, "num_draft", a.num_draft, shape.batch, at::kInt, a.target_logits, "target_logits");
+  check_sampling_params(op, shape.batch, a.target_logits, "target_logits", a.temperature, a.top_k,
+                        a.top_p, a.seed, a.offset, a.uniforms, shape.drafts + 1);
+  check_output(op, "tokens", a.tokens, shape.batch, shape.drafts + 1, "k+1", at::kLong, a.target_logits);
+  check_output(op, "num_accepted", a.num_accepted, shape.batch, -1, "", at::kInt, a.target_logits);
 }
 
 inline void check_residual_probs(const at::Tensor& target_probs, const at::Tensor& draft_probs,

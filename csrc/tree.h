@@ -166,59 +166,17 @@ struct TreeVerifyArgs {
 
 inline void check_tree_verify(const TreeVerifyArgs& a) {
   constexpr const char* op = "tree_verify";
-  check_rank(op, "target_logits", a.target_logits, 3, "[B, N+1, V]");
-  check_dtype(op, "target_logits", a.target_logits, {at::kFloat, at::kBFloat16, at::kHalf});
-  check_contiguous(op, "target_logits", a.target_logits);
-  const int64_t batch = a.target_logits.size(0);
-  const int64_t nodes = a.target_logits.size(1) - 1;
-  const int64_t vocab = a.target_logits.size(2);
-  TORCH_CHECK(nodes >= 0, op, ": target_logits must have N+1 >= 1 positions, got shape ",
-              shape_str(a.target_logits.sizes()));
-  TORCH_CHECK(vocab >= 1, op, ": target_logits must have a vocabulary of at least 1 token");
-
-  check_rank(op, "tree_token_ids", a.tree_token_ids, 2, "[B, N]");
-  check_size(op, "tree_token_ids", a.tree_token_ids, 0, batch, "B");
-  check_size(op, "tree_token_ids", a.tree_token_ids, 1, nodes,
-             "N (target_logits has N+1 positions)");
-  check_dtype(op, "tree_token_ids", a.tree_token_ids, {at::kLong});
-  check_same_device(op, "tree_token_ids", a.tree_token_ids, a.target_logits, "target_logits");
-  check_contiguous(op, "tree_token_ids", a.tree_token_ids);
-
-  check_tree_parents(op, a.parents, batch, nodes, "N (target_logits has N+1 positions)",
+  const VerifierShape shape = check_verifier_inputs(op, "N", a.target_logits, "tree_token_ids",
+                                                    a.tree_token_ids, a.draft_probs);
+  check_tree_parents(op, a.parents, shape.batch, shape.drafts, "N (target_logits has N+1 positions)",
                      a.target_logits, "target_logits");
-
-  if (a.draft_probs.has_value()) {
-    const at::Tensor& q = *a.draft_probs;
-    check_rank(op, "draft_probs", q, 3, "[B, N, V]");
-    check_size(op, "draft_probs", q, 0, batch, "B");
-    check_size(op, "draft_probs", q, 1, nodes, "N");
-    check_size(op, "draft_probs", q, 2, vocab, "V (the target's vocabulary)");
-    check_dtype(op, "draft_probs", q, {at::kFloat});
-    check_same_device(op, "draft_probs", q, a.target_logits, "target_logits");
-    check_contiguous(op, "draft_probs", q);
-  }
-  check_row_param(op, "num_nodes", a.num_nodes, batch, at::kInt, a.target_logits,
+  check_row_param(op, "num_nodes", a.num_nodes, shape.batch, at::kInt, a.target_logits,
                   "target_logits");
-  check_sampling_params(op, batch, a.target_logits, "target_logits", a.temperature, a.top_k,
-                        a.top_p, a.seed, a.offset, a.uniforms, nodes + 1);
-
-  check_rank(op, "path", a.path, 2, "[B, N]");
-  check_size(op, "path", a.path, 0, batch, "B");
-  check_size(op, "path", a.path, 1, nodes, "N");
-  check_dtype(op, "path", a.path, {at::kInt});
-  check_same_device(op, "path", a.path, a.target_logits, "target_logits");
-  check_contiguous(op, "path", a.path);
-  check_rank(op, "tokens", a.tokens, 2, "[B, N+1]");
-  check_size(op, "tokens", a.tokens, 0, batch, "B");
-  check_size(op, "tokens", a.tokens, 1, nodes + 1, "N+1");
-  check_dtype(op, "tokens", a.tokens, {at::kLong});
-  check_same_device(op, "tokens", a.tokens, a.target_logits, "target_logits");
-  check_contiguous(op, "tokens", a.tokens);
-  check_rank(op, "num_accepted", a.num_accepted, 1, "[B]");
-  check_size(op, "num_accepted", a.num_accepted, 0, batch, "B");
-  check_dtype(op, "num_accepted", a.num_accepted, {at::kInt});
-  check_same_device(op, "num_accepted", a.num_accepted, a.target_logits, "target_logits");
-  check_contiguous(op, "num_accepted", a.num_accepted);
+  check_sampling_params(op, shape.batch, a.target_logits, "target_logits", a.temperature, a.top_k,
+                        a.top_p, a.seed, a.offset, a.uniforms, shape.drafts + 1);
+  check_output(op, "path", a.path, shape.batch, shape.drafts, "N", at::kInt, a.target_logits);
+  check_output(op, "tokens", a.tokens, shape.batch, shape.drafts + 1, "N+1", at::kLong, a.target_logits);
+  check_output(op, "num_accepted", a.num_accepted, shape.batch, -1, "", at::kInt, a.target_logits);
 }
 
 }  // namespace specdec
