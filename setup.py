@@ -58,7 +58,10 @@ def _sources(pattern):
 
 def _extension():
     cpp_sources = _sources("csrc/*.cpp") + _sources("csrc/cpu/*.cpp")
-    cxx_flags = ["-O3", "-fno-math-errno", "-fno-trapping-math"]
+    # -fopenmp: at::parallel_for parallelises through OpenMP pragmas compiled into the caller; without
+    # it the CPU kernels run on one thread whatever torch.get_num_threads() says.
+    cxx_flags = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-fopenmp"]
+    link_flags = ["-fopenmp"]
     if _use_cuda():
         if not torch.cuda.is_available():
             os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
@@ -67,8 +70,10 @@ def _extension():
             cpp_sources + _sources("csrc/cuda/*.cu"),
             define_macros=[("SPECDEC_WITH_CUDA", None)],
             extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-lineinfo", "--expt-relaxed-constexpr"]},
+            extra_link_args=link_flags,
         )
-    return CppExtension("specdec_ext._C", cpp_sources, extra_compile_args={"cxx": cxx_flags})
+    return CppExtension("specdec_ext._C", cpp_sources, extra_compile_args={"cxx": cxx_flags},
+                        extra_link_args=link_flags)
 
 
 setup(
