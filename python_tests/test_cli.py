@@ -106,11 +106,6 @@ def test_bench_command_runs_on_a_tiny_pair(pair_dirs, tmp_path, capsys):
 
 
 def test_demo_completes_heldout_prompts_with_the_bundled_pair(capsys):
-    from specdec_ext.default_pair import DRAFT_DIR, TARGET_DIR
-
-    if not (os.path.isfile(os.path.join(TARGET_DIR, "model.safetensors"))
-            and os.path.isfile(os.path.join(DRAFT_DIR, "model.safetensors"))):
-        pytest.skip("the bundled default pair is not present")
     prompts = cli.heldout_prompts(2, 5)
     assert len(prompts) == 2 and all(name.startswith("stdlib/") for name, _ in prompts)
     assert cli.main(["demo", "--files", "1", "--lines", "5", "--max-new-tokens", "6", "-k", "2"]) == 0

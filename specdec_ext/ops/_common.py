@@ -23,3 +23,14 @@ def check_same_device(op: str, reference_name: str, reference: torch.Tensor, **t
         if tensor is not None and tensor.device != reference.device:
             raise RuntimeError(f"{op}: {name} must be on the same device as {reference_name} "
                                f"({reference.device}), got {tensor.device}")
+
+
+def sampling_row_tensors(batch: int, device: torch.device, temperature: RowParam, top_k: RowParam,
+                         top_p: RowParam, seed: RowParam, offset: RowParam):
+    """The per-row sampling arguments every verifier op takes, as [B] tensors (or None):
+    (temperature fp32, top_k int32, top_p fp32, seed int64, offset int64)."""
+    return (row_tensor(temperature, "temperature", batch, torch.float32, device),
+            row_tensor(top_k, "top_k", batch, torch.int32, device),
+            row_tensor(top_p, "top_p", batch, torch.float32, device),
+            row_tensor(seed, "seed", batch, torch.int64, device),
+            row_tensor(offset, "offset", batch, torch.int64, device))

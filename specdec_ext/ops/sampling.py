@@ -12,7 +12,7 @@ import torch
 
 from .. import _C  # noqa: F401  (loads the library: registers torch.ops.specdec_ext)
 from .._status import raise_for_row_status
-from ._common import RowParam, check_same_device, row_tensor
+from ._common import RowParam, check_same_device, row_tensor, sampling_row_tensors
 
 def chain_verify(
     target_logits: torch.Tensor,
@@ -98,11 +98,7 @@ def chain_verify(
         draft_token_ids,
         draft_probs,
         row_tensor(num_draft, "num_draft", batch, torch.int32, device),
-        row_tensor(temperature, "temperature", batch, torch.float32, device),
-        row_tensor(top_k, "top_k", batch, torch.int32, device),
-        row_tensor(top_p, "top_p", batch, torch.float32, device),
-        row_tensor(seed, "seed", batch, torch.int64, device),
-        row_tensor(offset, "offset", batch, torch.int64, device),
+        *sampling_row_tensors(batch, device, temperature, top_k, top_p, seed, offset),
         uniforms,
         tokens,
         num_accepted,

@@ -16,7 +16,7 @@ import torch
 
 from .. import _C  # noqa: F401  (loads the library: registers torch.ops.specdec_ext)
 from .._status import raise_for_row_status
-from ._common import RowParam, row_tensor
+from ._common import RowParam, row_tensor, sampling_row_tensors
 
 
 def _raise_for_tree_status(op_name: str, status: torch.Tensor) -> None:
@@ -196,11 +196,7 @@ def tree_verify(
         parents,
         draft_probs,
         row_tensor(num_nodes, "num_nodes", batch, torch.int32, device),
-        row_tensor(temperature, "temperature", batch, torch.float32, device),
-        row_tensor(top_k, "top_k", batch, torch.int32, device),
-        row_tensor(top_p, "top_p", batch, torch.float32, device),
-        row_tensor(seed, "seed", batch, torch.int64, device),
-        row_tensor(offset, "offset", batch, torch.int64, device),
+        *sampling_row_tensors(batch, device, temperature, top_k, top_p, seed, offset),
         uniforms,
         path,
         tokens,
