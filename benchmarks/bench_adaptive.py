@@ -24,23 +24,23 @@ method alike; the table shows the median over repeats of (new tokens / seconds) 
 the best fixed k, and auto's ratio to it (the target: >= 0.95). Every method must produce the same
 greedy tokens ("identical" column).
 
-Needs the adaptive-k loop (/tmp/issue7/adaptive.patch applied):
     python benchmarks/bench_adaptive.py                       # bundled pair, ~5-10 min on one core
     python benchmarks/bench_adaptive.py --repeats 5 --max-new-tokens 128 --prompts 4
 """
 from __future__ import annotations
 
 import argparse
-import ast
 import os
 import statistics
 import sys
-import sysconfig
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Tuple
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _workloads import code_prompts, edit_prompts  # noqa: E402
 
 FIXED_KS = (0, 1, 2, 4, 6, 8)
 WARMUP_TOKENS = 8
@@ -79,62 +79,6 @@ def parse_args(argv):
                    help="perturb the draft's weights by this times their std (a weaker draft: lower acceptance, "
                    "to see auto pick small k or switch off; default 0)")
     return p.parse_args(argv)
-
-
-# ------------------------------------------------------------------------------------------ prompts
-def _heldout_paths() -> List[Tuple[str, str]]:
-    from specdec_ext.default_pair import PAIR_DIR
-
-    stdlib = sysconfig.get_paths()["stdlib"]
-    with open(os.path.join(PAIR_DIR, "heldout_files.txt"), encoding="utf-8") as f:
-        names = [line.strip() for line in f if line.strip().startswith("stdlib/")]
-    return [(n, os.path.join(stdlib, n[len("stdlib/"):])) for n in names
-            if os.path.isfile(os.path.join(stdlib, n[len("stdlib/"):]))]
-
-
-def code_prompts(count: int, lines: int) -> List[str]:
-    out = []
-    for _, path in _heldout_paths():
-        with open(path, encoding="utf-8") as f:
-            text = "".join(f.readlines()[:lines])
-        if text.strip():
-            out.append(text)
-        if len(out) == count:
-            break
-    return out
-
-
-def _functions(path: str, min_lines: int = 6, max_lines: int = 25):
-    """(source, a local variable name) of small functions of a file, in order."""
-    with open(path, encoding="utf-8") as f:
-        source = f.read()
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:
-        return
-    lines = source.splitlines(keepends=True)
-    for node in ast.walk(tree):
-        if not isinstance(node, ast.FunctionDef) or node.col_offset != 0:
-            continue
-        n = node.end_lineno - node.lineno + 1
-        if not min_lines <= n <= max_lines:
-            continue
-        names = [t.id for t in ast.walk(node) if isinstance(t, ast.Name) and isinstance(t.ctx, ast.Store)]
-        names = [x for x in dict.fromkeys(names) if len(x) >= 3]
-        if names:
-            yield "".join(lines[node.lineno - 1: node.end_lineno]), names[0]
-
-
-def edit_prompts(count: int) -> List[str]:
-    out = []
-    for _, path in _heldout_paths():
-        for function, name in _functions(path):
-            first = function.splitlines(keepends=True)[0]
-            out.append(f"# original\n{function}\n# the same function with `{name}` renamed to `new_{name}`\n{first}")
-            break
-        if len(out) == count:
-            break
-    return out
 
 
 # ------------------------------------------------------------------------------------------ runs
@@ -177,11 +121,6 @@ def make_runner(target, draft, tokenizer, kind: str, k, new: int, runner: str) -
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     torch.set_num_threads(args.threads)
-    import inspect
-
-    from specdec_ext import decode as decode_module
-    if "adaptive" not in inspect.signature(decode_module.decode).parameters:
-        raise SystemExit("bench_adaptive: the decode loop has no adaptive k yet: apply /tmp/issue7/adaptive.patch")
     dtype = getattr(torch, args.dtype)
     if args.target is None and args.draft is None:
         from specdec_ext.default_pair import load_default_pair

@@ -1,13 +1,22 @@
 #!/usr/bin/env python
 """Side-by-side generation benchmark (also ``specdec bench``).
 
-On one (target, draft) pair and the same prompts, in one run, batch 1, greedy:
+On one (target, draft) pair and the same prompts, in one run, batch 1, greedy, per workload:
 
 * HF plain greedy ``generate``                         (the reference output and the speedup baseline)
-* HF assisted generation (``assistant_model=draft``)
-* HF prompt lookup (``prompt_lookup_num_tokens``)
+* HF assisted generation (``assistant_model=draft``)   (the baseline of our draft-model rows)
+* HF prompt lookup (``prompt_lookup_num_tokens``)      (the baseline of our lookup rows)
 * ours, plain decoding (k = 0: the same runner and sampler without a draft; the cost model's unit)
-* ours, speculative, at each k of --ks (default 2, 4, 6)
+* ours, each drafter of --drafters:
+  model   the draft model as a chain, at each k of --ks (default 2, 4, 6)
+  ngram   suffix-automaton lookup over the prompt and output, at each k of --ngram-ks (default 4, 8)
+  tree    draft-model trees (b, d, N) of --trees (default 2,3,6)
+  heads   the bundled target's Medusa-style heads, trees of --heads-trees (default 3,3,8; bundled target only)
+  auto    k="auto" for the model and the ngram drafter (next to their best fixed k)
+
+Workloads (benchmarks/_workloads.py, --workloads, default code,edit): held-out code completion, and an
+edit (a held-out function, then a request to write it again with one identifier renamed), where
+lookup should shine. --prompt-file replaces them with one workload of your files.
 
 Columns: tokens/s (median over repeats of the total tokens / total time over the prompts), speedup
 over HF plain, tokens per target pass (new tokens / target forward calls, prefill included), and
@@ -24,6 +33,7 @@ or --prompt-file. Default pair: the bundled one; --target/--draft for your own.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -32,7 +42,17 @@ from typing import Dict, List
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _workloads import WORKLOADS, workload_prompts  # noqa: E402
+
 DEFAULT_KS = (2, 4, 6)
+DEFAULT_NGRAM_KS = (4, 8)
+DEFAULT_TREES = "2,3,6"
+DEFAULT_HEADS_TREES = "3,3,8"
+DRAFTERS = ("model", "ngram", "tree", "heads", "auto")
+GOAL_VS_ASSISTED = 1.5
+GOAL_LOOKUP_VS_HF = 1.3
+GOAL_AUTO_VS_BEST = 0.95
 PROMPT_LOOKUP_TOKENS = 10  # HF's prompt_lookup_num_tokens (its documented typical value)
 WARMUP_TOKENS = 8
 
@@ -55,7 +75,8 @@ class Measure:
 
 
 class PassCounter:
-    """Counts forward calls of a model (target passes)."""
+    """Counts forward calls of a model (target passes) for the HF baselines; our runs count their
+    passes in their stats (``passes_of``: the lean target runner does not call the module)."""
 
     def __init__(self, model):
         self.calls = 0
@@ -65,13 +86,26 @@ class PassCounter:
         self.calls += 1
 
 
+def passes_of(stats_list) -> int:
+    """Target passes of our generations: the prefill plus one per decode step (no cost probe)."""
+    return sum(s.steps + 1 for s in stats_list)
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="specdec bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", help="target model path/id (default: the bundled pair; give --draft too)")
     p.add_argument("--draft", help="draft model path/id (default: the bundled pair)")
     p.add_argument("--ks", default=",".join(map(str, DEFAULT_KS)), help="our draft lengths (default: 2,4,6)")
-    p.add_argument("--prompts", type=int, default=3, help="held-out prompts (default: 3)")
+    p.add_argument("--drafters", default=",".join(DRAFTERS),
+                   help=f"our drafters besides the model chain at --ks (default: {','.join(DRAFTERS)})")
+    p.add_argument("--ngram-ks", default=",".join(map(str, DEFAULT_NGRAM_KS)),
+                   help="draft lengths of the lookup drafter (default: 4,8)")
+    p.add_argument("--trees", default=DEFAULT_TREES, help="draft-model trees b,d,N separated by ';' (default: 2,3,6)")
+    p.add_argument("--heads-trees", default=DEFAULT_HEADS_TREES,
+                   help="heads trees b,d,N separated by ';' (default: 3,3,8)")
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help="subset of code,edit (default: code,edit)")
+    p.add_argument("--prompts", type=int, default=3, help="held-out prompts per workload (default: 3)")
     p.add_argument("--lines", type=int, default=20, help="lines of each held-out file per prompt (default: 20)")
     p.add_argument("--prompt-file", action="append", default=[], help="a file whose content is one prompt (repeatable)")
     p.add_argument("--max-new-tokens", type=int, default=96, help="new tokens per prompt (default: 96)")
@@ -101,74 +135,116 @@ def load(args):
     return target.to(dtype), draft.to(dtype), tokenizer
 
 
-def prompts_of(args, tokenizer) -> List[List[int]]:
-    texts = []
-    for path in args.prompt_file:
-        with open(path, encoding="utf-8") as f:
-            texts.append(f.read())
-    if not texts:
-        from specdec_ext.cli import heldout_prompts
+def workloads_of(args, tokenizer) -> Dict[str, List[List[int]]]:
+    """{workload: prompt token lists}: --prompt-file as one workload "files", else --workloads."""
+    if args.prompt_file:
+        texts = []
+        for path in args.prompt_file:
+            with open(path, encoding="utf-8") as f:
+                texts.append(f.read())
+        return {"files": [tokenizer(t)["input_ids"] for t in texts]}
+    return {w: [tokenizer(t)["input_ids"] for t in workload_prompts(w, args.prompts, args.lines)]
+            for w in args.workloads.split(",") if w.strip()}
 
-        texts = [text for _, text in heldout_prompts(args.prompts, args.lines)]
-    return [tokenizer(t)["input_ids"] for t in texts]
+
+def parse_trees(text: str) -> List[tuple]:
+    return [tuple(int(x) for x in t.split(",")) for t in text.split(";") if t.strip()]
 
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     torch.set_num_threads(args.threads)
-    from specdec_ext.generate import generate, plain_generate
-    from specdec_ext.stats import expected_tokens_per_pass, predicted_speedup
-
     target, draft, tokenizer = load(args)
-    prompts = prompts_of(args, tokenizer)
+    workloads = workloads_of(args, tokenizer)
+    drafters = {d.strip() for d in args.drafters.split(",") if d.strip()}
+    unknown = drafters - set(DRAFTERS)
+    if unknown:
+        raise SystemExit(f"bench: unknown drafters {sorted(unknown)}; choose from {','.join(DRAFTERS)}")
+    if "heads" in drafters and args.target is not None:
+        print("(heads rows skipped: the bundled heads belong to the bundled target)", flush=True)
+        drafters.discard("heads")
     ks = [int(x) for x in args.ks.split(",") if x.strip()]
-    new = args.max_new_tokens
+    ngram_ks = [int(x) for x in args.ngram_ks.split(",") if x.strip()] if "ngram" in drafters else []
+    counter = PassCounter(target)
+    print(f"pair: target {sum(p.numel() for p in target.parameters()) / 1e6:.1f}M, draft "
+          f"{sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M params, {args.dtype}, {args.threads} thread(s); "
+          f"{args.max_new_tokens} new tokens, batch 1, greedy, {args.repeats} repeats", flush=True)
+    for workload, prompts in workloads.items():
+        print(f"\n=== workload {workload}: {len(prompts)} prompts of {[len(p) for p in prompts]} tokens", flush=True)
+        methods = build_methods(args, target, draft, tokenizer, drafters, ks, ngram_ks)
+        results = run_methods(methods, prompts, counter, args)
+        report(results, ks, ngram_ks)
+    counter.handle.remove()
+    return 0
+
+
+def build_methods(args, target, draft, tokenizer, drafters, ks, ngram_ks) -> Dict[str, callable]:
+    """{row name: prompt tokens -> (new tokens, GenerationStats or None)}; new tokens from args.new."""
+    from specdec_ext.generate import generate, plain_generate
+
     eos = target.generation_config.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    counter = PassCounter(target)
+    heads = None
+    if "heads" in drafters:
+        from specdec_ext.default_pair import load_default_heads
+        heads = load_default_heads(dtype=next(target.parameters()).dtype)
 
-    def hf(prompt, **kw):
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            out = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new,
-                                  pad_token_id=pad, **kw)
-        return out[0, len(prompt):].tolist(), None
+    def hf(**kw):
+        def run(prompt):
+            ids = torch.tensor([prompt])
+            with torch.no_grad():
+                out = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                      max_new_tokens=args.new, pad_token_id=pad, **kw)
+            return out[0, len(prompt):].tolist(), None
+        return run
 
     def ours_plain(prompt):
-        r = plain_generate([prompt], target, tokenizer=tokenizer, max_new_tokens=new, runner=args.runner)
+        r = plain_generate([prompt], target, tokenizer=tokenizer, max_new_tokens=args.new, runner=args.runner)
         return r.token_ids[0], r.stats
 
-    def ours(k):
+    def ours(draft_spec, **kw):
         def run(prompt):
-            r = generate([prompt], target, draft, tokenizer=tokenizer, max_new_tokens=new, k=k, runner=args.runner,
-                         cost_probe=False, draft_confidence=args.confidence)
+            r = generate([prompt], target, draft_spec, tokenizer=tokenizer, max_new_tokens=args.new,
+                         runner=args.runner, cost_probe=False, **kw)
             return r.token_ids[0], r.stats
         return run
 
     methods: Dict[str, callable] = {}
     if not args.no_hf:
-        methods["HF plain greedy"] = lambda p: hf(p)
-        methods["HF assisted (draft)"] = lambda p: hf(p, assistant_model=draft)
-        methods[f"HF prompt lookup ({PROMPT_LOOKUP_TOKENS})"] = lambda p: hf(p, prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS)
+        methods["HF plain greedy"] = hf()
+        methods["HF assisted (draft)"] = hf(assistant_model=draft)
+        methods[f"HF prompt lookup ({PROMPT_LOOKUP_TOKENS})"] = hf(prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS)
     methods["ours plain (k=0)"] = ours_plain
     for k in ks:
-        methods[f"ours k={k}"] = ours(k)
+        methods[f"ours k={k}"] = ours(draft, k=k, draft_confidence=args.confidence)
+    if "auto" in drafters:
+        methods["ours k=auto"] = ours(draft, k="auto")
+    for k in ngram_ks:
+        methods[f"ours ngram k={k}"] = ours("ngram", k=k)
+    if "ngram" in drafters and "auto" in drafters:
+        methods["ours ngram k=auto"] = ours("ngram", k="auto")
+    if "tree" in drafters:
+        for tree in parse_trees(args.trees):
+            methods[f"ours tree {','.join(map(str, tree))}"] = ours(draft, draft_tree=tree)
+    if heads is not None:
+        for tree in parse_trees(args.heads_trees):
+            methods[f"ours heads {','.join(map(str, tree))}"] = ours(heads, draft_tree=tree)
+    return methods
 
-    print(f"pair: target {sum(p.numel() for p in target.parameters()) / 1e6:.1f}M, draft "
-          f"{sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M params, {args.dtype}, {args.threads} thread(s); "
-          f"{len(prompts)} prompts of {[len(p) for p in prompts]} tokens, {new} new tokens, batch 1, greedy, "
-          f"{args.repeats} repeats", flush=True)
-    for name, run in methods.items():  # warm-up
-        old = new
-        new = WARMUP_TOKENS
+
+def run_methods(methods, prompts, counter, args) -> Dict[str, Measure]:
+    """Warm up every method, then the timed repeats, interleaved (repeat -> method -> prompt)."""
+    args.new = WARMUP_TOKENS
+    for run in methods.values():
         run(prompts[0])
-        new = old
+    args.new = args.max_new_tokens
     results = {name: Measure() for name in methods}
     for rep in range(args.repeats):
         for name, run in methods.items():
             m = results[name]
             total_time, total_tokens, outputs = 0.0, 0, []
             counter.calls = 0
+            repeat_stats = []
             for prompt in prompts:
                 start = time.perf_counter()
                 tokens, stats = run(prompt)
@@ -176,12 +252,19 @@ def main(argv=None) -> int:
                 total_tokens += len(tokens)
                 outputs.append(tokens)
                 if stats is not None:
-                    m.stats.append(stats)
+                    repeat_stats.append(stats)
+            m.stats.extend(repeat_stats)
             m.times.append(total_time)
             m.tokens.append(total_tokens)
-            m.passes.append(counter.calls)
+            m.passes.append(passes_of(repeat_stats) if repeat_stats else counter.calls)
             m.outputs = outputs
         print(f"repeat {rep + 1}/{args.repeats} done", file=sys.stderr, flush=True)
+    return results
+
+
+def report(results: Dict[str, Measure], ks, ngram_ks) -> None:
+    """The side-by-side table, the cost-model check of the model chain, and the targets."""
+    from specdec_ext.stats import expected_tokens_per_pass, predicted_speedup
 
     reference_name = "HF plain greedy" if "HF plain greedy" in results else "ours plain (k=0)"
     reference = results[reference_name]
@@ -209,15 +292,30 @@ def main(argv=None) -> int:
         print(f"{k:>3} {a:>6.3f} {c:>6.3f} {v:>6.3f} {expected_tokens_per_pass(a, k):>7.2f} {e_meas:>7.2f} "
               f"{pred:>6.2f}x {meas:>6.2f}x {meas / pred:>9.3f}")
 
-    if "HF assisted (draft)" in results:
-        assisted = results["HF assisted (draft)"].tokens_per_s
-        best_k = max(ks, key=lambda k: results[f"ours k={k}"].tokens_per_s)
-        best = results[f"ours k={best_k}"].tokens_per_s
+    rate = {name: m.tokens_per_s for name, m in results.items()}
+    lines = []
+    if ks:
+        best_k = max(ks, key=lambda k: rate[f"ours k={k}"])
+        best = rate[f"ours k={best_k}"]
         pred, meas = summary[best_k]
-        print(f"\ntargets: ours (best k={best_k}) / HF assisted = {best / assisted:.2f}x (goal >= 1.5x); "
-              f"measured / predicted decode speedup at k={best_k} = {meas / pred:.3f} (goal within 10%)")
-    counter.handle.remove()
-    return 0
+        if "HF assisted (draft)" in rate:
+            lines.append(f"ours (best k={best_k}) / HF assisted = {best / rate['HF assisted (draft)']:.2f}x "
+                         f"(goal >= {GOAL_VS_ASSISTED}x)")
+        lines.append(f"measured / predicted decode speedup at k={best_k} = {meas / pred:.3f} (goal within 10%)")
+        if "ours k=auto" in rate:
+            lines.append(f"ours k=auto / best fixed k (k={best_k}) = {rate['ours k=auto'] / best:.3f} "
+                         f"(goal >= {GOAL_AUTO_VS_BEST})")
+    if ngram_ks:
+        best_n = max(ngram_ks, key=lambda k: rate[f"ours ngram k={k}"])
+        best = rate[f"ours ngram k={best_n}"]
+        lookup = [name for name in rate if name.startswith("HF prompt lookup")]
+        if lookup:
+            lines.append(f"ours ngram (best k={best_n}) / HF prompt lookup = {best / rate[lookup[0]]:.2f}x "
+                         f"(goal >= {GOAL_LOOKUP_VS_HF}x on the edit workload)")
+        if "ours ngram k=auto" in rate:
+            lines.append(f"ours ngram k=auto / best fixed ngram k (k={best_n}) = "
+                         f"{rate['ours ngram k=auto'] / best:.3f} (goal >= {GOAL_AUTO_VS_BEST})")
+    print("\ntargets:\n" + "\n".join("  " + line for line in lines))
 
 
 if __name__ == "__main__":

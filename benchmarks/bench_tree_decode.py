@@ -1,11 +1,14 @@
 #!/usr/bin/env python
 """Chain vs draft-tree speculative decoding at equal verify budget, on one (target, draft) pair.
 
-For each chain length k of --ks (default 2, 4, 6) the chain (k drafts, k + 1 tokens per target pass)
+For each chain length k of --ks (default 4, 8, 16) the chain (k drafts, k + 1 tokens per target pass)
 runs next to draft trees of N = k nodes (``generate(..., draft_tree=(b, d, N))``: the draft's top-b at
 each of d levels, the levels' sizes spreading the N-node budget; see drafters/tree_drafter.py), so
 every row of one k verifies the same k + 1 tokens per target pass. Batch 1, over held-out prompts of the
-bundled pair (files it never trained on; the helper of bench_generate.py) or --prompt-file.
+bundled pair (files it never trained on; benchmarks/_workloads.py) or --prompt-file. A tree ranks its
+nodes by the rate at which the target emitted similar candidates before (drafters/calibration.py); that
+table lives with the draft model across calls, so it learns during the warm-up and the repeats, as in
+a long-running server.
 
 Columns: tokens/s (median over repeats of total new tokens / total time over the prompts), tokens per
 target pass (new tokens / target forward calls, prefill included), draft forwards per step, and whether
@@ -14,24 +17,22 @@ Methods are interleaved within each repeat (repeat -> method -> prompt) so load 
 In bf16 (the default dtype) a verify pass over several tokens can flip a near-tie argmax relative to a
 pass over fewer tokens, so the chain and a tree may each differ from plain greedy now and then (both
 match it in fp32: --dtype float32); "same as chain" = NO there is that, not a lost token.
-Sampling (T > 0) is lossless for both, but the tree's deterministic-candidate rule accepts x with
-probability p(x) where the chain's accepts with min(1, p(x) / q(x)): expect fewer tokens per pass.
+At T > 0 both sample their drafts from the draft's q (the tree draws each node's children without
+replacement) and both verify by rejection sampling (the tree's recursive form): both lossless.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
-import time
 from typing import Dict, List, Tuple
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_generate import Measure, PassCounter, load, prompts_of  # noqa: E402
+from bench_generate import PassCounter, load, run_methods, workloads_of  # noqa: E402
 
-DEFAULT_KS = (2, 4, 6)
-WARMUP_TOKENS = 8
+DEFAULT_KS = (4, 8, 16)
 
 
 def trees_for(k: int, branches: List[int]) -> List[Tuple[int, int, int]]:
@@ -47,6 +48,7 @@ def parse_args(argv):
     p.add_argument("--ks", default=",".join(map(str, DEFAULT_KS)))
     p.add_argument("--branches", default="2,3", help="tree branching factors b (default: 2,3)")
     p.add_argument("--temperatures", default="0,1", help="sampling temperatures (default: 0,1)")
+    p.add_argument("--workloads", default="code", help="one of code, edit (benchmarks/_workloads.py; default: code)")
     p.add_argument("--prompts", type=int, default=3)
     p.add_argument("--lines", type=int, default=20)
     p.add_argument("--prompt-file", action="append", default=[])
@@ -64,17 +66,16 @@ def main(argv=None) -> int:
     from specdec_ext.generate import generate
 
     target, draft, tokenizer = load(args)
-    prompts = prompts_of(args, tokenizer)
+    (prompts,) = workloads_of(args, tokenizer).values()
     ks = [int(x) for x in args.ks.split(",") if x.strip()]
     branches = [int(x) for x in args.branches.split(",") if x.strip()]
     temperatures = [float(x) for x in args.temperatures.split(",") if x.strip()]
     counter = PassCounter(target)
-    new = {"n": args.max_new_tokens}
 
     def method(k, tree, temperature):
         def run(prompt):
             kw = dict(draft_tree=tree) if tree else dict(k=k)
-            r = generate([prompt], target, draft, tokenizer=tokenizer, max_new_tokens=new["n"], runner=args.runner,
+            r = generate([prompt], target, draft, tokenizer=tokenizer, max_new_tokens=args.new, runner=args.runner,
                          cost_probe=False, temperature=temperature, seed=0, eos_token_id=False, **kw)
             return r.token_ids[0], r.stats
         return run
@@ -90,28 +91,7 @@ def main(argv=None) -> int:
           f"{sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M params, {args.dtype}, {args.threads} thread(s); "
           f"{len(prompts)} prompts of {[len(p) for p in prompts]} tokens, {args.max_new_tokens} new tokens, "
           f"batch 1, {args.repeats} repeats", flush=True)
-    new["n"] = WARMUP_TOKENS
-    for run in methods.values():
-        run(prompts[0])
-    new["n"] = args.max_new_tokens
-    results = {name: Measure() for name in methods}
-    for rep in range(args.repeats):
-        for name, run in methods.items():
-            m = results[name]
-            total_time, total_tokens, outputs = 0.0, 0, []
-            counter.calls = 0
-            for prompt in prompts:
-                start = time.perf_counter()
-                tokens, stats = run(prompt)
-                total_time += time.perf_counter() - start
-                total_tokens += len(tokens)
-                outputs.append(tokens)
-                m.stats.append(stats)
-            m.times.append(total_time)
-            m.tokens.append(total_tokens)
-            m.passes.append(counter.calls)
-            m.outputs = outputs
-        print(f"repeat {rep + 1}/{args.repeats} done", file=sys.stderr, flush=True)
+    results = run_methods(methods, prompts, counter, args)  # warm-up, then interleaved repeats
 
     print(f"\n{'T':>3} {'k=N':>3} {'method':<30} {'tok/s':>8} {'vs chain':>8} {'tok/pass':>9} {'same as chain':>14}")
     for name, m in results.items():

@@ -111,3 +111,25 @@ def test_demo_completes_heldout_prompts_with_the_bundled_pair(capsys):
     assert cli.main(["demo", "--files", "1", "--lines", "5", "--max-new-tokens", "6", "-k", "2"]) == 0
     out = capsys.readouterr().out
     assert "speedup" in out and "tokens per target pass" in out and "identical to plain greedy" in out
+
+
+def test_generate_with_the_bundled_heads_and_a_tree(capsys):
+    assert cli.main(["generate", "--prompt", "def f(x):", "--draft", "heads", "--tree", "2,2,4", "--max-new-tokens", "6",
+                     "--no-stream", "--no-eos", "--json"]) == 0
+    out = capsys.readouterr().out
+    stats = json.loads(out[out.rindex("\n{\n") + 1:])  # the stats follow the generated text
+    assert stats["k"] == 4 and stats["new_tokens"] == 6
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--prompt", "x", "--tree", "2,2"])
+
+
+def test_generate_with_a_heads_directory_for_another_target(pair_dirs, tmp_path, capsys):
+    from specdec_ext.heads import MedusaHeads
+    target_dir, _ = pair_dirs
+    MedusaHeads(48, 2, CHAR_VOCAB).save(str(tmp_path / "heads"))
+    assert cli.main(["generate", "--prompt", "abc", "--target", target_dir, "--draft", str(tmp_path / "heads"),
+                     "--tree", "2,2,3", "--max-new-tokens", "5", "--no-stream", "--json"]) == 0
+    out = capsys.readouterr().out
+    assert json.loads(out[out.index("{"):])["k"] == 3
+    with pytest.raises(SystemExit, match="needs the --target"):
+        cli.main(["generate", "--prompt", "abc", "--draft", str(tmp_path / "heads")])

@@ -33,12 +33,13 @@ def references(pair):
     return [hf_greedy(target, p, NEW) for p in PROMPTS]
 
 
+@pytest.mark.parametrize("runner", ["auto", "paged"])  # auto: the lean target runner for Llama
 @pytest.mark.parametrize("k", [1, 3, 6])
-def test_greedy_matches_hf_generate_batch1_and_batch4(pair, references, k):
+def test_greedy_matches_hf_generate_batch1_and_batch4(pair, references, k, runner):
     _, target, draft = pair
-    one = generate([PROMPTS[1]], target, draft, max_new_tokens=NEW, k=k)
+    one = generate([PROMPTS[1]], target, draft, max_new_tokens=NEW, k=k, runner=runner)
     assert one.token_ids == [references[1]]
-    batch = generate(PROMPTS, target, draft, max_new_tokens=NEW, k=k)
+    batch = generate(PROMPTS, target, draft, max_new_tokens=NEW, k=k, runner=runner)
     assert batch.token_ids == references
     assert all(len(t) == NEW for t in batch.token_ids)  # max_new_tokens is exact
     assert batch.finish_reasons == ["length"] * len(PROMPTS)
@@ -79,6 +80,21 @@ def test_max_new_tokens_is_exact(pair, references, max_new):
     _, target, draft = pair
     result = generate(PROMPTS, target, target, max_new_tokens=max_new, k=4)
     assert result.token_ids == [r[:max_new] for r in references]
+
+
+def test_auto_runner_picks_the_lean_target_for_llama_chains_and_the_paged_one_for_trees(pair):
+    from specdec_ext.generate import _runner_factory, _target_runner_factory
+    from specdec_ext.lean_llama import LeanLlamaRunner
+    from specdec_ext.model_runner import PagedModelRunner
+    arch, target, _ = pair
+    paged = _runner_factory("auto")
+    chain = _target_runner_factory("auto", paged, tree=False)(target, max_batch_size=2, max_seq_len=32)
+    assert isinstance(chain, LeanLlamaRunner if arch == "llama" else PagedModelRunner)
+    assert chain.dtype == next(target.parameters()).dtype  # the target computes in its own dtype
+    tree = _target_runner_factory("auto", paged, tree=True)(target, max_batch_size=2, max_seq_len=32)
+    assert isinstance(tree, PagedModelRunner)
+    assert isinstance(_target_runner_factory("paged", paged, tree=False)(target, max_batch_size=2, max_seq_len=32),
+                      PagedModelRunner)
 
 
 def test_paged_runner_and_recompute_oracle_agree(pair):

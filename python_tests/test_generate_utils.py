@@ -77,3 +77,16 @@ def hf_greedy(model, prompt, max_new_tokens, eos_token_id=None):
     out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
                          eos_token_id=eos_token_id, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+def check_eos_and_max_new_tokens(run, references, eos, max_news=(1, 2, 7)):
+    """``run(max_new_tokens, eos_token_id)`` -> GenerationResult must end each row at its first EOS
+    (inclusive, reason "eos") or at the cap, and give exactly the first max_new reference tokens."""
+    out = run(len(references[0]), eos)
+    for ref, got, reason in zip(references, out.token_ids, out.finish_reasons):
+        if eos in ref:
+            assert got == ref[: ref.index(eos) + 1] and reason == "eos"
+        else:
+            assert got == ref and reason == "length"
+    for max_new in max_news:
+        assert run(max_new, False).token_ids == [r[:max_new] for r in references]

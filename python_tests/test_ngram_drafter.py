@@ -224,6 +224,8 @@ def test_drafter_prefill_propose_accept_ragged_rows():
     drafter.accept(meta)
     full = [r + c for r, c in zip(rows, committed)]
     assert [a.tokens() for a in drafter.automata] == full
+    assert meta.draft_budget == [3, 0, 3]  # the counts narrow the verify pass to 4 tokens
+    meta.draft_budget = None  # the loop resets it every step (adaptive k's caps, or None)
     drafter.propose(meta)
     want = [ref_propose(r, k) for r in full]
     assert want == [[3, 1, 2], [], [7, 7, 7]]  # row 1 "4 5 6 4": a 1-token match, below min_match 2
@@ -231,6 +233,7 @@ def test_drafter_prefill_propose_accept_ragged_rows():
     assert meta.draft_token_ids.tolist() == [[3, 1, 2], [0, 0, 0], [7, 7, 7]]
     loose = NgramDrafter(k, min_match=1)
     loose.prefill([], meta)
+    meta.draft_budget = None
     loose.propose(meta)
     assert meta.num_draft.tolist() == [3, 3, 3] and meta.draft_token_ids[1].tolist() == [5, 6, 4]
     # a step that commits more than k + 1 tokens (accept skipped once) falls back to a slice

@@ -12,9 +12,10 @@ from scipy import stats as scipy_stats
 
 import reference
 from specdec_ext import generate, ops
+from specdec_ext.drafters.calibration import reset_calibrations
 from specdec_ext.drafters.tree_drafter import beam_widths, tree_num_nodes
 from specdec_ext.metadata import filtered_probs
-from test_generate_utils import hf_greedy, noisy_copy, one_thread, tiny_model
+from test_generate_utils import check_eos_and_max_new_tokens, hf_greedy, noisy_copy, one_thread, tiny_model
 
 NEW = 24
 PROMPTS = [[5, 17, 3, 44, 9, 12, 61], [2, 30], [7, 7, 81, 13, 40]]  # ragged
@@ -77,16 +78,9 @@ def test_greedy_tree_matches_hf_generate_batch1_and_batch3(pair, references, tre
 
 def test_eos_and_max_new_tokens_with_a_tree(pair, references):
     target, draft = pair
-    eos = references[1][5]
-    out = generate(PROMPTS, target, draft, max_new_tokens=NEW, draft_tree=(2, 4, 16), eos_token_id=eos)
-    for ref, got, reason in zip(references, out.token_ids, out.finish_reasons):
-        if eos in ref:
-            assert got == ref[: ref.index(eos) + 1] and reason == "eos"
-        else:
-            assert got == ref and reason == "length"
-    for max_new in (1, 2, 7):
-        assert generate(PROMPTS, target, draft, max_new_tokens=max_new,
-                        draft_tree=(2, 4, 16)).token_ids == [r[:max_new] for r in references]
+    check_eos_and_max_new_tokens(
+        lambda new, eos: generate(PROMPTS, target, draft, max_new_tokens=new, draft_tree=(2, 4, 16),
+                                  eos_token_id=eos), references, eos=references[1][5])
 
 
 def test_draft_tree_argument_is_validated(pair):
@@ -135,14 +129,16 @@ def chi_square_p(samples, joint):
 
 
 def python_tree_verifier(remove_rejected: bool):
-    """The deterministic-candidate rule in Python (row by row). With remove_rejected=False it is the
-    bug the test must catch: a rejected candidate stays in p (acceptance and the final draw use the
-    unreduced p)."""
+    """tree_verify's rules in Python (row by row): with meta.draft_probs (sampled candidates) accept x
+    with min(1, p(x) / q_x(x)) and on rejection p <- max(0, p - q_x); without, accept x with p(x) and
+    on rejection remove x from p. With remove_rejected=False it is the bug the tests must catch: a
+    rejected candidate leaves p as it was (acceptance and the final draw use the unreduced p)."""
 
     def verifier(meta, target_logits):
         B, positions, _ = target_logits.shape
         N = positions - 1
         probs = filtered_probs(target_logits, meta.sampling).double()  # [B, N+1, V]
+        q_rows = None if meta.draft_probs is None else meta.draft_probs.double()  # [B, N, V]
         u = ops.philox_uniforms(meta.seed, meta.verify_offset, N + 1).double()  # [B, N+1]
         parents, tokens = meta.tree_parents.tolist(), meta.draft_token_ids.tolist()
         meta.tree_path.fill_(-1)
@@ -154,13 +150,17 @@ def python_tree_verifier(remove_rejected: bool):
                 moved = False
                 for c in (i for i in range(N) if parents[b][i] == cur):
                     x = tokens[b][c]
-                    if u[b, c] * p.sum() < p[x]:
+                    q = None if q_rows is None else q_rows[b, c]
+                    accept = u[b, c] * p.sum() < p[x] if q is None else u[b, c] * q[x] * p.sum() < p[x]
+                    if accept:
                         meta.tree_path[b, depth] = c
                         meta.output_tokens[b, depth] = x
                         depth, cur, moved = depth + 1, c, True
                         break
-                    if remove_rejected:
+                    if remove_rejected and q is None:
                         p[x] = 0.0
+                    elif remove_rejected:
+                        p = torch.clamp(p / p.sum() - q, min=0.0)
                 if not moved:
                     cumulative = torch.cumsum(p, 0)
                     token = int(torch.searchsorted(cumulative, u[b, N] * cumulative[-1], right=True))
@@ -171,9 +171,10 @@ def python_tree_verifier(remove_rejected: bool):
     return verifier
 
 
-def sample_first_tokens(target, draft, tree, **kw):
-    out = generate([PROMPT] * SAMPLES, target, draft, max_new_tokens=POSITIONS, draft_tree=tree,
-                   seed=list(range(SAMPLES)), temperature=1.0, cost_probe=False, **kw)
+def sample_first_tokens(target, draft, tree, samples=SAMPLES, **kw):
+    reset_calibrations()  # the same tree shapes whatever ran before (the learnt table is shared)
+    out = generate([PROMPT] * samples, target, draft, max_new_tokens=POSITIONS, draft_tree=tree,
+                   seed=list(range(samples)), temperature=1.0, cost_probe=False, **kw)
     assert all(len(t) == POSITIONS for t in out.token_ids)
     return out
 
@@ -189,6 +190,41 @@ def test_first_tokens_follow_plain_target_sampling_at_t1(tiny_pair, tree):
     p_value = chi_square_p(out.token_ids, joint)
     print(f"\ntree {tree}: chi-square p = {p_value:.3g}, acceptance by depth {out.stats.acceptance_by_position[:2]}")
     assert p_value > PASS_P
+
+
+def test_sampled_tree_kernel_equals_the_python_rule_draw_for_draw(tiny_pair):
+    """At T > 0 the draft samples each node's children without replacement and tree_verify runs
+    recursive rejection sampling with each node's own q row: with the same Philox draws the kernel
+    and the Python rule give the same tokens."""
+    target, draft = tiny_pair
+    runs = []
+    for verifier in (None, python_tree_verifier(True)):
+        reset_calibrations()
+        kw = {} if verifier is None else {"verifier": verifier}
+        runs.append(generate([PROMPT] * 300, target, draft, max_new_tokens=6, draft_tree=(3, 2, 5),
+                             seed=list(range(300)), temperature=0.9, top_p=0.95, cost_probe=False, **kw))
+    assert runs[0].token_ids == runs[1].token_ids
+    assert runs[0].stats.accepted[1] > 0  # depth-2 nodes were accepted
+
+
+def test_sampled_tree_keeps_draws_without_looking_at_them(tiny_pair, monkeypatch):
+    """Which sampled children a tree keeps must not depend on the drawn tokens. The control scores
+    each draw by its own probability (so a likely draw survives the N-node cut more often); the
+    kept candidates are then biased and the output distribution is wrong, which the chi-square sees."""
+    import specdec_ext.drafters.tree_drafter as tree_drafter
+    target, draft = tiny_pair
+    joint = exact_joint(target, PROMPT)
+    right = chi_square_p(sample_first_tokens(target, draft, (3, 2, 4), samples=12000).token_ids, joint)
+    honest = tree_drafter.draw_without_replacement
+
+    def peeking(q, fallback, uniforms):
+        _, tokens, rows = honest(q, fallback, uniforms)
+        return q.gather(-1, tokens).clamp(min=1e-30).log(), tokens, rows
+
+    monkeypatch.setattr(tree_drafter, "draw_without_replacement", peeking)
+    wrong = chi_square_p(sample_first_tokens(target, draft, (3, 2, 4), samples=12000).token_ids, joint)
+    print(f"\nsampled tree: chi-square p = {right:.3g}; scoring draws by their own q: p = {wrong:.3g}")
+    assert right > PASS_P and wrong < FAIL_P
 
 
 def test_chi_square_catches_a_verifier_that_keeps_rejected_candidates(tiny_pair):
@@ -224,3 +260,44 @@ def test_tree_tokens_per_pass_at_least_the_chains_at_equal_verify_budget(capsys)
     for noise, k, tree, c, t in rows:
         if noise == 0.4:
             assert t >= c, (noise, k, tree, c, t)
+
+
+# --------------------------------------------------------------------------- node calibration
+def test_node_calibration_counts_reached_and_emitted_candidates():
+    """Root children 0 (1st choice) and 1 (2nd choice), node 2 under node 0, node 3 under node 1.
+    The target accepted node 0 then emitted token 9: nodes 0, 1, 2 were reached, node 3 was not; node 0
+    was emitted, node 2 (token 9) too, node 1 not."""
+    from specdec_ext.drafters.calibration import CALIBRATION_BINS, PRIOR_TRIALS, NodeCalibration
+    calibration = NodeCalibration(2)
+    trials, hits = calibration.trials.clone(), calibration.hits.clone()
+    q = torch.tensor([[0.9, 0.05, 0.6, 0.3]])
+    calibration.observe(q.log(), torch.tensor([[1, 1, 2, 2]]), torch.tensor([[0, 1, 0, 0]]),
+                        tokens=torch.tensor([[5, 6, 9, 7]]), parents=torch.tensor([[-1, -1, 0, 1]]),
+                        path=torch.tensor([[0, -1, -1, -1]], dtype=torch.int32),
+                        num_accepted=torch.tensor([1], dtype=torch.int32),
+                        emitted=torch.tensor([[5, 9, -1, -1, -1]]), active=torch.tensor([True]))
+    bin_of = lambda p: min(int(p * CALIBRATION_BINS), CALIBRATION_BINS - 1)  # noqa: E731
+    added_trials, added_hits = calibration.trials - trials, calibration.hits - hits
+    expected_trials = torch.zeros_like(added_trials)
+    expected_hits = torch.zeros_like(added_hits)
+    for depth, rank, p, hit in ((1, 0, 0.9, 1), (1, 1, 0.05, 0), (2, 0, 0.6, 1)):
+        expected_trials[depth - 1, rank, bin_of(p)] += 1
+        expected_hits[depth - 1, rank, bin_of(p)] += hit
+    torch.testing.assert_close(added_trials, expected_trials)
+    torch.testing.assert_close(added_hits, expected_hits)
+    # the learnt rate of a 1st choice at depth 1 near p = 0.9 moves from the prior towards 1
+    rate = calibration.log_rate(0, torch.tensor([[0.9, 0.05]]).log()).exp()
+    prior = (bin_of(0.9) + 0.5) / CALIBRATION_BINS
+    assert rate[0, 0] == pytest.approx((prior * PRIOR_TRIALS + 1) / (PRIOR_TRIALS + 1), rel=1e-5)
+    assert rate[0, 1] < (bin_of(0.05) + 0.5) / CALIBRATION_BINS  # a miss lowers the 2nd choice's rate
+
+
+def test_calibration_is_shared_per_model_depth_and_temperature(pair):
+    from specdec_ext.drafters.calibration import shared_calibration
+    target, draft = pair
+    first = shared_calibration(draft, 4, 0.0)
+    assert shared_calibration(draft, 4, 0.0) is first
+    assert shared_calibration(draft, 3, 0.0) is not first and shared_calibration(draft, 4, 1.0) is not first
+    before = first.trials.sum().item()
+    generate([PROMPTS[0]], target, draft, max_new_tokens=8, draft_tree=(2, 4, 16))
+    assert first.trials.sum().item() > before  # the drafter learnt into the shared table

@@ -29,11 +29,25 @@ def _draft_length(value: str):
     return k
 
 
+def _tree_shape(value: str):
+    """--tree: 'B,D,N', three ints >= 1."""
+    parts = value.split(",")
+    try:
+        shape = tuple(int(x) for x in parts)
+    except ValueError:
+        shape = ()
+    if len(shape) != 3 or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"expected B,D,N (three ints >= 1), got {value!r}")
+    return shape
+
+
 def _model_args(parser: argparse.ArgumentParser, threads: Optional[int] = None) -> None:
     parser.add_argument("--target", help="target model: a local path or model id, loaded offline "
                         "(default: the bundled pair's target; give --target and --draft together)")
-    parser.add_argument("--draft", help="draft model sharing the target's vocabulary, or 'ngram' for lookup drafting "
-                        "over the prompt and the generated tokens (no draft model) (default: the bundled pair's draft)")
+    parser.add_argument("--draft", help="draft model sharing the target's vocabulary; 'ngram' for lookup drafting "
+                        "over the prompt and the generated tokens (no draft model); 'heads' for the bundled target's "
+                        "Medusa-style heads, or a heads directory (tools/train_heads.py) with --target "
+                        "(default: the bundled pair's draft)")
     parser.add_argument("--threads", type=int, default=threads,
                         help="torch CPU threads (default: " + ("torch's choice" if threads is None else str(threads))
                         + "; 1 is best for small models on a busy CPU)")
@@ -67,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-file", action="append", default=[], help="a file whose content is one prompt (repeatable)")
     _model_args(g)
     g.add_argument("--max-new-tokens", type=int, default=128, help="exact cap on new tokens per prompt (default: 128)")
+    g.add_argument("--tree", type=_tree_shape, default=None, metavar="B,D,N",
+                   help="draft a token tree instead of a chain: top-B per node, D levels, N nodes (a draft model "
+                   "or heads; heads default to 3,3,8); -k is then ignored")
     g.add_argument("-k", "--k", type=_draft_length, default=4, dest="k",
                    help="draft tokens per step, or 'auto' (chosen per step from the measured acceptance and "
                    "costs; seeded sampling is then not reproducible) (default: 4)")
@@ -125,8 +142,14 @@ def _set_threads(threads: Optional[int]) -> None:
 
 
 def _pair_args(args):
-    if args.draft == "ngram":  # lookup drafting: no draft model (the target defaults to the bundled one)
-        return args.target, "ngram"
+    if args.draft in ("ngram", "heads"):  # no draft model (the target defaults to the bundled one)
+        return args.target, args.draft
+    if args.draft is not None and os.path.isfile(os.path.join(args.draft, "heads.safetensors")):
+        if args.target is None:
+            raise SystemExit("specdec: a heads directory needs the --target it was trained for "
+                             "(--draft heads uses the bundled target's heads)")
+        from .heads import load_heads
+        return args.target, load_heads(args.draft)
     if (args.target is None) != (args.draft is None):
         raise SystemExit("specdec: give --target and --draft together (or neither, for the bundled pair)")
     return args.target, args.draft
@@ -144,7 +167,8 @@ def cmd_generate(args) -> int:
     target, draft = _pair_args(args)
     eos = False if args.no_eos else args.eos_token_id
     kw = dict(max_new_tokens=args.max_new_tokens, k=args.k, temperature=args.temperature, top_k=args.top_k,
-              top_p=args.top_p, seed=args.seed, eos_token_id=eos, stop=args.stop or None, runner=args.runner)
+              top_p=args.top_p, seed=args.seed, eos_token_id=eos, stop=args.stop or None, runner=args.runner,
+              draft_tree=args.tree)
     if args.no_stream:
         result = generate(prompts, target, draft, **kw)
         for i, text in enumerate(result.text or []):
@@ -221,10 +245,14 @@ def heldout_prompts(files: int, lines: int) -> List[tuple]:
 
 
 def cmd_demo(args) -> int:
-    from .generate import generate, load_pair, plain_generate
+    from .generate import _load_target, generate, load_pair, plain_generate
 
     target_spec, draft_spec = _pair_args(args)
-    target, draft, tokenizer = load_pair(target_spec, draft_spec)
+    no_draft_model = draft_spec in ("ngram", "heads") if isinstance(draft_spec, str) else draft_spec is not None
+    if no_draft_model:  # lookup or heads: only the target to load
+        (target, tokenizer), draft = _load_target(target_spec, None), draft_spec
+    else:
+        target, draft, tokenizer = load_pair(target_spec, draft_spec)
     kw = dict(max_new_tokens=args.max_new_tokens, eos_token_id=False, runner=args.runner, tokenizer=tokenizer)
     warm_up = {**kw, "max_new_tokens": 4}
     generate(["x = 1"], target, draft, k=args.k, **warm_up)
@@ -236,7 +264,8 @@ def cmd_demo(args) -> int:
         print(f"=== {name} (first {args.lines} lines) ===")
         print(prompt + "\033[1m" + spec.text[0] + "\033[0m" if sys.stdout.isatty() else prompt + spec.text[0])
         s, p = spec.stats, plain.stats
-        print(f"--- speculative k={args.k}: {s.tokens_per_second:.1f} tok/s, plain: {p.tokens_per_second:.1f} tok/s, "
+        how = f"k={args.k}" if spec.stats.k == args.k else f"{spec.stats.k}-node tree"
+        print(f"--- speculative {how}: {s.tokens_per_second:.1f} tok/s, plain: {p.tokens_per_second:.1f} tok/s, "
               f"speedup {s.tokens_per_second / p.tokens_per_second:.2f}x, {s.tokens_per_pass:.2f} tokens per target "
               f"pass, acceptance {s.acceptance_rate:.2f}; {same}\n")
     return 0

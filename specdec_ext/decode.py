@@ -52,13 +52,14 @@ def chain_verifier(meta: SpecDecodeMetadata, target_logits: torch.Tensor) -> Non
 
 
 def tree_verifier(meta: SpecDecodeMetadata, target_logits: torch.Tensor) -> None:
-    """The lossless tree verifier: tree_verify with deterministic candidates (draft_probs None) into
-    meta.tree_path / meta.output_tokens / meta.num_accepted.
+    """The lossless tree verifier: tree_verify into meta.tree_path / meta.output_tokens /
+    meta.num_accepted; with meta.draft_probs (sampled candidates, [B, N, V]) recursive rejection
+    sampling, without it (None) the deterministic-candidate rule.
 
     target_logits [B, N+1, V]
     """
     ops.tree_verify(
-        target_logits, meta.draft_token_ids, meta.tree_parents, None,
+        target_logits, meta.draft_token_ids, meta.tree_parents, meta.draft_probs,
         temperature=meta.temperature, top_k=meta.top_k, top_p=meta.top_p,
         seed=meta.seed, offset=meta.verify_offset,
         out=(meta.tree_path, meta.output_tokens, meta.num_accepted), check_status=False,

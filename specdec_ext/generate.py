@@ -12,8 +12,10 @@ import torch
 from . import adaptive as adaptive_k
 from . import cuda_graphs
 from .decode import RowState, StopCriteria, Verifier, chain_verifier, decode, required_cache_len
-from .drafters import ModelDrafter, NgramDrafter
+from .drafters import HeadsDrafter, ModelDrafter, NgramDrafter
+from .drafters.calibration import shared_calibration
 from .drafters.tree_drafter import TreeModelDrafter, tree_num_nodes
+from .heads import MedusaHeads
 from .metadata import SamplingParams
 from .reference_runner import RecomputeRunner, _output_vocab_size
 from .stats import GenerationStats
@@ -23,6 +25,8 @@ ModelSpec = Union[None, str, os.PathLike, torch.nn.Module]
 
 DEFAULT_K = 4  # fixed, so seeded sampling is reproducible; k="auto" adapts per step (opt-in)
 NGRAM_DRAFT = "ngram"  # draft= value selecting suffix-automaton lookup over the prompt and output
+HEADS_DRAFT = "heads"  # draft= value selecting the bundled target's Medusa-style heads
+HEADS_TREE = (3, 3, 8)  # default (b, d, N) of a heads tree (BENCHMARKS.md: heads trees on the bundled pair)
 MAX_MISMATCHES_REPORTED = 5  # mismatching token ids named in a vocabulary error
 SEED_BITS = 62  # random row seeds are drawn in [0, 2^62)
 
@@ -275,6 +279,19 @@ def _draft_runner_factory(runner, factory):
     return lean_runner_factory(factory)
 
 
+def _target_runner_factory(runner, factory, *, tree: bool):
+    """The target's runner factory: with runner='auto' and a chain (or plain decoding), the lean Llama
+    runner for the targets it supports, computing in the model's own dtype (the same arithmetic as the
+    HF forward, in another order; on the CPU its step costs about 0.8x the paged one, BENCHMARKS.md);
+    the paged runner for trees (the lean runner has no tree forward), where CUDA graphs capture the
+    static paged runner, for other models, and for any other ``runner``."""
+    if runner != "auto" or tree:
+        return factory
+    from .lean_llama import lean_runner_factory
+
+    return lean_runner_factory(factory, cpu_fp32=False)
+
+
 class _Finisher:
     """Turns the rows into text and the final result."""
 
@@ -323,6 +340,11 @@ def generate(prompts, target: ModelSpec = None, draft: ModelSpec = None, *, max_
     target, draft : model id / local path (loaded offline with from_pretrained) or a loaded model
         Both None: the bundled default pair. ``draft="ngram"``: no draft model, a suffix automaton
         over each row's prompt and output proposes the continuation of its longest earlier match.
+        ``draft="heads"``: no draft model, the bundled target's Medusa-style heads
+        (specdec_ext/heads.py) propose a token tree from the target's last hidden state (the target
+        must be the bundled one); ``draft=MedusaHeads`` (``specdec_ext.heads.load_heads(dir)``) does
+        the same with heads trained for ``target`` (tools/train_heads.py). Heads always draft a tree:
+        ``draft_tree`` (default ``HEADS_TREE`` = (3, 3, 8)) with d <= the number of heads.
     max_new_tokens : int
         Exact cap on new tokens per prompt (>= 0).
     k : int >= 1 (default 4), "auto", or an ``AdaptiveK``
@@ -350,7 +372,9 @@ def generate(prompts, target: ModelSpec = None, draft: ModelSpec = None, *, max_
         Cache capacity per row (default: the target's max_position_embeddings); a prompt that does not
         fit with max_new_tokens and one step of drafts raises ValueError.
     runner : 'auto' | 'paged' | 'recompute' | class
-        The model runner of target and draft ('auto': the paged KV cache when available).
+        The model runner of target and draft. 'auto': for Llama/Mistral/Qwen2-style models a lean
+        pure-torch forward over a contiguous cache (specdec_ext/lean_llama.py; the target in its own
+        dtype) for chains, the paged KV cache for trees and other models (and where CUDA graphs run).
     verifier : callable
         The verification step (default: the lossless chain_verify); for tests.
     cost_probe : bool
@@ -359,31 +383,57 @@ def generate(prompts, target: ModelSpec = None, draft: ModelSpec = None, *, max_
         A row stops drafting (before k) after a token the draft gives probability below this; it
         saves draft passes that would mostly be rejected. 0 (default) always drafts k. Lossless either way.
     draft_tree : (b, d, N), optional
-        Draft a token tree instead of a chain: the draft model expands its top-b tokens per node over
-        d levels (each level keeping its best min(b^l, N) nodes by cumulative draft log-probability),
+        Draft a token tree instead of a chain: the draft model (or the heads) expands its top-b tokens
+        per node over d levels (each level keeping its best min(b^l, N) nodes by cumulative score),
         then the N best expanded nodes form the tree (drafters/tree_drafter.py; b = 1 is a chain of
-        min(d, N)); one target pass verifies them with the tree mask,
-        tree_verify (deterministic-candidate rule, lossless at any temperature) picks the path and
-        commit_tree keeps it. ``k`` is then ignored (the verify budget is N + 1 tokens). Needs a draft
-        model (not "ngram"); draft_confidence does not apply; the steps run eagerly (no CUDA graphs).
+        min(d, N)); a node's score is the learnt log-rate at which the target emits such candidates
+        (drafters/calibration.py, kept per draft model and temperature across calls). At T > 0 a draft
+        model samples each node's children without replacement from its filtered q instead of taking
+        the top-b (heads always take the top-b). One target pass verifies the tree with the tree mask,
+        tree_verify picks the path (recursive rejection sampling for sampled children, the
+        deterministic-candidate rule otherwise; both lossless) and commit_tree keeps it. ``k`` is then
+        ignored (the verify budget is N + 1 tokens). Needs a draft model or heads (not "ngram");
+        draft_confidence does not apply; the steps run eagerly (no CUDA graphs).
 
     Returns
     -------
     GenerationResult (``.token_ids``, ``.text``, ``.finish_reasons``, ``.stats``) or GenerationStream.
     """
     k, controller = adaptive_k.resolve(k)
+    heads = None
+    if isinstance(draft, MedusaHeads) or (isinstance(draft, str) and draft == HEADS_DRAFT):
+        heads, draft = draft, None
+        draft_tree = HEADS_TREE if draft_tree is None else draft_tree
     if draft_tree is not None:
         if (not isinstance(draft_tree, (tuple, list)) or len(draft_tree) != 3
                 or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in draft_tree)):
             raise ValueError(f"draft_tree must be a tuple (b, d, N) of ints >= 1, got {draft_tree!r}")
         if isinstance(draft, str) and draft == NGRAM_DRAFT:
-            raise ValueError("draft_tree needs a draft model, not the n-gram drafter")
+            raise ValueError("draft_tree needs a draft model or heads, not the n-gram drafter")
         k = tree_num_nodes(*draft_tree)  # the verify budget: N' + 1 tokens, N' = min(N, expanded nodes)
         controller = None  # a tree drafter has its own node budget (adaptive k is for chains)
     if not 0.0 <= draft_confidence < 1.0:
         raise ValueError(f"draft_confidence must lie in [0, 1), got {draft_confidence}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    if heads is not None:
+        if isinstance(heads, str) and target is not None:
+            raise ValueError("draft='heads' uses the bundled heads, trained for the bundled target; for another "
+                             "target pass draft=specdec_ext.heads.load_heads(<dir>) with heads trained for it "
+                             "(tools/train_heads.py)")
+        if runner == "recompute":  # its HF forwards are per group of equal lengths, not one per pass
+            raise ValueError("draft='heads' needs the paged runner (runner='auto' or 'paged'), not 'recompute'")
+        target_model, tokenizer = _load_target(target, tokenizer)
+        param = next(target_model.parameters())
+        if isinstance(heads, str):
+            from .default_pair import load_default_heads
+            heads = load_default_heads(dtype=param.dtype, device=param.device)
+        heads.check_target(target_model)
+        heads = heads.to(dtype=param.dtype, device=param.device)
+        return _run(prompts, target_model, None, tokenizer, k=k, max_new_tokens=max_new_tokens,
+                    temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id,
+                    stop=stop, stream=stream, max_seq_len=max_seq_len, runner=runner, verifier=verifier,
+                    cost_probe=cost_probe, draft_tree=draft_tree, heads=heads)
     if isinstance(draft, str) and draft == NGRAM_DRAFT:
         target_model, tokenizer = _load_target(target, tokenizer)
         return _run(prompts, target_model, None, tokenizer, k=k, max_new_tokens=max_new_tokens,
@@ -419,6 +469,14 @@ def plain_generate(prompts, target: ModelSpec = None, *, max_new_tokens: int = 1
                 stream=stream, max_seq_len=max_seq_len, runner=runner, verifier=chain_verifier, cost_probe=False)
 
 
+def _closing(events, drafter):
+    """The loop's events; the drafter is closed (hooks on the target removed) when they end."""
+    try:
+        yield from events
+    finally:
+        drafter.close()
+
+
 def _load_target(target: ModelSpec, tokenizer):
     """The target model and its tokenizer alone (no draft model): the bundled target when None."""
     if target is None:
@@ -429,7 +487,7 @@ def _load_target(target: ModelSpec, tokenizer):
 
 def _run(prompts, target_model, draft_model, tokenizer, *, k, max_new_tokens, temperature, top_k, top_p, seed,
          eos_token_id, stop, stream, max_seq_len, runner, verifier, cost_probe, draft_confidence=0.0, ngram=False,
-         draft_tree=None, adaptive=None):
+         draft_tree=None, adaptive=None, heads=None):
     """Validate the rest of the arguments, build the runners and the drafter, run the loop."""
     sampling = SamplingParams(float(temperature), top_k, float(top_p))
     sampling.validate()
@@ -470,12 +528,19 @@ def _run(prompts, target_model, draft_model, tokenizer, *, k, max_new_tokens, te
         events = iter(())
     else:
         factory = cuda_graphs.static_runner_factory(_runner_factory(runner), device)
-        target_runner = factory(target_model, max_batch_size=B, max_seq_len=needed)
+        tree = draft_tree is not None or heads is not None
+        target_runner = _target_runner_factory(runner, factory, tree=tree)(target_model, max_batch_size=B,
+                                                                          max_seq_len=needed)
         if ngram:
             drafter = NgramDrafter(k)
+        elif heads is not None:
+            drafter = HeadsDrafter(target_model, heads, branch=draft_tree[0], depth=draft_tree[1],
+                                   budget=draft_tree[2],
+                                   calibration=shared_calibration(heads, draft_tree[1], sampling.temperature))
         elif draft_model is not None and draft_tree is not None:
             drafter = TreeModelDrafter(draft_model, factory, branch=draft_tree[0], depth=draft_tree[1],
-                                       budget=draft_tree[2], vocab_size=vocab_size)
+                                       budget=draft_tree[2], vocab_size=vocab_size,
+                                       calibration=shared_calibration(draft_model, draft_tree[1], sampling.temperature))
         elif draft_model is not None:
             drafter = ModelDrafter(draft_model, _draft_runner_factory(runner, factory), k=k,
                                    vocab_size=vocab_size, confidence_threshold=draft_confidence)
@@ -488,6 +553,8 @@ def _run(prompts, target_model, draft_model, tokenizer, *, k, max_new_tokens, te
         events = decode(target_runner, drafter, token_prompts, k=k, sampling=sampling, seeds=seeds,
                         stop=stop_criteria, max_seq_len=needed, vocab_size=vocab_size, verifier=verifier,
                         stats=stats, rows=rows, cost_probe=cost_probe, adaptive=adaptive)
+        if drafter is not None:
+            events = _closing(events, drafter)
     if stream:
         return GenerationStream(events, rows, finisher)
     for _ in events:

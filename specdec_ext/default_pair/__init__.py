@@ -3,6 +3,7 @@
 Layout of this directory (weights are committed to git directly, bf16 safetensors)::
 
     target/     LlamaForCausalLM save_pretrained dir (config.json, model.safetensors, generation_config.json)
+    heads/      Medusa-style draft heads for the target (specdec_ext/heads.py; tools/train_heads.py)
     draft/      LlamaForCausalLM save_pretrained dir, same tokenizer, distilled from the target
     tokenizer/  byte-level BPE PreTrainedTokenizerFast (tokenizer.json, tokenizer_config.json)
     MODEL_CARD.md
@@ -18,6 +19,7 @@ PAIR_DIR = os.path.dirname(os.path.abspath(__file__))
 TARGET_DIR = os.path.join(PAIR_DIR, "target")
 DRAFT_DIR = os.path.join(PAIR_DIR, "draft")
 TOKENIZER_DIR = os.path.join(PAIR_DIR, "tokenizer")
+HEADS_DIR = os.path.join(PAIR_DIR, "heads")  # Medusa-style heads for the target (tools/train_heads.py)
 
 _REQUIRED = {
     TARGET_DIR: ("config.json", "model.safetensors"),
@@ -25,7 +27,8 @@ _REQUIRED = {
     TOKENIZER_DIR: ("tokenizer.json", "tokenizer_config.json"),
 }
 
-__all__ = ["load_default_pair", "PAIR_DIR", "TARGET_DIR", "DRAFT_DIR", "TOKENIZER_DIR"]
+__all__ = ["load_default_pair", "load_default_heads", "PAIR_DIR", "TARGET_DIR", "DRAFT_DIR", "TOKENIZER_DIR",
+           "HEADS_DIR"]
 
 
 def _check_files():
@@ -68,3 +71,9 @@ def load_default_pair(dtype=torch.float32, device="cpu"):
             f"default pair vocab mismatch: target {target.config.vocab_size}, draft "
             f"{draft.config.vocab_size}, tokenizer {len(tokenizer)}")
     return target, draft, tokenizer
+
+
+def load_default_heads(dtype=torch.float32, device="cpu"):
+    """Load the bundled target's Medusa-style heads (``specdec_ext.heads.MedusaHeads``, eval mode)."""
+    from ..heads import load_heads
+    return load_heads(HEADS_DIR, dtype=dtype, device=device)

@@ -12,6 +12,7 @@ HF draft model, n-gram / suffix lookup, or heads on the target plug in the same 
                                       (updated) tell it what was committed; roll its state back
     drafter.skip(meta)                adaptive k: instead of propose when no row drafts this step (the
                                       step is plain decoding); accept(meta) still follows
+    drafter.close()                   once, when the loop ends (releases hooks on the target)
 
 Adaptive k (specdec_ext/adaptive.py): when meta.draft_budget (host list [B]) is set, row b proposes at
 most draft_budget[b] tokens (num_draft[b] <= draft_budget[b] <= k); a drafter that learns its counts
@@ -49,9 +50,13 @@ class Drafter:
     def skip(self, meta: SpecDecodeMetadata) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not support adaptive k (skip)")
 
+    def close(self) -> None:
+        """Release what the drafter holds on the models (nothing by default)."""
+
 
 from .model_drafter import ModelDrafter  # noqa: E402
 from .ngram import NgramDrafter  # noqa: E402
 from .tree_drafter import TreeModelDrafter  # noqa: E402  (proposes a tree: meta.tree_parents)
+from .heads_drafter import HeadsDrafter  # noqa: E402  (a tree from heads on the target)
 
-__all__ = ["Drafter", "ModelDrafter", "NgramDrafter", "TreeModelDrafter"]
+__all__ = ["Drafter", "ModelDrafter", "NgramDrafter", "TreeModelDrafter", "HeadsDrafter"]

@@ -86,8 +86,8 @@ class NgramDrafter(Drafter):
         budget = meta.draft_budget  # adaptive k: host [B] caps, or None
         drafts = [a.propose(k if budget is None else min(k, budget[b])) for b, a in enumerate(self.automata)]
         counts = [len(d) for d in drafts]
-        if budget is not None:
-            meta.draft_budget = counts  # known on the host: narrows the verify pass
+        # known on the host: the verify pass covers max(counts) + 1 tokens (1 when no row has a match)
+        meta.draft_budget = counts
         padded = [d + [PAD_TOKEN] * (k - len(d)) for d in drafts]
         meta.draft_token_ids.copy_(torch.tensor(padded, dtype=torch.int64).view(len(drafts), k))
         meta.num_draft.copy_(torch.tensor(counts, dtype=torch.int32))

@@ -2,19 +2,29 @@
 
 Shape of the tree (EAGLE-2-style expand then rerank; b = branch, d = depth, N = node budget):
 expansion: level 1 holds the draft's top-b tokens after the committed prefix; level l+1 takes the
-top-b children of every kept level-l node, scores each by its cumulative draft log-probability (sum
-of log softmax of the draft's raw logits along its root path) and keeps the best
-``min(b * kept_l, N)`` of them (``beam_widths``). Rerank: of all expanded nodes the N with the best
-cumulative log-probability form the tree (a child never scores above its parent, and a tiny depth
-penalty breaks ties, so the kept set contains its ancestors). Nodes keep the expansion order (level
-by level, best first within a level), a topological order (csrc/tree.h: ``parents[b, i] < i``, -1 =
+top-b children of every kept level-l node, scores each by its cumulative score along its root path
+and keeps the best ``min(b * kept_l, N)`` of them (``beam_widths``). Rerank: of all expanded nodes the
+N with the best cumulative score form the tree (a child never scores above its parent, and a tiny
+depth penalty breaks ties, so the kept set contains its ancestors). A node's own score is the log of
+the rate at which the target emitted candidates like it (same depth and sibling rank, similar draft
+probability) in earlier steps, learnt online (drafters/calibration.py; before any data it is the
+draft log-probability, EAGLE-2's score): the cumulative score then estimates log P(node accepted),
+so the tree holds the N nodes with the largest expected contribution to the accepted length. Nodes
+keep the expansion order (level by level, best first within a level), a topological order (csrc/tree.h: ``parents[b, i] < i``, -1 =
 child of the committed token). So the tree is deep where the draft is confident and branches where
 it is not; b = 1 is the chain of min(d, N) tokens. Every row has the same node count N' = min(N,
 expanded nodes); tokens and shape differ per row.
 
-The candidates are a deterministic function of the draft, so the target verifies them with
-``tree_verify(..., draft_probs=None)`` (accept x with probability p(x), else remove x from p and
-renormalise): lossless at any temperature. ``meta.draft_probs`` is None on the tree path.
+Candidates. Greedy (T = 0): the top-b of each node, a deterministic function of the draft and of
+past outcomes, verified by ``tree_verify(..., draft_probs=None)`` (the first child equal to the
+target's argmax). T > 0: each expanded node's b children are drawn *without replacement* from the
+draft's filtered q (``draw_without_replacement``), and ``meta.draft_probs [B, N, V]`` holds for every
+node the distribution it was drawn from (q with its earlier siblings removed, renormalised), so
+``tree_verify`` runs recursive rejection sampling (accept x with min(1, p(x) / q_x(x)), else
+p <- norm(max(0, p - q_x)) and try the next sibling): the first child is accepted as often as a chain
+draft, each further sibling adds its chance, and the output is distributed exactly as the target's.
+Which draws the tree keeps is decided before they are drawn (``grow_tree``), or the kept ones would be
+biased.
 
 Draft cache (its own runner): before ``propose`` it holds a prefix of the committed tokens that ends
 before the pending token. ``propose`` feeds the unseen committed tokens plus the pending token as one
@@ -26,11 +36,13 @@ per step, like a chain drafter with k = d.
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from ..metadata import SpecDecodeMetadata
+from .. import ops
+from ..metadata import SpecDecodeMetadata, filtered_probs, sample_inverse_cdf
+from .calibration import NodeCalibration
 from .model_drafter import ModelDrafter
 
 
@@ -53,14 +65,159 @@ def tree_num_nodes(branch: int, depth: int, budget: int) -> int:
     return min(budget, sum(beam_widths(branch, depth, budget)))
 
 
+FrontierLogprobs = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# (level, logprobs [B, F, V]) -> (child log q [B, F, b], child tokens [B, F, b], child q rows [B, F, b, V])
+SampleChildren = Callable[[int, torch.Tensor], Tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+SIBLING_TIE_BREAK = 1e-6  # subtracted per sibling rank from a sampled child's score: draw order breaks ties
+
+
+EMPTY_MASS = 1e-12  # a filtered q with less mass left than this is used up: draw from the unfiltered one
+LOG_Q_FLOOR = -1e4  # floor of a draw's score (finite, so the tie-break keeps sibling order strict)
+
+
+def draw_without_replacement(q: torch.Tensor, fallback: torch.Tensor, uniforms: torch.Tensor):
+    """b sequential draws without replacement per row (the order of the draws matters).
+
+    Draw j comes from q with draws 0..j-1 removed and renormalised, or, once q's support is used up
+    (a top-k / top-p filter left fewer than b tokens), from ``fallback`` (a full-support distribution)
+    likewise; ``rows[..., j, :]`` is the distribution draw j came from, which the verifier needs
+    (recursive rejection sampling: any proposal works as long as it is the one sampled from).
+
+    The first returned tensor scores the draws for the tree's selection, and it must not depend on
+    the drawn tokens: keeping or dropping a draw because of its own value would bias the kept
+    candidates away from the rows they are verified against. So draw j is scored by the j-th largest
+    probability of q (known before the draw; for top-b candidates it is their own probability).
+
+    q, fallback [B, F, V] fp32; uniforms [B, F, b] -> (log of q's b largest probabilities [B, F, b]
+    floored at LOG_Q_FLOOR, tokens [B, F, b] int64, rows [B, F, b, V] fp32)
+    """
+    B, F, V = q.shape
+    b = uniforms.shape[-1]
+    left, left_fallback = q.clone(), fallback.clone()
+    tokens = torch.empty((B, F, b), dtype=torch.int64, device=q.device)
+    rows = torch.empty((B, F, b, V), dtype=torch.float32, device=q.device)
+    for j in range(b):
+        mass = left.sum(-1, keepdim=True)  # [B, F, 1]
+        row = torch.where(mass > EMPTY_MASS, left / mass.clamp(min=EMPTY_MASS),
+                          left_fallback / left_fallback.sum(-1, keepdim=True))
+        x = sample_inverse_cdf(row.reshape(B * F, V), uniforms[:, :, j].reshape(-1)).view(B, F)
+        tokens[:, :, j], rows[:, :, j] = x, row
+        left.scatter_(-1, x[..., None], 0.0)
+        left_fallback.scatter_(-1, x[..., None], 0.0)
+    ranked = q.topk(b, dim=-1).values.clamp(min=1e-30).log().clamp(min=LOG_Q_FLOOR)
+    return ranked, tokens, rows
+
+
+class DraftTree(NamedTuple):
+    """A proposed tree, N nodes per row in topological order."""
+
+    tokens: torch.Tensor  # [B, N] int64
+    parents: torch.Tensor  # [B, N] int32, -1 = child of the root
+    logprobs: torch.Tensor  # [B, N] fp32: the node's draft log-probability (sampled: that of the
+    #                         parent's rank-th likeliest token, known before the draw)
+    depth: torch.Tensor  # [B, N] int64: 1 = child of the root
+    rank: torch.Tensor  # [B, N] int64: 0 = its parent's first choice (sampled: the first draw)
+    probs: Optional[torch.Tensor] = None  # [B, N, V] fp32: sampled trees, the q each node was drawn from
+
+
+def grow_tree(frontier_logprobs: FrontierLogprobs, widths: Sequence[int], branch: int, num_nodes: int,
+              calibration: Optional[NodeCalibration] = None,
+              sample_children: Optional[SampleChildren] = None) -> DraftTree:
+    """Expand the top-``branch`` children of the frontier level by level, then keep the ``num_nodes``
+    best nodes by cumulative score (the module docstring's rule, shared by every tree drafter). A node's
+    score is its draft log-probability, or with ``calibration`` the learned log-rate at which the
+    target emits such a candidate (drafters/calibration.py).
+
+    ``frontier_logprobs(level, tokens, parents, frontier_index)`` returns the log-probabilities of the
+    children of the current frontier, [B, F, V] (or [B, 1, V] when they do not depend on the parent,
+    as for heads); ``tokens`` [B, C] and ``parents`` [B, C] (expansion indices, -1 = root) hold the
+    nodes expanded so far, ``frontier_index`` [B, F] the frontier's node indices (-1 at level 0).
+
+    ``sample_children`` (sampled trees, T > 0) draws each frontier node's b children without
+    replacement instead of taking its top-b. Their verification needs every kept sibling to follow
+    all earlier draws of its parent, and whether a draw is kept must not depend on the drawn token
+    (see ``draw_without_replacement``): draw j is scored by the parent's j-th largest probability,
+    capped by its earlier siblings' scores (running minimum, minus a tiny tie-break), so any best-N
+    set holds a prefix of each sibling list chosen before looking at the draws.
+
+    Returns a DraftTree (topological order, parents renumbered).
+    """
+    tokens = parents = scores = own = depths = ranks = probs = None
+    frontier_index = frontier_scores = None
+    for level, width in enumerate(widths):
+        if level == 0:
+            logprobs = frontier_logprobs(0, None, None, None)  # [B, 1, V]
+            B, device = logprobs.shape[0], logprobs.device
+            tokens = torch.zeros((B, 0), dtype=torch.int64, device=device)  # [B, C]
+            parents = torch.zeros((B, 0), dtype=torch.int64, device=device)  # [B, C] expansion indices
+            scores = torch.zeros((B, 0), dtype=torch.float32, device=device)  # [B, C] rerank scores
+            own = torch.zeros((B, 0), dtype=torch.float32, device=device)  # [B, C] node log-probabilities
+            depths = torch.zeros((B, 0), dtype=torch.int64, device=device)  # [B, C]
+            ranks = torch.zeros((B, 0), dtype=torch.int64, device=device)  # [B, C]
+            if sample_children is not None:
+                probs = torch.zeros((B, 0, logprobs.shape[-1]), dtype=torch.float32, device=device)  # [B, C, V]
+            frontier_index = torch.full((B, 1), -1, dtype=torch.int64, device=device)  # [B, F]
+            frontier_scores = torch.zeros((B, 1), dtype=torch.float32, device=device)  # [B, F]
+        else:
+            logprobs = frontier_logprobs(level, tokens, parents, frontier_index)  # [B, F or 1, V]
+        B, F = frontier_scores.shape
+        if sample_children is None:
+            top_lp, top_tok = logprobs.topk(branch, dim=-1)  # [B, F or 1, b]
+        else:
+            top_lp, top_tok, top_q = sample_children(level, logprobs)  # [B, F, b], [B, F, b], [B, F, b, V]
+        step = top_lp if calibration is None else calibration.log_rate(level, top_lp)
+        if sample_children is not None:
+            ties = SIBLING_TIE_BREAK * torch.arange(branch, device=step.device)
+            step = torch.cummin(step, dim=-1).values - ties
+        cand = (frontier_scores[:, :, None] + step).flatten(1)  # [B, F*b]
+        cand_lp = top_lp.expand(B, F, branch).flatten(1)
+        cand_tok = top_tok.expand(B, F, branch).flatten(1)
+        cand_rank = torch.arange(branch, device=top_tok.device).expand(B, F, branch).flatten(1)
+        cand_parent = frontier_index[:, :, None].expand(-1, -1, branch).flatten(1)
+        best, pick = cand.topk(width, dim=-1)  # [B, width], best first
+        start = tokens.shape[1]
+        tokens = torch.cat([tokens, cand_tok.gather(1, pick)], dim=1)
+        parents = torch.cat([parents, cand_parent.gather(1, pick)], dim=1)
+        scores = torch.cat([scores, best - DEPTH_TIE_BREAK * (level + 1)], dim=1)
+        own = torch.cat([own, cand_lp.gather(1, pick)], dim=1)
+        depths = torch.cat([depths, torch.full_like(pick, level + 1)], dim=1)
+        ranks = torch.cat([ranks, cand_rank.gather(1, pick)], dim=1)
+        if probs is not None:
+            V = top_q.shape[-1]
+            probs = torch.cat([probs, top_q.reshape(B, F * branch, V).gather(1, pick[:, :, None].expand(-1, -1, V))], 1)
+        frontier_scores = best
+        frontier_index = torch.arange(start, start + width, device=best.device).expand(B, -1)
+    # rerank: the N best nodes, kept in expansion (topological) order, parents renumbered
+    B, C = tokens.shape
+    device = tokens.device
+    keep = scores.topk(num_nodes, dim=-1).indices.sort(dim=-1).values  # [B, N] expansion indices
+    new_index = torch.full((B, C + 1), -1, dtype=torch.int64, device=device)  # slot C: the root
+    new_index.scatter_(1, keep, torch.arange(num_nodes, device=device).expand(B, -1).contiguous())
+    old_parents = parents.gather(1, keep)  # [B, N], -1 = root
+    new_parents = new_index.gather(1, torch.where(old_parents < 0, C, old_parents)).to(torch.int32)
+    kept_probs = None if probs is None else probs.gather(1, keep[:, :, None].expand(-1, -1, probs.shape[-1]))
+    return DraftTree(tokens.gather(1, keep), new_parents, own.gather(1, keep), depths.gather(1, keep),
+                     ranks.gather(1, keep), kept_probs)
+
+
+def observe_tree(calibration: Optional[NodeCalibration], tree: DraftTree, meta: SpecDecodeMetadata) -> None:
+    """Feed a verified tree step to the calibration (a no-op without one)."""
+    if calibration is not None:
+        calibration.observe(tree.logprobs, tree.depth, tree.rank, tree.tokens, tree.parents, meta.tree_path, meta.num_accepted,
+                            meta.output_tokens, meta.active)
+
+
 class TreeModelDrafter(ModelDrafter):
     """Top-b draft tree from a HF draft model. ``k`` is the number of nodes N' (<= N)."""
 
     is_tree = True
 
-    def __init__(self, model, runner_factory: Callable, *, branch: int, depth: int, budget: int, vocab_size: int):
+    def __init__(self, model, runner_factory: Callable, *, branch: int, depth: int, budget: int, vocab_size: int,
+                 calibration: Optional[NodeCalibration] = None):
         self.widths = beam_widths(branch, depth, budget)
         self.branch, self.depth = branch, depth
+        self.calibration = calibration  # None: rank by draft log-probability (EAGLE-2)
+        self.tree: Optional[DraftTree] = None
         super().__init__(model, runner_factory, k=tree_num_nodes(branch, depth, budget), vocab_size=vocab_size)
 
     def prefill(self, prompts: Sequence[Sequence[int]], meta: SpecDecodeMetadata) -> None:
@@ -70,6 +227,9 @@ class TreeModelDrafter(ModelDrafter):
         if self.runner is None or self.runner.max_batch_size < B or self.runner.max_seq_len < room:
             self.runner = self.runner_factory(self.model, max_batch_size=B, max_seq_len=room)
         super().prefill(prompts, meta)
+        if not meta.sampling.greedy:  # sampled candidates: the verifier needs the q of every node
+            meta.draft_probs = torch.zeros((B, self.k, self.vocab_size), dtype=torch.float32,
+                                           device=meta.token_buffer.device)
 
     # ------------------------------------------------------------------ the step
     def _feed_unseen_and_pending(self, meta: SpecDecodeMetadata) -> torch.Tensor:
@@ -87,44 +247,45 @@ class TreeModelDrafter(ModelDrafter):
         return logits[self._rows, num_feed - 1]
 
     def propose(self, meta: SpecDecodeMetadata) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        B, N, b = meta.batch_size, self.k, self.branch
-        device = meta.token_buffer.device
-        C = sum(self.widths)  # expanded nodes
-        tokens = torch.zeros((B, C), dtype=torch.int64, device=device)  # [B, C]
-        parents = torch.full((B, C), -1, dtype=torch.int64, device=device)  # [B, C] (expansion indices)
-        scores = torch.zeros((B, C), dtype=torch.float32, device=device)  # [B, C] rerank scores
         pending = torch.gather(meta.token_buffer, 1, (meta.seq_lens - 1)[:, None])  # [B, 1]
-        logits = self._fit_vocab(self._feed_unseen_and_pending(meta))[:, None]  # [B, F=1, V]
-        frontier_scores = torch.zeros((B, 1), dtype=torch.float32, device=device)  # [B, F]
-        frontier_index = torch.full((B, 1), -1, dtype=torch.int64, device=device)  # [B, F] node ids
-        start = 0
-        for level, width in enumerate(self.widths):
-            if level > 0:  # draft logits at the frontier: one uncommitted tree forward of [pending, nodes]
-                feed = torch.cat([pending, tokens[:, :start]], dim=1)  # [B, start+1]
-                out = self.runner.forward(feed, None, tree_parents=parents[:, :start].to(torch.int32).contiguous())
-                logits = self._fit_vocab_3d(out.gather(
-                    1, (frontier_index + 1)[:, :, None].expand(-1, -1, out.shape[-1])))  # [B, F, V]
-            logprobs = torch.log_softmax(logits.float(), dim=-1)  # [B, F, V]
-            top_lp, top_tok = logprobs.topk(b, dim=-1)  # [B, F, b]
-            cand = (frontier_scores[:, :, None] + top_lp).flatten(1)  # [B, F*b]
-            cand_tok = top_tok.flatten(1)
-            cand_parent = frontier_index[:, :, None].expand(-1, -1, b).flatten(1)
-            best, pick = cand.topk(width, dim=-1)  # [B, width], best first
-            tokens[:, start:start + width] = cand_tok.gather(1, pick)
-            parents[:, start:start + width] = cand_parent.gather(1, pick)
-            scores[:, start:start + width] = best - DEPTH_TIE_BREAK * (level + 1)
-            frontier_scores = best
-            frontier_index = torch.arange(start, start + width, device=device).expand(B, -1)
-            start += width
-        # rerank: the N best nodes, kept in expansion (topological) order, parents renumbered
-        keep = scores.topk(N, dim=-1).indices.sort(dim=-1).values  # [B, N] expansion indices
-        new_index = torch.full((B, C + 1), -1, dtype=torch.int64, device=device)  # slot C: the root
-        new_index.scatter_(1, keep, torch.arange(N, device=device).expand(B, -1).contiguous())
-        old_parents = parents.gather(1, keep)  # [B, N], -1 = root
-        meta.draft_token_ids.copy_(tokens.gather(1, keep))
-        meta.tree_parents.copy_(new_index.gather(1, torch.where(old_parents < 0, C, old_parents)).to(torch.int32))
-        meta.num_draft.fill_(N)
-        return meta.draft_token_ids, None
+        first = self._fit_vocab(self._feed_unseen_and_pending(meta))[:, None]  # [B, 1, V]
+
+        def frontier_logprobs(level, tokens, parents, frontier_index):
+            if level == 0:
+                return torch.log_softmax(first.float(), dim=-1)
+            # draft logits at the frontier: one uncommitted tree forward of [pending, nodes so far]
+            feed = torch.cat([pending, tokens], dim=1)  # [B, nodes so far + 1]
+            out = self.runner.forward(feed, None, tree_parents=parents.to(torch.int32).contiguous())
+            logits = self._fit_vocab_3d(out.gather(
+                1, (frontier_index + 1)[:, :, None].expand(-1, -1, out.shape[-1])))  # [B, F, V]
+            return torch.log_softmax(logits.float(), dim=-1)
+
+        sample_children = None if meta.sampling.greedy else self._sampler(meta)
+        self.tree = grow_tree(frontier_logprobs, self.widths, self.branch, self.k, self.calibration,
+                              sample_children)
+        meta.draft_token_ids.copy_(self.tree.tokens)
+        meta.tree_parents.copy_(self.tree.parents)
+        meta.num_draft.fill_(self.k)
+        if self.tree.probs is not None:
+            meta.draft_probs.copy_(self.tree.probs)
+        return meta.draft_token_ids, meta.draft_probs
+
+    def _sampler(self, meta: SpecDecodeMetadata):
+        """Children drawn without replacement from the filtered draft q (T > 0), with Philox draws of
+        (seed, draft offset): level l uses the columns after those of levels < l."""
+        b, sampling = self.branch, meta.sampling
+        frontier = [1] + self.widths[:-1]  # nodes expanded at each level
+        uniforms = ops.philox_uniforms(meta.seed, meta.draft_offset, b * sum(frontier))  # [B, b * sum F]
+        starts = [b * sum(frontier[:level]) for level in range(len(frontier))]
+
+        def sample_children(level, logprobs):
+            B, F, _ = logprobs.shape
+            u = uniforms[:, starts[level]:starts[level] + F * b].reshape(B, F, b)
+            q = filtered_probs(logprobs, sampling)  # [B, F, V]
+            fallback = torch.softmax(logprobs / sampling.temperature, dim=-1)
+            return draw_without_replacement(q, fallback, u)
+
+        return sample_children
 
     def _fit_vocab_3d(self, logits: torch.Tensor) -> torch.Tensor:
         B, F, V = logits.shape
@@ -132,5 +293,6 @@ class TreeModelDrafter(ModelDrafter):
 
     def accept(self, meta: SpecDecodeMetadata) -> None:
         """Nothing to roll back: the draft cache only ever commits committed tokens (see the module
-        docstring); the next propose feeds the accepted path and the emitted token."""
-        return None
+        docstring); the next propose feeds the accepted path and the emitted token. The step's outcome
+        updates the node calibration."""
+        observe_tree(self.calibration, self.tree, meta)

@@ -1,0 +1,90 @@
+"""HeadsDrafter: Medusa-style heads on the target propose a token tree; no draft model.
+
+The heads (specdec_ext/heads.py) read the target's hidden state h at the position whose logits gave
+the pending token t+1 (the input of the target's LM head there) and give the log-probabilities of
+tokens t+2 .. t+m+1, one distribution per depth that does not depend on the parent. The tree is grown
+like a draft model's (drafters/tree_drafter.py ``grow_tree``: top-b per node over d <= m levels, the N
+best nodes by cumulative log-probability), so it is the Cartesian product of the heads' top-b lists
+pruned to N nodes. The candidates are a deterministic function of the target's past, so
+``tree_verify(..., draft_probs=None)`` verifies them losslessly at any temperature.
+
+Where h comes from: a forward pre-hook on the target's LM head keeps its input of the last target pass
+(registered when the drafter is made, removed by ``close``). After the prefill that is [B, 1, H] at each
+prompt's last token; after a verify pass [B, N+1, H] (column 0 at the pending token, column i+1 at node
+i), and ``accept`` keeps the column of the last accepted node (0 when none was accepted). The heads
+therefore cost one small residual block and one LM-head product per depth per step and no extra target
+pass.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from ..heads import MedusaHeads, lm_head_of
+from ..metadata import SpecDecodeMetadata
+from . import Drafter
+from .calibration import NodeCalibration
+from .tree_drafter import DraftTree, beam_widths, grow_tree, observe_tree, tree_num_nodes
+
+
+class HeadsDrafter(Drafter):
+    """A token tree from heads on the target; ``k`` is the number of nodes N' of every tree."""
+
+    is_tree = True
+
+    def __init__(self, target_model, heads: MedusaHeads, *, branch: int, depth: int, budget: int,
+                 calibration: Optional[NodeCalibration] = None):
+        heads.check_target(target_model)
+        if depth > heads.num_heads:
+            raise ValueError(f"draft tree depth {depth} exceeds the {heads.num_heads} heads (one head per depth)")
+        self.widths = beam_widths(branch, depth, budget)
+        self.branch, self.depth = branch, depth
+        self.k = tree_num_nodes(branch, depth, budget)
+        self.heads = heads
+        self.calibration = calibration  # None: rank by draft log-probability (EAGLE-2)
+        self.tree: Optional[DraftTree] = None
+        self.lm_head = lm_head_of(target_model)
+        self._captured: Optional[torch.Tensor] = None  # the LM head's input of the last target pass
+        self._hidden: Optional[torch.Tensor] = None  # [B, H]: h at the pending token's logits
+        self._handle = self.lm_head.register_forward_pre_hook(self._capture)
+
+    def _capture(self, module, args) -> None:
+        self._captured = args[0]
+
+    def close(self) -> None:
+        """Remove the hook from the target's LM head (the decode loop calls this when it ends)."""
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    # ------------------------------------------------------------------ the interface
+    def prefill(self, prompts: Sequence[Sequence[int]], meta: SpecDecodeMetadata) -> None:
+        if self._captured is None:
+            raise RuntimeError("HeadsDrafter: the target's prefill did not pass through its LM head")
+        self._hidden = self._captured[:, -1].clone()  # [B, H]: the prefill keeps the last logits only
+
+    def propose(self, meta: SpecDecodeMetadata) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        with torch.no_grad():
+            logits = self.heads(self._hidden, self.lm_head)  # [B, m, V]
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+
+        def frontier_logprobs(level, tokens, parents, frontier_index):
+            return logprobs[:, level:level + 1]  # [B, 1, V]: the same children under every parent
+
+        self.tree = grow_tree(frontier_logprobs, self.widths, self.branch, self.k, self.calibration)
+        meta.draft_token_ids.copy_(self.tree.tokens)
+        meta.tree_parents.copy_(self.tree.parents)
+        meta.num_draft.fill_(self.k)
+        return meta.draft_token_ids, None
+
+    def accept(self, meta: SpecDecodeMetadata) -> None:
+        """Keep h at the last accepted node (column path[num_accepted - 1] + 1), or at the pending token;
+        the step's outcome updates the node calibration."""
+        observe_tree(self.calibration, self.tree, meta)
+        hidden = self._captured  # [B, N+1, H] of the verify pass
+        accepted = meta.num_accepted.to(torch.int64).clamp(min=0)  # [B]
+        last_node = meta.tree_path.to(torch.int64).gather(1, (accepted - 1).clamp(min=0)[:, None])[:, 0]  # [B]
+        column = torch.where(accepted > 0, last_node + 1, torch.zeros_like(last_node))  # [B]
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        self._hidden = hidden[rows, column.to(hidden.device)].clone()  # [B, H]
