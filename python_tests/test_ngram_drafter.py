@@ -207,7 +207,7 @@ def test_drafter_prefill_propose_accept_ragged_rows():
     k = 3
     meta = _meta(rows, k, sampling=SamplingParams(temperature=1.0))
     assert meta.draft_probs is not None  # allocated for a model drafter at T > 0
-    drafter = NgramDrafter(k)
+    drafter = NgramDrafter(k, min_match=2)
     assert isinstance(drafter, Drafter)
     drafter.prefill([r[:-1] for r in rows], meta)
     assert meta.draft_probs is None  # deterministic: chain_verify takes q one-hot

@@ -10,10 +10,14 @@ Acceptance by position. For row b and draft position i = 1..k_max let a_i be the
 draft i is accepted GIVEN that drafts 1..i-1 were (position i was *reached*). Acceptance usually
 decays with i (the draft drifts away from the target), so a_i is estimated per position, not as one
 i.i.d. a. Each verify step of a row that drafted d tokens and accepted n of them reached positions
-1..min(n+1, d) and accepted positions 1..n. With exponential forgetting (factor g per observation
-of a position, an effective window of 1 / (1 - g) observations) the counts are
+1..min(n+1, d) and accepted positions 1..n. With exponential forgetting (factor g per drafting step
+of the row, an effective window of 1 / (1 - g) steps) the counts are
 
-    R_i <- g R_i + [i reached],    A_i <- g A_i + [i accepted]          (only when i was reached)
+    R_i <- g R_i + [i reached],    A_i <- g A_i + [i accepted]          (every position, each step)
+
+Every position decays each step, reached or not: all a_i then describe the same recent window. (A
+decay per observation of the position would let a deep position keep the counts of the last easy
+streak that reached it, long after the row turned hard, and overstate E(k) for long drafts.)
 
 starting from m pseudo-observations of acceptance p0 at position 1 (R_1 = m, A_1 = m p0: a prior
 that is forgotten like any observation, so a row that never accepts goes to a_1 -> 0), and
@@ -99,7 +103,7 @@ import torch
 DEFAULT_K_MAX = 8  # static buffer width of k="auto" (drafts per row per step, at most)
 DEFAULT_PRIOR_ACCEPTANCE = 0.7  # p0: acceptance assumed before a row has data
 DEFAULT_PRIOR_STRENGTH = 1.0  # m: pseudo-observations of the prior
-DEFAULT_FORGETTING = 0.9  # g: per-observation decay of the counts (window ~ 10 observations)
+DEFAULT_FORGETTING = 0.9  # g: per-step decay of the counts (window ~ 10 drafting steps)
 DEFAULT_COST_SMOOTHING = 0.3  # weight of a new time measurement in the moving averages
 DEFAULT_PRIOR_DRAFT_COST = 0.1  # c / V(1) assumed until the first draft pass is timed
 DEFAULT_EXPLORE_EVERY = 16  # steps between explorations of the rows whose choice is 0
@@ -193,7 +197,7 @@ class AdaptiveK:
     prior_acceptance, prior_strength : float
         p0 and m of the acceptance prior.
     forgetting : float
-        g in (0, 1]: decay of the acceptance counts per observation (1 = never forget).
+        g in (0, 1]: decay of the acceptance counts per drafting step of a row (1 = never forget).
     cost_smoothing : float
         Weight of a new time measurement in the moving averages of V(t) and c.
     prior_draft_cost : float
@@ -414,9 +418,9 @@ class AdaptiveK:
         positions = np.arange(self.k_max)[None, :]  # 0-based: position i+1
         reached = live[:, None] & (positions < np.minimum(n + 1, d)[:, None])
         accepted = reached & (positions < n[:, None])
-        g = self.forgetting
-        self.reached = np.where(reached, g * self.reached + 1.0, self.reached)
-        self.accepted = np.where(reached, g * self.accepted + accepted, self.accepted)
+        g = self.forgetting  # every position of a row that drafted decays, reached or not (see above)
+        self.reached = np.where(live[:, None], g * self.reached + reached, self.reached)
+        self.accepted = np.where(live[:, None], g * self.accepted + accepted, self.accepted)
         # exploration bookkeeping: a fully accepted exploration explores again next step and resets
         # the interval; a fruitless one doubles it
         self.follow_up = self.exploring & live & (n >= d)
