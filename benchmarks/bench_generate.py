@@ -116,6 +116,7 @@ def parse_args(argv):
                    help="dtype of both models, for every method (default: bfloat16, the bundled pair's stored "
                    "dtype; in fp32 a one-thread CPU is compute-bound and verifying k+1 tokens costs more)")
     p.add_argument("--runner", default="auto", choices=["auto", "paged", "recompute"], help="our model runner")
+    p.add_argument("--device", default="cpu", help="where both models run, e.g. cuda (default: cpu)")
     p.add_argument("--confidence", type=float, default=0.0,
                    help="our drafter stops a row's draft after a token it gives probability below this "
                    "(like HF's assistant_confidence_threshold); 0 = always k (default: 0)")
@@ -127,12 +128,13 @@ def load(args):
     from specdec_ext.generate import load_pair
 
     dtype = getattr(torch, args.dtype)
+    device = getattr(args, "device", "cpu")
     if args.target is None and args.draft is None:
         from specdec_ext.default_pair import load_default_pair
 
-        return load_default_pair(dtype=dtype)
+        return load_default_pair(dtype=dtype, device=device)
     target, draft, tokenizer = load_pair(args.target, args.draft)
-    return target.to(dtype), draft.to(dtype), tokenizer
+    return target.to(device=device, dtype=dtype), draft.to(device=device, dtype=dtype), tokenizer
 
 
 def workloads_of(args, tokenizer) -> Dict[str, List[List[int]]]:
@@ -187,11 +189,12 @@ def build_methods(args, target, draft, tokenizer, drafters, ks, ngram_ks) -> Dic
     heads = None
     if "heads" in drafters:
         from specdec_ext.default_pair import load_default_heads
-        heads = load_default_heads(dtype=next(target.parameters()).dtype)
+        param = next(target.parameters())
+        heads = load_default_heads(dtype=param.dtype, device=param.device)
 
     def hf(**kw):
         def run(prompt):
-            ids = torch.tensor([prompt])
+            ids = torch.tensor([prompt], device=next(target.parameters()).device)
             with torch.no_grad():
                 out = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                       max_new_tokens=args.new, pad_token_id=pad, **kw)

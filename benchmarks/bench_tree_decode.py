@@ -57,6 +57,7 @@ def parse_args(argv):
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--runner", default="auto", choices=["auto", "paged", "recompute"])
+    p.add_argument("--device", default="cpu", help="where both models run, e.g. cuda (default: cpu)")
     return p.parse_args(argv)
 
 

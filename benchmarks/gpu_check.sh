@@ -4,12 +4,13 @@
 #   1. env      nvidia-smi, python / torch / transformers / pytest versions
 #   2. build    pip install --no-build-isolation --no-deps .  (TORCH_CUDA_ARCH_LIST=9.0, MAX_JOBS=16)
 #   3. tests    CUDA tests: test_cuda_ops.py, test_cuda_tree.py, test_kv_ops.py::test_cuda_matches_cpu,
-#               test_cuda_graphs.py (graph replay == eager) and test_profiling.py
-#   4. tpot     benchmarks/bench_tpot.py --device cuda (eager vs graphs, plain vs speculative, 1B verify cost)
+#               test_cuda_graphs.py (graph replay == eager), test_profiling.py and the CUDA heads/trees test
+#   4. tpot     benchmarks/bench_tpot.py --device cuda (eager vs graphs, plain vs speculative, 1B verify cost),
+#               then bench_tree_decode.py --device cuda (chains vs draft trees at N = 8, 16; into tpot.log)
 #   5. kernels  bench_sampling.py --quick, bench_tree.py (small), bench_kv.py --quick, all --device cuda
 #
 # Every phase runs under `timeout`, clamped to what is left of a total budget (GPU_CHECK_BUDGET, default
-# 450 s), so one hang cannot eat the lease; a phase whose prerequisite failed is skipped; the summary
+# 510 s), so one hang cannot eat the lease; a phase whose prerequisite failed is skipped; the summary
 # table is printed (and written) whatever happened. Logs: $OUT (the device tool collects it) or
 # /tmp/specdec_gpu_check; eight files (env, build, tests, tpot, bench_sampling, bench_tree, bench_kv logs and summary.md: the
 # device tool brings back 8 at most).
@@ -24,7 +25,7 @@ cd "$(dirname "$0")/.."
 REPO="$(pwd)"
 LOG="${OUT:-/tmp/specdec_gpu_check}"
 mkdir -p "$LOG"
-BUDGET="${GPU_CHECK_BUDGET:-450}"
+BUDGET="${GPU_CHECK_BUDGET:-510}"
 PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-16}"
 export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -78,7 +79,8 @@ else
   phase tests 150 tests.log "$PY" -m pytest -q -p no:cacheprovider -rs \
     "$REPO/python_tests/test_cuda_ops.py" "$REPO/python_tests/test_cuda_tree.py" \
     "$REPO/python_tests/test_kv_ops.py::test_cuda_matches_cpu" \
-    "$REPO/python_tests/test_cuda_graphs.py" "$REPO/python_tests/test_profiling.py"
+    "$REPO/python_tests/test_cuda_graphs.py" "$REPO/python_tests/test_profiling.py" \
+    "$REPO/python_tests/test_heads.py::test_cuda_heads_and_sampled_trees_match_the_cpu"
 fi
 
 # 4. TPOT -------------------------------------------------------------------------------------------
@@ -86,6 +88,8 @@ if [ "$BUILT" != "ok" ]; then
   skip tpot "build $BUILT"
 else
   phase tpot 170 tpot.log "$PY" "$REPO/benchmarks/bench_tpot.py" --device cuda
+  phase trees 60 tpot.log "$PY" "$REPO/benchmarks/bench_tree_decode.py" --device cuda --ks 8,16 --branches 3 \
+    --temperatures 0,1 --repeats 1 --max-new-tokens 48 --prompts 2
 fi
 
 # 5. kernel benchmarks --------------------------------------------------------------------------------

@@ -82,18 +82,18 @@ def test_max_new_tokens_is_exact(pair, references, max_new):
     assert result.token_ids == [r[:max_new] for r in references]
 
 
-def test_auto_runner_picks_the_lean_target_for_llama_chains_and_the_paged_one_for_trees(pair):
+def test_auto_runner_picks_the_lean_target_for_llama_and_the_paged_one_for_heads(pair):
     from specdec_ext.generate import _runner_factory, _target_runner_factory
     from specdec_ext.lean_llama import LeanLlamaRunner
     from specdec_ext.model_runner import PagedModelRunner
     arch, target, _ = pair
     paged = _runner_factory("auto")
-    chain = _target_runner_factory("auto", paged, tree=False)(target, max_batch_size=2, max_seq_len=32)
-    assert isinstance(chain, LeanLlamaRunner if arch == "llama" else PagedModelRunner)
-    assert chain.dtype == next(target.parameters()).dtype  # the target computes in its own dtype
-    tree = _target_runner_factory("auto", paged, tree=True)(target, max_batch_size=2, max_seq_len=32)
-    assert isinstance(tree, PagedModelRunner)
-    assert isinstance(_target_runner_factory("paged", paged, tree=False)(target, max_batch_size=2, max_seq_len=32),
+    lean = _target_runner_factory("auto", paged, heads=False)(target, max_batch_size=2, max_seq_len=32)
+    assert isinstance(lean, LeanLlamaRunner if arch == "llama" else PagedModelRunner)
+    assert lean.dtype == next(target.parameters()).dtype  # the target computes in its own dtype
+    for_heads = _target_runner_factory("auto", paged, heads=True)(target, max_batch_size=2, max_seq_len=32)
+    assert isinstance(for_heads, PagedModelRunner)
+    assert isinstance(_target_runner_factory("paged", paged, heads=False)(target, max_batch_size=2, max_seq_len=32),
                       PagedModelRunner)
 
 

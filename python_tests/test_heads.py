@@ -194,3 +194,23 @@ def test_bundled_heads_keep_the_bundled_targets_greedy_output():
     by_name = generate([prompt], None, "heads", max_new_tokens=8, eos_token_id=False)  # the bundled target
     assert len(by_name.token_ids[0]) == 8 and by_name.stats.k == 8
     assert spec.stats.tokens_per_pass > 1.3  # trained heads: most steps accept a candidate
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_heads_and_sampled_trees_match_the_cpu(target, references):
+    """On CUDA the heads drafter (the LM-head hook, the tree forward, commit_tree) gives the CPU's greedy
+    tokens, and a sampled draft-model tree at T > 0 gives a valid, seeded, reproducible sample."""
+    import copy
+    cuda_target = copy.deepcopy(target).cuda()
+    heads = random_heads(target)
+    on_gpu = generate(PROMPTS, cuda_target, copy.deepcopy(heads).cuda(), max_new_tokens=NEW, draft_tree=(2, 3, 6))
+    assert on_gpu.token_ids == references
+    draft = copy.deepcopy(cuda_target)
+    runs = []
+    for _ in range(2):
+        reset_calibrations()  # the same tree shapes: the same seeded sample
+        runs.append(generate(PROMPTS, cuda_target, draft, max_new_tokens=NEW, draft_tree=(3, 2, 5),
+                             temperature=0.8, seed=7))
+    assert all(len(t) == NEW for t in runs[0].token_ids)
+    assert runs[0].stats.tokens_per_pass > 1.5  # the target as its own draft: most candidates accepted
+    assert runs[1].token_ids == runs[0].token_ids

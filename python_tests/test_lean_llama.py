@@ -167,8 +167,14 @@ def test_interface_errors():
     with pytest.raises(ValueError):
         lean.forward(torch.tensor([[1]]))  # before start
     lean.start([[1, 2], [3]])
-    with pytest.raises(NotImplementedError):
-        lean.forward(torch.tensor([[1, 2], [3, 4]]), tree_parents=torch.tensor([[-1], [-1]], dtype=torch.int32))
+    with pytest.raises(ValueError, match="tree_parents must be"):
+        lean.forward(torch.tensor([[1, 2], [3, 4]]), tree_parents=torch.tensor([[-1, 0], [-1, 0]], dtype=torch.int32))
+    lean.forward(torch.tensor([[1, 2], [3, 4]]))
+    with pytest.raises(ValueError, match="not a tree forward"):
+        lean.commit_tree(torch.tensor([[0], [0]]), torch.tensor([1, 1]))
+    lean.forward(torch.tensor([[1, 2], [3, 4]]), tree_parents=torch.tensor([[-1], [-1]], dtype=torch.int32))
+    with pytest.raises(ValueError, match="row 1: path"):
+        lean.commit_tree(torch.tensor([[0], [3]]), torch.tensor([1, 1]))
     lean.forward(torch.tensor([[1, 2], [3, 4]]), torch.tensor([2, 1]))
     with pytest.raises(ValueError, match="commit"):
         lean.commit(torch.tensor([1, 2]))
@@ -178,6 +184,49 @@ def test_interface_errors():
         lean.truncate(torch.tensor([5, 1]))
     lean.truncate(torch.tensor([1, 2]))
     assert lean.lengths.tolist() == [1, 2]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_tree_forwards_and_commits_match_the_paged_runner(seed):
+    """Random trees (ragged node counts), random accepted paths, then chain forwards: the lean
+    runner's logits equal the paged runner's (itself checked against plain HF forwards)."""
+    from specdec_ext.model_runner import PagedModelRunner
+
+    model = tiny("llama", seed=seed)
+    B, N = 3, 6
+    lean = LeanLlamaRunner(model, max_batch_size=B, max_seq_len=96)
+    paged = PagedModelRunner(model, max_batch_size=B, max_seq_len=96)
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, VOCAB, (int(n),), generator=g).tolist() for n in torch.randint(1, 12, (B,), generator=g)]
+    worst = (lean.start(prompts) - paged.start(prompts)).abs().max().item()
+    for step in range(6):
+        parents = torch.tensor([[-1] + [int(torch.randint(-1, i, (1,), generator=g)) for i in range(1, N)]
+                                for _ in range(B)], dtype=torch.int32)  # topological: parents[i] < i
+        ids = torch.randint(0, VOCAB, (B, N + 1), generator=g)
+        counts = torch.randint(1, N + 2, (B,), generator=g)
+        a = lean.forward(ids, counts, tree_parents=parents)
+        b = paged.forward(ids, counts, tree_parents=parents)
+        for r in range(B):
+            worst = max(worst, (a[r, : counts[r]] - b[r, : counts[r]]).abs().max().item())
+        path = torch.full((B, N), -1, dtype=torch.int32)
+        accepted = torch.zeros(B, dtype=torch.int32)
+        for r in range(B):  # walk down from the root through random children among the used nodes
+            node, depth = -1, 0
+            while True:
+                children = [i for i in range(int(counts[r]) - 1) if int(parents[r, i]) == node]
+                if not children or torch.rand(1, generator=g).item() < 0.2:
+                    break
+                node = children[int(torch.randint(0, len(children), (1,), generator=g))]
+                path[r, depth], depth = node, depth + 1
+            accepted[r] = depth
+        lean.commit_tree(path, accepted)
+        paged.commit_tree(path, accepted)
+        assert lean.lengths.tolist() == paged.lengths.tolist()
+        chain = torch.randint(0, VOCAB, (B, 2), generator=g)
+        worst = max(worst, (lean.forward(chain) - paged.forward(chain)).abs().max().item())
+        lean.commit(torch.ones(B, dtype=torch.int64))
+        paged.commit(torch.ones(B, dtype=torch.int64))
+    assert worst < TOL, worst
 
 
 def test_generate_over_the_lean_runner_matches_hf_greedy():

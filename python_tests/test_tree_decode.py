@@ -58,7 +58,7 @@ def test_beam_widths_and_node_counts():
 
 
 @pytest.mark.parametrize("tree", TREES)
-@pytest.mark.parametrize("runner", ["paged", "recompute"])
+@pytest.mark.parametrize("runner", ["auto", "paged", "recompute"])  # auto: the lean runners (Llama)
 def test_greedy_tree_matches_hf_generate_batch1_and_batch3(pair, references, tree, runner):
     target, draft = pair
     one = generate([PROMPTS[0]], target, draft, max_new_tokens=NEW, draft_tree=tree, runner=runner)

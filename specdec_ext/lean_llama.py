@@ -14,8 +14,8 @@ its T tokens TENTATIVELY at lengths[b] + t (padding columns too, harmlessly past
 ``commit`` / ``truncate`` only move ``lengths`` (rollback is metadata only). The host holds the
 lengths (source of truth); ``lengths`` returns them as a device tensor.
 
-Interface (that of ``PagedModelRunner`` used by ``ModelDrafter`` and the decode loop): ``start``,
-``forward`` (chains only: ``tree_parents`` raises NotImplementedError), ``commit``, ``truncate``,
+Interface (that of ``PagedModelRunner`` used by the drafters and the decode loop): ``start``,
+``forward`` (chains, and trees with ``tree_parents``), ``commit``, ``commit_tree``, ``truncate``,
 ``lengths``, ``batch_size``, ``vocab_size``, ``max_batch_size``, ``max_seq_len``, ``device``, ``dtype``.
 
 Supported: ``llama`` / ``mistral`` / ``qwen2`` model types with default RoPE, SiLU MLP, full attention
@@ -30,6 +30,8 @@ from typing import Callable, List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
+
+from .tree import token_tree_inputs, tree_commit_plan
 
 __all__ = ["LeanLlamaRunner", "lean_runner_factory", "unsupported_reason", "SUPPORTED_MODEL_TYPES"]
 
@@ -151,6 +153,7 @@ class LeanLlamaRunner:
         self._batch = 0
         self._len: List[int] = []         # committed tokens per row (host: the source of truth)
         self._tentative: List[int] = []   # tokens written by the last forward, per row
+        self._tree = False                # whether the last forward was a tree
         self._rows = torch.arange(self.max_batch_size, device=self.device)
         self._alloc(self.max_seq_len + CAPACITY_SLACK)
 
@@ -195,16 +198,32 @@ class LeanLlamaRunner:
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
         return weight * h.to(x.dtype)
 
-    def _model(self, ids: torch.Tensor, start: List[int], keep: Optional[torch.Tensor]) -> torch.Tensor:
-        """ids [B, T]; row b's token t at position start[b] + t, seeing positions <= start[b] + t.
+    def _model(self, ids: torch.Tensor, start: List[int], keep: Optional[torch.Tensor],
+               tree: Optional[tuple] = None) -> torch.Tensor:
+        """ids [B, T]; row b's token t stored at start[b] + t. Chain (tree None): at position start[b] + t,
+        seeing positions <= start[b] + t. Tree (ancestors [B, T, T] bool, depth [B, T] int64; see
+        tree.token_tree_inputs): at position start[b] + depth[b, t], seeing the prefix and its ancestors.
         keep: None (logits of every token, [B, T, V]) or column indices [B] ([B, V]). fp32 logits."""
         B, T = ids.shape
         H, Hk, D = self.num_heads, self.kv_heads, self.head_dim
         S = max(start) + T
         if S > self.capacity:
             self._alloc(S + CAPACITY_SLACK)
-        uniform = all(s == start[0] for s in start)
-        if uniform:
+        uniform = tree is None and all(s == start[0] for s in start)
+        if tree is not None:
+            ancestors, depth = tree
+            first = torch.tensor(start, dtype=torch.int64, device=self.device)[:, None]  # [B, 1]
+            store = first + self._arange[:T]  # [B, T] storage positions
+            pos = first + depth  # [B, T] rotary positions
+            cos, sin = self._cos[pos].unsqueeze(1), self._sin[pos].unsqueeze(1)  # [B, 1, T, D]
+            rel = self._arange[:S][None, None, :] - first[:, :, None]  # [B, 1, S]: tentative token index
+            in_new = (rel >= 0) & (rel < T)
+            sees = in_new & ancestors.gather(2, rel.clamp(0, T - 1).expand(B, T, S))
+            mask = torch.zeros((B, 1, T, S), dtype=self.dtype, device=self.device)
+            mask.masked_fill_(~((rel < 0) | sees).unsqueeze(1), float("-inf"))
+            causal = False
+            rows = self._rows[:B, None]  # [B, 1]
+        elif uniform:
             s0 = start[0]
             cos, sin = self._cos[s0:S], self._sin[s0:S]  # [T, D]
             if T == 1:
@@ -218,6 +237,7 @@ class LeanLlamaRunner:
                 causal = False
         else:
             pos = torch.tensor(start, dtype=torch.int64, device=self.device)[:, None] + self._arange[:T]  # [B, T]
+            store = pos
             cos, sin = self._cos[pos].unsqueeze(1), self._sin[pos].unsqueeze(1)  # [B, 1, T, D]
             mask = torch.zeros((B, 1, T, S), dtype=self.dtype, device=self.device)
             mask.masked_fill_((self._arange[:S] > pos[:, :, None]).unsqueeze(1), float("-inf"))
@@ -239,8 +259,8 @@ class LeanLlamaRunner:
                 kc[:B, :, s0:S] = k
                 vc[:B, :, s0:S] = v.transpose(1, 2)
             else:
-                kc[rows, :, pos] = k.transpose(1, 2)
-                vc[rows, :, pos] = v
+                kc[rows, :, store] = k.transpose(1, 2)
+                vc[rows, :, store] = v
             a = F.scaled_dot_product_attention(q, kc[:B, :, :S], vc[:B, :, :S], attn_mask=mask, is_causal=causal,
                                                scale=self.scale, enable_gqa=self.gqa)  # [B, H, T, D]
             x = x + F.linear(a.transpose(1, 2).reshape(B, T, H * D), wo, bo)
@@ -286,10 +306,10 @@ class LeanLlamaRunner:
 
         input_ids [B, T] int64; num_tokens [B] (default T): row b's tokens past num_tokens[b] are
         padding (not kept, garbage logits). Token t sits at position lengths[b] + t and sees the
-        prefix and tokens 0..t. Trees are not supported (NotImplementedError).
+        prefix and tokens 0..t. Tree: tree_parents [B, T-1] int32 (csrc/tree.h layout: node i is token
+        i+1, -1 = child of token 0); token 0 (the last committed token, depth 0) and each node see the
+        prefix, token 0 and their ancestors, at position lengths[b] + depth.
         """
-        if tree_parents is not None:
-            raise NotImplementedError("LeanLlamaRunner: tree forwards are not implemented (use PagedModelRunner)")
         if self._batch == 0:
             raise ValueError("forward: call start() first")
         if input_ids.dim() != 2:
@@ -308,9 +328,16 @@ class LeanLlamaRunner:
             if lengths[b] + c > self.max_seq_len:
                 raise ValueError(f"row {b} would hold {lengths[b] + c} tokens, more than "
                                  f"max_seq_len={self.max_seq_len}")
+        tree = None
+        if tree_parents is not None:
+            if tuple(tree_parents.shape) != (B, max(T - 1, 0)):
+                raise ValueError(f"forward: tree_parents must be [B, T-1] = [{B}, {T - 1}], got "
+                                 f"{list(tree_parents.shape)}")
+            tree = token_tree_inputs(tree_parents.to(self.device), counts, T)
         with torch.no_grad():
-            logits = self._model(input_ids.to(self.device), lengths, None)
+            logits = self._model(input_ids.to(self.device), lengths, None, tree)
         self._tentative = [int(c) for c in counts]
+        self._tree = tree is not None
         return logits
 
     def commit(self, num_kept: torch.Tensor) -> None:
@@ -326,7 +353,20 @@ class LeanLlamaRunner:
         self._tentative = [0] * self._batch
 
     def commit_tree(self, path: torch.Tensor, num_accepted: torch.Tensor) -> None:
-        raise NotImplementedError("LeanLlamaRunner: tree commits are not implemented (use PagedModelRunner)")
+        """After a tree forward: keep token 0 and the accepted nodes path[b, :num_accepted[b]], moved to
+        consecutive positions (lengths[b] += 1 + num_accepted[b]). path [B, N] int, num_accepted [B]."""
+        if not self._tree:
+            raise ValueError("commit_tree: the last forward was not a tree forward")
+        plan = tree_commit_plan(path, num_accepted, self._len, self._tentative)
+        for b, (moves, _) in enumerate(plan):
+            if moves:
+                src = torch.tensor(moves, dtype=torch.int64, device=self.device)
+                dst = self._arange[self._len[b] + 1: self._len[b] + 1 + len(moves)]
+                for cache in (self.k_cache, self.v_cache):  # [layers, Bmax, Hk, cap, D]
+                    cache[:, b, :, dst] = cache[:, b, :, src]  # (the gather copies before the write)
+        self._len = [length for _, length in plan]
+        self._tentative = [0] * self._batch
+        self._tree = False
 
     def truncate(self, new_lengths: torch.Tensor) -> None:
         """Roll rows back to shorter committed lengths (never grows). new_lengths [B] int."""

@@ -23,6 +23,7 @@ import torch
 from . import hf_paged
 from .hf_paged import PagedCache, PagedStep
 from .kv_cache import PagedKVCache, PoolFullError
+from .tree import token_tree_inputs, tree_commit_plan
 
 __all__ = ["PagedModelRunner", "PoolFullError"]
 
@@ -208,24 +209,11 @@ class PagedModelRunner:
             if tuple(tree_parents.shape) != (B, max(T - 1, 0)):
                 raise ValueError(f"forward: tree_parents must be [B, T-1] = [{B}, {T - 1}], got "
                                  f"{list(tree_parents.shape)}")
-            ancestors, depth = self._tree_inputs(tree_parents.to(self.device), counts, T)
+            ancestors, depth = token_tree_inputs(tree_parents.to(self.device), counts, T)
         input_ids = input_ids.to(self.device)
         logits = self._run(input_ids, [0] * B, counts, ancestors, depth, 0)
         self._tree = tree_parents is not None
         return logits
-
-    def _tree_inputs(self, parents: torch.Tensor, counts: List[int], T: int):
-        """ancestors [B, T, T] bool over tokens (token 0 = root) and depth [B, T] int64."""
-        from . import ops
-        B = parents.shape[0]
-        nodes = torch.tensor([max(c - 1, 0) for c in counts], dtype=torch.int32, device=self.device)
-        node_mask, node_depth = ops.build_tree_mask(parents.to(torch.int32).contiguous(), nodes)
-        ancestors = torch.zeros((B, T, T), dtype=torch.bool, device=self.device)
-        ancestors[:, :, 0] = True
-        ancestors[:, 1:, 1:] = node_mask
-        depth = torch.zeros((B, T), dtype=torch.int64, device=self.device)
-        depth[:, 1:] = node_depth
-        return ancestors, depth
 
     def commit(self, num_kept: torch.Tensor) -> None:
         """After a chain forward: row b keeps its first num_kept[b] tentative tokens (lengths[b] +=
@@ -244,32 +232,16 @@ class PagedModelRunner:
         """After a tree forward: keep token 0 and the accepted nodes path[b, :num_accepted[b]] (node
         indices, tree_verify's path), moved to consecutive positions: lengths[b] += 1 + num_accepted[b].
         A row whose forward had num_tokens = 0 keeps nothing. path [B, N] int, num_accepted [B] int."""
-        acc = [int(x) for x in num_accepted.tolist()]
         B = self._batch
-        if len(acc) != B or path.dim() != 2 or path.shape[0] != B:
-            raise ValueError(f"commit_tree: path [B, N] and num_accepted [B] must have B = {B} rows")
         if not self._tree:
             raise ValueError("commit_tree: the last forward was not a tree forward")
         lengths = self._host_lengths()
-        rows = path.tolist()
-        width = max([1] + acc)
+        plan = tree_commit_plan(path, num_accepted, lengths, self._tentative)
+        width = max([1] + [len(moves) for moves, _ in plan])
         src = torch.full((B, width), -1, dtype=torch.int64)
-        new_lengths = []
-        for b in range(B):
-            nodes = rows[b][: acc[b]] if acc[b] > 0 else []
-            tent = self._tentative[b]
-            if tent == 0:
-                if acc[b] != 0:
-                    raise ValueError(f"commit_tree: row {b} had no tokens but num_accepted[{b}] = {acc[b]}")
-                new_lengths.append((b, lengths[b]))
-                continue
-            if not 0 <= acc[b] <= tent - 1 or any(not 0 <= x < tent - 1 for x in nodes) or \
-                    any(x >= y for x, y in zip(nodes, nodes[1:])):
-                raise ValueError(f"commit_tree: row {b}: path {nodes} is not an increasing list of its "
-                                 f"{tent - 1} tree nodes")
-            for i, x in enumerate(nodes):
-                src[b, i] = lengths[b] + 1 + x
-            new_lengths.append((b, lengths[b] + 1 + acc[b]))
+        for b, (moves, _) in enumerate(plan):
+            src[b, : len(moves)] = torch.tensor(moves, dtype=torch.int64)
+        new_lengths = [(b, length) for b, (_, length) in enumerate(plan)]
         dst = torch.tensor([l + 1 for l in lengths], dtype=torch.int64, device=self.device)
         self.kv.compact(src.to(self.device), dst, new_lengths, rows=B)
         self._tentative = [0] * B
