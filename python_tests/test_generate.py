@@ -82,18 +82,16 @@ def test_max_new_tokens_is_exact(pair, references, max_new):
     assert result.token_ids == [r[:max_new] for r in references]
 
 
-def test_auto_runner_picks_the_lean_target_for_llama_and_the_paged_one_for_heads(pair):
+def test_auto_runner_picks_the_lean_target_for_llama(pair):
     from specdec_ext.generate import _runner_factory, _target_runner_factory
     from specdec_ext.lean_llama import LeanLlamaRunner
     from specdec_ext.model_runner import PagedModelRunner
     arch, target, _ = pair
     paged = _runner_factory("auto")
-    lean = _target_runner_factory("auto", paged, heads=False)(target, max_batch_size=2, max_seq_len=32)
+    lean = _target_runner_factory("auto", paged)(target, max_batch_size=2, max_seq_len=32)
     assert isinstance(lean, LeanLlamaRunner if arch == "llama" else PagedModelRunner)
     assert lean.dtype == next(target.parameters()).dtype  # the target computes in its own dtype
-    for_heads = _target_runner_factory("auto", paged, heads=True)(target, max_batch_size=2, max_seq_len=32)
-    assert isinstance(for_heads, PagedModelRunner)
-    assert isinstance(_target_runner_factory("paged", paged, heads=False)(target, max_batch_size=2, max_seq_len=32),
+    assert isinstance(_target_runner_factory("paged", paged)(target, max_batch_size=2, max_seq_len=32),
                       PagedModelRunner)
 
 

@@ -131,10 +131,10 @@ def test_heads_read_the_hidden_state_that_scored_the_pending_token(target, monke
 
 
 # ------------------------------------------------------------------------------ greedy and sampling
+@pytest.mark.parametrize("runner", ["auto", "paged"])  # auto: the lean target runner calls the hooked LM head
 @pytest.mark.parametrize("tree", TREES)
-def test_greedy_heads_match_hf_generate_batch1_and_batch3(target, references, tree):
+def test_greedy_heads_match_hf_generate_batch1_and_batch3(target, references, tree, runner):
     heads = random_heads(target)
-    runner = "paged"
     one = generate([PROMPTS[0]], target, heads, max_new_tokens=NEW, draft_tree=tree, runner=runner)
     assert one.token_ids == [references[0]]
     batch = generate(PROMPTS, target, heads, max_new_tokens=NEW, draft_tree=tree, runner=runner)

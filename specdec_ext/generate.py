@@ -279,14 +279,13 @@ def _draft_runner_factory(runner, factory):
     return lean_runner_factory(factory)
 
 
-def _target_runner_factory(runner, factory, *, heads: bool):
+def _target_runner_factory(runner, factory):
     """The target's runner factory: with runner='auto', the lean Llama runner for the targets it
-    supports (chains, trees and plain decoding), computing in the model's own dtype (the HF forward's
-    arithmetic in another order; on the CPU its step costs about 0.8x the paged one, BENCHMARKS.md).
-    The paged runner for heads (they read the target's LM-head input through a module hook, and the
-    lean runner does not call the module), where CUDA graphs capture the static paged runner, for other
+    supports (chains, trees, heads and plain decoding), computing in the model's own dtype (the HF
+    forward's arithmetic in another order; on the CPU its step costs about 0.8x the paged one,
+    BENCHMARKS.md); the paged runner where CUDA graphs capture the static paged runner, for other
     models, and for any other ``runner``."""
-    if runner != "auto" or heads:
+    if runner != "auto":
         return factory
     from .lean_llama import lean_runner_factory
 
@@ -375,8 +374,8 @@ def generate(prompts, target: ModelSpec = None, draft: ModelSpec = None, *, max_
     runner : 'auto' | 'paged' | 'recompute' | class
         The model runner of target and draft. 'auto': for Llama/Mistral/Qwen2-style models a lean
         pure-torch forward over a contiguous cache (specdec_ext/lean_llama.py; the target in its own
-        dtype, the draft in fp32 on the CPU), the paged KV cache for other models, for the target of
-        heads, and where CUDA graphs run.
+        dtype, the draft in fp32 on the CPU), the paged KV cache for other models and where CUDA graphs
+        run.
     verifier : callable
         The verification step (default: the lossless chain_verify); for tests.
     cost_probe : bool
@@ -530,8 +529,7 @@ def _run(prompts, target_model, draft_model, tokenizer, *, k, max_new_tokens, te
         events = iter(())
     else:
         factory = cuda_graphs.static_runner_factory(_runner_factory(runner), device)
-        target_runner = _target_runner_factory(runner, factory, heads=heads is not None)(
-            target_model, max_batch_size=B, max_seq_len=needed)
+        target_runner = _target_runner_factory(runner, factory)(target_model, max_batch_size=B, max_seq_len=needed)
         if ngram:
             drafter = NgramDrafter(k)
         elif heads is not None:

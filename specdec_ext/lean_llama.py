@@ -6,7 +6,9 @@ arithmetic. This runner runs the same math directly over the HF model's own weig
 copies; optionally ``compute_dtype=torch.float32`` over fp32 copies made once per weight version,
 which ``lean_runner_factory`` uses for bf16/fp16 models on the CPU): RMSNorm, default RoPE, GQA
 attention with ``scaled_dot_product_attention``, a SiLU-gated MLP, the LM head; linear biases are
-used when the modules have them (Qwen2's q/k/v, Llama's ``attention_bias`` / ``mlp_bias``).
+used when the modules have them (Qwen2's q/k/v, Llama's ``attention_bias`` / ``mlp_bias``). When
+hooks are registered on the model's LM head (the heads drafter reads its input through one) the LM
+head module itself is called, so they see what they would see under the HF forward.
 
 Cache: contiguous, preallocated per row, ``[layers, B, kv_heads, capacity, head_dim]`` (K and V),
 in the compute dtype. Row b's committed tokens are positions 0 .. lengths[b]-1; a ``forward`` writes
@@ -269,6 +271,9 @@ class LeanLlamaRunner:
         if keep is not None:
             x = x[self._rows[:B], keep]  # [B, d]
         x = self._rms(x, self.norm_weight, self.norm_eps)
+        head = self.model.lm_head
+        if head._forward_pre_hooks or head._forward_hooks:  # e.g. heads on the target read its input
+            return head(x.to(head.weight.dtype)).float()
         return F.linear(x, self.head_weight, self.head_bias).float()
 
     # ------------------------------------------------------------------ API

@@ -9,9 +9,10 @@ pruned to N nodes. The candidates are a deterministic function of the target's p
 ``tree_verify(..., draft_probs=None)`` verifies them losslessly at any temperature.
 
 Where h comes from: a forward pre-hook on the target's LM head keeps its input of the last target pass
-(registered when the drafter is made, removed by ``close``). After the prefill that is [B, 1, H] at each
-prompt's last token; after a verify pass [B, N+1, H] (column 0 at the pending token, column i+1 at node
-i), and ``accept`` keeps the column of the last accepted node (0 when none was accepted). The heads
+(registered when the drafter is made, removed by ``close``; the lean runner calls a hooked LM head
+module too). After the prefill that is each prompt's last token ([B, 1, H], or [B, H]); after a
+verify pass [B, N+1, H] (column 0 at the pending token, column i+1 at node i), and ``accept`` keeps
+the column of the last accepted node (0 when none was accepted). The heads
 therefore cost one small residual block and one LM-head product per depth per step and no extra target
 pass.
 """
@@ -62,7 +63,8 @@ class HeadsDrafter(Drafter):
     def prefill(self, prompts: Sequence[Sequence[int]], meta: SpecDecodeMetadata) -> None:
         if self._captured is None:
             raise RuntimeError("HeadsDrafter: the target's prefill did not pass through its LM head")
-        self._hidden = self._captured[:, -1].clone()  # [B, H]: the prefill keeps the last logits only
+        captured = self._captured  # the prefill scores each prompt's last token only: [B, 1, H] or [B, H]
+        self._hidden = (captured[:, -1] if captured.dim() == 3 else captured).clone()  # [B, H]
 
     def propose(self, meta: SpecDecodeMetadata) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         with torch.no_grad():
