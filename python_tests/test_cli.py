@@ -123,6 +123,12 @@ def test_generate_with_the_bundled_heads_and_a_tree(capsys):
         cli.main(["generate", "--prompt", "x", "--tree", "2,2"])
 
 
+def test_demo_with_the_bundled_heads(capsys):
+    assert cli.main(["demo", "--draft", "heads", "--files", "1", "--lines", "5", "--max-new-tokens", "6"]) == 0
+    out = capsys.readouterr().out
+    assert "8-node tree" in out and "identical to plain greedy" in out
+
+
 def test_generate_with_a_heads_directory_for_another_target(pair_dirs, tmp_path, capsys):
     from specdec_ext.heads import MedusaHeads
     target_dir, _ = pair_dirs

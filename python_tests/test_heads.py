@@ -191,8 +191,9 @@ def test_bundled_heads_keep_the_bundled_targets_greedy_output():
     plain = plain_generate([prompt], target, tokenizer=tokenizer, max_new_tokens=40, eos_token_id=False)
     spec = generate([prompt], target, heads, tokenizer=tokenizer, max_new_tokens=40, eos_token_id=False)
     assert spec.token_ids == plain.token_ids
-    by_name = generate([prompt], None, "heads", max_new_tokens=8, eos_token_id=False)  # the bundled target
-    assert len(by_name.token_ids[0]) == 8 and by_name.stats.k == 8
+    by_name = generate([prompt], target, "heads", tokenizer=tokenizer, max_new_tokens=8, eos_token_id=False)
+    assert by_name.token_ids[0] == plain.token_ids[0][:8] and by_name.stats.k == 8  # the bundled target, loaded
+    assert generate([prompt], None, "heads", max_new_tokens=4, eos_token_id=False).stats.k == 8  # or by default
     assert spec.stats.tokens_per_pass > 1.3  # trained heads: most steps accept a candidate
 
 

@@ -418,7 +418,7 @@ def generate(prompts, target: ModelSpec = None, draft: ModelSpec = None, *, max_
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     if heads is not None:
-        if isinstance(heads, str) and target is not None:
+        if isinstance(heads, str) and not _is_bundled_target(target):
             raise ValueError("draft='heads' uses the bundled heads, trained for the bundled target; for another "
                              "target pass draft=specdec_ext.heads.load_heads(<dir>) with heads trained for it "
                              "(tools/train_heads.py)")
@@ -468,6 +468,15 @@ def plain_generate(prompts, target: ModelSpec = None, *, max_new_tokens: int = 1
     return _run(prompts, target_model, None, tokenizer, k=0, max_new_tokens=max_new_tokens,
                 temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id, stop=stop,
                 stream=stream, max_seq_len=max_seq_len, runner=runner, verifier=chain_verifier, cost_probe=False)
+
+
+def _is_bundled_target(target: ModelSpec) -> bool:
+    """Whether ``target`` is the bundled pair's target: None, its directory, or a model loaded from it."""
+    from .default_pair import TARGET_DIR
+    if target is None:
+        return True
+    path = getattr(getattr(target, "config", None), "_name_or_path", target)
+    return isinstance(path, (str, os.PathLike)) and os.path.realpath(path) == os.path.realpath(TARGET_DIR)
 
 
 def _closing(events, drafter):
