@@ -9,11 +9,13 @@ factor online from the verify outcomes: per depth and sibling rank (1st, 2nd, 3r
 the parent: at greedy a 2nd choice is emitted only when the 1st is not, whatever its probability),
 the candidates' draft probabilities fall in ``bins`` equal bins, and each bin counts (candidates
 reached, candidates emitted), starting from a prior of ``prior_trials`` reached candidates emitted
-at the bin's centre probability (so before any data the ranking is EAGLE-2's). Any candidate set that is a function of the past keeps verification
-lossless, so learning from earlier steps' outcomes changes speed only, never the output distribution.
+at the bin's centre probability (so before any data the ranking is EAGLE-2's). Any candidate set
+that is a function of the past keeps verification lossless, so learning from earlier steps' outcomes
+changes speed only, never the output distribution.
 
-The tables live as long as the drafting model (``shared``: one per (model, tree depth, temperature),
-held in a weak dictionary), so later generate() calls in the process start from what earlier ones learnt.
+The tables live as long as the drafting model (``shared_calibration``: one per (model, tree depth,
+temperature), held in a weak dictionary), so later generate() calls in the process start from what
+earlier ones learnt.
 """
 from __future__ import annotations
 
@@ -75,9 +77,9 @@ class NodeCalibration:
                 emitted: torch.Tensor, active: torch.Tensor) -> None:
         """Count the candidates of a verified tree step.
 
-        node_logprobs [B, N] fp32 (each node's own draft log-probability), node_depth [B, N] (1 = child
-        of the root), node_rank [B, N] (0 = the parent's first choice), tokens [B, N], parents [B, N] (-1 = root), path [B, N] and num_accepted [B]
-        (tree_verify's), emitted [B, N+1] (the accepted tokens then the recovered/bonus one; the token
+        node_logprobs [B, N] fp32 (the score feature of each node: its draft log-probability),
+        node_depth [B, N] (1 = child of the root), node_rank [B, N] (0 = the parent's first choice),
+        tokens [B, N], parents [B, N] (-1 = root), path [B, N] and num_accepted [B] (tree_verify's), emitted [B, N+1] (the accepted tokens then the recovered/bonus one; the token
         emitted at depth j is emitted[:, j-1]), active [B] bool (rows whose step counts).
         """
         B, N = tokens.shape

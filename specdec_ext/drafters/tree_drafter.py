@@ -10,10 +10,10 @@ the rate at which the target emitted candidates like it (same depth and sibling 
 probability) in earlier steps, learnt online (drafters/calibration.py; before any data it is the
 draft log-probability, EAGLE-2's score): the cumulative score then estimates log P(node accepted),
 so the tree holds the N nodes with the largest expected contribution to the accepted length. Nodes
-keep the expansion order (level by level, best first within a level), a topological order (csrc/tree.h: ``parents[b, i] < i``, -1 =
-child of the committed token). So the tree is deep where the draft is confident and branches where
-it is not; b = 1 is the chain of min(d, N) tokens. Every row has the same node count N' = min(N,
-expanded nodes); tokens and shape differ per row.
+keep the expansion order (level by level, best first within a level), a topological order
+(csrc/tree.h: ``parents[b, i] < i``, -1 = child of the committed token). So the tree is deep where
+the draft is confident and branches where it is not; b = 1 is the chain of min(d, N) tokens. Every
+row has the same node count N' = min(N, expanded nodes); tokens and shape differ per row.
 
 Candidates. Greedy (T = 0): the top-b of each node, a deterministic function of the draft and of
 past outcomes, verified by ``tree_verify(..., draft_probs=None)`` (the first child equal to the
@@ -203,8 +203,8 @@ def grow_tree(frontier_logprobs: FrontierLogprobs, widths: Sequence[int], branch
 def observe_tree(calibration: Optional[NodeCalibration], tree: DraftTree, meta: SpecDecodeMetadata) -> None:
     """Feed a verified tree step to the calibration (a no-op without one)."""
     if calibration is not None:
-        calibration.observe(tree.logprobs, tree.depth, tree.rank, tree.tokens, tree.parents, meta.tree_path, meta.num_accepted,
-                            meta.output_tokens, meta.active)
+        calibration.observe(tree.logprobs, tree.depth, tree.rank, tree.tokens, tree.parents, meta.tree_path,
+                            meta.num_accepted, meta.output_tokens, meta.active)
 
 
 class TreeModelDrafter(ModelDrafter):
