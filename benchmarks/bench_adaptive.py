@@ -89,11 +89,11 @@ def make_runner(target, draft, tokenizer, kind: str, k, new: int, runner: str) -
     from specdec_ext.drafters import ModelDrafter, NgramDrafter
     from specdec_ext.generate import _runner_factory
     from specdec_ext.metadata import SamplingParams
-    from specdec_ext.reference_runner import _output_vocab_size
+    from specdec_ext.runner_checks import output_vocab_size
     from specdec_ext.stats import GenerationStats
 
     factory = _runner_factory(runner)
-    vocab = _output_vocab_size(target)
+    vocab = output_vocab_size(target)
 
     def run(prompts: List[List[int]]):
         k_static, controller = (0, None) if k == 0 else adaptive.resolve(k)

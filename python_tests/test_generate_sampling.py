@@ -4,24 +4,22 @@ generation is reproducible and independent of the batch. Also the drafter's filt
 against the NumPy reference."""
 from __future__ import annotations
 
-import itertools
 
 import numpy as np
 import pytest
 import torch
-from scipy import stats as scipy_stats
 
 import reference
 from specdec_ext import generate
 from specdec_ext.decode import chain_verifier
 from specdec_ext.metadata import SamplingParams, filtered_probs, sample_inverse_cdf
 from specdec_ext import ops
+from sampling_stats import chi_square_p, exact_joint
 from test_generate_utils import noisy_copy, one_thread, tiny_model
 
 TINY_VOCAB = 8
 POSITIONS = 3
 SAMPLES = 3000
-MIN_EXPECTED = 5.0  # chi-square cells with fewer expected counts are pooled
 PROMPT = [1, 4, 2, 6]
 PASS_P = 1e-4  # a correct sampler fails this with probability 1e-4 (the runs are seeded: deterministic)
 FAIL_P = 1e-8
@@ -38,36 +36,6 @@ def tiny_pair():
     target = tiny_model("llama", vocab=TINY_VOCAB, hidden=32, layers=1, seed=3, logit_scale=3.0)
     draft = tiny_model("llama", vocab=TINY_VOCAB, hidden=32, layers=1, seed=4, logit_scale=3.0)
     return target, draft
-
-
-def exact_joint(target, prompt, temperature, top_p):
-    """P(first three tokens = (a, b, c)) under plain sampling from the filtered target: [V, V, V]."""
-    V = TINY_VOCAB
-    pairs = list(itertools.product(range(V), repeat=2))
-    ids = torch.tensor([prompt + [a, b] for a, b in pairs])
-    with torch.no_grad():
-        logits = target(ids).logits.double().numpy()
-    n = len(prompt)
-    joint = np.zeros((V, V, V))
-    p1 = reference.filtered_probs(logits[0, n - 1], temperature, 0, top_p)
-    for row, (a, b) in enumerate(pairs):
-        p2 = reference.filtered_probs(logits[row, n], temperature, 0, top_p)
-        p3 = reference.filtered_probs(logits[row, n + 1], temperature, 0, top_p)
-        joint[a, b] = p1[a] * p2[b] * p3
-    return joint
-
-
-def chi_square_p(samples, joint):
-    counts = np.zeros(joint.size)
-    for s in samples:
-        counts[np.ravel_multi_index(tuple(s), joint.shape)] += 1
-    expected = joint.ravel() * len(samples)
-    big = expected >= MIN_EXPECTED
-    obs = np.append(counts[big], counts[~big].sum())
-    exp = np.append(expected[big], expected[~big].sum())
-    keep = exp > 0
-    assert obs[~keep].sum() == 0, "a sample has zero probability under the filtered target"
-    return scipy_stats.chisquare(obs[keep], exp[keep]).pvalue
 
 
 def residual_from_p_verifier(meta, target_logits):

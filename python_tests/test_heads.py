@@ -16,8 +16,8 @@ from specdec_ext.drafters.calibration import reset_calibrations
 from specdec_ext.drafters.heads_drafter import HeadsDrafter
 from specdec_ext.heads import HeadsMismatchError, MedusaHeads, lm_head_of, load_heads
 from test_generate_utils import check_eos_and_max_new_tokens, hf_greedy, one_thread, tiny_model
-from test_tree_decode import (FAIL_P, PASS_P, POSITIONS, PROMPT, SAMPLES, TINY_VOCAB, chi_square_p, exact_joint,
-                              python_tree_verifier)
+from sampling_stats import chi_square_p, exact_joint
+from test_tree_decode import FAIL_P, PASS_P, POSITIONS, PROMPT, SAMPLES, TINY_VOCAB, python_tree_verifier
 
 NEW = 24
 PROMPTS = [[5, 17, 3, 44, 9, 12, 61], [2, 30], [7, 7, 81, 13, 40]]  # ragged

@@ -13,9 +13,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from scipy import stats as scipy_stats
 
-import reference
 from specdec_ext import ops
 from specdec_ext._C import SuffixAutomaton
 from specdec_ext.decode import RowState, StopCriteria, chain_verifier, decode, required_cache_len
@@ -23,6 +21,7 @@ from specdec_ext.drafters import Drafter, NgramDrafter
 from specdec_ext.generate import _runner_factory
 from specdec_ext.metadata import SamplingParams, SpecDecodeMetadata, filtered_probs, sample_inverse_cdf
 from specdec_ext.stats import GenerationStats
+from sampling_stats import chi_square_p, exact_joint
 from test_generate_utils import hf_greedy, one_thread, tiny_model
 
 
@@ -310,36 +309,6 @@ SAMPLE_ROWS = 3000  # one batched decode call: rows are independent (Philox keye
 SAMPLE_POSITIONS = 3  # token 1 from the prefill, tokens 2-3 from step 1 (both draft positions)
 PASS_P = 1e-4  # a correct sampler fails with probability 1e-4 (the runs are seeded: deterministic)
 FAIL_P = 1e-8
-MIN_EXPECTED = 5.0  # chi-square cells with fewer expected counts are pooled
-
-
-def exact_joint(target, prompt):
-    """P(first three new tokens = (a, b, c)) under plain sampling from the target at T = 1: [V, V, V]."""
-    V = TINY_VOCAB
-    pairs = list(itertools.product(range(V), repeat=2))
-    ids = torch.tensor([prompt + [a, b] for a, b in pairs])
-    with torch.no_grad():
-        logits = target(ids).logits.double().numpy()
-    n = len(prompt)
-    joint = np.zeros((V, V, V))
-    p1 = reference.filtered_probs(logits[0, n - 1], 1.0)
-    for row, (a, b) in enumerate(pairs):
-        p2 = reference.filtered_probs(logits[row, n], 1.0)
-        joint[a, b] = p1[a] * p2[b] * reference.filtered_probs(logits[row, n + 1], 1.0)
-    return joint
-
-
-def chi_square_p(samples, joint):
-    counts = np.zeros(joint.size)
-    for s in samples:
-        counts[np.ravel_multi_index(tuple(s), joint.shape)] += 1
-    expected = joint.ravel() * len(samples)
-    big = expected >= MIN_EXPECTED
-    obs = np.append(counts[big], counts[~big].sum())
-    exp = np.append(expected[big], expected[~big].sum())
-    keep = exp > 0
-    assert obs[~keep].sum() == 0
-    return scipy_stats.chisquare(obs[keep], exp[keep]).pvalue
 
 
 def residual_from_p_verifier(meta, target_logits):

@@ -3,18 +3,15 @@ the exact target distribution at T = 1 (chi-square, with a verifier that skips t
 candidates as the negative control), and tokens per target pass against the chain at equal verify budget."""
 from __future__ import annotations
 
-import itertools
 
-import numpy as np
 import pytest
 import torch
-from scipy import stats as scipy_stats
 
-import reference
 from specdec_ext import generate, ops
 from specdec_ext.drafters.calibration import reset_calibrations
 from specdec_ext.drafters.tree_drafter import beam_widths, tree_num_nodes
 from specdec_ext.metadata import filtered_probs
+from sampling_stats import chi_square_p, exact_joint
 from test_generate_utils import check_eos_and_max_new_tokens, hf_greedy, noisy_copy, one_thread, tiny_model
 
 NEW = 24
@@ -24,7 +21,6 @@ TREES = [(2, 4, 16), (3, 3, 8)]
 TINY_VOCAB = 8
 POSITIONS = 3  # the prefill token, then the first tree step (root level and depth 2)
 SAMPLES = 3000
-MIN_EXPECTED = 5.0
 PROMPT = [1, 4, 2, 6]
 PASS_P = 1e-4
 FAIL_P = 1e-8
@@ -96,36 +92,6 @@ def tiny_pair():
     target = tiny_model("llama", vocab=TINY_VOCAB, hidden=32, layers=1, seed=3, logit_scale=3.0)
     draft = tiny_model("llama", vocab=TINY_VOCAB, hidden=32, layers=1, seed=4, logit_scale=3.0)
     return target, draft
-
-
-def exact_joint(target, prompt, temperature=1.0):
-    """P(first three tokens = (a, b, c)) under plain sampling from the target: [V, V, V]."""
-    V = TINY_VOCAB
-    pairs = list(itertools.product(range(V), repeat=2))
-    ids = torch.tensor([prompt + [a, b] for a, b in pairs])
-    with torch.no_grad():
-        logits = target(ids).logits.double().numpy()
-    n = len(prompt)
-    joint = np.zeros((V, V, V))
-    p1 = reference.filtered_probs(logits[0, n - 1], temperature, 0, 1.0)
-    for row, (a, b) in enumerate(pairs):
-        p2 = reference.filtered_probs(logits[row, n], temperature, 0, 1.0)
-        p3 = reference.filtered_probs(logits[row, n + 1], temperature, 0, 1.0)
-        joint[a, b] = p1[a] * p2[b] * p3
-    return joint
-
-
-def chi_square_p(samples, joint):
-    counts = np.zeros(joint.size)
-    for s in samples:
-        counts[np.ravel_multi_index(tuple(s), joint.shape)] += 1
-    expected = joint.ravel() * len(samples)
-    big = expected >= MIN_EXPECTED
-    obs = np.append(counts[big], counts[~big].sum())
-    exp = np.append(expected[big], expected[~big].sum())
-    keep = exp > 0
-    assert obs[~keep].sum() == 0, "a sample has zero probability under the target"
-    return scipy_stats.chisquare(obs[keep], exp[keep]).pvalue
 
 
 def python_tree_verifier(remove_rejected: bool):

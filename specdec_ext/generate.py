@@ -17,7 +17,8 @@ from .drafters.calibration import shared_calibration
 from .drafters.tree_drafter import TreeModelDrafter, tree_num_nodes
 from .heads import MedusaHeads
 from .metadata import SamplingParams
-from .reference_runner import RecomputeRunner, _output_vocab_size
+from .reference_runner import RecomputeRunner
+from .runner_checks import output_vocab_size
 from .stats import GenerationStats
 
 Prompt = Union[str, Sequence[int]]
@@ -156,7 +157,7 @@ def check_vocabularies(target_model, draft_model, target_tokenizer=None, draft_t
     With both tokenizers, every token id must map to the same token string. The models' embedding
     (logit) sizes may differ (padding), but each must cover the target tokenizer's tokens.
     """
-    v_target, v_draft = _output_vocab_size(target_model), _output_vocab_size(draft_model)
+    v_target, v_draft = output_vocab_size(target_model), output_vocab_size(draft_model)
     if target_tokenizer is not None and draft_tokenizer is not None:
         ids_t, ids_d = _id_to_token(target_tokenizer), _id_to_token(draft_tokenizer)
         bad = [i for i in sorted(set(ids_t) | set(ids_d)) if ids_t.get(i) != ids_d.get(i)]
@@ -509,7 +510,7 @@ def _run(prompts, target_model, draft_model, tokenizer, *, k, max_new_tokens, te
     models = [m for m in (target_model, draft_model) if m is not None]
 
     token_prompts, _ = _normalise_prompts(prompts, tokenizer)
-    vocab_size = _output_vocab_size(target_model)
+    vocab_size = output_vocab_size(target_model)
     for b, p in enumerate(token_prompts):
         bad = [t for t in p if not 0 <= t < vocab_size]
         if bad:

@@ -33,16 +33,13 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .runner_checks import check_forward_inputs, check_start_prompts, output_vocab_size, text_config
 from .tree import token_tree_inputs, tree_commit_plan
 
 __all__ = ["LeanLlamaRunner", "lean_runner_factory", "unsupported_reason", "SUPPORTED_MODEL_TYPES"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 CAPACITY_SLACK = 16  # cache positions past max_seq_len for padding columns of a forward
-
-
-def _text_config(config):
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def _rope_parameters(cfg) -> dict:
@@ -59,7 +56,7 @@ def _rope_parameters(cfg) -> dict:
 
 def unsupported_reason(model, max_seq_len: Optional[int] = None) -> Optional[str]:
     """None when LeanLlamaRunner reproduces ``model``'s forward; else why not (a short sentence)."""
-    cfg = _text_config(getattr(model, "config", None))
+    cfg = text_config(getattr(model, "config", None))
     if cfg is None:
         return "the model has no config"
     model_type = getattr(cfg, "model_type", None)
@@ -104,10 +101,6 @@ def unsupported_reason(model, max_seq_len: Optional[int] = None) -> Optional[str
     return None
 
 
-def _output_vocab_size(model) -> int:
-    return int(model.lm_head.weight.shape[0])
-
-
 class LeanLlamaRunner:
     """Llama-family causal LM over a contiguous per-row KV cache (see the module docstring)."""
 
@@ -123,7 +116,7 @@ class LeanLlamaRunner:
         self.model = model
         self.max_batch_size, self.max_seq_len = int(max_batch_size), int(max_seq_len)
         self.page_size = page_size  # interface parity; nothing is paged
-        cfg = _text_config(model.config)
+        cfg = text_config(model.config)
         base = model.model
         weight_dtype = base.embed_tokens.weight.dtype
         # compute_dtype None: the model's own weight tensors (no copies). Otherwise the weights are
@@ -137,7 +130,7 @@ class LeanLlamaRunner:
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads)
         self.gqa = self.kv_heads != self.num_heads
         self.scale = self.head_dim ** -0.5
-        self.vocab_size: int = _output_vocab_size(model)
+        self.vocab_size: int = output_vocab_size(model)
         lin = lambda m: (cast(m.weight), cast(m.bias))
         self.layers = []
         for layer in base.layers:
@@ -280,15 +273,7 @@ class LeanLlamaRunner:
     def start(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
         """Free every row and prefill B ragged prompts; returns the logits at each prompt's last
         position, fp32 [B, V]. Afterwards lengths[b] = len(prompts[b])."""
-        if not prompts:
-            raise ValueError("start: no prompts")
-        if len(prompts) > self.max_batch_size:
-            raise ValueError(f"start: {len(prompts)} prompts exceed max_batch_size={self.max_batch_size}")
-        for b, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"start: prompt {b} is empty")
-            if len(p) > self.max_seq_len:
-                raise ValueError(f"start: prompt {b} has {len(p)} tokens, more than max_seq_len={self.max_seq_len}")
+        check_start_prompts(prompts, self.max_batch_size, self.max_seq_len)
         B = len(prompts)
         T = max(len(p) for p in prompts)
         # Right-padded: every row starts at position 0 (a plain causal mask); padding columns write
@@ -315,30 +300,13 @@ class LeanLlamaRunner:
         i+1, -1 = child of token 0); token 0 (the last committed token, depth 0) and each node see the
         prefix, token 0 and their ancestors, at position lengths[b] + depth.
         """
-        if self._batch == 0:
-            raise ValueError("forward: call start() first")
-        if input_ids.dim() != 2:
-            raise ValueError(f"forward: input_ids must be [B, T], got shape {list(input_ids.shape)}")
-        B, T = input_ids.shape
-        if T == 0:
-            raise ValueError("forward: input_ids must hold at least one token per row (T >= 1)")
-        if B != self._batch:
-            raise ValueError(f"forward: input_ids has {B} rows, the runner holds {self._batch}")
-        counts = [T] * B if num_tokens is None else num_tokens.tolist()
+        B, T, counts = check_forward_inputs(input_ids, num_tokens, tree_parents, self._batch)
         lengths = self._len
         for b in range(B):
-            c = counts[b]
-            if not 0 <= c <= T:
-                raise ValueError(f"forward: num_tokens[{b}] = {c} is outside [0, {T}]")
-            if lengths[b] + c > self.max_seq_len:
-                raise ValueError(f"row {b} would hold {lengths[b] + c} tokens, more than "
+            if lengths[b] + counts[b] > self.max_seq_len:
+                raise ValueError(f"row {b} would hold {lengths[b] + counts[b]} tokens, more than "
                                  f"max_seq_len={self.max_seq_len}")
-        tree = None
-        if tree_parents is not None:
-            if tuple(tree_parents.shape) != (B, max(T - 1, 0)):
-                raise ValueError(f"forward: tree_parents must be [B, T-1] = [{B}, {T - 1}], got "
-                                 f"{list(tree_parents.shape)}")
-            tree = token_tree_inputs(tree_parents.to(self.device), counts, T)
+        tree = None if tree_parents is None else token_tree_inputs(tree_parents.to(self.device), counts, T)
         with torch.no_grad():
             logits = self._model(input_ids.to(self.device), lengths, None, tree)
         self._tentative = [int(c) for c in counts]

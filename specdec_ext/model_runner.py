@@ -23,22 +23,10 @@ import torch
 from . import hf_paged
 from .hf_paged import PagedCache, PagedStep
 from .kv_cache import PagedKVCache, PoolFullError
+from .runner_checks import check_forward_inputs, check_start_prompts, output_vocab_size, text_config
 from .tree import token_tree_inputs, tree_commit_plan
 
 __all__ = ["PagedModelRunner", "PoolFullError"]
-
-
-def _output_vocab_size(model) -> int:
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is not None and hasattr(head, "out_features"):
-        return int(head.out_features)
-    if head is not None and hasattr(head, "weight"):
-        return int(head.weight.shape[0])
-    return int(model.config.vocab_size)
-
-
-def _text_config(config):
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 class PagedModelRunner:
@@ -56,11 +44,11 @@ class PagedModelRunner:
         self.max_batch_size, self.max_seq_len, self.page_size = max_batch_size, max_seq_len, page_size
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        cfg = _text_config(model.config)
+        cfg = text_config(model.config)
         heads = cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        self.vocab_size: int = _output_vocab_size(model)   # logits last dim
+        self.vocab_size: int = output_vocab_size(model)   # logits last dim
         pages_per_row = -(-max_seq_len // page_size)
         if num_pages is None:
             num_pages = max_batch_size * pages_per_row
@@ -158,15 +146,7 @@ class PagedModelRunner:
     def start(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
         """Free every row and prefill B ragged prompts; returns the logits at each prompt's last
         position, fp32 [B, V]. Afterwards lengths[b] = len(prompts[b])."""
-        if not prompts:
-            raise ValueError("start: no prompts")
-        if len(prompts) > self.max_batch_size:
-            raise ValueError(f"start: {len(prompts)} prompts exceed max_batch_size={self.max_batch_size}")
-        for b, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"start: prompt {b} is empty")
-            if len(p) > self.max_seq_len:
-                raise ValueError(f"start: prompt {b} has {len(p)} tokens, more than max_seq_len={self.max_seq_len}")
+        check_start_prompts(prompts, self.max_batch_size, self.max_seq_len)
         self.kv.free_all()
         self._batch = B = len(prompts)
         T = max(len(p) for p in prompts)
@@ -191,24 +171,9 @@ class PagedModelRunner:
         see the prefix, token 0 and their ancestors, at position lengths[b] + depth.
         Raises ValueError naming the row when it would exceed max_seq_len or the pool is full.
         """
-        if self._batch == 0:
-            raise ValueError("forward: call start() first")
-        if input_ids.dim() != 2:
-            raise ValueError(f"forward: input_ids must be [B, T], got shape {list(input_ids.shape)}")
-        B, T = input_ids.shape
-        if T == 0:
-            raise ValueError("forward: input_ids must hold at least one token per row (T >= 1)")
-        if B != self._batch:
-            raise ValueError(f"forward: input_ids has {B} rows, the runner holds {self._batch}")
-        counts = [T] * B if num_tokens is None else [int(x) for x in num_tokens.tolist()]
-        for b, c in enumerate(counts):
-            if not 0 <= c <= T:
-                raise ValueError(f"forward: num_tokens[{b}] = {c} is outside [0, {T}]")
+        B, T, counts = check_forward_inputs(input_ids, num_tokens, tree_parents, self._batch)
         ancestors = depth = None
         if tree_parents is not None:
-            if tuple(tree_parents.shape) != (B, max(T - 1, 0)):
-                raise ValueError(f"forward: tree_parents must be [B, T-1] = [{B}, {T - 1}], got "
-                                 f"{list(tree_parents.shape)}")
             ancestors, depth = token_tree_inputs(tree_parents.to(self.device), counts, T)
         input_ids = input_ids.to(self.device)
         logits = self._run(input_ids, [0] * B, counts, ancestors, depth, 0)

@@ -18,14 +18,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-
-def _output_vocab_size(model) -> int:
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is not None and hasattr(head, "out_features"):
-        return int(head.out_features)
-    if head is not None and hasattr(head, "weight"):
-        return int(head.weight.shape[0])
-    return int(model.config.vocab_size)
+from .runner_checks import check_start_prompts, output_vocab_size
 
 
 class RecomputeRunner:
@@ -42,7 +35,7 @@ class RecomputeRunner:
         self.max_seq_len = int(max_seq_len)
         self.page_size = page_size  # accepted for interface parity; nothing is paged here
         self.num_pages = num_pages
-        self.vocab_size = _output_vocab_size(model)
+        self.vocab_size = output_vocab_size(model)
         self.device = next(model.parameters()).device
         self._committed: List[List[int]] = []
         self._tentative: List[List[int]] = []  # per row: the tokens of the last forward, in node order
@@ -86,15 +79,7 @@ class RecomputeRunner:
         Shape: [B, V]
         """
         prompts = [[int(t) for t in p] for p in prompts]
-        if not prompts:
-            raise ValueError("start: no prompts")
-        if len(prompts) > self.max_batch_size:
-            raise ValueError(f"start: {len(prompts)} prompts exceed max_batch_size={self.max_batch_size}")
-        for b, p in enumerate(prompts):
-            if not p:
-                raise ValueError(f"start: prompt {b} is empty")
-            if len(p) > self.max_seq_len:
-                raise ValueError(f"start: prompt {b} has {len(p)} tokens, more than max_seq_len={self.max_seq_len}")
+        check_start_prompts(prompts, self.max_batch_size, self.max_seq_len)
         self._committed = prompts
         self._tentative = [[] for _ in prompts]
         self._parents = [None for _ in prompts]

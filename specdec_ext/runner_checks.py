@@ -1,0 +1,60 @@
+"""What every model runner (paged, lean, recompute) reads off a HF model and checks of its callers.
+
+The runners share one interface (``start`` / ``forward`` / ``commit`` / ``commit_tree`` /
+``truncate``); these helpers keep its argument checks and their messages the same everywhere.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+
+def output_vocab_size(model) -> int:
+    """The size of the model's logits (its output embedding's rows; the config's vocab otherwise)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None and hasattr(head, "out_features"):
+        return int(head.out_features)
+    if head is not None and hasattr(head, "weight"):
+        return int(head.weight.shape[0])
+    return int(model.config.vocab_size)
+
+
+def text_config(config):
+    """The text model's config (multimodal configs nest it)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def check_start_prompts(prompts: Sequence[Sequence[int]], max_batch_size: int, max_seq_len: int) -> None:
+    """``start``'s checks: at least one prompt, at most max_batch_size, none empty or too long."""
+    if not prompts:
+        raise ValueError("start: no prompts")
+    if len(prompts) > max_batch_size:
+        raise ValueError(f"start: {len(prompts)} prompts exceed max_batch_size={max_batch_size}")
+    for b, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"start: prompt {b} is empty")
+        if len(p) > max_seq_len:
+            raise ValueError(f"start: prompt {b} has {len(p)} tokens, more than max_seq_len={max_seq_len}")
+
+
+def check_forward_inputs(input_ids: torch.Tensor, num_tokens: Optional[torch.Tensor],
+                         tree_parents: Optional[torch.Tensor], batch: int) -> Tuple[int, int, List[int]]:
+    """``forward``'s checks; returns (B, T, tokens used per row). ``batch``: rows the runner holds
+    (0 before ``start``). input_ids [B, T], num_tokens [B] or None, tree_parents [B, T-1] or None."""
+    if batch == 0:
+        raise ValueError("forward: call start() first")
+    if input_ids.dim() != 2:
+        raise ValueError(f"forward: input_ids must be [B, T], got shape {list(input_ids.shape)}")
+    B, T = input_ids.shape
+    if T == 0:
+        raise ValueError("forward: input_ids must hold at least one token per row (T >= 1)")
+    if B != batch:
+        raise ValueError(f"forward: input_ids has {B} rows, the runner holds {batch}")
+    counts = [T] * B if num_tokens is None else [int(x) for x in num_tokens.tolist()]
+    for b, c in enumerate(counts):
+        if not 0 <= c <= T:
+            raise ValueError(f"forward: num_tokens[{b}] = {c} is outside [0, {T}]")
+    if tree_parents is not None and tuple(tree_parents.shape) != (B, max(T - 1, 0)):
+        raise ValueError(f"forward: tree_parents must be [B, T-1] = [{B}, {T - 1}], got {list(tree_parents.shape)}")
+    return B, T, counts
