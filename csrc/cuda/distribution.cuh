@@ -618,33 +618,27 @@ __device__ bool block_probs_valid(const float* __restrict__ q_row, int64_t vocab
   return __syncthreads_and(valid) != 0;
 }
 
-// Inverse CDF: the smallest j whose running sum of weights exceeds u * d.mass, or the last j with
-// a positive weight when rounding leaves the running sum at or below the target (0 if none).
+// Inverse CDF over the weights of src: the smallest j whose running sum exceeds target, or the
+// last j with a positive weight when rounding leaves the running sum at or below it (0 if none).
 // Never materialises the weights: tiles of kThreads * kGroups * 8 elements, thread t holding the
 // contiguous elements [tile + t * kGroups * 8, ...); per tile one block exclusive scan of the
 // threads' sums gives each thread its starting running sum, each thread finds its first crossing
 // and a block min picks the lowest. The pass stops at the tile that holds the crossing.
-template <typename T, int kThreads, int kGroups, int kMaxLevels>
-__device__ int64_t block_sample(const DistState<kMaxLevels>& d, const T* __restrict__ row,
-                                int64_t vocab, float u, BlockTemp<kThreads>& temp) {
+// Source: load(start, end, w[8]) (elements [start, start + 8) clipped to end, 0 past it) and
+// prefetch(start) (a hint for the next tile's elements from start; may do nothing).
+template <int kThreads, int kGroups, typename Source>
+__device__ int64_t block_inverse_cdf(const Source& src, int64_t vocab, float target,
+                                     BlockTemp<kThreads>& temp) {
   constexpr int kPerThread = kGroups * kVec;
   constexpr int64_t kTile = int64_t{kThreads} * kPerThread;
-  const float target = u * d.mass;
   float running = 0.0f;  // sum of the weights of the previous tiles (block-uniform)
   int64_t last_positive = -1;
-  bool unused_valid = true;
   for (int64_t base = 0; base < vocab; base += kTile) {
     const int64_t start = base + int64_t{threadIdx.x} * kPerThread;
-    if (start + kTile < vocab) {  // the next tile's lines, while this one is loaded and scanned
-      prefetch_l2(row + start + kTile);
-#pragma unroll
-      for (int t = 0; t < kMaxLevels; ++t) {
-        if (t < d.num_levels && d.levels[t].q_row) prefetch_l2(d.levels[t].q_row + start + kTile);
-      }
-    }
+    if (start + kTile < vocab) src.prefetch(start + kTile);  // while this tile is loaded and scanned
     float w[kGroups][kVec];
 #pragma unroll
-    for (int g = 0; g < kGroups; ++g) d.group_weights(row, start + g * kVec, vocab, w[g], unused_valid);
+    for (int g = 0; g < kGroups; ++g) src.load(start + g * kVec, vocab, w[g]);
     float own = 0.0f;
 #pragma unroll
     for (int g = 0; g < kGroups; ++g) {
@@ -674,6 +668,34 @@ __device__ int64_t block_sample(const DistState<kMaxLevels>& d, const T* __restr
   }
   const int64_t last = block_reduce_index<kThreads>(last_positive, IndexMax(), temp);
   return last >= 0 ? last : 0;
+}
+
+// A DistState's weights over one logits row as a block_inverse_cdf source (prefetching the row and
+// the residual levels' q rows). The validity flag group_weights reports is not needed here: the
+// q rows were checked when the levels were added.
+template <typename T, int kMaxLevels>
+struct DistWeights {
+  const DistState<kMaxLevels>& d;
+  const T* __restrict__ row;
+
+  __device__ __forceinline__ void load(int64_t start, int64_t end, float (&w)[kVec]) const {
+    bool unused_valid = true;
+    d.group_weights(row, start, end, w, unused_valid);
+  }
+  __device__ __forceinline__ void prefetch(int64_t start) const {
+    prefetch_l2(row + start);
+#pragma unroll
+    for (int t = 0; t < kMaxLevels; ++t) {
+      if (t < d.num_levels && d.levels[t].q_row) prefetch_l2(d.levels[t].q_row + start);
+    }
+  }
+};
+
+// Inverse CDF of a DistState at u: block_inverse_cdf at target u * d.mass.
+template <typename T, int kThreads, int kGroups, int kMaxLevels>
+__device__ int64_t block_sample(const DistState<kMaxLevels>& d, const T* __restrict__ row,
+                                int64_t vocab, float u, BlockTemp<kThreads>& temp) {
+  return block_inverse_cdf<kThreads, kGroups>(DistWeights<T, kMaxLevels>{d, row}, vocab, u * d.mass, temp);
 }
 
 }  // namespace specdec::cuda

@@ -117,6 +117,7 @@ struct LogitWeights {
     return float_key(logit) >= threshold ? exp_weight((logit - max_logit) * inv_temperature) : 0.0f;
   }
   __device__ __forceinline__ float at(int64_t j) const { return weight(to_float(row[j])); }
+  __device__ __forceinline__ void prefetch(int64_t) const {}  // (block_inverse_cdf's source hook)
   // Elements [start, start + 8) clipped to end (0 past it); returns how many are in range.
   __device__ __forceinline__ int load(int64_t start, int64_t end, float (&w)[kVec]) const {
     float v[kVec];
@@ -134,6 +135,7 @@ struct BufferWeights {
   const float* buf;
 
   __device__ __forceinline__ float at(int64_t j) const { return buf[j]; }
+  __device__ __forceinline__ void prefetch(int64_t) const {}  // (block_inverse_cdf's source hook)
   __device__ __forceinline__ int load(int64_t start, int64_t end, float (&w)[kVec]) const {
     const int64_t remaining = end - start;
     if (remaining >= kVec) {
@@ -235,54 +237,6 @@ __device__ float block_remove_pass(const Source& src, int64_t token, float* dst,
     }
   }
   return block_reduce_sum<kThreads>(sum, temp);
-}
-
-// Inverse CDF over the weights of src: the smallest j whose running sum exceeds target, or the
-// last j with a positive weight when rounding leaves the running sum at or below it (0 if none).
-// Tiles of kThreads * kGroups * 8 elements, thread t holding the contiguous elements
-// [tile + t * kGroups * 8, ...): one block exclusive scan of the threads' sums per tile gives each
-// thread its starting running sum, each finds its first crossing, a block min picks the lowest.
-template <int kThreads, int kGroups, typename Source>
-__device__ int64_t block_inverse_cdf(const Source& src, int64_t vocab, float target,
-                                     BlockTemp<kThreads>& temp) {
-  constexpr int kPerThread = kGroups * kVec;
-  constexpr int64_t kTile = int64_t{kThreads} * kPerThread;
-  float running = 0.0f;  // sum of the previous tiles (block-uniform)
-  int64_t last_positive = -1;
-  for (int64_t base = 0; base < vocab; base += kTile) {
-    const int64_t start = base + int64_t{threadIdx.x} * kPerThread;
-    float w[kGroups][kVec];
-#pragma unroll
-    for (int g = 0; g < kGroups; ++g) src.load(start + g * kVec, vocab, w[g]);
-    float own = 0.0f;
-#pragma unroll
-    for (int g = 0; g < kGroups; ++g) {
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) own += w[g][e];
-    }
-    float before, tile_total;
-    cub::BlockScan<float, kThreads>(temp.cub.scan).ExclusiveSum(own, before, tile_total);
-    float acc = running + before;
-    int64_t crossing = kNoIndex;
-#pragma unroll
-    for (int g = 0; g < kGroups; ++g) {
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) {
-        if (w[g][e] > 0.0f) {
-          acc += w[g][e];
-          const int64_t j = start + g * kVec + e;
-          last_positive = j;
-          if (acc > target && crossing == kNoIndex) crossing = j;
-        }
-      }
-    }
-    __syncthreads();  // the scan's storage is reused by the reduction below
-    const int64_t first = block_reduce_index<kThreads>(crossing, IndexMin(), temp);
-    if (first != kNoIndex) return first;
-    running += tile_total;
-  }
-  const int64_t last = block_reduce_index<kThreads>(last_positive, IndexMax(), temp);
-  return last >= 0 ? last : 0;
 }
 
 // The smallest c in [start, n) with parents[c] == node, or kNoIndex.
