@@ -79,8 +79,10 @@ class NodeCalibration:
 
         node_logprobs [B, N] fp32 (the score feature of each node: its draft log-probability),
         node_depth [B, N] (1 = child of the root), node_rank [B, N] (0 = the parent's first choice),
-        tokens [B, N], parents [B, N] (-1 = root), path [B, N] and num_accepted [B] (tree_verify's), emitted [B, N+1] (the accepted tokens then the recovered/bonus one; the token
-        emitted at depth j is emitted[:, j-1]), active [B] bool (rows whose step counts).
+        tokens [B, N], parents [B, N] (-1 = root), path [B, N] and num_accepted [B] (tree_verify's),
+        emitted [B, N+1] (the accepted tokens then the recovered/bonus one; the token emitted at
+        depth j is emitted[:, j-1]), active [B] bool (rows whose step counts). No host reads: the
+        counts are scattered into the tables, which move to the nodes' device on first use.
         """
         B, N = tokens.shape
         device = tokens.device
@@ -95,9 +97,9 @@ class NodeCalibration:
         depth = node_depth.to(torch.int64).clamp(1, self.depth)
         hit = reached & (tokens == emitted.gather(1, depth - 1))  # [B, N]
         rank = node_rank.to(torch.int64).clamp(0, RANKS - 1)
-        index = (((depth - 1) * RANKS + rank) * self.bins + self._bin(node_logprobs.exp()))[reached]
-        shape = (self.depth, RANKS, self.bins)
-        size = self.depth * RANKS * self.bins
-        self.trials += torch.bincount(index, minlength=size).view(shape).to(self.trials)
-        self.hits += torch.bincount(index, weights=hit[reached].double(), minlength=size).view(shape).to(self.hits)
+        index = (((depth - 1) * RANKS + rank) * self.bins + self._bin(node_logprobs.exp())).flatten()  # [B*N]
+        if self.trials.device != device:
+            self.trials, self.hits = self.trials.to(device), self.hits.to(device)
+        self.trials.view(-1).scatter_add_(0, index, reached.flatten().to(self.trials.dtype))
+        self.hits.view(-1).scatter_add_(0, index, hit.flatten().to(self.hits.dtype))
         self._log_rate = self._rates()
