@@ -138,6 +138,13 @@ def test_bundled_draft_fp32_and_bf16_computed_in_fp32():
 def test_bf16_model_dtype_is_close():
     model = tiny("llama").to(torch.bfloat16)
     assert drive(model, steps=4) < 0.1  # bf16 rounding only
+    # on the CPU the cache and the attention are fp32 (torch's bf16 SDPA is slow for one query); the
+    # cached keys are the bf16 k exactly, and the rest computes in bf16
+    lean = LeanLlamaRunner(model, max_batch_size=1, max_seq_len=16)
+    assert lean.dtype == torch.bfloat16 and lean.k_cache.dtype == lean.v_cache.dtype == torch.float32
+    lean.start([[1, 2, 3]])
+    cached = lean.k_cache[:, 0, :, :3]  # [layers, kv_heads, 3, D]
+    assert torch.equal(cached, cached.to(torch.bfloat16).float())
 
 
 def test_unsupported_configs_raise_and_the_factory_falls_back():

@@ -11,7 +11,9 @@ hooks are registered on the model's LM head (the heads drafter reads its input t
 head module itself is called, so they see what they would see under the HF forward.
 
 Cache: contiguous, preallocated per row, ``[layers, B, kv_heads, capacity, head_dim]`` (K and V),
-in the compute dtype. Row b's committed tokens are positions 0 .. lengths[b]-1; a ``forward`` writes
+in the compute dtype, except for a bf16/fp16 model on the CPU: there the cache and the attention are
+fp32 (the cached k and v are the model-dtype values, exact in fp32; attention accumulates in fp32
+as half-precision kernels do inside; torch's CPU bf16 SDPA is slow for a single query). Row b's committed tokens are positions 0 .. lengths[b]-1; a ``forward`` writes
 its T tokens TENTATIVELY at lengths[b] + t (padding columns too, harmlessly past the row's tokens);
 ``commit`` / ``truncate`` only move ``lengths`` (rollback is metadata only). The host holds the
 lengths (source of truth); ``lengths`` returns them as a device tensor.
@@ -130,6 +132,13 @@ class LeanLlamaRunner:
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads)
         self.gqa = self.kv_heads != self.num_heads
         self.scale = self.head_dim ** -0.5
+        # The KV cache and the attention in fp32 for a half-precision model on the CPU: the cached
+        # keys and values are the model-dtype k and v (exact in fp32), and attention accumulates in
+        # fp32 as half-precision SDPA kernels do inside, but torch's CPU SDPA has a slow bf16 path
+        # for a single query (360 us against 44 us in fp32 at 500 positions, 8 heads of 64, one
+        # thread: a third of a decode step of the bundled target on the edit workload).
+        half_on_cpu = self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16)
+        self.attn_dtype = torch.float32 if half_on_cpu else self.dtype
         self.vocab_size: int = output_vocab_size(model)
         lin = lambda m: (cast(m.weight), cast(m.bias))
         self.layers = []
@@ -156,8 +165,8 @@ class LeanLlamaRunner:
     def _alloc(self, capacity: int) -> None:
         shape = (len(self.layers), self.max_batch_size, self.kv_heads, capacity, self.head_dim)
         old = getattr(self, "k_cache", None)
-        k = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        k = torch.zeros(shape, dtype=self.attn_dtype, device=self.device)
+        v = torch.zeros(shape, dtype=self.attn_dtype, device=self.device)
         if old is not None:
             n = old.shape[3]
             k[:, :, :, :n] = self.k_cache
@@ -214,7 +223,7 @@ class LeanLlamaRunner:
             rel = self._arange[:S][None, None, :] - first[:, :, None]  # [B, 1, S]: tentative token index
             in_new = (rel >= 0) & (rel < T)
             sees = in_new & ancestors.gather(2, rel.clamp(0, T - 1).expand(B, T, S))
-            mask = torch.zeros((B, 1, T, S), dtype=self.dtype, device=self.device)
+            mask = torch.zeros((B, 1, T, S), dtype=self.attn_dtype, device=self.device)
             mask.masked_fill_(~((rel < 0) | sees).unsqueeze(1), float("-inf"))
             causal = False
             rows = self._rows[:B, None]  # [B, 1]
@@ -227,14 +236,14 @@ class LeanLlamaRunner:
                 mask, causal = None, True  # square causal (top-left == bottom-right alignment)
             else:
                 q_pos = self._arange[s0:S, None]  # [T, 1]
-                mask = torch.zeros((T, S), dtype=self.dtype, device=self.device)
+                mask = torch.zeros((T, S), dtype=self.attn_dtype, device=self.device)
                 mask.masked_fill_(self._arange[None, :S] > q_pos, float("-inf"))
                 causal = False
         else:
             pos = torch.tensor(start, dtype=torch.int64, device=self.device)[:, None] + self._arange[:T]  # [B, T]
             store = pos
             cos, sin = self._cos[pos].unsqueeze(1), self._sin[pos].unsqueeze(1)  # [B, 1, T, D]
-            mask = torch.zeros((B, 1, T, S), dtype=self.dtype, device=self.device)
+            mask = torch.zeros((B, 1, T, S), dtype=self.attn_dtype, device=self.device)
             mask.masked_fill_((self._arange[:S] > pos[:, :, None]).unsqueeze(1), float("-inf"))
             causal = False
             rows = self._rows[:B, None]  # [B, 1]
@@ -254,10 +263,11 @@ class LeanLlamaRunner:
                 kc[:B, :, s0:S] = k
                 vc[:B, :, s0:S] = v.transpose(1, 2)
             else:
-                kc[rows, :, store] = k.transpose(1, 2)
-                vc[rows, :, store] = v
-            a = F.scaled_dot_product_attention(q, kc[:B, :, :S], vc[:B, :, :S], attn_mask=mask, is_causal=causal,
-                                               scale=self.scale, enable_gqa=self.gqa)  # [B, H, T, D]
+                kc[rows, :, store] = k.transpose(1, 2).to(kc.dtype)
+                vc[rows, :, store] = v.to(vc.dtype)
+            a = F.scaled_dot_product_attention(q.to(kc.dtype), kc[:B, :, :S], vc[:B, :, :S], attn_mask=mask,
+                                               is_causal=causal, scale=self.scale,
+                                               enable_gqa=self.gqa).to(self.dtype)  # [B, H, T, D]
             x = x + F.linear(a.transpose(1, 2).reshape(B, T, H * D), wo, bo)
             h = self._rms(x, w_post, eps_post)
             x = x + F.linear(F.silu(F.linear(h, wg, bg)) * F.linear(h, wu, bu), wd, bd)
