@@ -8,7 +8,7 @@ On one (target, draft) pair and the same prompts, in one run, batch 1, greedy, p
 * HF prompt lookup (``prompt_lookup_num_tokens``)      (the baseline of our lookup rows)
 * ours, plain decoding (k = 0: the same runner and sampler without a draft; the cost model's unit)
 * ours, each drafter of --drafters:
-  model   the draft model as a chain, at each k of --ks (default 2, 4, 6)
+  model   the draft model as a chain, at each k of --ks (default 2, 4, 6, 8)
   ngram   suffix-automaton lookup over the prompt and output, at each k of --ngram-ks (default 4, 8)
   tree    draft-model trees (b, d, N) of --trees (default 2,3,6)
   heads   the bundled target's Medusa-style heads, trees of --heads-trees (default 3,3,8; bundled target only)
@@ -21,7 +21,8 @@ lookup should shine. --prompt-file replaces them with one workload of your files
 Columns: tokens/s (median over repeats of the total tokens / total time over the prompts), speedup
 over HF plain, tokens per target pass (new tokens / target forward calls, prefill included), and
 whether every output is identical to HF plain greedy. The methods are interleaved within each repeat
-(repeat -> method -> prompt) so that load drifting on a shared machine hits them alike.
+(repeat -> method -> prompt), in reverse order every other repeat, so that load drifting on a shared
+machine, and the position of a method in the order, hit them alike.
 
 For ours at each k the cost model is checked: from the measured acceptance a, draft cost c and verify
 cost v (per step, relative to a step of our plain decoding) the predicted decode speedup
@@ -45,7 +46,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _workloads import WORKLOADS, workload_prompts  # noqa: E402
 
-DEFAULT_KS = (2, 4, 6)
+DEFAULT_KS = (2, 4, 6, 8)
 DEFAULT_NGRAM_KS = (4, 8)
 DEFAULT_TREES = "2,3,6"
 DEFAULT_HEADS_TREES = "3,3,8"
@@ -96,7 +97,7 @@ def parse_args(argv):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", help="target model path/id (default: the bundled pair; give --draft too)")
     p.add_argument("--draft", help="draft model path/id (default: the bundled pair)")
-    p.add_argument("--ks", default=",".join(map(str, DEFAULT_KS)), help="our draft lengths (default: 2,4,6)")
+    p.add_argument("--ks", default=",".join(map(str, DEFAULT_KS)), help="our draft lengths (default: 2,4,6,8)")
     p.add_argument("--drafters", default=",".join(DRAFTERS),
                    help=f"our drafters besides the model chain at --ks (default: {','.join(DRAFTERS)})")
     p.add_argument("--ngram-ks", default=",".join(map(str, DEFAULT_NGRAM_KS)),
@@ -243,7 +244,8 @@ def run_methods(methods, prompts, counter, args) -> Dict[str, Measure]:
     args.new = args.max_new_tokens
     results = {name: Measure() for name in methods}
     for rep in range(args.repeats):
-        for name, run in methods.items():
+        order = list(methods.items())
+        for name, run in (order if rep % 2 == 0 else order[::-1]):  # a method's place in the order is not its cost
             m = results[name]
             total_time, total_tokens, outputs = 0.0, 0, []
             counter.calls = 0

@@ -7,8 +7,9 @@ loop already reads (num_accepted, num_draft) and on the loop's step timers.
 The maths
 ---------
 Acceptance by position. For row b and draft position i = 1..k_max let a_i be the probability that
-draft i is accepted GIVEN that drafts 1..i-1 were (position i was *reached*). Acceptance usually
-decays with i (the draft drifts away from the target), so a_i is estimated per position, not as one
+draft i is accepted GIVEN that drafts 1..i-1 were (position i was *reached*). Acceptance varies
+with i (the draft drifts away from the target; yet the steps that reach deep positions are the easy
+stretches, and on the bundled pair a_i rises with i), so a_i is estimated per position, not as one
 i.i.d. a. Each verify step of a row that drafted d tokens and accepted n of them reached positions
 1..min(n+1, d) and accepted positions 1..n. With exponential forgetting (factor g per drafting step
 of the row, an effective window of 1 / (1 - g) steps) the counts are
@@ -40,18 +41,30 @@ Cost. The step's time with k drafts is
 
 where V(t) is the measured time of a verify step over t tokens per row (the target forward over
 [B, t], the verifier and the commit) at the CURRENT batch size, and D(k) the measured time of a
-draft step of k tokens per row: k c with c the draft time per drafted position (the step's draft
-time / the drafts per row it ran) until two different k were observed, then interpolated between the
-observed k like V (a draft step has a fixed part, e.g. feeding the committed tokens, that k c alone
-would overcharge to long drafts; a draft pass right after skipped steps also feeds their tokens and
-is not timed). V is known at a few widths:
-a start-up probe (``probe``: target forwards over [B, t] for t in {1, 2, 4, k_max+1}, rolled back
-with ``truncate``; run once per process for a target model and batch size, whose costs the later
-controllers share) and every step the loop runs (an exponential moving average per width). Between
-known widths V is interpolated linearly, beyond them extrapolated with the last slope, and made
-non-decreasing in t. A probed width not observed recently is rescaled by the running ratio of
-observed to probed times (the probe times the forward only; a step also verifies and commits).
-In relative units v = V(k+1) / V(1), c' = c / V(1) (D(k) = k c) this is the note's speedup
+draft step of k tokens per row. Both come from noisy timings (a few percent per step on a CPU, more
+on a shared one), so each is a weighted least-squares LINE through what was measured, not an
+interpolation between points:
+
+    V(t) = V_1 + (t - 1) v',    v' >= 0              D(k) = d_0 + k c,  c >= 0   (D(0) = 0)
+
+Interpolating noisy points and forcing the result non-decreasing kept the noise that happened to
+be high and biased every choice towards short drafts (BENCHMARKS.md, "k=auto"). V's points: a
+start-up probe (``probe``: target forwards over [B, t] for t in {1, 2, 4, k_max+1}, the median of
+three each, rolled back with ``truncate``; run once per process for a target model and batch size,
+whose costs the later controllers share), weight 1, and the moving average of every width the loop
+ran within the last COST_MEMORY_STEPS steps, weight OBSERVED_WEIGHT. The probe times the forward
+only, while a step also verifies and commits: probed points are shifted by the running mean of
+(observed - probed) time at the widths the loop ran. D's points: a start-up probe of the drafter
+(``probe_drafter``: a drafter with a ``probe_cost`` method, such as ModelDrafter, times draft steps
+of 1, 3 and k_max tokens and rolls its cache back; once per process for a drafter and batch size),
+weight 1, and the moving average of the draft time per drafted count the loop ran (a draft pass
+right after skipped steps also feeds their tokens and is not timed), weight OBSERVED_WEIGHT. The
+probe anchors the line at both ends: the counts the loop runs cluster near its choice, and a draft
+step has a fixed part (feeding the committed tokens, host work) that a line through them alone
+would get wrong. Without a probe and with a single count observed, D(k) = k c. A line is right
+where a pass is memory-bound (V nearly flat at small t) and where it is compute-bound (V growing
+with t) over the few widths k_max + 1 spans.
+In relative units v = V(k+1) / V(1), c' = c / V(1) (with d_0 = 0) this is the note's speedup
 E / (v + k c').
 
 Choice. Row b's preferred draft length is
@@ -69,9 +82,20 @@ time and loses expected tokens (E is increasing), so by default (``rows="padded"
 row drafts K* and K* = argmax_K sum_b E_b(K) / time(K); a row whose own k_b is 0 then rides along
 at no cost. ``rows="own"`` gives row b min(k_b, K*) instead, for a verify whose cost follows each
 row's own count (a varlen pass). Either way K* = 0 switches speculation off for the batch (the
-drafter is not called; the target runs a plain one-token step): this is how the batch-size crossover of the regime map shows up, measured rather
-than hard-coded: as the batch grows, V(t) / V(1) grows (the verify pass stops being memory-bound)
-and time(K) outgrows the extra tokens.
+drafter is not called; the target runs a plain one-token step): this is how the batch-size
+crossover of the regime map shows up, measured rather than hard-coded: as the batch grows, V(t) /
+V(1) grows (the verify pass stops being memory-bound) and time(K) outgrows the extra tokens.
+
+Two guards against estimation noise in the padded choice (measured on the bundled pair, where the
+rate is flat within a few percent over k = 5..8 and a row's acceptance hardly drifts within a
+generation, BENCHMARKS.md): of the caps whose estimated rate is within LONGER_TOLERANCE (2%) of the
+best, the longest is taken (deep positions' estimates lean low where a_i rises with i: they shrink
+towards the shallower position's); and the cap in use
+is kept while its rate stays within SWITCH_MARGIN (4%) of the best (changing k on noise loses
+tokens: E(k) is concave in k, so alternating k and k' emits fewer than their mean would), except
+that switching speculation off is never delayed. The counts forget slowly for the same reason
+(g = 0.95, m = 2: with g = 0.9 the choice followed noise; a total collapse of acceptance is then
+followed within a few windows, not a few steps).
 
 Exploration. A row whose choice is 0 stops producing acceptance data, so its estimate could never
 recover after a change of regime (the text becomes repetitive, a new prompt section...). Every
@@ -88,12 +112,16 @@ output), but a SEEDED sample at temperature > 0 depends on the per-step choices 
 are per step), which depend on measured times: it is still distributed exactly as the target's, but
 not reproducible run to run. Pass a fixed k for reproducible seeded sampling.
 
-Host cost: O(B k_max) numpy work per step (about 60-90 us at B = 1..64 on this CPU), nearly none
-while speculation is off (the last plan is reused until something is drafted); no device
-synchronisation (the loop's timers and its read of num_accepted / num_draft are the only ones).
+Host cost: ``observe`` updates the counts of the rows that drafted (a few numpy operations per
+step), ``plan`` recomputes the choice every REPLAN_STEPS steps (or when the active rows change or an
+exploration is due) and repeats its last plan in between: between model passes the host work
+measured 0.36 ms per step on the bundled pair when both ran in full every step (3-4% of a 10 ms
+step), about half of that now. No device synchronisation (the loop's timers and its read of num_accepted /
+num_draft are the only ones).
 """
 from __future__ import annotations
 
+import math
 import weakref
 from typing import Dict, List, Optional, Sequence
 
@@ -102,15 +130,29 @@ import torch
 
 DEFAULT_K_MAX = 8  # static buffer width of k="auto" (drafts per row per step, at most)
 DEFAULT_PRIOR_ACCEPTANCE = 0.7  # p0: acceptance assumed before a row has data
-DEFAULT_PRIOR_STRENGTH = 1.0  # m: pseudo-observations of the prior
-DEFAULT_FORGETTING = 0.9  # g: per-step decay of the counts (window ~ 10 drafting steps)
+DEFAULT_PRIOR_STRENGTH = 2.0  # m: pseudo-observations of the prior
+DEFAULT_FORGETTING = 0.95  # g: per-step decay of the counts (window ~ 20 drafting steps)
 DEFAULT_COST_SMOOTHING = 0.3  # weight of a new time measurement in the moving averages
 DEFAULT_PRIOR_DRAFT_COST = 0.1  # c / V(1) assumed until the first draft pass is timed
 DEFAULT_EXPLORE_EVERY = 16  # steps between explorations of the rows whose choice is 0
 DEFAULT_EXPLORE_K = 1  # one draft token: the cheapest look (a full accept explores again next step)
-DEFAULT_PROBE_PASSES = 2  # timed forwards per probed width (the median is kept), after one warm-up
-COST_MEMORY_STEPS = 64  # an observed width older than this falls back to the rescaled probe
-COST_REFRESH_STEPS = 4  # plan() recomputes time(k) from the measurements every this many steps
+DEFAULT_PROBE_PASSES = 3  # timed forwards per probed width (the median is kept), after one warm-up
+COST_MEMORY_STEPS = 64  # an observed width older than this is left to the probe
+OBSERVED_WEIGHT = 4.0  # weight of an observed width's moving average against a probed width's time
+# plan() recomputes the budgets (and time(k)) every this many steps and repeats its last plan in
+# between (unless the active rows change or an exploration is due): one step moves the estimates by
+# about 1 - g = 10%, and a replan costs about 0.1-0.2 ms of host work between model passes
+REPLAN_STEPS = 2
+# The padded cap is the longest K whose estimated rate is within this fraction of the best: the rate
+# is flat near its optimum, and the estimates of deep positions lean low where a_i rises with i
+# (they shrink towards the shallower position's), so of near-equal estimates the longer draft is
+# the better bet (module docstring, "Two guards").
+LONGER_TOLERANCE = 0.02
+# ... and a cap in use is kept while its estimated rate is within this fraction of the best: a change
+# of k that estimation noise causes loses tokens (E(k) is concave in k, so alternating k and k' emits
+# fewer tokens than their mean would), while a real change of regime moves the rates far more.
+SWITCH_MARGIN = 0.04
+COST_REFRESH_STEPS = 8  # plan() refits time(k) to the measurements every this many steps
 EXPLORE_BACKOFF = 4  # fruitless explorations stretch the interval up to this many times explore_every
 
 
@@ -136,14 +178,14 @@ class VerifyCosts:
     """What is known of V(t), the verify step's time over t tokens per row, at one batch size.
 
     Arrays are indexed by t (index 0 unused): ``probe`` the start-up forward times, ``obs`` the moving
-    average of observed verify steps, ``obs_step`` when t was last observed, ``scale`` the moving
-    average of observed / probed time, ``step`` a step counter (for the staleness of ``obs``)."""
+    average of observed verify steps, ``obs_step`` when t was last observed, ``offset`` the moving
+    average of observed - probed time (seconds), ``step`` a step counter (for the staleness of ``obs``)."""
 
     def __init__(self, k_max: int):
         self.probe = np.full(k_max + 2, np.nan)
         self.obs = np.full(k_max + 2, np.nan)
         self.obs_step = np.full(k_max + 2, -10 ** 9, dtype=np.int64)
-        self.scale = 1.0
+        self.offset = 0.0
         self.step = 0
         self.probe_curve: Optional[np.ndarray] = None  # probe interpolated at every width (cache)
 
@@ -156,6 +198,7 @@ class DrafterMemory:
     def __init__(self):
         self.draft_per_token: Optional[float] = None
         self.draft_obs: Optional[np.ndarray] = None  # [k_max+1] draft time per drafted count
+        self.draft_probe: Optional[np.ndarray] = None  # [k_max+1] probed draft time per drafted count
         self.acceptance: Optional[np.ndarray] = None  # [k_max]
 
 
@@ -170,6 +213,38 @@ def _drafter_key(drafter) -> tuple:
     if model is not None:
         return ("model", id(model))
     return ("drafter", type(drafter).__module__, type(drafter).__qualname__)
+
+
+def _nonneg_line(x: Sequence[float], y: Sequence[float], w: Sequence[float]):
+    """(intercept, slope) of the weighted least-squares line through (x, y) with slope >= 0 (the
+    weighted mean and 0 when the free fit descends or x takes a single value). A dozen points at
+    most: plain Python is cheaper than numpy here."""
+    total = sum(w)
+    x_mean = sum(wi * xi for wi, xi in zip(w, x)) / total
+    y_mean = sum(wi * yi for wi, yi in zip(w, y)) / total
+    spread = sum(wi * (xi - x_mean) ** 2 for wi, xi in zip(w, x))
+    slope = sum(wi * (xi - x_mean) * (yi - y_mean) for wi, xi, yi in zip(w, x, y)) / spread if spread > 0 else 0.0
+    if slope <= 0.0:
+        return y_mean, 0.0
+    return y_mean - slope * x_mean, slope
+
+
+def padded_batch_cap(expected: np.ndarray, step_time: np.ndarray, active: np.ndarray,
+                     tolerance: float = 0.0, current: Optional[int] = None, margin: float = 0.0) -> int:
+    """argmax_K sum_{b active} expected[b, K] / step_time[K]: best_batch_cap when every row would draft
+    all of K (a padded pass), in a few operations. With ``tolerance`` > 0 the largest K whose rate
+    is within that fraction of the best (0: ties -> the smaller K). With ``current`` (the cap in
+    use), it is kept while its rate is within ``margin`` of the best (hysteresis), unless the
+    choice is 0."""
+    if not active.any():
+        return 0
+    rates = expected[active].sum(axis=0) / step_time  # [K+1]
+    best = rates.max()
+    near = np.nonzero(rates >= best * (1.0 - max(tolerance, 1e-12)))[0]
+    cap = int(near[-1] if tolerance > 0 else near[0])
+    if cap > 0 and current is not None and 0 < current < len(rates) and rates[current] >= best * (1.0 - margin):
+        return int(current)  # (never delays switching speculation off: that saves time at once)
+    return cap
 
 
 def best_batch_cap(expected: np.ndarray, step_time: np.ndarray, preferred: np.ndarray,
@@ -268,13 +343,16 @@ class AdaptiveK:
         self.accepted[:, 0] = self.prior_strength * self.prior_acceptance
         self.exploring = np.zeros(B, dtype=bool)  # the row's drafts of this step are an exploration
         self.follow_up = np.zeros(B, dtype=bool)  # the row's last exploration was fully accepted
+        self._exploring_any = self.follow_up_any = False  # host flags of the two (plan / observe skip work)
+        self._prefix_ones = np.tri(K + 1, K, k=-1)  # [K+1, K]: row j = j ones, then zeros
         self._explore_interval = max(self.explore_every, 1)
         self._next_explore = self._explore_interval - 1  # step index of the next scheduled exploration
         self.step = 0
-        self._times: Optional[np.ndarray] = None  # time(k) cached by plan()
-        self._last_plan: Optional[List[int]] = None  # plan() reuses it while nothing was drafted
+        self._last_plan: Optional[List[int]] = None  # plan() repeats it between replans
+        self._last_cap: Optional[int] = None  # the padded cap in use (SWITCH_MARGIN)
+        self._times: Optional[np.ndarray] = None  # time(k) as of step _times_step (plan() refreshes it)
+        self._times_step = 0
         self._last_active: tuple = ()
-        self._changed = True
         self._prev_off = False  # the last step did not call the drafter
         self.history: Dict[int, int] = {}  # chosen batch width K -> steps (for the stats)
         self.row_k_sum = 0  # sum of per-row draft budgets over active row-steps
@@ -284,6 +362,7 @@ class AdaptiveK:
             self.costs = VerifyCosts(K)
         self.draft_per_token: Optional[float] = None  # c, seconds (per drafter: measured afresh)
         self.draft_obs = np.full(K + 1, np.nan)  # [s] moving average of the draft time of s-token steps
+        self.draft_probe = np.full(K + 1, np.nan)  # [s] probed draft time of s-token steps (start-up)
 
     # ------------------------------------------------------------------ estimates
     def acceptance(self) -> np.ndarray:
@@ -297,31 +376,18 @@ class AdaptiveK:
 
     def verify_times(self) -> np.ndarray:
         """V(t) for t = 1..k_max+1 in seconds: [k_max+1] (index t-1), or all NaN before any measurement."""
-        widths = np.arange(1, self.k_max + 2)
-        known = np.full(self.k_max + 2, np.nan)
         costs = self.costs
-        probed = ~np.isnan(costs.probe)
-        known[probed] = costs.probe[probed] * costs.scale
-        fresh = ~np.isnan(costs.obs) & (costs.step - costs.obs_step <= COST_MEMORY_STEPS)
-        known[fresh] = costs.obs[fresh]
-        points = np.nonzero(~np.isnan(known[1:]))[0] + 1
-        if len(points) == 0:
+        probe, obs, obs_step = costs.probe.tolist(), costs.obs.tolist(), costs.obs_step.tolist()
+        points = [(t - 1.0, v + costs.offset, 1.0) for t, v in enumerate(probe) if not math.isnan(v)]
+        points += [(t - 1.0, v, OBSERVED_WEIGHT) for t, v in enumerate(obs)
+                   if not math.isnan(v) and costs.step - obs_step[t] <= COST_MEMORY_STEPS]
+        if not points:
             return np.full(self.k_max + 1, np.nan)
-        values = known[points]
-        if len(points) == 1:
-            curve = np.full(len(widths), values[0])
-        else:
-            curve = np.interp(widths, points, values)
-            lo_slope = (values[1] - values[0]) / (points[1] - points[0])
-            hi_slope = (values[-1] - values[-2]) / (points[-1] - points[-2])
-            below, above = widths < points[0], widths > points[-1]
-            curve[below] = values[0] + lo_slope * (widths[below] - points[0])
-            curve[above] = values[-1] + max(hi_slope, 0.0) * (widths[above] - points[-1])
-        curve = np.maximum.accumulate(np.maximum(curve, 1e-9))  # verifying more never costs less
-        return curve
+        first, slope = _nonneg_line(*zip(*points))
+        return np.maximum(first + slope * np.arange(self.k_max + 1), 1e-9)
 
     def step_times(self) -> np.ndarray:
-        """time(k) = V(k+1) + k c for k = 0..k_max: [k_max+1] seconds (relative units before any timing)."""
+        """time(k) = V(k+1) + D(k) for k = 0..k_max: [k_max+1] seconds (relative units before any timing)."""
         verify = self.verify_times()
         if np.isnan(verify).any():
             verify = np.ones(self.k_max + 1)  # nothing measured yet: verification assumed free
@@ -330,43 +396,46 @@ class AdaptiveK:
     def draft_times(self, unit: float = 1.0) -> np.ndarray:
         """D(s), the draft time of a step drafting s tokens per row, s = 0..k_max: [k_max+1] seconds.
 
-        From the moving averages per s observed (linear between them, the end slopes beyond, D(0) = 0,
-        non-decreasing): a draft step has a fixed part (feeding the committed tokens, launch overhead)
-        besides its per-token part, which s c alone would overcharge. With fewer than two s observed:
-        s c (c the per-token average; before any timing prior_draft_cost x ``unit``)."""
-        s = np.arange(self.k_max + 1)
-        points = np.nonzero(~np.isnan(self.draft_obs[1:]))[0] + 1
-        if len(points) < 2:
+        The weighted least-squares line d_0 + s c (c >= 0, D(0) = 0) through the start-up probe of
+        the drafter (weight 1) and the moving averages per s the loop ran (OBSERVED_WEIGHT); through
+        the origin while those span a single s; before any timing s c with c = prior_draft_cost x
+        ``unit``."""
+        s = np.arange(self.k_max + 1, dtype=np.float64)
+        points = [(float(i), v, 1.0) for i, v in enumerate(self.draft_probe.tolist()) if i > 0 and not math.isnan(v)]
+        points += [(float(i), v, OBSERVED_WEIGHT) for i, v in enumerate(self.draft_obs.tolist())
+                   if i > 0 and not math.isnan(v)]
+        if not points:
             c = self.draft_per_token if self.draft_per_token is not None else self.prior_draft_cost * unit
-            return c * s.astype(np.float64)
-        values = self.draft_obs[points]
-        curve = np.interp(s, points, values)
-        lo = (values[1] - values[0]) / (points[1] - points[0])
-        hi = (values[-1] - values[-2]) / (points[-1] - points[-2])
-        below, above = (s >= 1) & (s < points[0]), s > points[-1]
-        curve[below] = np.maximum(values[0] + max(lo, 0.0) * (s[below] - points[0]), 0.0)
-        curve[above] = values[-1] + max(hi, 0.0) * (s[above] - points[-1])
+            return c * s
+        if len({x for x, _, _ in points}) == 1:
+            x, _, _ = points[0]
+            return s * (sum(w * v for _, v, w in points) / sum(w for _, _, w in points)) / x
+        fixed, per_token = _nonneg_line(*zip(*points))
+        curve = np.maximum(fixed + per_token * s, 0.0)
         curve[0] = 0.0
-        return np.maximum.accumulate(curve)
+        return curve
 
     # ------------------------------------------------------------------ the loop's calls
     def plan(self, active: Sequence[bool]) -> List[int]:
         """Draft budgets of this step, one per row (0 for finished rows). Host lists only."""
-        refresh = self._times is None or self.step % COST_REFRESH_STEPS == 0
         key = tuple(active)
-        if (not refresh and not self._changed and self._last_plan is not None and key == self._last_active
+        if (self._last_plan is not None and self.step % REPLAN_STEPS != 0 and key == self._last_active
+                and not self._exploring_any and not self.follow_up_any
                 and not (self.explore_every and self.explore_k and self.step >= self._next_explore)):
-            return list(self._last_plan)  # nothing observed since the last plan could change it (off steps)
+            return list(self._last_plan)
         active = np.asarray(active, dtype=bool)
         expected = expected_tokens_table(self.acceptance())  # [B, K+1]
-        if refresh:
-            self._times = self.step_times()  # [K+1]: the costs move slowly; refreshed every few steps
+        if self._times is None or self.step >= self._times_step + COST_REFRESH_STEPS:
+            self._times, self._times_step = self.step_times(), self.step  # [K+1]: the costs move slowly
         times = self._times
-        preferred = best_draft_lengths(expected, times)  # [B]
         if self.rows == "padded":  # min(k_b, K) -> K: in a padded pass a shorter row saves nothing
-            preferred = np.full_like(preferred, self.k_max)
-        cap = best_batch_cap(expected, times, preferred, active)
-        budget = np.minimum(preferred, cap)
+            current = self._last_cap if key == self._last_active else None  # (other rows: other rates)
+            cap = padded_batch_cap(expected, times, active, LONGER_TOLERANCE, current, SWITCH_MARGIN)
+            self._last_cap = cap
+            budget = np.full(len(active), cap)
+        else:
+            preferred = best_draft_lengths(expected, times)  # [B]
+            budget = np.minimum(preferred, best_batch_cap(expected, times, preferred, active))
         self.exploring[:] = False
         if self.explore_every and self.explore_k:
             scheduled = self.step >= self._next_explore  # all rows at once: one draft pass
@@ -375,9 +444,10 @@ class AdaptiveK:
                 self._next_explore = self.step + self._explore_interval  # nobody to explore: no backoff
             budget[due] = self.explore_k
             self.exploring[due] = True
+        self._exploring_any = bool(self.exploring.any())
         budget[~active] = 0
         plan = [int(x) for x in budget]
-        self._last_plan, self._last_active, self._changed = plan, key, False
+        self._last_plan, self._last_active = plan, key
         return plan
 
     def observe(self, budget: Sequence[int], num_draft: Sequence[int], num_accepted: Sequence[int],
@@ -398,41 +468,42 @@ class AdaptiveK:
             self.draft_per_token = per_token if self.draft_per_token is None else (
                 (1 - w) * self.draft_per_token + w * per_token)
             if drafted <= self.k_max:
-                old = self.draft_obs[drafted]
-                self.draft_obs[drafted] = draft_time if np.isnan(old) else (1 - w) * old + w * draft_time
+                old = float(self.draft_obs[drafted])
+                self.draft_obs[drafted] = draft_time if math.isnan(old) else (1 - w) * old + w * draft_time
         if 1 <= width <= self.k_max + 1 and verify_time > 0:
-            old = costs.obs[width]
-            costs.obs[width] = verify_time if np.isnan(old) else (1 - w) * old + w * verify_time
+            old = float(costs.obs[width])
+            costs.obs[width] = verify_time if math.isnan(old) else (1 - w) * old + w * verify_time
             costs.obs_step[width] = costs.step
             probe = self._probe_at(width)
             if probe is not None:
-                costs.scale = (1 - w) * costs.scale + w * verify_time / probe
-        if max(num_draft, default=0) == 0 and not self.exploring.any():  # nothing drafted: no acceptance data
-            self.row_steps += sum(1 for a in active if a)
+                costs.offset = (1 - w) * costs.offset + w * (verify_time - probe)
+        self.row_k_sum += sum(b for b, a in zip(budget, active) if a)
+        self.row_steps += sum(1 for a in active if a)
+        live = [b for b, (a, d) in enumerate(zip(active, num_draft)) if a and d > 0]
+        if not live and not self._exploring_any:  # nothing drafted: no acceptance data
             return
-        self._changed = True
-        # acceptance by position
-        d = np.asarray(num_draft, dtype=np.int64)
-        n = np.clip(np.asarray(num_accepted, dtype=np.int64), 0, None)
-        live = np.asarray(active, dtype=bool) & (d > 0)
-        positions = np.arange(self.k_max)[None, :]  # 0-based: position i+1
-        reached = live[:, None] & (positions < np.minimum(n + 1, d)[:, None])
-        accepted = reached & (positions < n[:, None])
-        g = self.forgetting  # every position of a row that drafted decays, reached or not (see above)
-        self.reached = np.where(live[:, None], g * self.reached + reached, self.reached)
-        self.accepted = np.where(live[:, None], g * self.accepted + accepted, self.accepted)
-        # exploration bookkeeping: a fully accepted exploration explores again next step and resets
-        # the interval; a fruitless one doubles it
-        self.follow_up = self.exploring & live & (n >= d)
-        if self.exploring.any():
-            if self.follow_up.any():
+        # acceptance by position: a row that drafted d and accepted n reached positions 1..min(n+1, d)
+        # and accepted 1..n; every position of such a row decays, reached or not (see above)
+        if live:
+            accepted = [max(num_accepted[b], 0) for b in live]
+            reached = [min(n + 1, num_draft[b]) for n, b in zip(accepted, live)]
+            g, prefix = self.forgetting, self._prefix_ones  # prefix[j] = j ones, then zeros
+            self.reached[live] = g * self.reached[live] + prefix[reached]
+            self.accepted[live] = g * self.accepted[live] + prefix[accepted]
+        if self._exploring_any:
+            # a fully accepted exploration explores again next step and resets the interval; a
+            # fruitless one doubles it
+            full = [b for b in live if self.exploring[b] and num_accepted[b] >= num_draft[b]]
+            self.follow_up[:] = False
+            self.follow_up[full] = True
+            if full:
                 self._explore_interval = max(self.explore_every, 1)
             else:
                 self._explore_interval = min(2 * self._explore_interval, EXPLORE_BACKOFF * max(self.explore_every, 1))
             self._next_explore = self.step - 1 + self._explore_interval
-        act = np.asarray(active, dtype=bool)
-        self.row_k_sum += int(np.asarray(budget, dtype=np.int64)[act].sum())
-        self.row_steps += int(act.sum())
+        elif self.follow_up_any:
+            self.follow_up[:] = False
+        self.follow_up_any = bool(self.follow_up.any())
 
     def _probe_at(self, width: int) -> Optional[float]:
         """The probe's forward time at ``width``, interpolated between the probed widths (cached)."""
@@ -469,9 +540,26 @@ class AdaptiveK:
                 self.draft_obs = self._memory.draft_obs.copy()
             if self._memory.acceptance is not None:
                 self.set_prior(self._memory.acceptance)
+            if self._memory.draft_probe is None and probe:
+                self._memory.draft_probe = self.probe_drafter(drafter, meta, timer)
+            self.draft_probe = self._memory.draft_probe.copy()
             if not fresh:
                 return {}
+        elif probe:
+            self.draft_probe = self.probe_drafter(drafter, meta, timer)
         return self.probe(target, meta, timer) if probe else {}
+
+    def probe_drafter(self, drafter, meta, timer) -> np.ndarray:
+        """The drafter's start-up probe, [k_max+1] seconds per drafted count (NaN where not probed):
+        ``drafter.probe_cost(meta, counts, timer, passes)`` for the probe widths' counts t - 1 >= 1,
+        when the drafter has one (a drafter whose proposals are free, e.g. lookup, has none)."""
+        out = np.full(self.k_max + 1, np.nan)
+        probe_cost = getattr(drafter, "probe_cost", None)
+        if probe_cost is not None:
+            counts = sorted({t - 1 for t in self.probe_widths if t >= 2})
+            for count, seconds in probe_cost(meta, counts, timer, self.probe_passes).items():
+                out[count] = seconds
+        return out
 
     def set_prior(self, acceptance: Sequence[float]) -> None:
         """Every row's prior: m pseudo-observations of ``acceptance`` [k_max] at each position."""

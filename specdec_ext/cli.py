@@ -84,9 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tree", type=_tree_shape, default=None, metavar="B,D,N",
                    help="draft a token tree instead of a chain: top-B per node, D levels, N nodes (a draft model "
                    "or heads; heads default to 3,3,8); -k is then ignored")
-    g.add_argument("-k", "--k", type=_draft_length, default=4, dest="k",
+    g.add_argument("-k", "--k", type=_draft_length, default=None, dest="k",
                    help="draft tokens per step, or 'auto' (chosen per step from the measured acceptance and "
-                   "costs; seeded sampling is then not reproducible) (default: 4)")
+                   "costs; seeded sampling is then not reproducible) (default: generate()'s: 'auto', or 4 with "
+                   "--seed at temperature > 0 and where CUDA graphs capture the steps)")
     _sampling_args(g, temperature=0.0)
     g.add_argument("--eos-token-id", type=int, action="append", default=None,
                    help="stop a row at this token (repeatable; default: the target's EOS)")
@@ -129,7 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"lines of each file used as the prompt (default: {DEMO_PROMPT_LINES})")
     d.add_argument("--max-new-tokens", type=int, default=DEMO_NEW_TOKENS,
                    help=f"new tokens per prompt (default: {DEMO_NEW_TOKENS})")
-    d.add_argument("-k", "--k", type=int, default=3, dest="k", help="draft tokens per step (default: 3)")
+    d.add_argument("-k", "--k", type=_draft_length, default=None, dest="k",
+                   help="draft tokens per step, or 'auto' (default: generate()'s, 'auto' on the CPU)")
     return parser
 
 
@@ -244,8 +246,18 @@ def heldout_prompts(files: int, lines: int) -> List[tuple]:
     return out
 
 
+def _draft_shape(stats, tree: bool) -> str:
+    """How a run drafted, for the demo's summary line: "k=4", "k=auto (mean k 5.2)" or "8-node tree"."""
+    if tree:
+        return f"{stats.k}-node tree"
+    if stats.adaptive is not None:
+        return f"k=auto (mean k {stats.adaptive['mean_row_k']:.1f})"
+    return f"k={stats.k}"
+
+
 def cmd_demo(args) -> int:
     from .generate import _load_target, generate, load_pair, plain_generate
+    from .heads import MedusaHeads
 
     target_spec, draft_spec = _pair_args(args)
     no_draft_model = draft_spec in ("ngram", "heads") if isinstance(draft_spec, str) else draft_spec is not None
@@ -253,6 +265,7 @@ def cmd_demo(args) -> int:
         (target, tokenizer), draft = _load_target(target_spec, None), draft_spec
     else:
         target, draft, tokenizer = load_pair(target_spec, draft_spec)
+    heads_draft = isinstance(draft, MedusaHeads) or (isinstance(draft, str) and draft == "heads")  # drafts a tree
     kw = dict(max_new_tokens=args.max_new_tokens, eos_token_id=False, runner=args.runner, tokenizer=tokenizer)
     warm_up = {**kw, "max_new_tokens": 4}
     generate(["x = 1"], target, draft, k=args.k, **warm_up)
@@ -264,7 +277,7 @@ def cmd_demo(args) -> int:
         print(f"=== {name} (first {args.lines} lines) ===")
         print(prompt + "\033[1m" + spec.text[0] + "\033[0m" if sys.stdout.isatty() else prompt + spec.text[0])
         s, p = spec.stats, plain.stats
-        how = f"k={args.k}" if spec.stats.k == args.k else f"{spec.stats.k}-node tree"
+        how = _draft_shape(spec.stats, tree=heads_draft)
         print(f"--- speculative {how}: {s.tokens_per_second:.1f} tok/s, plain: {p.tokens_per_second:.1f} tok/s, "
               f"speedup {s.tokens_per_second / p.tokens_per_second:.2f}x, {s.tokens_per_pass:.2f} tokens per target "
               f"pass, acceptance {s.acceptance_rate:.2f}; {same}\n")

@@ -24,7 +24,8 @@ from .stats import GenerationStats
 Prompt = Union[str, Sequence[int]]
 ModelSpec = Union[None, str, os.PathLike, torch.nn.Module]
 
-DEFAULT_K = 4  # fixed, so seeded sampling is reproducible; k="auto" adapts per step (opt-in)
+AUTO_K = "auto"  # k= value: the draft length chosen per step (specdec_ext/adaptive.py); what k=None means
+FIXED_K = 4  # what k=None means where adaptive k is not used: seeded sampling, CUDA-graph-captured steps
 NGRAM_DRAFT = "ngram"  # draft= value selecting suffix-automaton lookup over the prompt and output
 HEADS_DRAFT = "heads"  # draft= value selecting the bundled target's Medusa-style heads
 HEADS_TREE = (3, 3, 8)  # default (b, d, N) of a heads tree (BENCHMARKS.md: heads trees on the bundled pair)
@@ -326,7 +327,7 @@ class _Finisher:
 
 # ------------------------------------------------------------------------------------- generate
 def generate(prompts, target: ModelSpec = None, draft: ModelSpec = None, *, max_new_tokens: int = 128,
-             k: Union[int, str, "adaptive_k.AdaptiveK"] = DEFAULT_K, temperature: float = 0.0, top_k: int = 0,
+             k: Union[None, int, str, "adaptive_k.AdaptiveK"] = None, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed=None,
              eos_token_id=None, stop=None, stream: bool = False, tokenizer=None, draft_tokenizer=None,
              max_seq_len: Optional[int] = None, runner="auto", verifier: Verifier = chain_verifier,
@@ -348,18 +349,22 @@ def generate(prompts, target: ModelSpec = None, draft: ModelSpec = None, *, max_
         ``draft_tree`` (default ``HEADS_TREE`` = (3, 3, 8)) with d <= the number of heads.
     max_new_tokens : int
         Exact cap on new tokens per prompt (>= 0).
-    k : int >= 1 (default 4), "auto", or an ``AdaptiveK``
+    k : None (default), int >= 1, "auto", or an ``AdaptiveK``
         Draft tokens per step. "auto": per step, the draft length 0..8 that maximises the expected
         tokens per second from the measured acceptance by position and draft/verify costs, speculation
         switched off where it does not pay (specdec_ext/adaptive.py; an ``AdaptiveK`` sets k_max and
-        the controller's knobs). A seeded sample at temperature > 0 then depends on the measured times
-        (still distributed exactly as the target's): pass an int for reproducible seeded sampling.
+        the controller's knobs); the steps then run eagerly. None: "auto", except where adaptive k
+        would cost something (``default_draft_length``): seeded sampling at temperature > 0 (the
+        adaptive choices follow measured times, so a seed would not reproduce its sample) and a
+        draft model on a device where CUDA graphs capture the decode steps get ``FIXED_K`` = 4.
+        ``result.stats.adaptive`` says what the controller chose; ``result.stats.k`` is the
+        static draft width (k_max with "auto").
     temperature, top_k, top_p : float, int, float
         The sampling filter (0 = greedy; top_k 0 and top_p 1 are off), applied to target and draft.
     seed : int, list of int, or None
         Philox seed per prompt: an int is used for every row (a row's tokens depend on its prompt and
-        seed only, not on the batch; identical prompts with one seed give identical samples), a list
-        gives one per prompt, None draws random seeds.
+        seed only, not on the batch; identical prompts with one seed give identical samples; with an
+        int k, which k=None then is), a list gives one per prompt, None draws random seeds.
     eos_token_id : int, list of int, None or False
         None: the target's generation_config (or the tokenizer's) EOS; False: no EOS stop.
         A row ends at its first EOS (the EOS is returned); later tokens of the step are discarded.
@@ -401,7 +406,8 @@ def generate(prompts, target: ModelSpec = None, draft: ModelSpec = None, *, max_
     -------
     GenerationResult (``.token_ids``, ``.text``, ``.finish_reasons``, ``.stats``) or GenerationStream.
     """
-    k, controller = adaptive_k.resolve(k)
+    requested_k = k
+    k, controller = adaptive_k.resolve(FIXED_K if k is None else k)  # validates an explicit k early
     heads = None
     if isinstance(draft, MedusaHeads) or (isinstance(draft, str) and draft == HEADS_DRAFT):
         heads, draft = draft, None
@@ -438,6 +444,8 @@ def generate(prompts, target: ModelSpec = None, draft: ModelSpec = None, *, max_
                     cost_probe=cost_probe, draft_tree=draft_tree, heads=heads)
     if isinstance(draft, str) and draft == NGRAM_DRAFT:
         target_model, tokenizer = _load_target(target, tokenizer)
+        if requested_k is None:
+            k, controller = adaptive_k.resolve(default_draft_length(temperature, seed, runner, None))
         return _run(prompts, target_model, None, tokenizer, k=k, max_new_tokens=max_new_tokens,
                     temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id,
                     stop=stop, stream=stream, max_seq_len=max_seq_len, runner=runner, verifier=verifier,
@@ -451,10 +459,30 @@ def generate(prompts, target: ModelSpec = None, draft: ModelSpec = None, *, max_
     device = next(target_model.parameters()).device
     if next(draft_model.parameters()).device != device:
         raise ValueError(f"the draft is on {next(draft_model.parameters()).device}, the target on {device}: use one device")
+    if requested_k is None and draft_tree is None:
+        k, controller = adaptive_k.resolve(default_draft_length(temperature, seed, runner, device))
     return _run(prompts, target_model, draft_model, tokenizer, k=k, max_new_tokens=max_new_tokens,
                 temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id, stop=stop,
                 stream=stream, max_seq_len=max_seq_len, runner=runner, verifier=verifier, cost_probe=cost_probe,
                 draft_confidence=draft_confidence, draft_tree=draft_tree, adaptive=controller)
+
+
+def default_draft_length(temperature: float, seed, runner, graph_device: Optional[torch.device]) -> Union[int, str]:
+    """What ``generate(k=None)`` runs: "auto" (adaptive k), or ``FIXED_K`` where adaptive k would cost
+    something:
+
+    - seeded sampling (``seed`` given, temperature > 0): the controller's choices follow measured
+      times, so a seed would reproduce its sample only with a fixed k;
+    - a draft model on ``graph_device`` where CUDA graphs capture the decode steps (the paged runner,
+      ``runner`` 'auto' or 'paged'): adaptive steps vary their shapes and run eagerly, and the graphs
+      are the larger win there. ``graph_device`` None: a drafter that proposes on the host (lookup),
+      which is never captured.
+    """
+    if seed is not None and temperature > 0:
+        return FIXED_K
+    if graph_device is not None and runner in ("auto", "paged") and cuda_graphs.graphs_enabled(graph_device)[0]:
+        return FIXED_K
+    return AUTO_K
 
 
 def plain_generate(prompts, target: ModelSpec = None, *, max_new_tokens: int = 128, temperature: float = 0.0,

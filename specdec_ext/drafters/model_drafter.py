@@ -14,7 +14,7 @@ dropped, missing ones are -inf (never proposed).
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -118,6 +118,30 @@ class ModelDrafter(Drafter):
                 self.runner.commit(self._ones)
                 self._fed_drafts += 1
         return meta.draft_token_ids, meta.draft_probs
+
+    def probe_cost(self, meta: SpecDecodeMetadata, counts: Sequence[int], timer, passes: int) -> Dict[int, float]:
+        """Median time of a draft step of s tokens per row for each s in ``counts`` (``passes`` timed
+        steps each, after one warm-up), every one rolled back: the draft cache, and the proposal
+        buffers the next ``propose`` rewrites, are left as they were. For adaptive k's cost model
+        (AdaptiveK.probe_drafter), after prefill."""
+        lengths = self.runner.lengths.clone()  # [B]
+        budget = meta.draft_budget
+        out: Dict[int, float] = {}
+        try:
+            for i, count in enumerate(counts):
+                meta.draft_budget = [int(count)] * meta.batch_size
+                times = []
+                for _ in range(passes + (1 if i == 0 else 0)):
+                    start = timer.now()
+                    self.propose(meta)
+                    times.append(timer.now() - start)
+                    self.runner.truncate(lengths)
+                times = times[1:] if i == 0 else times
+                out[int(count)] = sorted(times)[len(times) // 2]
+        finally:
+            meta.draft_budget = budget
+            self._fed_drafts = 0
+        return out
 
     def skip(self, meta: SpecDecodeMetadata) -> None:
         """No draft this step (adaptive k): the next propose feeds the tokens committed meanwhile."""
