@@ -90,10 +90,10 @@ Two guards against estimation noise in the padded choice (measured on the bundle
 rate is flat within a few percent over k = 5..8 and a row's acceptance hardly drifts within a
 generation, BENCHMARKS.md): of the caps whose estimated rate is within LONGER_TOLERANCE (2%) of the
 best, the longest is taken (deep positions' estimates lean low where a_i rises with i: they shrink
-towards the shallower position's); and the cap in use
-is kept while its rate stays within SWITCH_MARGIN (4%) of the best (changing k on noise loses
-tokens: E(k) is concave in k, so alternating k and k' emits fewer than their mean would), except
-that switching speculation off is never delayed. The counts forget slowly for the same reason
+towards the shallower position's); and the cap in use is kept while its rate stays within
+SWITCH_MARGIN (4%) of the best (changing k on noise loses tokens: E(k) is concave in k, so
+alternating k and k' emits fewer than their mean would), except that switching speculation off is
+never delayed. The counts forget slowly for the same reason
 (g = 0.95, m = 2: with g = 0.9 the choice followed noise; a total collapse of acceptance is then
 followed within a few windows, not a few steps).
 
@@ -116,8 +116,8 @@ Host cost: ``observe`` updates the counts of the rows that drafted (a few numpy 
 step), ``plan`` recomputes the choice every REPLAN_STEPS steps (or when the active rows change or an
 exploration is due) and repeats its last plan in between: between model passes the host work
 measured 0.36 ms per step on the bundled pair when both ran in full every step (3-4% of a 10 ms
-step), about half of that now. No device synchronisation (the loop's timers and its read of num_accepted /
-num_draft are the only ones).
+step), about half of that now. No device synchronisation (the loop's timers and its read of
+num_accepted / num_draft are the only ones).
 """
 from __future__ import annotations
 
@@ -141,7 +141,7 @@ COST_MEMORY_STEPS = 64  # an observed width older than this is left to the probe
 OBSERVED_WEIGHT = 4.0  # weight of an observed width's moving average against a probed width's time
 # plan() recomputes the budgets (and time(k)) every this many steps and repeats its last plan in
 # between (unless the active rows change or an exploration is due): one step moves the estimates by
-# about 1 - g = 10%, and a replan costs about 0.1-0.2 ms of host work between model passes
+# about 1 - g = 5%, and a replan costs about 0.1-0.2 ms of host work between model passes
 REPLAN_STEPS = 2
 # The padded cap is the longest K whose estimated rate is within this fraction of the best: the rate
 # is flat near its optimum, and the estimates of deep positions lean low where a_i rises with i
@@ -223,7 +223,9 @@ def _nonneg_line(x: Sequence[float], y: Sequence[float], w: Sequence[float]):
     x_mean = sum(wi * xi for wi, xi in zip(w, x)) / total
     y_mean = sum(wi * yi for wi, yi in zip(w, y)) / total
     spread = sum(wi * (xi - x_mean) ** 2 for wi, xi in zip(w, x))
-    slope = sum(wi * (xi - x_mean) * (yi - y_mean) for wi, xi, yi in zip(w, x, y)) / spread if spread > 0 else 0.0
+    if spread <= 0.0:
+        return y_mean, 0.0
+    slope = sum(wi * (xi - x_mean) * (yi - y_mean) for wi, xi, yi in zip(w, x, y)) / spread
     if slope <= 0.0:
         return y_mean, 0.0
     return y_mean - slope * x_mean, slope
