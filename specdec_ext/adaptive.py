@@ -128,6 +128,8 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
+from .stats import median_time
+
 DEFAULT_K_MAX = 8  # static buffer width of k="auto" (drafts per row per step, at most)
 DEFAULT_PRIOR_ACCEPTANCE = 0.7  # p0: acceptance assumed before a row has data
 DEFAULT_PRIOR_STRENGTH = 2.0  # m: pseudo-observations of the prior
@@ -593,13 +595,8 @@ class AdaptiveK:
         target.truncate(lengths)
         for t in self.probe_widths:
             tokens = pending.expand(B, t).contiguous()  # [B, t]: the content does not change the cost
-            times = []
-            for _ in range(self.probe_passes):
-                start = timer.now()
-                target.forward(tokens)
-                times.append(timer.now() - start)
-                target.truncate(lengths)
-            out[t] = sorted(times)[len(times) // 2]
+            out[t] = median_time(timer, lambda: target.forward(tokens), lambda: target.truncate(lengths),
+                                 self.probe_passes)
             self.costs.probe[t] = out[t]
         self.costs.probe_curve = None
         return out

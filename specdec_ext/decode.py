@@ -29,7 +29,7 @@ from ._status import raise_for_row_status
 from .drafters import Drafter
 from .metadata import SamplingParams, SpecDecodeMetadata
 from .profiling import nvtx_range
-from .stats import GenerationStats, Timer
+from .stats import GenerationStats, Timer, median_time
 
 FIRST_DECODE_STEP = 1  # Philox step 0 samples the first token from the prefill logits
 COST_PROBE_PASSES = 3  # plain one-token target passes timed after prefill for the cost model
@@ -221,18 +221,16 @@ def probe_target_step(target, meta: SpecDecodeMetadata, timer: Timer) -> float:
     token = torch.empty((B, 1), dtype=torch.int64, device=pending.device)  # [B, 1]
     status = torch.empty((B,), dtype=torch.int32, device=pending.device)  # [B]
     no_drafts = torch.empty((B, 0), dtype=torch.int64, device=pending.device)  # [B, 0]
-    times = []
-    for _ in range(COST_PROBE_PASSES):
-        start = timer.now()
+
+    def plain_step():
         logits = target.forward(pending)  # [B, 1, V]
         ops.chain_verify(logits, no_drafts, None, temperature=meta.temperature, top_k=meta.top_k,
                          top_p=meta.top_p, seed=meta.seed, offset=meta.verify_offset, out=(token, status),
                          check_status=False)
         token.tolist()
         target.commit(one)
-        times.append(timer.now() - start)
-        target.truncate(lengths)
-    return sorted(times)[len(times) // 2]
+
+    return median_time(timer, plain_step, lambda: target.truncate(lengths), COST_PROBE_PASSES)
 
 
 # ------------------------------------------------------------------------------------------ loop

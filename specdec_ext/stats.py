@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -47,6 +47,18 @@ class Timer:
     def now(self) -> float:
         synchronize(self.device)
         return time.perf_counter()
+
+
+def median_time(timer, run: Callable[[], object], undo: Callable[[], object], passes: int) -> float:
+    """Median seconds of ``passes`` timed calls of ``run`` (``timer.now()``), each followed by an
+    untimed ``undo`` (the probes' rollback, so that every pass starts from the same state)."""
+    times = []
+    for _ in range(passes):
+        start = timer.now()
+        run()
+        times.append(timer.now() - start)
+        undo()
+    return sorted(times)[len(times) // 2]
 
 
 @dataclass

@@ -20,6 +20,7 @@ import torch
 
 from .. import ops
 from ..metadata import MAX_DRAFT_FEED, SpecDecodeMetadata, filtered_probs, sample_inverse_cdf
+from ..stats import median_time
 from . import Drafter
 
 
@@ -127,17 +128,14 @@ class ModelDrafter(Drafter):
         lengths = self.runner.lengths.clone()  # [B]
         budget = meta.draft_budget
         out: Dict[int, float] = {}
+        propose, undo = (lambda: self.propose(meta)), (lambda: self.runner.truncate(lengths))
         try:
             for i, count in enumerate(counts):
                 meta.draft_budget = [int(count)] * meta.batch_size
-                times = []
-                for _ in range(passes + (1 if i == 0 else 0)):
-                    start = timer.now()
-                    self.propose(meta)
-                    times.append(timer.now() - start)
-                    self.runner.truncate(lengths)
-                times = times[1:] if i == 0 else times
-                out[int(count)] = sorted(times)[len(times) // 2]
+                if i == 0:  # warm-up
+                    propose()
+                    undo()
+                out[int(count)] = median_time(timer, propose, undo, passes)
         finally:
             meta.draft_budget = budget
             self._fed_drafts = 0
