@@ -11,8 +11,9 @@ two workloads and two drafters:
               renamed to `y`\\n<its def line>") -- mostly a copy, where the n-gram drafter shines.
 * drafters    model: the draft model (ModelDrafter); ngram: suffix-automaton lookup (NgramDrafter).
 
-Methods run through the decode loop (specdec_ext.decode.decode) exactly as generate() does: a fresh
-runner, drafter and (for auto) a fresh AdaptiveK per generation, so auto's learning within each
+Methods run through the decode loop (specdec_ext.decode.decode) exactly as generate() does (a plan, then
+build, then decode, without the text): a fresh runner, drafter and (for auto) a fresh AdaptiveK per
+generation, so auto's learning within each
 generation is inside the timing. As in a long-lived process, auto's one-time start-up probe of the
 verify costs runs in the untimed warm-up (one short generation per method at the benchmark's batch
 size), and each generation starts from the draft cost and pooled acceptance the previous one left
@@ -30,7 +31,6 @@ greedy tokens ("identical" column).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -39,8 +39,7 @@ from typing import Callable, Dict, List, Tuple
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _workloads import code_prompts, edit_prompts  # noqa: E402
+from specdec_ext.bench.workloads import code_prompts, edit_prompts
 
 FIXED_KS = (0, 1, 2, 4, 6, 8)
 WARMUP_TOKENS = 8
@@ -74,7 +73,8 @@ def parse_args(argv):
     p.add_argument("--drafters", default="model,ngram", help="subset of model,ngram")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default: 1)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="model dtype (default: bf16)")
-    p.add_argument("--runner", default="auto", choices=["auto", "paged", "recompute"])
+    p.add_argument("--runner", default="paged", choices=["auto", "lean", "paged", "recompute"],
+                   help="runner of target and draft (default: paged; generate()'s default is auto: lean)")
     p.add_argument("--draft-noise", type=float, default=0.0,
                    help="perturb the draft's weights by this times their std (a weaker draft: lower acceptance, "
                    "to see auto pick small k or switch off; default 0)")
@@ -82,36 +82,28 @@ def parse_args(argv):
 
 
 # ------------------------------------------------------------------------------------------ runs
-def make_runner(target, draft, tokenizer, kind: str, k, new: int, runner: str) -> Callable:
+def make_method(target, draft, kind: str, k, new: int, runner: str) -> Callable:
     """A function prompt-token-lists -> (tokens per row, adaptive summary or None), as generate() runs."""
-    from specdec_ext import adaptive
-    from specdec_ext.decode import RowState, StopCriteria, decode, required_cache_len
-    from specdec_ext.drafters import ModelDrafter, NgramDrafter
-    from specdec_ext.generate import _runner_factory
-    from specdec_ext.metadata import SamplingParams
-    from specdec_ext.runner_checks import output_vocab_size
+    from specdec_ext.build import build
+    from specdec_ext.decode import decode
+    from specdec_ext.models import Models
+    from specdec_ext.plan import make_plan
     from specdec_ext.stats import GenerationStats
+    from specdec_ext.stops import RowState, StopCriteria
 
-    factory = _runner_factory(runner)
-    vocab = output_vocab_size(target)
+    models = Models(target, "none" if k == 0 else kind, draft=draft if kind == "model" and k else None)
 
     def run(prompts: List[List[int]]):
-        k_static, controller = (0, None) if k == 0 else adaptive.resolve(k)
         B = len(prompts)
-        S = required_cache_len(max(map(len, prompts)), new, k_static)
-        target_runner = factory(target, max_batch_size=B, max_seq_len=S)
-        if k_static == 0:
-            drafter = None
-        elif kind == "model":
-            drafter = ModelDrafter(draft, factory, k=k_static, vocab_size=vocab)
-        else:
-            drafter = NgramDrafter(k_static)
-        stats = GenerationStats(k=k_static, batch_size=B)
+        plan = make_plan(target, models.draft, drafter=models.drafter, prompt_lengths=[len(p) for p in prompts],
+                         max_new_tokens=new, k=None if k == 0 else k, runner=runner)
+        target_runner, drafter = build(plan, models)
+        stats = GenerationStats(k=plan.slots, batch_size=B)
         rows = [RowState() for _ in prompts]
-        for _ in decode(target_runner, drafter, prompts, k=k_static, sampling=SamplingParams(),
-                        seeds=torch.zeros(B, dtype=torch.int64), stop=StopCriteria(max_new_tokens=new),
-                        max_seq_len=S, vocab_size=vocab, stats=stats, rows=rows, cost_probe=False,
-                        adaptive=controller):
+        for _ in decode(target_runner, drafter, prompts, torch.zeros(B, dtype=torch.int64),
+                        StopCriteria(max_new_tokens=new), slots=plan.slots, sampling=plan.sampling,
+                        max_seq_len=plan.max_seq_len, adaptive=plan.controller, stats=stats, rows=rows,
+                        cost_probe=False):
             pass
         return [r.tokens for r in rows], stats.adaptive
 
@@ -126,7 +118,7 @@ def main(argv=None) -> int:
         from specdec_ext.default_pair import load_default_pair
         target, draft, tokenizer = load_default_pair(dtype=dtype)
     else:
-        from specdec_ext.generate import load_pair
+        from specdec_ext.models import load_pair
         target, draft, tokenizer = load_pair(args.target, args.draft)
         target, draft = target.to(dtype), draft.to(dtype)
     if args.draft_noise > 0:
@@ -146,11 +138,11 @@ def main(argv=None) -> int:
           + (f", draft noise {args.draft_noise}" if args.draft_noise else ""), flush=True)
 
     # methods: (drafter, k); k = 0 (plain) is shared by both drafters
-    methods: Dict[Tuple[str, object], Callable] = {("plain", 0): make_runner(target, draft, tokenizer, "model", 0, new,
+    methods: Dict[Tuple[str, object], Callable] = {("plain", 0): make_method(target, draft, "model", 0, new,
                                                                               args.runner)}
     for kind in drafters:
         for k in [k for k in fixed if k > 0] + ["auto"]:
-            methods[(kind, k)] = make_runner(target, draft, tokenizer, kind, k, new, args.runner)
+            methods[(kind, k)] = make_method(target, draft, kind, k, new, args.runner)
     for workload, texts in workloads.items():
         prompts = [tokenizer(t)["input_ids"] for t in texts]
         batches = [[p] * args.batch for p in prompts]

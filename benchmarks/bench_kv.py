@@ -96,8 +96,8 @@ def bench_decode(device, quick):
     import transformers
     from transformers import DynamicCache
 
-    from specdec_ext.hf_paged import cache_argument_name
-    from specdec_ext.model_runner import PagedModelRunner
+    from specdec_ext.runners import PagedModelRunner
+    from specdec_ext.runners.hf_paged import cache_argument_name
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=4,

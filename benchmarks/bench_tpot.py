@@ -13,7 +13,7 @@ steps; no EOS):
 * eager-host   PagedModelRunner (host bookkeeping per step, attention over the pages in use): what the
                loop runs without graphs;
 * eager-static StaticPagedRunner (device-only steps, attention over all pages of a row), no capture;
-* graphs       the same steps captured in CUDA graphs (cuda_graphs.DecodeSteps) and replayed.
+* graphs       the same steps captured in CUDA graphs (decode.DecodeSteps over cuda_graphs.StepGraph) and replayed.
 The first WARM steps of each run (warm-up and capture) are not timed. TPOT = timed seconds / tokens
 emitted per row over the timed steps (a row's tokens per step: accepted + 1). "same" says whether the
 graph run emitted exactly the tokens of the eager-static run (same kernels: must be yes).
@@ -37,13 +37,15 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 from _timing import machine_description, median_times  # noqa: E402
-from specdec_ext import cuda_graphs, ops  # noqa: E402
-from specdec_ext.cuda_graphs import DecodeSteps, StaticPagedRunner, StepGraph  # noqa: E402
-from specdec_ext.decode import chain_verifier, commit, draft, prefill, required_cache_len, verify  # noqa: E402
+from specdec_ext import ops  # noqa: E402
+from specdec_ext.cuda_graphs import StepGraph, graphs_available  # noqa: E402
+from specdec_ext.decode import DecodeSteps, lossless_verify, prefill  # noqa: E402
 from specdec_ext.drafters import ModelDrafter  # noqa: E402
-from specdec_ext.metadata import SamplingParams, SpecDecodeMetadata  # noqa: E402
-from specdec_ext.model_runner import PagedModelRunner  # noqa: E402
+from specdec_ext.metadata import SpecDecodeMetadata  # noqa: E402
+from specdec_ext.plan import required_cache_len  # noqa: E402
 from specdec_ext.profiling import nvtx_range  # noqa: E402
+from specdec_ext.runners import make_runner  # noqa: E402
+from specdec_ext.sampling import SamplingParams  # noqa: E402
 
 WARM = 2  # untimed steps per run: the graph warm-up and the capture
 ROWS: List[List[str]] = []  # the final table
@@ -75,17 +77,19 @@ def run_decode(target_model, draft_model, prompts, *, k: int, steps: int, mode: 
                sampling: SamplingParams, nsys: bool = False) -> RunResult:
     """prefill + ``steps`` fixed decode steps of the loop (decode.py's step functions)."""
     B = len(prompts)
-    factory = PagedModelRunner if mode == "eager-host" else StaticPagedRunner.factory()
+
+    def factory(model, **sizes):
+        return make_runner("paged", model, static_shapes=mode != "eager-host", **sizes)
+
     S = required_cache_len(max(len(p) for p in prompts), steps * (k + 1), k)
     target = factory(target_model, max_batch_size=B, max_seq_len=S)
-    drafter = None if k == 0 else ModelDrafter(draft_model, factory, k=k, vocab_size=vocab)
+    drafter = None if k == 0 else ModelDrafter(draft_model, lambda **sizes: factory(draft_model, **sizes), k=k,
+                                               vocab_size=vocab)
     seeds = torch.arange(1, B + 1, dtype=torch.int64, device=device)
-    meta = SpecDecodeMetadata.allocate(batch_size=B, k=k, max_seq_len=S, vocab_size=vocab, sampling=sampling,
-                                       seeds=seeds, device=device)
+    meta = SpecDecodeMetadata.allocate(batch_size=B, slots=k, max_seq_len=S, sampling=sampling, seeds=seeds)
     prefill(target, drafter, prompts, meta)
     use_graphs = mode == "graphs" and device.type == "cuda"
-    loop = DecodeSteps(target, drafter, meta, chain_verifier, draft_step=draft, verify_step=verify,
-                       commit_step=commit, enabled=use_graphs)
+    loop = DecodeSteps(target, drafter, meta, lossless_verify, graphs=use_graphs)
     out = [[t] for t in meta.token_buffer.gather(1, meta.prompt_lens[:, None])[:, 0].tolist()]
     timed, timed_tokens = 0.0, 0
     profile = nsys and device.type == "cuda"
@@ -100,10 +104,10 @@ def run_decode(target_model, draft_model, prompts, *, k: int, steps: int, mode: 
             loop.draft()
         with nvtx_range("verify"):
             loop.verify()
-        accepted = meta.num_accepted.tolist()
-        with nvtx_range("rollback"):
+        accepted = loop.verdict.num_accepted.tolist()
+        emitted = loop.verdict.tokens.tolist()
+        with nvtx_range("commit"):
             loop.commit()
-        emitted = meta.output_tokens.tolist()
         sync(device)
         if step > WARM:
             timed += time.perf_counter() - begin
@@ -113,7 +117,6 @@ def run_decode(target_model, draft_model, prompts, *, k: int, steps: int, mode: 
     if profile:
         sync(device)
         torch.cuda.profiler.stop()
-    loop.finish(target, drafter)
     return RunResult(timed, timed_tokens / B, out, loop.captured)
 
 
@@ -204,7 +207,7 @@ def source_prompts(tokenizer, batch: int, length: int) -> List[List[int]]:
     """``batch`` prompts of ``length`` tokens, each the start of a function of this repository's source."""
     root = os.path.join(os.path.dirname(__file__), "..", "specdec_ext")
     starts = []
-    for name in ("decode.py", "model_runner.py", "kv_cache.py", "hf_paged.py", "metadata.py"):
+    for name in ("decode.py", "runners/paged.py", "runners/kv_cache.py", "runners/hf_paged.py", "metadata.py"):
         with open(os.path.join(root, name)) as f:
             text = f.read()
         starts += [text[i + 1:] for i in range(len(text)) if text.startswith("\n    def ", i) or text.startswith("\ndef ", i)]
@@ -228,7 +231,7 @@ def main(argv: Optional[List[str]] = None):
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     steps = 8 if args.quick else args.steps
-    print(f"machine: {machine_description(device)}; graphs: {cuda_graphs.graphs_enabled(device)}", flush=True)
+    print(f"machine: {machine_description(device)}; graphs: {graphs_available(device)}", flush=True)
     header = ["model", "what", "B", "eager-host ms/tok (verify: 1 tok ms)", "eager-static ms/tok (verify: k+1 tok ms)",
               "graphs ms/tok", "eager-host / graphs (verify: k+1 / 1)", "tokens/step", "graphs tokens == eager-static"]
     modes = ["eager-host", "eager-static"] + (["graphs"] if device.type == "cuda" else [])

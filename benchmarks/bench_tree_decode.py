@@ -5,7 +5,7 @@ For each chain length k of --ks (default 4, 8, 16) the chain (k drafts, k + 1 to
 runs next to draft trees of N = k nodes (``generate(..., draft_tree=(b, d, N))``: the draft's top-b at
 each of d levels, the levels' sizes spreading the N-node budget; see drafters/tree_drafter.py), so
 every row of one k verifies the same k + 1 tokens per target pass. Batch 1, over held-out prompts of the
-bundled pair (files it never trained on; benchmarks/_workloads.py) or --prompt-file. A tree ranks its
+bundled pair (files it never trained on; specdec_ext/bench/workloads.py) or --prompt-file. A tree ranks its
 nodes by the rate at which the target emitted similar candidates before (drafters/calibration.py); that
 table lives with the draft model across calls, so it learns during the warm-up and the repeats, as in
 a long-running server.
@@ -23,14 +23,12 @@ replacement) and both verify by rejection sampling (the tree's recursive form): 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Dict, List, Tuple
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_generate import PassCounter, load, run_methods, workloads_of  # noqa: E402
+from specdec_ext.bench.compare import PassCounter, load, run_methods, workloads_of
 
 DEFAULT_KS = (4, 8, 16)
 
@@ -48,7 +46,7 @@ def parse_args(argv):
     p.add_argument("--ks", default=",".join(map(str, DEFAULT_KS)))
     p.add_argument("--branches", default="2,3", help="tree branching factors b (default: 2,3)")
     p.add_argument("--temperatures", default="0,1", help="sampling temperatures (default: 0,1)")
-    p.add_argument("--workloads", default="code", help="one of code, edit (benchmarks/_workloads.py; default: code)")
+    p.add_argument("--workloads", default="code", help="one of code, edit (specdec_ext/bench/workloads.py; default: code)")
     p.add_argument("--prompts", type=int, default=3)
     p.add_argument("--lines", type=int, default=20)
     p.add_argument("--prompt-file", action="append", default=[])

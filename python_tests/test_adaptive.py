@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from specdec_ext import adaptive as ad
-from specdec_ext.adaptive import (AdaptiveK, best_batch_cap, best_draft_lengths, expected_tokens_table,
-                                  padded_batch_cap)
+from specdec_ext.adaptive import AdaptiveK, ProbeRequest, expected_tokens_table, padded_batch_cap
+from specdec_ext.stats import StepOutcome
 
 V1 = 1e-3  # seconds of a one-token verify step in the simulations
 
@@ -64,7 +64,7 @@ class Simulator:
                 n += 1
             accepted.append(n)
         self.drafter_calls += K > 0
-        self.c.observe(budget, budget, accepted, active, draft_time=self._jitter(K * self.draft_cost),
+        self.c.observe(budget, StepOutcome.of(accepted, budget, active), draft_time=self._jitter(K * self.draft_cost),
                        verify_time=self._jitter(self.verify(K + 1)), drafted=K, width=K + 1)
         return budget
 
@@ -92,39 +92,30 @@ def test_expected_tokens_table_matches_the_geometric_formula_and_a_loop():
         assert expected_tokens_table(decaying)[0, k] == pytest.approx(true_expected(decaying[0], k))
 
 
-def test_best_draft_lengths_and_batch_cap_are_the_brute_force_argmax():
+def test_padded_batch_cap_is_the_brute_force_argmax():
     rng = np.random.default_rng(0)
     for _ in range(200):
         B, K = rng.integers(1, 5), rng.integers(1, 9)
         acc = rng.random((B, K))
         times = np.cumsum(rng.random(K + 1) * 0.5) + 0.5
         expected = expected_tokens_table(acc)
-        preferred = best_draft_lengths(expected, times)
-        for b in range(B):
-            rates = [true_expected(acc[b], k) / times[k] for k in range(K + 1)]
-            assert rates[preferred[b]] == pytest.approx(max(rates))
         active = rng.random(B) < 0.8
-        cap = best_batch_cap(expected, times, preferred, active)
+        cap = padded_batch_cap(expected, times, active)
         if not active.any():
             assert cap == 0
             continue
-        rates = [sum(true_expected(acc[b], min(preferred[b], K2)) for b in range(B) if active[b]) / times[K2]
-                 for K2 in range(int(preferred[active].max()) + 1)]
+        rates = [sum(true_expected(acc[b], K2) for b in range(B) if active[b]) / times[K2] for K2 in range(K + 1)]
         assert rates[cap] == pytest.approx(max(rates))
-        # every row drafting the whole cap (padded): the same as best_batch_cap with preferred = K
-        full = np.full(B, K)
-        assert padded_batch_cap(expected, times, active) == best_batch_cap(expected, times, full, active)
-        if active.any():  # with a tolerance: the longest cap within it of the best
-            rates = expected[active].sum(axis=0) / times
-            longest = np.nonzero(rates >= rates.max() * 0.95)[0].max()
-            assert padded_batch_cap(expected, times, active, 0.05) == longest
+        assert cap == min(K2 for K2 in range(K + 1) if rates[K2] >= max(rates) * (1 - 1e-12))  # ties -> smaller
+        # with a tolerance: the longest cap within it of the best
+        longest = max(K2 for K2 in range(K + 1) if rates[K2] >= max(rates) * 0.95)
+        assert padded_batch_cap(expected, times, active, 0.05) == longest
 
 
-@pytest.mark.parametrize("rows", ["padded", "own"])
-def test_controller_picks_the_argmax_of_the_cost_model_for_given_statistics(rows):
+def test_controller_picks_the_argmax_of_the_cost_model_for_given_statistics():
     """Set the counts and the costs by hand: plan() is the brute-force argmax per row."""
     k_max = 6
-    c = AdaptiveK(k_max, explore_every=0, rows=rows)
+    c = AdaptiveK(k_max, explore_every=0)
     c.reset(3)
     truth = [[0.9, 0.85, 0.8, 0.7, 0.6, 0.5], [0.5] * 6, [0.95, 0.3, 0.3, 0.3, 0.3, 0.3]]
     c.reached[:] = 1e6  # so many observations that the prior does not matter
@@ -132,21 +123,20 @@ def test_controller_picks_the_argmax_of_the_cost_model_for_given_statistics(rows
     c.costs.probe[1:] = [flat(t) for t in range(1, k_max + 2)]
     c.draft_per_token = 0.08 * V1
     preferred = []
-    tolerance = ad.LONGER_TOLERANCE if rows == "padded" else 0.0
+    tolerance = ad.LONGER_TOLERANCE
     for b in range(3):  # a row alone in the batch gets its own argmax
         best, _ = brute_force_best(truth[b], flat, 0.08 * V1, k_max, tolerance)
         alone = c.plan([i == b for i in range(3)])
         assert alone[b] == best and sum(alone) == best, (b, alone, best)
         preferred.append(best)
     assert preferred[0] > preferred[2] >= 1  # a decaying acceptance is captured (row 2 stops early)
-    # together they share one pass of width K + 1: K maximises the batch's tokens per second;
-    # padded: every row drafts K (a shorter row saves nothing); own: row b drafts min(k_b, K)
+    # together they share one pass of width K + 1 where every row drafts K (a shorter row saves
+    # nothing): K maximises the batch's tokens per second
     def time(k):
         return flat(k + 1) + k * 0.08 * V1
-    own = preferred if rows == "own" else [k_max] * 3
-    rates = [sum(true_expected(truth[b], min(own[b], K)) for b in range(3)) / time(K) for K in range(k_max + 1)]
-    cap = int(max(K for K, r in enumerate(rates) if r >= max(rates) * (1 - tolerance))) if tolerance else int(np.argmax(rates))
-    assert c.plan([True] * 3) == [min(p, cap) for p in own]
+    rates = [sum(true_expected(truth[b], K) for b in range(3)) / time(K) for K in range(k_max + 1)]
+    cap = int(max(K for K, r in enumerate(rates) if r >= max(rates) * (1 - tolerance)))
+    assert c.plan([True] * 3) == [cap] * 3
     assert c.plan([True, False, True])[1] == 0  # finished rows draft nothing
 
 
@@ -223,22 +213,14 @@ def test_the_crossover_is_measured_online_without_a_probe():
 
 
 def test_rows_are_independent():
-    """Each row's statistics come from its own outcomes only; rows with different acceptance choose
-    different k when the shared pass is cheap."""
-    c = controller(rows="own")
-    sim = Simulator(c, [[0.95] * 8, [0.35] * 8], flat, 0.1 * V1, seed=1)
-    sim.run(300)
-    plans = sim.run(40)
-    high, low = np.mean([p[0] for p in plans]), np.mean([p[1] for p in plans])
-    assert high >= 4 and low <= 2 and high > low + 2
-    est = c.acceptance()
-    assert abs(est[0, 0] - 0.95) < 0.1 and est[1, 0] < 0.6  # (row 1's estimate is noisy, and frozen while off)
-    # padded (the default): one width for the batch, the weak row rides along in the padded pass
+    """Each row's statistics come from its own outcomes only: one width for the batch, the weak row
+    rides along in the padded pass, and its acceptance is still estimated from its own outcomes."""
     padded = controller()
     sim = Simulator(padded, [[0.95] * 8, [0.35] * 8], flat, 0.1 * V1, seed=1)
     sim.run(300)
     assert all(p[0] == p[1] >= 4 for p in sim.run(40))
-    assert abs(padded.acceptance()[1, 0] - 0.35) < 0.25  # still estimated from its own outcomes
+    assert abs(padded.acceptance()[0, 0] - 0.95) < 0.1
+    assert abs(padded.acceptance()[1, 0] - 0.35) < 0.25
 
     # the same observations of row 0 alone give row 0 the same estimate, whatever row 1 did
     solo, pair = AdaptiveK(4, explore_every=0), AdaptiveK(4, explore_every=0)
@@ -250,8 +232,9 @@ def test_rows_are_independent():
         n0 = rng.randint(0, d0)
         d1 = rng.randint(0, 4)
         n1 = rng.randint(0, d1)
-        solo.observe([d0], [d0], [n0], [True], draft_time=0.0, verify_time=V1, drafted=d0, width=d0 + 1)
-        pair.observe([d0, d1], [d0, d1], [n0, n1], [True, True], draft_time=0.0, verify_time=V1,
+        solo.observe([d0], StepOutcome.of([n0], [d0], [True]), draft_time=0.0, verify_time=V1, drafted=d0,
+                     width=d0 + 1)
+        pair.observe([d0, d1], StepOutcome.of([n0, n1], [d0, d1], [True, True]), draft_time=0.0, verify_time=V1,
                      drafted=max(d0, d1), width=max(d0, d1) + 1)
     assert np.allclose(solo.acceptance()[0], pair.acceptance()[0])
 
@@ -319,20 +302,26 @@ class FakeClock:
 
 class FakeMeta:
     def __init__(self, B, k):
-        self.batch_size, self.k = B, k
+        self.batch_size, self.slots = B, k
         self.token_buffer = torch.arange(B * 16).view(B, 16)
         self.seq_lens = torch.full((B,), 6, dtype=torch.int64)
+        self.verify_logits = None
+
+    def pending_tokens(self):
+        return torch.gather(self.token_buffer, 1, (self.seq_lens - 1)[:, None])
 
 
 def test_probe_times_the_widths_and_leaves_the_cache_as_it_was():
+    from specdec_ext.decode import probe_costs
     clock = FakeClock()
     runner = FakeRunner(2, clock)
     c = AdaptiveK(4)
     c.reset(2)
-    times = c.probe(runner, FakeMeta(2, 4), clock)
-    assert sorted(times) == [1, 2, 4, 5]
+    times, draft_times = probe_costs(runner, None, FakeMeta(2, 4), ProbeRequest((1, 2, 4, 5), ()), clock, 3)
+    assert sorted(times) == [1, 2, 4, 5] and draft_times == {}
     for t, s in times.items():
         assert s == pytest.approx(V1 * (1 + 0.5 * (t - 1)))
+    c.record_probes(times, draft_times)
     verify = c.verify_times()
     assert verify[2] == pytest.approx(V1 * 2.0)  # t = 3 interpolated between 2 and 4
     assert (np.diff(verify) >= 0).all()
@@ -353,8 +342,8 @@ def test_cost_lines_fit_the_measurements_and_ignore_noise_in_the_order_of_points
     c.costs.probe_curve = None
     for _ in range(40):
         for width in (6, 7):
-            c.observe([width - 1], [width - 1], [0], [True], draft_time=0.0, verify_time=line(width) + 0.5 * V1,
-                      drafted=0, width=width)
+            c.observe([width - 1], StepOutcome.of([0], [width - 1], [True]), draft_time=0.0,
+                      verify_time=line(width) + 0.5 * V1, drafted=0, width=width)
     verify = c.verify_times()
     assert verify == pytest.approx([line(t) + 0.5 * V1 for t in range(1, 10)], rel=0.02)
     # noisy points, one high in the middle: the line stays monotone and close, no kink at the outlier
@@ -380,21 +369,22 @@ def test_cost_lines_fit_the_measurements_and_ignore_noise_in_the_order_of_points
 
 
 def test_the_model_drafter_probe_times_draft_steps_and_leaves_the_cache_as_it_was(tiny_pair):
-    from specdec_ext.decode import prefill, required_cache_len
+    from specdec_ext.decode import prefill, probe_costs
     from specdec_ext.drafters import ModelDrafter
-    from specdec_ext.generate import _runner_factory
-    from specdec_ext.metadata import SamplingParams, SpecDecodeMetadata
+    from specdec_ext.metadata import SpecDecodeMetadata
+    from specdec_ext.plan import required_cache_len
+    from specdec_ext.runners import make_runner
+    from specdec_ext.sampling import SamplingParams
     target_model, draft_model = tiny_pair
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
     S = required_cache_len(5, 8, 6)
-    target = _runner_factory("auto")(target_model, max_batch_size=2, max_seq_len=S)
-    drafter = ModelDrafter(draft_model, _runner_factory("auto"), k=6, vocab_size=64)
-    meta = SpecDecodeMetadata.allocate(batch_size=2, k=6, max_seq_len=S, vocab_size=64, sampling=SamplingParams(),
-                                       seeds=torch.zeros(2, dtype=torch.int64), device=torch.device("cpu"))
+    target = make_runner("lean", target_model, max_batch_size=2, max_seq_len=S)
+    drafter = ModelDrafter(draft_model, lambda **kw: make_runner("lean", draft_model, **kw), k=6, vocab_size=64)
+    meta = SpecDecodeMetadata.allocate(batch_size=2, slots=6, max_seq_len=S, sampling=SamplingParams(),
+                                       seeds=torch.zeros(2, dtype=torch.int64))
     prefill(target, drafter, prompts, meta)
     lengths = drafter.runner.lengths.clone()
-    drafter.propose(meta)
-    reference = meta.draft_token_ids.clone()
+    reference = drafter.propose(meta).token_ids.clone()
     drafter.runner.truncate(lengths)
     clock = FakeClock()
     forward = drafter.runner.forward
@@ -404,40 +394,43 @@ def test_the_model_drafter_probe_times_draft_steps_and_leaves_the_cache_as_it_wa
         return forward(*args, **kwargs)
 
     drafter.runner.forward = timed_forward
-    times = drafter.probe_cost(meta, [1, 3, 6], clock, 3)
+    verify_times, times = probe_costs(target, drafter, meta, ProbeRequest((), (1, 3, 6)), clock, 3)
+    assert verify_times == {}
     assert times == pytest.approx({1: V1, 3: 3 * V1, 6: 6 * V1})  # the feed pass, then one per token
-    assert torch.equal(drafter.runner.lengths, lengths) and meta.draft_budget is None
-    drafter.propose(meta)
-    assert torch.equal(meta.draft_token_ids, reference)  # the same proposal as before the probe
+    assert torch.equal(drafter.runner.lengths, lengths)
+    assert torch.equal(drafter.propose(meta).token_ids, reference)  # the same proposal as before the probe
     drafter.runner.truncate(lengths)
     c = AdaptiveK(6)
     c.reset(2)
-    probed = c.probe_drafter(drafter, meta, clock)
-    assert probed[1] == pytest.approx(V1) and probed[6] == pytest.approx(6 * V1) and np.isnan(probed[2])
+    c.record_probes({}, {1: V1, 6: 6 * V1})
+    assert c.draft_probe[1] == pytest.approx(V1) and c.draft_probe[6] == pytest.approx(6 * V1)
+    assert np.isnan(c.draft_probe[2])
 
 
-def test_start_probes_once_per_target_and_batch_size_and_later_rows_start_from_the_pooled_acceptance():
-    clock = FakeClock()
-    runner = FakeRunner(2, clock)
-    runner.model = torch.nn.Linear(1, 1)  # the key of the shared state (weakly referenced)
-    drafter = type("Drafter", (), {"model": torch.nn.Linear(1, 1)})()
+def test_start_asks_for_the_probes_once_per_target_and_batch_size_and_later_rows_start_from_the_pooled_acceptance():
+    target = torch.nn.Linear(1, 1)  # the key of the shared state (weakly referenced)
+    drafter = ("model", 1)
     first = AdaptiveK(4)
-    assert sorted(first.start(runner, drafter, FakeMeta(2, 4), clock)) == [1, 2, 4, 5]
-    probes = len(runner.widths)
+    request = first.start(2, target, drafter)
+    assert request == ProbeRequest((1, 2, 4, 5), (1, 3, 4))
+    first.record_probes({t: flat(t) for t in request.verify_widths}, {s: 0.05 * V1 * s for s in request.draft_counts})
     sim = Simulator(first, [[0.9, 0.9, 0.5, 0.2]] * 2, flat, 0.05 * V1)
     sim.run(100)
     first.finish()
     second = AdaptiveK(4)
-    assert second.start(runner, drafter, FakeMeta(2, 4), clock) == {}  # shared: no second probe
-    assert len(runner.widths) == probes and second.costs is first.costs
+    assert second.start(2, target, drafter) == ProbeRequest((), ())  # shared: no second probe
+    assert second.costs is first.costs
     assert second.draft_per_token == first.draft_per_token
+    assert second.draft_probe[3] == pytest.approx(0.15 * V1)
     assert np.allclose(second.acceptance()[0], first.acceptance().mean(axis=0), atol=0.1)
-    other = AdaptiveK(4)  # another drafter: the costs are shared, the acceptance prior is not
-    other.start(runner, object(), FakeMeta(2, 4), clock)
+    other = AdaptiveK(4)  # another drafter: the costs are shared, the draft probe and acceptance prior are not
+    assert other.start(2, target, ("model", 2)) == ProbeRequest((), (1, 3, 4))
     assert other.costs is first.costs and other.draft_per_token is None
     assert other.acceptance()[0, 0] == pytest.approx(ad.DEFAULT_PRIOR_ACCEPTANCE)
+    assert other.start(3, target, drafter).verify_widths == (1, 2, 4, 5)  # another batch size: its own costs
     unshared = AdaptiveK(4, share_costs=False)
-    assert unshared.start(runner, drafter, FakeMeta(2, 4), clock) != {}
+    assert unshared.start(2, target, drafter) == ProbeRequest((1, 2, 4, 5), (1, 3, 4))
+    assert AdaptiveK(4).start(5, target, drafter, probe=False) == ProbeRequest((), ())  # every row finished
 
 
 def test_costs_are_kept_across_generations_of_one_batch_size_only():
@@ -459,8 +452,7 @@ def test_resolve_and_bad_arguments():
     for bad in ("fast", 0, -1, True, 2.5):
         with pytest.raises(ValueError):
             ad.resolve(bad)
-    for kw in (dict(prior_acceptance=1.5), dict(forgetting=0.0), dict(prior_strength=0.0), dict(cost_smoothing=0),
-               dict(rows="ragged")):
+    for kw in (dict(prior_acceptance=1.5), dict(forgetting=0.0), dict(prior_strength=0.0), dict(cost_smoothing=0)):
         with pytest.raises(ValueError):
             AdaptiveK(4, **kw)
     with pytest.raises(ValueError):
@@ -468,11 +460,12 @@ def test_resolve_and_bad_arguments():
 
 
 def test_widen_logits_keeps_the_static_buffer():
+    from specdec_ext.decode import widen_logits
     meta = FakeMeta(2, 4)
     logits = torch.randn(2, 3, 7)
-    out = ad.widen_logits(meta, logits)
+    out = widen_logits(meta, logits)
     assert out.shape == (2, 5, 7) and torch.equal(out[:, :3], logits)
-    again = ad.widen_logits(meta, torch.randn(2, 2, 7))
+    again = widen_logits(meta, torch.randn(2, 2, 7))
     assert again.data_ptr() == out.data_ptr()
 
 
@@ -518,10 +511,12 @@ def test_greedy_through_adaptive_k_equals_the_target_greedy(tiny_pair, controlle
 
 
 def test_greedy_through_adaptive_k_with_the_ngram_drafter(tiny_pair):
-    from specdec_ext.decode import RowState, StopCriteria, decode, required_cache_len
+    from specdec_ext.decode import decode
     from specdec_ext.drafters import NgramDrafter
-    from specdec_ext.generate import _runner_factory
-    from specdec_ext.metadata import SamplingParams
+    from specdec_ext.plan import required_cache_len
+    from specdec_ext.runners import make_runner
+    from specdec_ext.sampling import SamplingParams
+    from specdec_ext.stops import RowState, StopCriteria
     from test_generate_utils import hf_greedy, one_thread
     target, _ = tiny_pair
     prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [1, 2, 1, 2, 1, 2, 1]]
@@ -529,37 +524,36 @@ def test_greedy_through_adaptive_k_with_the_ngram_drafter(tiny_pair):
         with one_thread():
             refs = [hf_greedy(target, p, 30) for p in prompts]
             S = required_cache_len(max(map(len, prompts)), 30, 6)
-            runner = _runner_factory("auto")(target, max_batch_size=2, max_seq_len=S)
+            runner = make_runner("lean", target, max_batch_size=2, max_seq_len=S)
             rows = [RowState() for _ in prompts]
-            for _ in decode(runner, NgramDrafter(6), prompts, k=6, sampling=SamplingParams(),
-                            seeds=torch.zeros(2, dtype=torch.int64), stop=StopCriteria(max_new_tokens=30),
-                            max_seq_len=S, vocab_size=64, rows=rows, adaptive=ctrl):
+            for _ in decode(runner, NgramDrafter(6), prompts, torch.zeros(2, dtype=torch.int64),
+                            StopCriteria(max_new_tokens=30), slots=6, sampling=SamplingParams(), max_seq_len=S,
+                            rows=rows, adaptive=ctrl):
                 pass
         assert [r.tokens for r in rows] == refs
 
 
-def test_default_draft_length_is_auto_except_seeded_sampling_and_captured_graphs(monkeypatch):
-    from specdec_ext import cuda_graphs, generate
-    from specdec_ext.generate import AUTO_K, FIXED_K, default_draft_length
+def test_default_draft_length_is_auto_except_seeded_sampling_and_captured_graphs():
+    from specdec_ext import generate
+    from specdec_ext.plan import AUTO_K, FIXED_K, _default_draft_length
+    from specdec_ext.sampling import SamplingParams
     assert inspect.signature(generate).parameters["k"].default is None
-    cpu = torch.device("cpu")
-    assert default_draft_length(0.0, None, "auto", cpu) == AUTO_K
-    assert default_draft_length(0.0, 7, "auto", cpu) == AUTO_K  # greedy: a seed changes nothing
-    assert default_draft_length(1.0, None, "auto", cpu) == AUTO_K  # unseeded sampling
-    assert default_draft_length(1.0, 7, "auto", cpu) == FIXED_K  # a seed must reproduce its sample
-    assert default_draft_length(0.7, [1, 2], "auto", None) == FIXED_K
+    greedy, sampled = SamplingParams(), SamplingParams(temperature=1.0)
+    assert _default_draft_length("model", greedy, False, "auto", False)[0] == AUTO_K
+    assert _default_draft_length("model", greedy, True, "auto", False)[0] == AUTO_K  # greedy: a seed changes nothing
+    assert _default_draft_length("model", sampled, False, "auto", False)[0] == AUTO_K  # unseeded sampling
+    assert _default_draft_length("model", sampled, True, "auto", False)[0] == FIXED_K  # a seed reproduces its sample
+    assert _default_draft_length("ngram", sampled, True, "auto", False)[0] == FIXED_K
     # where CUDA graphs capture the steps of a draft model, a fixed k keeps them
-    monkeypatch.setattr(cuda_graphs, "graphs_enabled", lambda device: (True, None))
-    gpu = torch.device("cuda")
-    assert default_draft_length(0.0, None, "auto", gpu) == FIXED_K
-    assert default_draft_length(0.0, None, "paged", gpu) == FIXED_K
-    assert default_draft_length(0.0, None, "recompute", gpu) == AUTO_K  # that runner is never captured
-    assert default_draft_length(0.0, None, "auto", None) == AUTO_K  # lookup proposes on the host
+    assert _default_draft_length("model", greedy, False, "auto", True)[0] == FIXED_K
+    assert _default_draft_length("model", greedy, False, "paged", True)[0] == FIXED_K
+    assert _default_draft_length("model", greedy, False, "recompute", True)[0] == AUTO_K  # never captured
+    assert _default_draft_length("ngram", greedy, False, "auto", True)[0] == AUTO_K  # lookup proposes on the host
 
 
 def test_generate_by_default_adapts_k_and_keeps_seeded_samples_reproducible(tiny_pair):
     from specdec_ext import generate
-    from specdec_ext.generate import FIXED_K
+    from specdec_ext.plan import FIXED_K
     from test_generate_utils import hf_greedy, one_thread
     target, draft = tiny_pair
     prompt = [1, 2, 3, 4, 5]
@@ -583,6 +577,7 @@ def test_sampling_through_ragged_budgets_and_skipped_steps_follows_the_target():
     positions than test_generate_sampling's k=2, so less power than its 1e-8 negative control)."""
     import test_generate_sampling as tgs
     from specdec_ext import generate
+    from specdec_ext.decode import lossless_verify
     from test_generate_utils import one_thread, tiny_model
     target = tiny_model("llama", vocab=tgs.TINY_VOCAB, hidden=32, layers=1, seed=3, logit_scale=3.0)
     draft = tiny_model("llama", vocab=tgs.TINY_VOCAB, hidden=32, layers=1, seed=4, logit_scale=3.0)
@@ -594,7 +589,7 @@ def test_sampling_through_ragged_budgets_and_skipped_steps_follows_the_target():
                         verifier=verifier, cost_probe=False)
 
     with one_thread():
-        out = sample(tgs.chain_verifier)
+        out = sample(lossless_verify)
         assert all(len(t) == tgs.POSITIONS for t in out.token_ids)
         assert 0.05 < out.stats.acceptance_rate < 0.95
         assert out.stats.adaptive["steps_by_width"].get(1, 0) > 0  # a skipped step (the drafter re-fed after it)

@@ -7,7 +7,7 @@ import torch
 
 import specdec_ext
 from specdec_ext import VocabularyMismatchError, generate
-from specdec_ext.reference_runner import RecomputeRunner
+from specdec_ext.runners import PagedModelRunner, RecomputeRunner
 from specdec_ext.stats import expected_tokens_per_pass, predicted_speedup
 from test_generate_utils import ARCHS, CHAR_VOCAB, char_tokenizer, hf_greedy, noisy_copy, one_thread, tiny_model
 
@@ -83,16 +83,19 @@ def test_max_new_tokens_is_exact(pair, references, max_new):
 
 
 def test_auto_runner_picks_the_lean_target_for_llama(pair):
-    from specdec_ext.generate import _runner_factory, _target_runner_factory
-    from specdec_ext.lean_llama import LeanLlamaRunner
-    from specdec_ext.model_runner import PagedModelRunner
-    arch, target, _ = pair
-    paged = _runner_factory("auto")
-    lean = _target_runner_factory("auto", paged)(target, max_batch_size=2, max_seq_len=32)
-    assert isinstance(lean, LeanLlamaRunner if arch == "llama" else PagedModelRunner)
-    assert lean.dtype == next(target.parameters()).dtype  # the target computes in its own dtype
-    assert isinstance(_target_runner_factory("paged", paged)(target, max_batch_size=2, max_seq_len=32),
-                      PagedModelRunner)
+    from specdec_ext.build import build
+    from specdec_ext.models import Models
+    from specdec_ext.plan import make_plan
+    from specdec_ext.runners import LeanLlamaRunner
+    arch, target, draft = pair
+    plan = make_plan(target, draft, drafter="model", prompt_lengths=[4, 2], max_new_tokens=8, k=2)
+    assert plan.target_runner == ("lean" if arch == "llama" else "paged")
+    runner, _ = build(plan, Models(target, "model", draft=draft))
+    assert isinstance(runner, LeanLlamaRunner if arch == "llama" else PagedModelRunner)
+    assert runner.dtype == next(target.parameters()).dtype  # the target computes in its own dtype
+    paged = make_plan(target, draft, drafter="model", prompt_lengths=[4, 2], max_new_tokens=8, k=2, runner="paged")
+    assert paged.target_runner == paged.draft_runner == "paged"
+    assert isinstance(build(paged, Models(target, "model", draft=draft))[0], PagedModelRunner)
 
 
 def test_paged_runner_and_recompute_oracle_agree(pair):
@@ -104,8 +107,6 @@ def test_paged_runner_and_recompute_oracle_agree(pair):
 
 
 def test_recompute_runner_logits_match_the_paged_runner(pair):
-    from specdec_ext.model_runner import PagedModelRunner
-
     _, target, _ = pair
     runners = [cls(target, max_batch_size=3, max_seq_len=40) for cls in (RecomputeRunner, PagedModelRunner)]
     prompts = [[1, 2, 3, 4], [5], [6, 7, 8, 9, 10, 11]]

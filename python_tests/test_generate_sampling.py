@@ -11,8 +11,8 @@ import torch
 
 import reference
 from specdec_ext import generate
-from specdec_ext.decode import chain_verifier
-from specdec_ext.metadata import SamplingParams, filtered_probs, sample_inverse_cdf
+from specdec_ext.decode import lossless_verify
+from specdec_ext.sampling import SamplingParams, filtered_probs, sample_inverse_cdf
 from specdec_ext import ops
 from sampling_stats import chi_square_p, exact_joint
 from test_generate_utils import noisy_copy, one_thread, tiny_model
@@ -38,20 +38,20 @@ def tiny_pair():
     return target, draft
 
 
-def residual_from_p_verifier(meta, target_logits):
+def residual_from_p_verifier(meta, proposal, target_logits):
     """The classic bug: on a rejection the recovered token is drawn from p, not max(0, p - q)."""
-    chain_verifier(meta, target_logits)
-    B, k = meta.draft_token_ids.shape
+    verdict = lossless_verify(meta, proposal, target_logits)
+    B, k = proposal.token_ids.shape
     rows = torch.arange(B)
-    n = meta.num_accepted.long()
-    rejected = n < meta.num_draft.long()
+    n = verdict.num_accepted.long()
+    rejected = n < proposal.num_draft.long()
     p = filtered_probs(target_logits[rows, n.clamp(max=k)], meta.sampling)  # [B, V]
     u = ops.philox_uniforms(meta.seed, meta.verify_offset, k + 1)[:, k]
-    wrong = sample_inverse_cdf(p, u)
-    meta.output_tokens[rows, n] = torch.where(rejected, wrong, meta.output_tokens[rows, n])
+    verdict.tokens[rows, n] = torch.where(rejected, sample_inverse_cdf(p, u), verdict.tokens[rows, n])
+    return verdict
 
 
-def sample_first_tokens(target, draft, verifier=chain_verifier, draft_confidence=0.0, **sampling):
+def sample_first_tokens(target, draft, verifier=lossless_verify, draft_confidence=0.0, **sampling):
     out = generate([PROMPT] * SAMPLES, target, draft, max_new_tokens=POSITIONS, k=2, seed=list(range(SAMPLES)),
                    verifier=verifier, cost_probe=False, draft_confidence=draft_confidence, **sampling)
     assert all(len(t) == POSITIONS for t in out.token_ids)

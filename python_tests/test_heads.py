@@ -82,7 +82,7 @@ def test_heads_for_another_target_are_refused(target):
         generate([PROMPTS[0]], target, "heads", max_new_tokens=4)
     with pytest.raises(ValueError, match="must be an int >= 1"):
         MedusaHeads(64, 0, 96)
-    with pytest.raises(ValueError, match="needs the paged runner"):
+    with pytest.raises(ValueError, match="needs the paged or lean runner"):
         generate([PROMPTS[0]], target, MedusaHeads(64, 3, 96), max_new_tokens=4, runner="recompute")
 
 
@@ -94,25 +94,25 @@ class RecordingHeadsDrafter(HeadsDrafter):
         super().__init__(*args, **kwargs)
         self.records = []
 
-    def propose(self, meta):
+    def propose(self, meta, budget=None):
         lengths, active = meta.seq_lens.tolist(), meta.active.tolist()
         for b, n in enumerate(lengths):
             if active[b]:  # (a finished row is frozen: its state is no longer kept up to date)
                 self.records.append((meta.token_buffer[b, :n].tolist(), self._hidden[b].clone()))
-        return super().propose(meta)
+        return super().propose(meta, budget)
 
 
 def test_heads_read_the_hidden_state_that_scored_the_pending_token(target, monkeypatch):
     """At every step h must be the LM head's input at the token before the pending one, as a plain
-    HF forward over the committed tokens computes it (this checks accept's column arithmetic)."""
-    generate_module = sys.modules["specdec_ext.generate"]  # (the package's `generate` is the function)
+    HF forward over the committed tokens computes it (this checks commit's column arithmetic)."""
+    build_module = sys.modules["specdec_ext.build"]
     made = []
 
     def recording(*args, **kwargs):
         made.append(RecordingHeadsDrafter(*args, **kwargs))
         return made[-1]
 
-    monkeypatch.setattr(generate_module, "HeadsDrafter", recording)
+    monkeypatch.setattr(build_module, "HeadsDrafter", recording)
     generate(PROMPTS, target, random_heads(target), max_new_tokens=NEW, draft_tree=(2, 3, 6))
     records = made[0].records
     assert len(records) >= 3 * 5

@@ -8,8 +8,8 @@ import pytest
 import torch
 import transformers
 
-from specdec_ext.hf_paged import cache_argument_name
-from specdec_ext.model_runner import PagedModelRunner, PoolFullError
+from specdec_ext.runners import PagedModelRunner, PoolFullError
+from specdec_ext.runners.hf_paged import cache_argument_name
 
 VOCAB = 100
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -55,14 +55,13 @@ def check(got, want, tol, what):
     torch.testing.assert_close(got, want, atol=tol, rtol=tol, msg=lambda m: f"{what}: {m}")
 
 
-def run_scenario(arch, dtype, tol, static_kv=False):
+def run_scenario(arch, dtype, tol, static_shapes=False):
     model = make_model(arch, dtype)
     oracle = Oracle(model)
     gen = torch.Generator().manual_seed(1)
     seqs = [torch.randint(3, VOCAB, (40,), generator=gen).tolist() for _ in range(3)]
     full = [oracle.logits(s) for s in seqs]  # (a) one plain forward over each full sequence
-    runner = PagedModelRunner(model, max_batch_size=4, max_seq_len=48, page_size=4)
-    runner.static_kv = static_kv
+    runner = PagedModelRunner(model, max_batch_size=4, max_seq_len=48, page_size=4, static_shapes=static_shapes)
     assert runner.vocab_size == VOCAB
 
     prompt_lens = [5, 11, 2]
@@ -177,8 +176,10 @@ def test_errors_name_the_row():
     assert runner.kv.num_free_pages == 3
 
 
-def test_static_kv_shapes_give_the_same_logits():
-    run_scenario("llama", torch.float32, 2e-4, static_kv=True)
+def test_static_shapes_mode_gives_the_same_logits():
+    """The CUDA-graph mode: chain steps over every page with device-only lengths, then a tree forward
+    that returns the runner to host bookkeeping."""
+    run_scenario("llama", torch.float32, 2e-4, static_shapes=True)
 
 
 def test_model_still_runs_plain_hf_forwards():
@@ -201,9 +202,9 @@ def test_model_still_runs_plain_hf_forwards():
 
 
 def test_tree_and_chain_steps_match_the_recompute_runner():
-    """Same tree layout, path and commit semantics as specdec_ext.reference_runner (the oracle the
+    """Same tree layout, path and commit semantics as specdec_ext.runners.recompute (the oracle the
     decode loop is tested against)."""
-    from specdec_ext.reference_runner import RecomputeRunner
+    from specdec_ext.runners import RecomputeRunner
 
     model = make_model("phi3")
     runners = [PagedModelRunner(model, max_batch_size=2, max_seq_len=40, page_size=3),

@@ -7,7 +7,7 @@ import torch
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from specdec_ext.kv_cache import PagedKVCache, PoolFullError
+from specdec_ext.runners.kv_cache import PagedKVCache, PoolFullError
 
 L, H, D = 2, 1, 2
 NUM_PAGES, PAGE_SIZE, MAX_BATCH, MAX_PAGES = 8, 3, 3, 5

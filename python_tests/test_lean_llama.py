@@ -7,8 +7,7 @@ import pytest
 import torch
 import transformers
 
-from specdec_ext.lean_llama import LeanLlamaRunner, lean_runner_factory, unsupported_reason
-from specdec_ext.reference_runner import RecomputeRunner
+from specdec_ext.runners import LeanLlamaRunner, PagedModelRunner, RecomputeRunner, unsupported_reason
 
 TOL = 1e-4
 VOCAB = 100
@@ -147,8 +146,8 @@ def test_bf16_model_dtype_is_close():
     assert torch.equal(cached, cached.to(torch.bfloat16).float())
 
 
-def test_unsupported_configs_raise_and_the_factory_falls_back():
-    from specdec_ext.model_runner import PagedModelRunner
+def test_unsupported_configs_raise_and_the_plan_falls_back():
+    from specdec_ext.plan import make_plan
 
     cases = [
         tiny("llama", rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}),
@@ -160,13 +159,18 @@ def test_unsupported_configs_raise_and_the_factory_falls_back():
             vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
             num_attention_heads=4)).eval(),
     ]
-    factory = lean_runner_factory(PagedModelRunner)
+    def target_runner(model, runner="auto"):
+        return make_plan(model, None, drafter="none", prompt_lengths=[4], max_new_tokens=8, runner=runner).target_runner
+
     for model in cases:
-        assert unsupported_reason(model, 32) is not None
+        reason = unsupported_reason(model, 32)
+        assert reason is not None
         with pytest.raises(NotImplementedError):
             LeanLlamaRunner(model, max_batch_size=1, max_seq_len=32)
-        assert isinstance(factory(model, max_batch_size=1, max_seq_len=32), PagedModelRunner)
-    assert isinstance(factory(tiny("qwen2"), max_batch_size=1, max_seq_len=32), LeanLlamaRunner)
+        assert target_runner(model) == "paged"
+        with pytest.raises(ValueError, match="runner='lean' cannot run the target model"):
+            target_runner(model, "lean")
+    assert target_runner(tiny("qwen2")) == "lean"
 
 
 def test_interface_errors():
@@ -197,7 +201,6 @@ def test_interface_errors():
 def test_tree_forwards_and_commits_match_the_paged_runner(seed):
     """Random trees (ragged node counts), random accepted paths, then chain forwards: the lean
     runner's logits equal the paged runner's (itself checked against plain HF forwards)."""
-    from specdec_ext.model_runner import PagedModelRunner
 
     model = tiny("llama", seed=seed)
     B, N = 3, 6
@@ -238,7 +241,6 @@ def test_tree_forwards_and_commits_match_the_paged_runner(seed):
 
 def test_generate_over_the_lean_runner_matches_hf_greedy():
     from specdec_ext import generate
-    from specdec_ext.model_runner import PagedModelRunner
 
     target = tiny("llama", seed=3)
     with torch.no_grad():
@@ -252,5 +254,6 @@ def test_generate_over_the_lean_runner_matches_hf_greedy():
                               pad_token_id=0)
         refs.append(out[0, len(p):].tolist())
     for k in (1, 4):
-        result = generate(prompts, target, draft, max_new_tokens=20, k=k, runner=lean_runner_factory(PagedModelRunner))
+        result = generate(prompts, target, draft, max_new_tokens=20, k=k, runner="lean")
+        assert result.plan.target_runner == result.plan.draft_runner == "lean"
         assert result.token_ids == refs

@@ -14,14 +14,17 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specdec_ext import ops
 from specdec_ext._C import SuffixAutomaton
-from specdec_ext.decode import RowState, StopCriteria, chain_verifier, decode, required_cache_len
+from specdec_ext.decode import decode, lossless_verify
 from specdec_ext.drafters import Drafter, NgramDrafter
-from specdec_ext.generate import _runner_factory
-from specdec_ext.metadata import SamplingParams, SpecDecodeMetadata, filtered_probs, sample_inverse_cdf
+from specdec_ext.metadata import SpecDecodeMetadata, Verdict
+from specdec_ext.plan import required_cache_len
+from specdec_ext.runners import make_runner
+from specdec_ext.sampling import SamplingParams
 from specdec_ext.stats import GenerationStats
+from specdec_ext.stops import RowState, StopCriteria
 from sampling_stats import chi_square_p, exact_joint
+from test_generate_sampling import residual_from_p_verifier
 from test_generate_utils import hf_greedy, one_thread, tiny_model
 
 
@@ -193,56 +196,54 @@ def test_long_sequence_is_linear_and_matches_the_reference_at_the_end():
 # ------------------------------------------------------------------------------------ drafter
 def _meta(rows, k, S=32, sampling=SamplingParams()):
     B = len(rows)
-    meta = SpecDecodeMetadata.allocate(batch_size=B, k=k, max_seq_len=S, vocab_size=16, sampling=sampling,
-                                       seeds=torch.zeros(B, dtype=torch.int64), device=torch.device("cpu"))
+    meta = SpecDecodeMetadata.allocate(batch_size=B, slots=k, max_seq_len=S, sampling=sampling,
+                                       seeds=torch.zeros(B, dtype=torch.int64))
     for b, row in enumerate(rows):
         meta.token_buffer[b, :len(row)] = torch.tensor(row)
         meta.seq_lens[b] = len(row)
     return meta
 
 
-def test_drafter_prefill_propose_accept_ragged_rows():
+def test_drafter_prefill_propose_commit_ragged_rows():
     rows = [[1, 2, 3, 1, 2], [4, 5, 6], [7, 7, 7, 7]]
     k = 3
     meta = _meta(rows, k, sampling=SamplingParams(temperature=1.0))
-    assert meta.draft_probs is not None  # allocated for a model drafter at T > 0
     drafter = NgramDrafter(k, min_match=2)
     assert isinstance(drafter, Drafter)
     drafter.prefill([r[:-1] for r in rows], meta)
-    assert meta.draft_probs is None  # deterministic: chain_verify takes q one-hot
-    ids, probs = drafter.propose(meta)
-    assert probs is None and ids is meta.draft_token_ids
-    assert meta.num_draft.tolist() == [3, 0, 3]
-    assert meta.draft_token_ids.tolist() == [[3, 1, 2], [0, 0, 0], [7, 7, 7]]
+    proposal = drafter.propose(meta)
+    assert proposal.probs is None  # deterministic: chain_verify takes q one-hot
+    assert proposal.num_draft.tolist() == [3, 0, 3]
+    assert proposal.token_ids.tolist() == [[3, 1, 2], [0, 0, 0], [7, 7, 7]]
+    assert proposal.longest == 3 and proposal.verify_width() == 4  # the counts narrow the verify pass
     # a step commits 3 tokens to row 0, 1 token to row 1, none to row 2 (frozen)
     committed = [[3, 1, 2], [4], []]
     for b, new in enumerate(committed):
         n = int(meta.seq_lens[b])
         meta.token_buffer[b, n:n + len(new)] = torch.tensor(new, dtype=torch.int64)
         meta.seq_lens[b] = n + len(new)
-    drafter.accept(meta)
+    verdict = Verdict(meta.output_tokens, meta.num_accepted)
+    drafter.commit(meta, verdict)
     full = [r + c for r, c in zip(rows, committed)]
     assert [a.tokens() for a in drafter.automata] == full
-    assert meta.draft_budget == [3, 0, 3]  # the counts narrow the verify pass to 4 tokens
-    meta.draft_budget = None  # the loop resets it every step (adaptive k's caps, or None)
-    drafter.propose(meta)
+    proposal = drafter.propose(meta)
     want = [ref_propose(r, k) for r in full]
     assert want == [[3, 1, 2], [], [7, 7, 7]]  # row 1 "4 5 6 4": a 1-token match, below min_match 2
-    assert meta.num_draft.tolist() == [3, 0, 3]
-    assert meta.draft_token_ids.tolist() == [[3, 1, 2], [0, 0, 0], [7, 7, 7]]
+    assert proposal.num_draft.tolist() == [3, 0, 3]
+    assert proposal.token_ids.tolist() == [[3, 1, 2], [0, 0, 0], [7, 7, 7]]
+    assert drafter.propose(meta, budget=[1, 1, 0]).token_ids.tolist() == [[3, 0, 0], [0, 0, 0], [0, 0, 0]]
     loose = NgramDrafter(k, min_match=1)
     loose.prefill([], meta)
-    meta.draft_budget = None
-    loose.propose(meta)
-    assert meta.num_draft.tolist() == [3, 3, 3] and meta.draft_token_ids[1].tolist() == [5, 6, 4]
-    # a step that commits more than k + 1 tokens (accept skipped once) falls back to a slice
+    proposal = loose.propose(meta)
+    assert proposal.num_draft.tolist() == [3, 3, 3] and proposal.token_ids[1].tolist() == [5, 6, 4]
+    # a step that commits more than k + 1 tokens (commit skipped once) falls back to a slice
     meta.token_buffer[1, 4:10] = torch.tensor([5, 6, 4, 5, 6, 4])
     meta.seq_lens[1] = 10
-    loose.accept(meta)
+    loose.commit(meta, verdict)
     assert loose.automata[1].tokens() == [4, 5, 6, 4, 5, 6, 4, 5, 6, 4]
     meta.seq_lens[1] = 3
     with pytest.raises(RuntimeError, match="never rolled back"):
-        loose.accept(meta)
+        loose.commit(meta, verdict)
 
 
 def test_drafter_bad_arguments():
@@ -251,7 +252,7 @@ def test_drafter_bad_arguments():
             NgramDrafter(bad)
     with pytest.raises(ValueError, match="min_match"):
         NgramDrafter(2, min_match=0)
-    with pytest.raises(ValueError, match="k=3"):
+    with pytest.raises(ValueError, match="k=2"):
         NgramDrafter(2).prefill([[1]], _meta([[1, 2]], k=3))
 
 
@@ -263,18 +264,17 @@ def _single_thread():
 
 
 def run_ngram(target, prompts, *, k, new, sampling=SamplingParams(), seeds=None, min_match=2,
-              verifier=chain_verifier):
-    """The decode loop with an NgramDrafter over the paged runner -> (tokens per row, stats)."""
+              verifier=lossless_verify):
+    """The decode loop with an NgramDrafter over the lean runner -> (tokens per row, stats)."""
     B = len(prompts)
     seeds = torch.zeros(B, dtype=torch.int64) if seeds is None else seeds
     needed = required_cache_len(max(len(p) for p in prompts), new, k)
-    runner = _runner_factory("auto")(target, max_batch_size=B, max_seq_len=needed)
+    runner = make_runner("lean", target, max_batch_size=B, max_seq_len=needed)
     rows = [RowState() for _ in prompts]
     stats = GenerationStats(k=k, batch_size=B)
-    vocab = target.get_output_embeddings().weight.shape[0]
-    for _ in decode(runner, NgramDrafter(k, min_match=min_match), prompts, k=k, sampling=sampling, seeds=seeds,
-                    stop=StopCriteria(max_new_tokens=new), max_seq_len=needed, vocab_size=vocab,
-                    verifier=verifier, stats=stats, rows=rows, cost_probe=False):
+    for _ in decode(runner, NgramDrafter(k, min_match=min_match), prompts, seeds, StopCriteria(max_new_tokens=new),
+                    slots=k, sampling=sampling, max_seq_len=needed, verifier=verifier, stats=stats, rows=rows,
+                    cost_probe=False):
         pass
     return [r.tokens for r in rows], stats
 
@@ -309,18 +309,6 @@ SAMPLE_ROWS = 3000  # one batched decode call: rows are independent (Philox keye
 SAMPLE_POSITIONS = 3  # token 1 from the prefill, tokens 2-3 from step 1 (both draft positions)
 PASS_P = 1e-4  # a correct sampler fails with probability 1e-4 (the runs are seeded: deterministic)
 FAIL_P = 1e-8
-
-
-def residual_from_p_verifier(meta, target_logits):
-    """The classic bug: the recovered token drawn from p instead of max(0, p - q)."""
-    chain_verifier(meta, target_logits)
-    B, k = meta.draft_token_ids.shape
-    rows = torch.arange(B)
-    n = meta.num_accepted.long()
-    rejected = n < meta.num_draft.long()
-    p = filtered_probs(target_logits[rows, n.clamp(max=k)], meta.sampling)
-    u = ops.philox_uniforms(meta.seed, meta.verify_offset, k + 1)[:, k]
-    meta.output_tokens[rows, n] = torch.where(rejected, sample_inverse_cdf(p, u), meta.output_tokens[rows, n])
 
 
 def test_sampling_first_tokens_follow_plain_target_sampling():

@@ -15,7 +15,7 @@ def test_nvtx_range_is_a_noop_without_cuda():
         assert value is None
     assert set_nvtx_enabled(True) is False
     assert not profiling.nvtx_enabled()  # cannot be forced on where torch.cuda.nvtx is unusable
-    with nvtx_range("accept"):
+    with nvtx_range("rejection_sampling"):
         pass
     with profiler_region():
         pass
@@ -23,7 +23,7 @@ def test_nvtx_range_is_a_noop_without_cuda():
 
 def test_nvtx_range_does_not_swallow_exceptions():
     try:
-        with nvtx_range("rollback"):
+        with nvtx_range("commit"):
             raise KeyError("boom")
     except KeyError:
         pass

@@ -10,7 +10,8 @@ import torch
 from specdec_ext import generate, ops
 from specdec_ext.drafters.calibration import reset_calibrations
 from specdec_ext.drafters.tree_drafter import beam_widths, tree_num_nodes
-from specdec_ext.metadata import filtered_probs
+from specdec_ext.metadata import Verdict
+from specdec_ext.sampling import filtered_probs
 from sampling_stats import chi_square_p, exact_joint
 from test_generate_utils import check_eos_and_max_new_tokens, hf_greedy, noisy_copy, one_thread, tiny_model
 
@@ -95,18 +96,18 @@ def tiny_pair():
 
 
 def python_tree_verifier(remove_rejected: bool):
-    """tree_verify's rules in Python (row by row): with meta.draft_probs (sampled candidates) accept x
+    """tree_verify's rules in Python (row by row): with the proposal's probs (sampled candidates) accept x
     with min(1, p(x) / q_x(x)) and on rejection p <- max(0, p - q_x); without, accept x with p(x) and
     on rejection remove x from p. With remove_rejected=False it is the bug the tests must catch: a
     rejected candidate leaves p as it was (acceptance and the final draw use the unreduced p)."""
 
-    def verifier(meta, target_logits):
+    def verifier(meta, proposal, target_logits):
         B, positions, _ = target_logits.shape
         N = positions - 1
         probs = filtered_probs(target_logits, meta.sampling).double()  # [B, N+1, V]
-        q_rows = None if meta.draft_probs is None else meta.draft_probs.double()  # [B, N, V]
+        q_rows = None if proposal.probs is None else proposal.probs.double()  # [B, N, V]
         u = ops.philox_uniforms(meta.seed, meta.verify_offset, N + 1).double()  # [B, N+1]
-        parents, tokens = meta.tree_parents.tolist(), meta.draft_token_ids.tolist()
+        parents, tokens = proposal.parents.tolist(), proposal.token_ids.tolist()
         meta.tree_path.fill_(-1)
         meta.output_tokens.fill_(-1)
         for b in range(B):
@@ -133,6 +134,7 @@ def python_tree_verifier(remove_rejected: bool):
                     meta.output_tokens[b, depth] = min(token, p.shape[0] - 1)
                     meta.num_accepted[b] = depth
                     break
+        return Verdict(meta.output_tokens, meta.num_accepted, meta.tree_path)
 
     return verifier
 

@@ -1,8 +1,9 @@
 """Adaptive draft length: per row and per step, the k that maximises expected tokens per second.
 
-``AdaptiveK`` is a host-side controller the decode loop consults once per step (``plan``) and
-informs once per step (``observe``). It never touches the device: it works on the host lists the
-loop already reads (num_accepted, num_draft) and on the loop's step timers.
+``AdaptiveK`` is a host-side controller the decode loop consults once per step (``plan``: the draft
+budget of every row) and informs once per step (``observe``). It never touches the device: it works
+on the host lists the loop already reads (stats.StepOutcome) and on times the loop measures, its
+step timers and the start-up probes it runs when ``start`` asks for them (decode.probe_costs).
 
 The maths
 ---------
@@ -49,14 +50,14 @@ interpolation between points:
 
 Interpolating noisy points and forcing the result non-decreasing kept the noise that happened to
 be high and biased every choice towards short drafts (BENCHMARKS.md, "k=auto"). V's points: a
-start-up probe (``probe``: target forwards over [B, t] for t in {1, 2, 4, k_max+1}, the median of
-three each, rolled back with ``truncate``; run once per process for a target model and batch size,
-whose costs the later controllers share), weight 1, and the moving average of every width the loop
+start-up probe (target forwards over [B, t] for t in {1, 2, 4, k_max+1}, the median of three each,
+rolled back; asked for once per process for a target model and batch size, whose costs the later
+controllers share), weight 1, and the moving average of every width the loop
 ran within the last COST_MEMORY_STEPS steps, weight OBSERVED_WEIGHT. The probe times the forward
 only, while a step also verifies and commits: probed points are shifted by the running mean of
 (observed - probed) time at the widths the loop ran. D's points: a start-up probe of the drafter
-(``probe_drafter``: a drafter with a ``probe_cost`` method, such as ModelDrafter, times draft steps
-of 1, 3 and k_max tokens and rolls its cache back; once per process for a drafter and batch size),
+(draft steps of 1, 3 and k_max tokens, each rolled back; for a drafter whose proposals cost
+something, i.e. whose ``checkpoint`` gives an undo; once per process for a drafter and batch size),
 weight 1, and the moving average of the draft time per drafted count the loop ran (a draft pass
 right after skipped steps also feeds their tokens and is not timed), weight OBSERVED_WEIGHT. The
 probe anchors the line at both ends: the counts the loop runs cluster near its choice, and a draft
@@ -72,21 +73,18 @@ Choice. Row b's preferred draft length is
     k_b = argmax_{k in 0..k_max} E_b(k) / time(k)                      (tokens per second)
 
 so k_b = 0 (speculation off for the row) exactly when no draft length beats plain decoding.
-All rows share one target pass whose width is the largest k in the batch plus one, so the batch is
-then capped: with caps K = 0..max k_b (row b drafts min(k_b, K)) the controller picks
+All rows share one target pass whose width is the largest k in the batch plus one, padded to
+[B, K+1]: a row drafting fewer than K saves no time and loses expected tokens (E is increasing), so
+every active row drafts the batch's
 
-    K* = argmax_K  sum_{b active} E_b(min(k_b, K)) / time(K)
+    K* = argmax_K  sum_{b active} E_b(K) / time(K)
 
-With the paged runner the verify pass is padded to [B, K+1]: a row drafting fewer than K saves no
-time and loses expected tokens (E is increasing), so by default (``rows="padded"``) every active
-row drafts K* and K* = argmax_K sum_b E_b(K) / time(K); a row whose own k_b is 0 then rides along
-at no cost. ``rows="own"`` gives row b min(k_b, K*) instead, for a verify whose cost follows each
-row's own count (a varlen pass). Either way K* = 0 switches speculation off for the batch (the
-drafter is not called; the target runs a plain one-token step): this is how the batch-size
+and a row whose own k_b is 0 rides along at no cost. K* = 0 switches speculation off for the batch
+(the drafter is not called; the target runs a plain one-token step): this is how the batch-size
 crossover of the regime map shows up, measured rather than hard-coded: as the batch grows, V(t) /
 V(1) grows (the verify pass stops being memory-bound) and time(K) outgrows the extra tokens.
 
-Two guards against estimation noise in the padded choice (measured on the bundled pair, where the
+Two guards against estimation noise in the choice (measured on the bundled pair, where the
 rate is flat within a few percent over k = 5..8 and a row's acceptance hardly drifts within a
 generation, BENCHMARKS.md): of the caps whose estimated rate is within LONGER_TOLERANCE (2%) of the
 best, the longest is taken (deep positions' estimates lean low where a_i rises with i: they shrink
@@ -123,12 +121,12 @@ from __future__ import annotations
 
 import math
 import weakref
-from typing import Dict, List, Optional, Sequence
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
-import torch
 
-from .stats import median_time
+from .stats import StepOutcome
 
 DEFAULT_K_MAX = 8  # static buffer width of k="auto" (drafts per row per step, at most)
 DEFAULT_PRIOR_ACCEPTANCE = 0.7  # p0: acceptance assumed before a row has data
@@ -170,12 +168,6 @@ def expected_tokens_table(acceptance: np.ndarray) -> np.ndarray:
     return 1.0 + np.concatenate([zeros, np.cumsum(reach, axis=-1)], axis=-1)
 
 
-def best_draft_lengths(expected: np.ndarray, step_time: np.ndarray) -> np.ndarray:
-    """Per row, argmax_k expected[b, k] / step_time[k] (ties -> the smaller k). [B, K+1], [K+1] -> [B]."""
-    rate = np.asarray(expected) / np.asarray(step_time)[None, :]
-    return np.argmax(rate >= rate.max(axis=1, keepdims=True) * (1.0 - 1e-12), axis=1)
-
-
 class VerifyCosts:
     """What is known of V(t), the verify step's time over t tokens per row, at one batch size.
 
@@ -210,7 +202,8 @@ class DrafterMemory:
 _SHARED: "weakref.WeakKeyDictionary[object, Dict[tuple, object]]" = weakref.WeakKeyDictionary()
 
 
-def _drafter_key(drafter) -> tuple:
+def drafter_key(drafter) -> tuple:
+    """What identifies a drafter across generations (its model, else its class): the shared memory key."""
     model = getattr(drafter, "model", None)
     if model is not None:
         return ("model", id(model))
@@ -235,8 +228,8 @@ def _nonneg_line(x: Sequence[float], y: Sequence[float], w: Sequence[float]):
 
 def padded_batch_cap(expected: np.ndarray, step_time: np.ndarray, active: np.ndarray,
                      tolerance: float = 0.0, current: Optional[int] = None, margin: float = 0.0) -> int:
-    """argmax_K sum_{b active} expected[b, K] / step_time[K]: best_batch_cap when every row would draft
-    all of K (a padded pass), in a few operations. With ``tolerance`` > 0 the largest K whose rate
+    """argmax_K sum_{b active} expected[b, K] / step_time[K]: the cap K* when every row drafts all of K
+    (a padded pass). With ``tolerance`` > 0 the largest K whose rate
     is within that fraction of the best (0: ties -> the smaller K). With ``current`` (the cap in
     use), it is kept while its rate is within ``margin`` of the best (hysteresis), unless the
     choice is 0."""
@@ -251,19 +244,12 @@ def padded_batch_cap(expected: np.ndarray, step_time: np.ndarray, active: np.nda
     return cap
 
 
-def best_batch_cap(expected: np.ndarray, step_time: np.ndarray, preferred: np.ndarray,
-                   active: np.ndarray) -> int:
-    """argmax_K sum_{b active} expected[b, min(preferred[b], K)] / step_time[K], K = 0..max preferred.
+@dataclass(frozen=True)
+class ProbeRequest:
+    """The start-up probes a controller asks the loop for (decode.probe_costs)."""
 
-    The batch shares one pass of width K + 1; K = 0 is plain decoding for the whole batch."""
-    if not active.any():
-        return 0
-    rows = np.nonzero(active)[0]
-    top = int(preferred[rows].max())
-    caps = np.arange(top + 1)
-    chosen = np.minimum(preferred[rows][:, None], caps[None, :])  # [rows, caps]
-    rates = np.take_along_axis(expected[rows], chosen, axis=1).sum(axis=0) / step_time[: top + 1]
-    return int(np.argmax(rates >= rates.max() * (1.0 - 1e-12)))  # ties -> the smaller cap
+    verify_widths: Tuple[int, ...]  # time target forwards over [B, t] for these t
+    draft_counts: Tuple[int, ...]  # time draft steps of s tokens per row for these s
 
 
 class AdaptiveK:
@@ -292,11 +278,6 @@ class AdaptiveK:
         Share measurements with the other controllers of the same target model and batch size: the
         verify costs (the probe then runs once per process) and, per drafter, the draft cost and the
         pooled acceptance by position, the next generation's prior (default True).
-    rows : "padded" or "own"
-        How a row's budget follows from the choice (module docstring, "Choice"): "padded" (default,
-        right for a verify pass over [B, K+1] whatever each row's count, as the paged runner's):
-        every active row drafts the batch's K*; "own": row b drafts min(k_b, K*), its own argmax
-        capped by the batch (right when a row's verify tokens cost by themselves, e.g. a varlen pass).
     """
 
     def __init__(self, k_max: int = DEFAULT_K_MAX, *, prior_acceptance: float = DEFAULT_PRIOR_ACCEPTANCE,
@@ -304,9 +285,7 @@ class AdaptiveK:
                  cost_smoothing: float = DEFAULT_COST_SMOOTHING, prior_draft_cost: float = DEFAULT_PRIOR_DRAFT_COST,
                  explore_every: int = DEFAULT_EXPLORE_EVERY, explore_k: int = DEFAULT_EXPLORE_K,
                  probe_widths: Optional[Sequence[int]] = None, probe_passes: int = DEFAULT_PROBE_PASSES,
-                 share_costs: bool = True, rows: str = "padded"):
-        if rows not in ("padded", "own"):
-            raise ValueError(f"rows must be 'padded' or 'own', got {rows!r}")
+                 share_costs: bool = True):
         if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 1:
             raise ValueError(f"k_max must be an int >= 1, got {k_max!r}")
         if not 0.0 <= prior_acceptance <= 1.0:
@@ -331,7 +310,6 @@ class AdaptiveK:
         self.probe_widths = sorted({int(t) for t in widths if 1 <= int(t) <= k_max + 1})
         self.probe_passes = max(1, int(probe_passes))
         self.share_costs = bool(share_costs)
-        self.rows = rows
         self._memory: Optional[DrafterMemory] = None
         self.reset(1)
 
@@ -432,14 +410,10 @@ class AdaptiveK:
         if self._times is None or self.step >= self._times_step + COST_REFRESH_STEPS:
             self._times, self._times_step = self.step_times(), self.step  # [K+1]: the costs move slowly
         times = self._times
-        if self.rows == "padded":  # min(k_b, K) -> K: in a padded pass a shorter row saves nothing
-            current = self._last_cap if key == self._last_active else None  # (other rows: other rates)
-            cap = padded_batch_cap(expected, times, active, LONGER_TOLERANCE, current, SWITCH_MARGIN)
-            self._last_cap = cap
-            budget = np.full(len(active), cap)
-        else:
-            preferred = best_draft_lengths(expected, times)  # [B]
-            budget = np.minimum(preferred, best_batch_cap(expected, times, preferred, active))
+        current = self._last_cap if key == self._last_active else None  # (other rows: other rates)
+        cap = padded_batch_cap(expected, times, active, LONGER_TOLERANCE, current, SWITCH_MARGIN)
+        self._last_cap = cap
+        budget = np.full(len(active), cap)
         self.exploring[:] = False
         if self.explore_every and self.explore_k:
             scheduled = self.step >= self._next_explore  # all rows at once: one draft pass
@@ -454,11 +428,11 @@ class AdaptiveK:
         self._last_plan, self._last_active = plan, key
         return plan
 
-    def observe(self, budget: Sequence[int], num_draft: Sequence[int], num_accepted: Sequence[int],
-                active: Sequence[bool], *, draft_time: float, verify_time: float, drafted: int, width: int) -> None:
-        """One step's outcome: the budgets ``plan`` gave, the drafted and accepted counts per row,
-        whether each row was active, the step's draft and verify times (seconds), the drafts per row
-        the drafter ran (0 when it was not called) and the verify width (tokens per row)."""
+    def observe(self, budget: Sequence[int], outcome: StepOutcome, *, draft_time: float, verify_time: float,
+                drafted: int, width: int) -> None:
+        """One step's outcome: the budgets ``plan`` gave, the drafted and accepted counts of the active
+        rows (``outcome``), the step's draft and verify times (seconds), the drafts per row the drafter
+        ran (0 when it was not called) and the verify width (tokens per row)."""
         self.step += 1
         costs = self.costs
         costs.step += 1
@@ -481,23 +455,23 @@ class AdaptiveK:
             probe = self._probe_at(width)
             if probe is not None:
                 costs.offset = (1 - w) * costs.offset + w * (verify_time - probe)
-        self.row_k_sum += sum(b for b, a in zip(budget, active) if a)
-        self.row_steps += sum(1 for a in active if a)
-        live = [b for b, (a, d) in enumerate(zip(active, num_draft)) if a and d > 0]
+        self.row_k_sum += sum(budget[b] for b in outcome.rows)
+        self.row_steps += len(outcome.rows)
+        live = [i for i, d in enumerate(outcome.drafted) if d > 0]  # indices into the outcome's rows
         if not live and not self._exploring_any:  # nothing drafted: no acceptance data
             return
         # acceptance by position: a row that drafted d and accepted n reached positions 1..min(n+1, d)
         # and accepted 1..n; every position of such a row decays, reached or not (see above)
+        rows = [outcome.rows[i] for i in live]
         if live:
-            accepted = [max(num_accepted[b], 0) for b in live]
-            reached = [min(n + 1, num_draft[b]) for n, b in zip(accepted, live)]
             g, prefix = self.forgetting, self._prefix_ones  # prefix[j] = j ones, then zeros
-            self.reached[live] = g * self.reached[live] + prefix[reached]
-            self.accepted[live] = g * self.accepted[live] + prefix[accepted]
+            self.reached[rows] = g * self.reached[rows] + prefix[[outcome.reached[i] for i in live]]
+            self.accepted[rows] = g * self.accepted[rows] + prefix[[outcome.accepted[i] for i in live]]
         if self._exploring_any:
             # a fully accepted exploration explores again next step and resets the interval; a
             # fruitless one doubles it
-            full = [b for b in live if self.exploring[b] and num_accepted[b] >= num_draft[b]]
+            full = [outcome.rows[i] for i in live
+                    if self.exploring[outcome.rows[i]] and outcome.accepted[i] >= outcome.drafted[i]]
             self.follow_up[:] = False
             self.follow_up[full] = True
             if full:
@@ -520,50 +494,49 @@ class AdaptiveK:
         return float(costs.probe_curve[width])
 
     # ------------------------------------------------------------------ start, probe, finish
-    def start(self, target, drafter, meta, timer, probe: bool = True) -> Dict[int, float]:
-        """The loop's call after prefill: forget the rows (``reset``), pick up what earlier
-        generations with this target / drafter / batch size measured (``share_costs``), and probe
-        the verify costs when they were never measured (``probe``). Returns the probed times."""
-        B = meta.batch_size
-        self.reset(B)
+    def start(self, batch_size: int, target_key, drafter_key, *, probe: bool = True) -> "ProbeRequest":
+        """The loop's call after prefill: forget the rows (``reset``) and pick up what earlier
+        generations with this target (``target_key``: the target model) / drafter / batch size
+        measured. Returns the start-up probes still needed (none when they were shared, or with
+        ``probe`` False); the loop runs them and hands the times to ``record_probes``."""
+        self.reset(batch_size)
         self._memory = None
         table = None
-        model = getattr(target, "model", None)
-        if self.share_costs and model is not None:
+        if self.share_costs and target_key is not None:
             try:
-                table = _SHARED.setdefault(model, {})
+                table = _SHARED.setdefault(target_key, {})
             except TypeError:  # not weakly referenceable: nothing shared
                 table = None
-        if table is not None:
-            costs = table.setdefault(("costs", B, self.k_max), self.costs)
-            fresh = costs is self.costs
-            self.costs = costs
-            self._memory = table.setdefault(("drafter", B, self.k_max, _drafter_key(drafter)), DrafterMemory())
-            if self._memory.draft_per_token is not None:
-                self.draft_per_token = self._memory.draft_per_token
-                self.draft_obs = self._memory.draft_obs.copy()
-            if self._memory.acceptance is not None:
-                self.set_prior(self._memory.acceptance)
-            if self._memory.draft_probe is None and probe:
-                self._memory.draft_probe = self.probe_drafter(drafter, meta, timer)
+        counts = tuple(sorted({t - 1 for t in self.probe_widths if t >= 2}))
+        if table is None:
+            return ProbeRequest(tuple(self.probe_widths), counts) if probe else ProbeRequest((), ())
+        costs = table.setdefault(("costs", batch_size, self.k_max), self.costs)
+        fresh = costs is self.costs
+        self.costs = costs
+        self._memory = table.setdefault(("drafter", batch_size, self.k_max, drafter_key), DrafterMemory())
+        if self._memory.draft_per_token is not None:
+            self.draft_per_token = self._memory.draft_per_token
+            self.draft_obs = self._memory.draft_obs.copy()
+        if self._memory.acceptance is not None:
+            self.set_prior(self._memory.acceptance)
+        if self._memory.draft_probe is not None:
             self.draft_probe = self._memory.draft_probe.copy()
-            if not fresh:
-                return {}
-        elif probe:
-            self.draft_probe = self.probe_drafter(drafter, meta, timer)
-        return self.probe(target, meta, timer) if probe else {}
+        if not probe:
+            return ProbeRequest((), ())
+        return ProbeRequest(tuple(self.probe_widths) if fresh else (),
+                            counts if self._memory.draft_probe is None else ())
 
-    def probe_drafter(self, drafter, meta, timer) -> np.ndarray:
-        """The drafter's start-up probe, [k_max+1] seconds per drafted count (NaN where not probed):
-        ``drafter.probe_cost(meta, counts, timer, passes)`` for the probe widths' counts t - 1 >= 1,
-        when the drafter has one (a drafter whose proposals are free, e.g. lookup, has none)."""
-        out = np.full(self.k_max + 1, np.nan)
-        probe_cost = getattr(drafter, "probe_cost", None)
-        if probe_cost is not None:
-            counts = sorted({t - 1 for t in self.probe_widths if t >= 2})
-            for count, seconds in probe_cost(meta, counts, timer, self.probe_passes).items():
-                out[count] = seconds
-        return out
+    def record_probes(self, verify_times: Dict[int, float], draft_times: Dict[int, float]) -> None:
+        """The start-up probes' medians: {width t: seconds} of target forwards over [B, t] and
+        {count s: seconds} of draft steps of s tokens per row (empty where not probed)."""
+        for t, seconds in verify_times.items():
+            self.costs.probe[t] = seconds
+        if verify_times:
+            self.costs.probe_curve = None
+        for count, seconds in draft_times.items():
+            self.draft_probe[count] = seconds
+        if self._memory is not None and self._memory.draft_probe is None and draft_times:
+            self._memory.draft_probe = self.draft_probe.copy()
 
     def set_prior(self, acceptance: Sequence[float]) -> None:
         """Every row's prior: m pseudo-observations of ``acceptance`` [k_max] at each position."""
@@ -582,24 +555,6 @@ class AdaptiveK:
             self._memory.draft_obs = self.draft_obs.copy()
             self._memory.acceptance = self.acceptance().mean(axis=0)
         return self.summary()
-
-    def probe(self, target, meta, timer) -> Dict[int, float]:
-        """Time target forwards over [B, t] for t in probe_widths (median of probe_passes after one
-        warm-up), each rolled back with ``target.truncate``, so the caches are left as they were.
-        Returns {t: seconds}."""
-        B = meta.batch_size
-        pending = torch.gather(meta.token_buffer, 1, (meta.seq_lens - 1)[:, None])  # [B, 1]
-        lengths = target.lengths.clone()  # [B]
-        out: Dict[int, float] = {}
-        target.forward(pending)  # warm-up
-        target.truncate(lengths)
-        for t in self.probe_widths:
-            tokens = pending.expand(B, t).contiguous()  # [B, t]: the content does not change the cost
-            out[t] = median_time(timer, lambda: target.forward(tokens), lambda: target.truncate(lengths),
-                                 self.probe_passes)
-            self.costs.probe[t] = out[t]
-        self.costs.probe_curve = None
-        return out
 
     # ------------------------------------------------------------------ reporting
     def summary(self) -> Dict[str, object]:
@@ -628,17 +583,3 @@ def resolve(k, default_k_max: int = DEFAULT_K_MAX):
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k (draft tokens per step) must be an int >= 1, 'auto' or an AdaptiveK, got {k!r}")
     return k, None
-
-
-def widen_logits(meta, logits: torch.Tensor) -> torch.Tensor:
-    """A narrower verify pass [B, t, V] -> meta.verify_logits [B, k+1, V] (allocated on first use).
-
-    chain_verify reads positions 0..num_draft[b] of row b only and num_draft[b] <= t - 1, so the
-    columns past t (stale) are never read."""
-    B, t, V = logits.shape
-    buffer = getattr(meta, "verify_logits", None)
-    if buffer is None or buffer.dtype != logits.dtype or buffer.shape != (B, meta.k + 1, V):
-        buffer = torch.zeros((B, meta.k + 1, V), dtype=logits.dtype, device=logits.device)
-        meta.verify_logits = buffer
-    buffer[:, :t].copy_(logits)
-    return buffer

@@ -18,9 +18,10 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from .decode import chain_verifier
-from .generate import _normalise_prompts, generate, load_pair, plain_generate
-from .metadata import SamplingParams, filtered_probs
+from .decode import lossless_verify
+from .generate import generate, normalise_prompts, plain_generate
+from .models import load_pair
+from .sampling import SamplingParams, filtered_probs
 from .stats import expected_tokens_per_pass, predicted_speedup
 
 AUDIT_K = 4  # draft length of the losslessness runs
@@ -166,7 +167,7 @@ def plain_samples(model, prompt: List[int], count: int, positions: int, sampling
 
 
 def speculative_samples(target, draft, prompt: List[int], count: int, positions: int, sampling: SamplingParams,
-                        seed: int, runner, verifier=chain_verifier) -> List[tuple]:
+                        seed: int, runner, verifier=lossless_verify) -> List[tuple]:
     out: List[tuple] = []
     for start in range(0, count, AUDIT_BATCH):
         rows = min(AUDIT_BATCH, count - start)
@@ -225,7 +226,7 @@ def break_even(target, draft, prompts: List[List[int]], sampling: SamplingParams
 def audit(target=None, draft=None, prompts=None, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
           positions: int = 3, samples: int = 1000, ks=DEFAULT_KS, bench_tokens: int = 48, alpha: float = DEFAULT_ALPHA,
           seed: int = 0, tokenizer=None, runner="auto", max_prompts: int = 2, run_break_even: bool = True,
-          verbose: bool = True, verifier=chain_verifier) -> AuditReport:
+          verbose: bool = True, verifier=lossless_verify) -> AuditReport:
     """Audit a (target, draft) pair: is speculative sampling lossless on it, and where does it break even?
 
     Parameters
@@ -256,7 +257,7 @@ def audit(target=None, draft=None, prompts=None, *, temperature: float = 1.0, to
     target_model, draft_model, tokenizer = load_pair(target, draft, tokenizer)
     if prompts is None:
         raise ValueError("audit: pass prompts (text or token ids)")
-    token_prompts = _normalise_prompts(prompts, tokenizer)[0][:max_prompts]
+    token_prompts = normalise_prompts(prompts, tokenizer)[0][:max_prompts]
     tests: List[DistributionTest] = []
     for i, prompt in enumerate(token_prompts):
         spec = speculative_samples(target_model, draft_model, prompt, samples, positions, sampling, seed, runner,

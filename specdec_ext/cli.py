@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -51,9 +50,10 @@ def _model_args(parser: argparse.ArgumentParser, threads: Optional[int] = None) 
     parser.add_argument("--threads", type=int, default=threads,
                         help="torch CPU threads (default: " + ("torch's choice" if threads is None else str(threads))
                         + "; 1 is best for small models on a busy CPU)")
-    parser.add_argument("--runner", default="auto", choices=["auto", "paged", "recompute"],
-                        help="model runner: paged KV cache (auto picks it when available) or the slow "
-                        "full-recompute oracle (default: auto)")
+    parser.add_argument("--runner", default="auto", choices=["auto", "lean", "paged", "recompute"],
+                        help="model runner: auto (the lean pure-torch forward for Llama-family models, the paged "
+                        "KV cache otherwise and where CUDA graphs run), lean, paged, or the slow full-recompute "
+                        "oracle (default: auto)")
 
 
 def _sampling_args(parser: argparse.ArgumentParser, temperature: float) -> None:
@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable); excluded from the text")
     g.add_argument("--no-stream", action="store_true", help="print each prompt's text at the end instead of streaming")
     g.add_argument("--json", action="store_true", help="print the stats as JSON instead of text")
+    g.add_argument("--explain", action="store_true",
+                   help="print the decode plan first: one line per choice (drafter, k, runners, CUDA graphs, "
+                   "cache) and why")
 
     a = sub.add_parser("audit", help="check losslessness on your pair and where speculation breaks even",
                        description="For the first --positions generated tokens, compare speculative and plain "
@@ -114,11 +117,11 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--no-break-even", action="store_true", help="skip the timed break-even report")
 
     b = sub.add_parser("bench", help="benchmark against HF plain, assisted and prompt-lookup generation",
-                       description="Run benchmarks/bench_generate.py: HF plain greedy generate, HF assisted "
+                       description="HF plain greedy generate, HF assisted "
                        "generation, HF prompt lookup and ours at several k, side by side (tokens/s, speedup, "
                        "tokens per target pass, identical to plain greedy?). Run `specdec bench --help` for "
                        "its flags.", add_help=False)
-    b.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments of benchmarks/bench_generate.py")
+    b.add_argument("bench_args", nargs=argparse.REMAINDER, help="arguments of the benchmark (specdec bench --help)")
 
     d = sub.add_parser("demo", help="complete held-out code prompts with the bundled pair, next to plain decoding",
                        description="Complete a few held-out code prompts (the first lines of Python files the "
@@ -170,7 +173,7 @@ def cmd_generate(args) -> int:
     eos = False if args.no_eos else args.eos_token_id
     kw = dict(max_new_tokens=args.max_new_tokens, k=args.k, temperature=args.temperature, top_k=args.top_k,
               top_p=args.top_p, seed=args.seed, eos_token_id=eos, stop=args.stop or None, runner=args.runner,
-              draft_tree=args.tree)
+              draft_tree=args.tree, explain=args.explain)
     if args.no_stream:
         result = generate(prompts, target, draft, **kw)
         for i, text in enumerate(result.text or []):
@@ -204,20 +207,10 @@ def cmd_audit(args) -> int:
     return 0 if report.passed else 1
 
 
-def _bench_module():
-    """benchmarks/bench_generate.py of the source tree (it is not part of an installed wheel)."""
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "bench_generate.py")
-    if not os.path.isfile(path):
-        raise SystemExit(f"specdec bench: {path} not found: run it from a source checkout of specdec_ext")
-    spec = importlib.util.spec_from_file_location("specdec_bench_generate", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 def cmd_bench(args) -> int:
-    return _bench_module().main(args.bench_args)
+    from .bench import main as bench_main
+
+    return bench_main(args.bench_args)
 
 
 def heldout_prompts(files: int, lines: int) -> List[tuple]:
@@ -256,16 +249,13 @@ def _draft_shape(stats, tree: bool) -> str:
 
 
 def cmd_demo(args) -> int:
-    from .generate import _load_target, generate, load_pair, plain_generate
-    from .heads import MedusaHeads
+    from .generate import generate, plain_generate
+    from .models import load_models
 
     target_spec, draft_spec = _pair_args(args)
-    no_draft_model = draft_spec in ("ngram", "heads") if isinstance(draft_spec, str) else draft_spec is not None
-    if no_draft_model:  # lookup or heads: only the target to load
-        (target, tokenizer), draft = _load_target(target_spec, None), draft_spec
-    else:
-        target, draft, tokenizer = load_pair(target_spec, draft_spec)
-    heads_draft = isinstance(draft, MedusaHeads) or (isinstance(draft, str) and draft == "heads")  # drafts a tree
+    models = load_models(target_spec, draft_spec)  # loaded once, then passed as objects
+    target, tokenizer = models.target, models.tokenizer
+    draft = {"model": models.draft, "heads": models.heads, "ngram": "ngram"}[models.drafter]
     kw = dict(max_new_tokens=args.max_new_tokens, eos_token_id=False, runner=args.runner, tokenizer=tokenizer)
     warm_up = {**kw, "max_new_tokens": 4}
     generate(["x = 1"], target, draft, k=args.k, **warm_up)
@@ -277,7 +267,7 @@ def cmd_demo(args) -> int:
         print(f"=== {name} (first {args.lines} lines) ===")
         print(prompt + "\033[1m" + spec.text[0] + "\033[0m" if sys.stdout.isatty() else prompt + spec.text[0])
         s, p = spec.stats, plain.stats
-        how = _draft_shape(spec.stats, tree=heads_draft)
+        how = _draft_shape(spec.stats, tree=spec.plan.is_tree)
         print(f"--- speculative {how}: {s.tokens_per_second:.1f} tok/s, plain: {p.tokens_per_second:.1f} tok/s, "
               f"speedup {s.tokens_per_second / p.tokens_per_second:.2f}x, {s.tokens_per_pass:.2f} tokens per target "
               f"pass, acceptance {s.acceptance_rate:.2f}; {same}\n")
@@ -290,7 +280,9 @@ COMMANDS = {"generate": cmd_generate, "audit": cmd_audit, "bench": cmd_bench, "d
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"]:  # bench has its own parser (and its own --help)
-        return _bench_module().main(argv[1:])
+        from .bench import main as bench_main
+
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     _set_threads(getattr(args, "threads", None))
     return COMMANDS[args.command](args)

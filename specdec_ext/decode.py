@@ -1,324 +1,326 @@
 """The speculative decode loop, readable in one sitting.
 
-    prefill   target.start(prompts) -> logits at each prompt's last position; the first new token is
-              sampled from them (chain_verify with no drafts); the drafter prefills its own cache
-    repeat    draft   drafter.propose(meta)          -> draft_token_ids [B, k], draft_probs [B, k, V]
-              verify  target.forward([pending, drafts]) -> logits [B, k+1, V]; chain_verify -> the
-                      accepted drafts then the recovered/bonus token, output_tokens [B, k+1]
-              commit  target keeps pending + accepted (num_accepted + 1 tokens); the emitted tokens go
-                      into token_buffer; the drafter rolls back its cache
-              stop    per row on the host: EOS inside the emitted run (the row ends there, inclusive),
-                      max_new_tokens (exact), stop strings; finished rows are frozen (commit nothing)
+    prefill   target.start(prompts) -> logits at each prompt's last position [B, V]; the first new
+              token is sampled from them; the drafter prefills its own state
+    repeat    budget  adaptive k (host): drafts per row this step, or None (the static width)
+              draft   drafter.propose(meta, budget)      -> Proposal: token ids [B, n], q [B, n, V] or
+                                                            None, num_draft [B], tree parents [B, n]
+              verify  target.forward([pending, drafts])  -> logits [B, n+1, V]; chain_verify or
+                                                            tree_verify -> Verdict: tokens [B, n+1],
+                                                            num_accepted [B], tree path [B, n]
+              read    one device->host copy: accepted and drafted counts, the emitted tokens
+              commit  the target keeps the pending token and the accepted drafts (a tree: its accepted
+                      path, moved next to the prefix); the emitted tokens join the token buffer; the
+                      drafter rolls back what was rejected
+              stop    per row on the host (stops.py): EOS, max_new_tokens, stop strings; finished rows
+                      are frozen (commit nothing)
 
-B rows, k drafts, V vocabulary, S cache positions. The *pending* token of a row is its last emitted
+B rows, n draft slots, V vocabulary, S cache positions. The *pending* token of a row is its last emitted
 token: committed to the token buffer but not yet to the target cache (the next verify pass feeds it
-first, so its logits score draft 1). Every per-step tensor lives in ``SpecDecodeMetadata`` and is
-allocated once; the loop reads one small host copy per step (accepted counts and tokens, for the
-stop checks and the stats).
+first, so its logits score draft 1). A step with no drafts (no drafter, or adaptive k switched
+speculation off) verifies ``meta.no_drafts``: a one-token pass, i.e. plain decoding. Every per-step
+tensor is allocated once (metadata.py); with CUDA graphs the draft, verify and commit steps are
+captured (cuda_graphs.StepGraph) and replayed.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Callable, Iterator, List, Optional, Sequence
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import cuda_graphs, ops
-from .adaptive import AdaptiveK, widen_logits
+from . import ops
 from ._status import raise_for_row_status
+from .adaptive import AdaptiveK, ProbeRequest, drafter_key
+from .cuda_graphs import StepGraph
 from .drafters import Drafter
-from .metadata import SamplingParams, SpecDecodeMetadata
+from .metadata import SCRATCH_COLUMNS, Proposal, SpecDecodeMetadata, Verdict
 from .profiling import nvtx_range
-from .stats import GenerationStats, Timer, median_time
+from .runners import ModelRunner
+from .sampling import SamplingParams
+from .stats import GenerationStats, StepOutcome, Timer, median_time
+from .stops import RowState, StopCriteria, apply_stops
 
 FIRST_DECODE_STEP = 1  # Philox step 0 samples the first token from the prefill logits
 COST_PROBE_PASSES = 3  # plain one-token target passes timed after prefill for the cost model
-SCRATCH_COLUMNS = 1  # token_buffer's last column absorbs masked-out writes of the commit scatter
 
-Verifier = Callable[[SpecDecodeMetadata, torch.Tensor], None]
+Verifier = Callable[[SpecDecodeMetadata, Proposal, torch.Tensor], Verdict]
 
 
-def chain_verifier(meta: SpecDecodeMetadata, target_logits: torch.Tensor) -> None:
-    """The lossless verifier: chain_verify into meta.output_tokens / meta.num_accepted.
+# ------------------------------------------------------------------------------------------ verifier
+def lossless_verify(meta: SpecDecodeMetadata, proposal: Proposal, target_logits: torch.Tensor) -> Verdict:
+    """chain_verify (a chain) or tree_verify (a tree: recursive rejection sampling with the proposal's
+    q, the deterministic-candidate rule without) into the loop's verdict buffers.
 
-    target_logits [B, k+1, V]
+    target_logits [B, n+1, V]
     """
-    ops.chain_verify(
-        target_logits, meta.draft_token_ids, meta.draft_probs,
-        num_draft=meta.num_draft, temperature=meta.temperature, top_k=meta.top_k, top_p=meta.top_p,
-        seed=meta.seed, offset=meta.verify_offset,
-        out=(meta.output_tokens, meta.num_accepted), check_status=False,
-    )
+    sampling = dict(temperature=meta.temperature, top_k=meta.top_k, top_p=meta.top_p, seed=meta.seed,
+                    offset=meta.verify_offset, check_status=False)
+    if proposal.parents is None:
+        ops.chain_verify(target_logits, proposal.token_ids, proposal.probs, num_draft=proposal.num_draft,
+                         out=(meta.output_tokens, meta.num_accepted), **sampling)
+        return Verdict(meta.output_tokens, meta.num_accepted)
+    ops.tree_verify(target_logits, proposal.token_ids, proposal.parents, proposal.probs, num_nodes=proposal.num_draft,
+                    out=(meta.tree_path, meta.output_tokens, meta.num_accepted), **sampling)
+    return Verdict(meta.output_tokens, meta.num_accepted, meta.tree_path)
 
 
-def tree_verifier(meta: SpecDecodeMetadata, target_logits: torch.Tensor) -> None:
-    """The lossless tree verifier: tree_verify into meta.tree_path / meta.output_tokens /
-    meta.num_accepted; with meta.draft_probs (sampled candidates, [B, N, V]) recursive rejection
-    sampling, without it (None) the deterministic-candidate rule.
-
-    target_logits [B, N+1, V]
-    """
-    ops.tree_verify(
-        target_logits, meta.draft_token_ids, meta.tree_parents, meta.draft_probs,
-        temperature=meta.temperature, top_k=meta.top_k, top_p=meta.top_p,
-        seed=meta.seed, offset=meta.verify_offset,
-        out=(meta.tree_path, meta.output_tokens, meta.num_accepted), check_status=False,
-    )
-
-
-def required_cache_len(max_prompt_len: int, max_new_tokens: int, k: int) -> int:
-    """Cache positions a row needs. A row commits at most k+1 tokens per step, so it ends with at most
-    prompt + max_new_tokens + k committed (the excess is cut on the host); once finished it is frozen
-    but still takes part in each step with k+1 tentative tokens. Plus the token buffer's scratch column.
-    """
-    return max_prompt_len + max_new_tokens + 2 * (k + 1) + SCRATCH_COLUMNS
-
-
-# ------------------------------------------------------------------------------------------ stops
-@dataclass
-class StopCriteria:
-    """Host-side stop checks. ``decode_text`` maps token ids to text (needed for stop strings)."""
-
-    max_new_tokens: int
-    eos_token_ids: Sequence[int] = ()
-    stop_strings: Sequence[str] = ()
-    decode_text: Optional[Callable[[List[int]], str]] = None
-
-
-@dataclass
-class RowState:
-    """What the host knows of one row: its returned tokens and why it stopped."""
-
-    tokens: List[int] = field(default_factory=list)
-    finished: bool = False
-    finish_reason: Optional[str] = None  # "eos", "length", "stop"
-    stop_text_end: Optional[int] = None  # with "stop": the text ends here (the stop string excluded)
-
-
-def apply_stops(row: RowState, new_tokens: List[int], stop: StopCriteria) -> List[int]:
-    """Append ``new_tokens`` to a row up to the first stop; returns the tokens actually appended."""
-    kept: List[int] = []
-    for token in new_tokens:
-        if len(row.tokens) + len(kept) >= stop.max_new_tokens:
-            break
-        kept.append(token)
-        if token in stop.eos_token_ids:
-            row.finished, row.finish_reason = True, "eos"
-            break
-    start = len(row.tokens)
-    row.tokens.extend(kept)
-    if stop.stop_strings and kept:
-        cut = _find_stop_string(row, start, stop)
-        if cut is not None:
-            kept = kept[: max(0, cut - start)]
-    if not row.finished and len(row.tokens) >= stop.max_new_tokens:
-        row.finished, row.finish_reason = True, "length"
-    return kept
-
-
-def _find_stop_string(row: RowState, start: int, stop: StopCriteria) -> Optional[int]:
-    """If a stop string now occurs in the row's text: cut the row's tokens after the token that
-    completes it, mark the row finished and return the new token count; else None."""
-    text = stop.decode_text(row.tokens)
-    longest = max(len(s) for s in stop.stop_strings)
-    search_from = max(0, len(stop.decode_text(row.tokens[:start])) - longest)
-    hits = [(text.find(s, search_from), s) for s in stop.stop_strings]
-    hits = [(i, s) for i, s in hits if i >= 0]
-    if not hits:
-        return None
-    index, string = min(hits)
-    end = index + len(string)
-    count = start + 1
-    while count < len(row.tokens) and len(stop.decode_text(row.tokens[:count])) < end:
-        count += 1
-    del row.tokens[count:]
-    row.finished, row.finish_reason, row.stop_text_end = True, "stop", index
-    return count
+def sample_plain(logits: torch.Tensor, meta: SpecDecodeMetadata, tokens: torch.Tensor, status: torch.Tensor,
+                 check: bool) -> None:
+    """One token per row from one position of logits (a verify pass with no drafts): the prefill's first
+    token and the cost probe's plain step. logits [B, 1, V] -> tokens [B, 1], status [B]."""
+    no_drafts = meta.no_drafts.token_ids[:, :0]  # [B, 0]
+    ops.chain_verify(logits, no_drafts, None, temperature=meta.temperature, top_k=meta.top_k, top_p=meta.top_p,
+                     seed=meta.seed, offset=meta.verify_offset, out=(tokens, status), check_status=check)
 
 
 # ------------------------------------------------------------------------------------------ steps
-def prefill(target, drafter: Optional[Drafter], prompts: Sequence[Sequence[int]], meta: SpecDecodeMetadata) -> None:
+def prefill(target: ModelRunner, drafter: Optional[Drafter], prompts: Sequence[Sequence[int]],
+            meta: SpecDecodeMetadata) -> None:
     """Fill both caches with the prompts and sample the first new token (the first pending token)."""
     B = len(prompts)
     logits = target.start(prompts)  # [B, V]
-    lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
-    meta.prompt_lens.copy_(lengths)
+    meta.prompt_lens.copy_(torch.tensor([len(p) for p in prompts], dtype=torch.int64))
     for b, p in enumerate(prompts):
         meta.token_buffer[b, : len(p)] = torch.as_tensor(list(p), dtype=torch.int64)
     meta.set_step(0)
     first = torch.empty((B, 1), dtype=torch.int64, device=logits.device)  # [B, 1]
     status = torch.empty((B,), dtype=torch.int32, device=logits.device)  # [B]
-    no_drafts = torch.empty((B, 0), dtype=torch.int64, device=logits.device)  # [B, 0]
-    ops.chain_verify(logits.unsqueeze(1).contiguous(), no_drafts, None, temperature=meta.temperature,
-                     top_k=meta.top_k, top_p=meta.top_p, seed=meta.seed, offset=meta.verify_offset,
-                     out=(first, status), check_status=True)
+    sample_plain(logits.unsqueeze(1).contiguous(), meta, first, status, check=True)
     meta.token_buffer.scatter_(1, meta.prompt_lens[:, None], first)
     meta.seq_lens.copy_(meta.prompt_lens + 1)
-    meta.num_generated.fill_(1)
     if drafter is not None:
         drafter.prefill(prompts, meta)
 
 
-def draft(drafter: Optional[Drafter], meta: SpecDecodeMetadata) -> None:
-    """Propose k tokens per row into meta.draft_token_ids [B, k] (and meta.draft_probs [B, k, V]).
-
-    Without a drafter (k = 0) the loop is plain decoding: one sampled token per target pass.
-    With adaptive k, meta.draft_budget (host, per row) caps the drafts; a budget of 0 for every row
-    skips the drafter (``drafter.skip``) and the step is plain decoding for the batch."""
+def draft(drafter: Optional[Drafter], meta: SpecDecodeMetadata, budget: Optional[List[int]]) -> Proposal:
+    """This step's proposal; ``meta.no_drafts`` without a drafter, or when adaptive k gives every row a
+    budget of 0 (the drafter is told to ``skip``)."""
     if drafter is None:
-        return
-    if meta.draft_budget is not None and max(meta.draft_budget, default=0) == 0:
-        meta.num_draft.zero_()
+        return meta.no_drafts
+    if budget is not None and max(budget, default=0) == 0:
         drafter.skip(meta)
-        return
-    drafter.propose(meta)
+        return meta.no_drafts
+    return drafter.propose(meta, budget)
 
 
-def verify(target, meta: SpecDecodeMetadata, verifier: Verifier) -> None:
-    """One target pass over [pending, drafts] [B, k+1] and the verifier -> meta.output_tokens [B, k+1]."""
-    pending = torch.gather(meta.token_buffer, 1, (meta.seq_lens - 1)[:, None])  # [B, 1]
-    meta.target_input[:, :1].copy_(pending)
-    meta.target_input[:, 1:].copy_(meta.draft_token_ids)
-    meta.target_num_tokens.copy_(meta.num_draft.to(torch.int64) + 1)
-    tree = {} if meta.tree_parents is None else {"tree_parents": meta.tree_parents}  # [B, N] int32
-    # adaptive k (meta.draft_budget set): the pass covers only the first max(draft_budget) + 1 columns
-    # (every num_draft[b] <= draft_budget[b]); the logits are widened into a static [B, k+1, V] buffer
-    width = meta.verify_width
-    logits = target.forward(meta.target_input[:, :width], meta.target_num_tokens, **tree)  # [B, width, V]
-    if width < meta.k + 1:
-        logits = widen_logits(meta, logits)  # [B, k+1, V]
-    verifier(meta, logits)
+def verify(target: ModelRunner, meta: SpecDecodeMetadata, proposal: Proposal, verifier: Verifier) -> Verdict:
+    """One target pass over [pending, drafts] and the verifier. The pass is only as wide as the
+    proposal's longest row + 1; narrower logits are widened into a static [B, n+1, V] buffer (the
+    verifier reads positions 0..num_draft[b] of row b only, so the stale columns are never read)."""
+    width = proposal.verify_width()
+    meta.target_input[:, :1].copy_(meta.pending_tokens())
+    meta.target_input[:, 1:].copy_(proposal.token_ids)
+    meta.target_num_tokens.copy_(proposal.num_draft.to(torch.int64) + 1)
+    logits = target.forward(meta.target_input[:, :width], meta.target_num_tokens,
+                            tree_parents=proposal.parents)  # [B, width, V]
+    if width < meta.slots + 1:
+        logits = widen_logits(meta, logits)  # [B, n+1, V]
+    with nvtx_range("rejection_sampling"):
+        return verifier(meta, proposal, logits)
 
 
-def commit(target, drafter: Optional[Drafter], meta: SpecDecodeMetadata) -> None:
-    """Commit pending + accepted tokens of the active rows; frozen rows keep nothing."""
+def widen_logits(meta: SpecDecodeMetadata, logits: torch.Tensor) -> torch.Tensor:
+    """A narrower verify pass [B, t, V] -> meta.verify_logits [B, n+1, V] (allocated on first use)."""
+    B, t, V = logits.shape
+    buffer = meta.verify_logits
+    if buffer is None or buffer.dtype != logits.dtype or buffer.shape != (B, meta.slots + 1, V):
+        buffer = meta.verify_logits = torch.zeros((B, meta.slots + 1, V), dtype=logits.dtype, device=logits.device)
+    buffer[:, :t].copy_(logits)
+    return buffer
+
+
+def commit(target: ModelRunner, drafter: Optional[Drafter], meta: SpecDecodeMetadata, verdict: Verdict) -> None:
+    """The target keeps pending + accepted tokens of the active rows (frozen rows keep nothing), the
+    emitted tokens join the token buffer, the drafter rolls back what was rejected."""
     S = meta.token_buffer.shape[1]
-    emitted = meta.num_accepted.to(torch.int64) + 1  # [B]
+    emitted = verdict.num_accepted.to(torch.int64) + 1  # [B]
     meta.num_kept.copy_(torch.where(meta.active, emitted, torch.zeros_like(emitted)))
-    if meta.tree_parents is None:
+    if verdict.path is None:
         target.commit(meta.num_kept)
-    else:  # tree: keep pending + the accepted path (kv_compact), then roll frozen rows back
+    else:  # a tree: keep pending + the accepted path (kv_compact), then roll frozen rows back
         before = target.lengths.clone()  # [B]
-        target.commit_tree(meta.tree_path, meta.num_accepted)
+        target.commit_tree(verdict.path, verdict.num_accepted)
         target.truncate(before + meta.num_kept.to(before.device))
-    columns = torch.arange(meta.k + 1, device=meta.seq_lens.device)  # [k+1]
-    write = columns[None, :] < meta.num_kept[:, None]  # [B, k+1]
-    positions = torch.where(write, meta.seq_lens[:, None] + columns, S - SCRATCH_COLUMNS)  # [B, k+1]
-    meta.token_buffer.scatter_(1, positions, meta.output_tokens)
+    columns = torch.arange(meta.slots + 1, device=meta.device)  # [n+1]
+    write = columns[None, :] < meta.num_kept[:, None]  # [B, n+1]
+    positions = torch.where(write, meta.seq_lens[:, None] + columns, S - SCRATCH_COLUMNS)  # [B, n+1]
+    meta.token_buffer.scatter_(1, positions, verdict.tokens)
     meta.seq_lens.add_(meta.num_kept)
-    meta.num_generated.add_(meta.num_kept)
     if drafter is not None:
-        drafter.accept(meta)
+        drafter.commit(meta, verdict)
 
 
-def probe_target_step(target, meta: SpecDecodeMetadata, timer: Timer) -> float:
+class DecodeSteps:
+    """The draft, verify and commit steps of one decode call: CUDA graphs (cuda_graphs.StepGraph) when
+    ``graphs``, plain calls otherwise. Under graphs the proposal and the verdict are the same static
+    buffers at every replay; ``budget`` (adaptive k, eager only) is read when the draft step runs.
+    ``backend`` is for tests (a fake CUDAGraph on the CPU)."""
+
+    def __init__(self, target: ModelRunner, drafter: Optional[Drafter], meta: SpecDecodeMetadata,
+                 verifier: Verifier, *, graphs: bool, backend=None):
+        self.budget: Optional[List[int]] = None
+        self.proposal: Proposal = meta.no_drafts
+        self.verdict: Optional[Verdict] = None
+
+        def draft_step():
+            self.proposal = draft(drafter, meta, self.budget)
+
+        def verify_step():
+            self.verdict = verify(target, meta, self.proposal, verifier)
+
+        def commit_step():
+            commit(target, drafter, meta, self.verdict)
+
+        def graph(fn, name, enabled):
+            return StepGraph(fn, name=name, enabled=graphs and enabled, backend=backend)
+
+        self.draft = graph(draft_step, "draft", drafter is not None)
+        self.verify = graph(verify_step, "verify", True)
+        self.commit = graph(commit_step, "commit", True)
+
+    @property
+    def captured(self) -> Dict[str, bool]:
+        return {g.name: g.captured for g in (self.draft, self.verify, self.commit)}
+
+
+# ------------------------------------------------------------------------------------------ probes
+def probe_target_step(target: ModelRunner, meta: SpecDecodeMetadata, timer: Timer) -> float:
     """Median time of one plain decode step (one-token target pass, sampling, commit): the cost
     model's unit. Each probe step is rolled back (truncate), so the caches are left as they were."""
     B = meta.batch_size
-    pending = torch.gather(meta.token_buffer, 1, (meta.seq_lens - 1)[:, None])  # [B, 1]
+    pending = meta.pending_tokens()  # [B, 1]
     lengths = target.lengths.clone()  # [B]
     one = torch.ones_like(meta.seq_lens)  # [B]
-    token = torch.empty((B, 1), dtype=torch.int64, device=pending.device)  # [B, 1]
-    status = torch.empty((B,), dtype=torch.int32, device=pending.device)  # [B]
-    no_drafts = torch.empty((B, 0), dtype=torch.int64, device=pending.device)  # [B, 0]
+    token = torch.empty((B, 1), dtype=torch.int64, device=meta.device)  # [B, 1]
+    status = torch.empty((B,), dtype=torch.int32, device=meta.device)  # [B]
 
     def plain_step():
-        logits = target.forward(pending)  # [B, 1, V]
-        ops.chain_verify(logits, no_drafts, None, temperature=meta.temperature, top_k=meta.top_k,
-                         top_p=meta.top_p, seed=meta.seed, offset=meta.verify_offset, out=(token, status),
-                         check_status=False)
+        sample_plain(target.forward(pending), meta, token, status, check=False)
         token.tolist()
         target.commit(one)
 
     return median_time(timer, plain_step, lambda: target.truncate(lengths), COST_PROBE_PASSES)
 
 
+def probe_costs(target: ModelRunner, drafter: Drafter, meta: SpecDecodeMetadata, request: ProbeRequest,
+                timer: Timer, passes: int) -> Tuple[Dict[int, float], Dict[int, float]]:
+    """Adaptive k's start-up probes (adaptive.ProbeRequest), each pass rolled back: ({t: seconds} of
+    target forwards over [B, t], {s: seconds} of draft steps of s tokens per row). The draft probe
+    needs a drafter whose proposals cost something (its ``checkpoint`` gives an undo)."""
+    B = meta.batch_size
+    draft_times: Dict[int, float] = {}
+    undo = drafter.checkpoint() if request.draft_counts else None
+    if undo is not None:
+        for i, count in enumerate(request.draft_counts):
+            budget = [count] * B
+            if i == 0:  # warm-up
+                drafter.propose(meta, budget)
+                undo()
+            draft_times[count] = median_time(timer, lambda: drafter.propose(meta, budget), undo, passes)
+    verify_times: Dict[int, float] = {}
+    if request.verify_widths:
+        pending = meta.pending_tokens()  # [B, 1]
+        lengths = target.lengths.clone()  # [B]
+        target.forward(pending)  # warm-up
+        target.truncate(lengths)
+        for t in request.verify_widths:
+            tokens = pending.expand(B, t).contiguous()  # [B, t]: the content does not change the cost
+            verify_times[t] = median_time(timer, lambda: target.forward(tokens), lambda: target.truncate(lengths),
+                                          passes)
+    return verify_times, draft_times
+
+
 # ------------------------------------------------------------------------------------------ loop
 @torch.no_grad()  # applied per resumption of the generator: the caller's grad mode is untouched
-def decode(target, drafter: Optional[Drafter], prompts: Sequence[Sequence[int]], *, k: int, sampling: SamplingParams,
-           seeds: torch.Tensor, stop: StopCriteria, max_seq_len: int, vocab_size: int,
-           verifier: Verifier = chain_verifier, stats: Optional[GenerationStats] = None,
-           rows: Optional[List[RowState]] = None, cost_probe: bool = True,
-           adaptive: Optional[AdaptiveK] = None) -> Iterator[List[List[int]]]:
+def decode(target: ModelRunner, drafter: Optional[Drafter], prompts: Sequence[Sequence[int]], seeds: torch.Tensor,
+           stop: StopCriteria, *, slots: int, sampling: SamplingParams, max_seq_len: int, cuda_graphs: bool = False,
+           adaptive: Optional[AdaptiveK] = None, verifier: Verifier = lossless_verify,
+           stats: Optional[GenerationStats] = None, rows: Optional[List[RowState]] = None, cost_probe: bool = True,
+           graph_backend=None) -> Iterator[List[List[int]]]:
     """Run the loop; yields, after the prefill and after every step, the new tokens of each row.
 
-    ``drafter=None`` with ``k=0`` is plain decoding over the same runner and sampler (the baseline).
-    ``adaptive`` (specdec_ext/adaptive.py, ``k`` = its k_max): each step it gives every row a draft
-    budget 0..k and the target pass is only as wide as the largest budget + 1 (steps run eagerly).
-    A drafter with ``is_tree = True`` proposes a tree of k nodes (meta.tree_parents); the loop then
-    verifies with :func:`tree_verifier` (unless ``verifier`` is given) and commits with commit_tree.
-    ``rows`` (one RowState per prompt) receives the returned tokens and finish reasons; ``stats``
-    the measurements. seeds [B] int64.
+    ``drafter=None`` (``slots=0``) is plain decoding over the same runner and sampler (the baseline).
+    ``adaptive`` (``slots`` = its k_max): every step it gives each row a draft budget 0..slots and the
+    target pass is only as wide as the largest budget + 1 (steps run eagerly). A tree drafter
+    (``drafter.is_tree``) proposes ``slots`` nodes. ``rows`` (one RowState per prompt; rows already
+    finished, e.g. the padding of a CUDA-graph bucket, stay frozen and emit nothing) receives the
+    returned tokens and finish reasons; ``stats`` the measurements. seeds [B] int64; ``max_seq_len`` is S.
     """
-    real = len(prompts)
-    device = seeds.device
-    timer = Timer(device)
-    stats = stats if stats is not None else GenerationStats(k=k, batch_size=real)
-    rows = rows if rows is not None else [RowState() for _ in range(real)]
-    # CUDA graphs: a static target runner gets the batch padded to its bucket with frozen rows
-    prompts, seeds, rows = cuda_graphs.maybe_pad(target, prompts, seeds, rows, row_factory=RowState)
     B = len(prompts)
-    meta = SpecDecodeMetadata.allocate(batch_size=B, k=k, max_seq_len=max_seq_len, vocab_size=vocab_size,
-                                       sampling=sampling, seeds=seeds, device=device)
-    tree = bool(getattr(drafter, "is_tree", False))
-    if tree:
-        meta.enable_tree()
-        verifier = tree_verifier if verifier is chain_verifier else verifier
+    timer = Timer(seeds.device)
+    stats = stats if stats is not None else GenerationStats(k=slots, batch_size=B)
+    rows = rows if rows is not None else [RowState() for _ in range(B)]
+    tree = drafter is not None and drafter.is_tree
+    meta = SpecDecodeMetadata.allocate(batch_size=B, slots=slots, max_seq_len=max_seq_len, sampling=sampling,
+                                       seeds=seeds, tree=tree)
     start = timer.now()
     with nvtx_range("prefill"):
         prefill(target, drafter, prompts, meta)
     first = meta.token_buffer.gather(1, meta.prompt_lens[:, None])[:, 0].tolist()
-    new = [apply_stops(rows[b], [first[b]], stop) if b < real else [] for b in range(B)]
+    new = [[] if rows[b].finished else apply_stops(rows[b], [first[b]], stop) for b in range(B)]
     stats.prefill_time = timer.now() - start
     stats.new_tokens = sum(len(n) for n in new)
-    yield new[:real]
-    if cost_probe and drafter is not None and not all(r.finished for r in rows):
+    yield new
+    running = not all(r.finished for r in rows)
+    if cost_probe and drafter is not None and running:
         probe_start = timer.now()
         stats.target_step_time = probe_target_step(target, meta, timer)
-        start += timer.now() - probe_start  # the probe is not part of the run
+        start += timer.now() - probe_start  # the probes are not part of the run
     if adaptive is not None and drafter is not None and not tree:  # (a tree drafter: fixed budget)
-        probe_start = timer.now()  # forget the rows; V(t) probed at a few widths (rolled back) once per process
-        adaptive.start(target, drafter, meta, timer, probe=not all(r.finished for r in rows))
+        probe_start = timer.now()
+        request = adaptive.start(B, getattr(target, "model", None), drafter_key(drafter), probe=running)
+        adaptive.record_probes(*probe_costs(target, drafter, meta, request, timer, adaptive.probe_passes))
         start += timer.now() - probe_start
     else:
         adaptive = None
 
-    # draft / verify / commit: CUDA graphs over meta's static buffers on CUDA, eager elsewhere
-    # (trees and adaptive k vary the shapes per step: eager; graphs per width bucket would be next)
-    steps = cuda_graphs.DecodeSteps(target, drafter, meta, verifier, draft_step=draft, verify_step=verify,
-                                    commit_step=commit, enabled=False if tree or adaptive is not None else None)
+    steps = DecodeSteps(target, drafter, meta, verifier, graphs=cuda_graphs, backend=graph_backend)
     step = FIRST_DECODE_STEP
     while not all(r.finished for r in rows):
         active = [not r.finished for r in rows]
         meta.active.copy_(torch.tensor(active))
         meta.set_step(step)
-        budget = meta.draft_budget = adaptive.plan(active) if adaptive is not None else None
+        steps.budget = adaptive.plan(active) if adaptive is not None else None
         t0 = timer.now()
         with nvtx_range("draft"):
             steps.draft()
         t1 = timer.now()
         with nvtx_range("verify"):
             steps.verify()
-        num_accepted = meta.num_accepted.tolist()  # the step's one host read
+        proposal, verdict = steps.proposal, steps.verdict
+        host = torch.cat([verdict.num_accepted[:, None].long(), proposal.num_draft[:, None].long(), verdict.tokens],
+                         dim=1).tolist()  # the step's one host read: [B, 2 + n+1]
+        num_accepted, num_draft = [r[0] for r in host], [r[1] for r in host]
         if min(num_accepted) < 0:
-            raise_for_row_status("tree_verify" if tree else "chain_verify", meta.num_accepted)
-        with nvtx_range("rollback"):
+            raise_for_row_status("tree_verify" if tree else "chain_verify", verdict.num_accepted)
+        with nvtx_range("commit"):
             steps.commit()
-        emitted = meta.output_tokens.tolist()
         t2 = timer.now()
         stats.draft_time += t1 - t0
         stats.verify_time += t2 - t1
-        num_draft = meta.num_draft.tolist()
-        stats.record_step(num_accepted, num_draft, active)
+        outcome = StepOutcome.of(num_accepted, num_draft, active)
+        stats.record_step(outcome)
         if adaptive is not None:
-            adaptive.observe(budget, num_draft, num_accepted, active, draft_time=t1 - t0, verify_time=t2 - t1,
-                             drafted=max(budget, default=0), width=meta.verify_width)
-        new = [apply_stops(rows[b], emitted[b][: num_accepted[b] + 1], stop) if active[b] else []
-               for b in range(B)]
+            adaptive.observe(steps.budget, outcome, draft_time=t1 - t0, verify_time=t2 - t1,
+                             drafted=max(steps.budget, default=0), width=proposal.verify_width())
+        new = [apply_stops(rows[b], host[b][2: 3 + num_accepted[b]], stop) if active[b] else [] for b in range(B)]
         stats.new_tokens += sum(len(n) for n in new)
         step += 1
-        yield new[:real]
+        yield new
     stats.total_time = timer.now() - start
-    steps.finish(target, drafter)
     if adaptive is not None:
         stats.adaptive = adaptive.finish()
+
+
+def pad_batch(prompts: Sequence[Sequence[int]], seeds: torch.Tensor, rows: List[RowState],
+              batch: int) -> Tuple[List[List[int]], torch.Tensor, List[RowState]]:
+    """Pad a batch to ``batch`` rows (the plan's CUDA-graph bucket) with frozen rows: one-token prompts
+    (the first prompt's last token), seed 0, rows already finished (reason "padding"), so the loop
+    freezes them from the first step. The real rows come first, unchanged."""
+    extra = batch - len(prompts)
+    if extra < 0:
+        raise ValueError(f"pad_batch: {len(prompts)} prompts do not fit a batch of {batch}")
+    padding = [RowState(finished=True, finish_reason="padding") for _ in range(extra)]
+    filler = [int(list(prompts[0])[-1])]
+    seeds = torch.cat([seeds, torch.zeros((extra,), dtype=seeds.dtype, device=seeds.device)])
+    return [list(p) for p in prompts] + [list(filler) for _ in range(extra)], seeds, list(rows) + padding

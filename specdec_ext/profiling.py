@@ -4,9 +4,9 @@
         ...
 
 The decode loop marks five ranges per request batch: ``prefill`` (once), then per step ``draft``,
-``verify`` (target forward + verifier), ``accept`` (the verifier, chain_verify, inside ``verify``
-when the step runs eagerly) and ``rollback`` (commit of the accepted tokens, KV rollback, the
-drafter's rollback). docs/profiling.md says how to read them with Nsight Systems.
+``verify`` (target forward + verifier), ``rejection_sampling`` (the verifier kernel, inside ``verify``
+when the step runs eagerly) and ``commit`` (the target keeps the accepted tokens, the drafter rolls
+back what was rejected). docs/profiling.md says how to read them with Nsight Systems.
 
 Policy (decided once, at import):
 
@@ -18,8 +18,8 @@ Policy (decided once, at import):
 * ``SPECDEC_NVTX=1`` forces them on wherever torch.cuda.nvtx works (it is still a no-op on a CPU torch).
 
 Inside a CUDA-graph capture the push/pop run once, on the host, at capture time; a replay is one
-graph launch, so with graphs on only the loop-level ranges (``draft``, ``verify``, ``rollback``)
-appear per step; ``accept`` appears per step only in eager mode (``SPECDEC_CUDA_GRAPHS=0``).
+graph launch, so with graphs on only the loop-level ranges (``draft``, ``verify``, ``commit``)
+appear per step; ``rejection_sampling`` appears per step only in eager mode (``SPECDEC_CUDA_GRAPHS=0``).
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -61,6 +61,28 @@ def median_time(timer, run: Callable[[], object], undo: Callable[[], object], pa
     return sorted(times)[len(times) // 2]
 
 
+@dataclass(frozen=True)
+class StepOutcome:
+    """A verify step's acceptance, on the host, for the stats and adaptive k (counted once, here).
+
+    A row that drafted d tokens and accepted n of them *reached* draft positions 0..min(n+1, d)-1
+    (position n, when n < d, is the rejected one) and *accepted* positions 0..n-1."""
+
+    rows: List[int]  # the active (not frozen) rows
+    drafted: List[int]  # num_draft of each of those rows
+    accepted: List[int]  # num_accepted of each of those rows
+
+    @classmethod
+    def of(cls, num_accepted: Sequence[int], num_draft: Sequence[int], active: Sequence[bool]) -> "StepOutcome":
+        rows = [b for b, live in enumerate(active) if live]
+        return cls(rows, [num_draft[b] for b in rows], [max(num_accepted[b], 0) for b in rows])
+
+    @property
+    def reached(self) -> List[int]:
+        """Positions reached per row: min(accepted + 1, drafted)."""
+        return [min(n + 1, d) for n, d in zip(self.accepted, self.drafted)]
+
+
 @dataclass
 class GenerationStats:
     """What a generation measured. Times in seconds; rates per second."""
@@ -86,18 +108,15 @@ class GenerationStats:
             self.accepted = [0] * self.k
 
     # --------------------------------------------------------------- recording
-    def record_step(self, num_accepted: List[int], num_draft: List[int], active: List[bool]) -> None:
-        """One verify step: per-row accepted counts, drafted counts and whether the row was active."""
+    def record_step(self, outcome: StepOutcome) -> None:
+        """One verify step (one target pass for the batch)."""
         self.steps += 1
-        for n, d, live in zip(num_accepted, num_draft, active):
-            if not live:
-                continue
-            self.row_steps += 1
-            self.emitted += n + 1
-            for i in range(min(n + 1, d)):  # positions 0..n were reached (n is the rejected one)
+        self.row_steps += len(outcome.rows)
+        self.emitted += sum(outcome.accepted) + len(outcome.rows)
+        for reached, accepted in zip(outcome.reached, outcome.accepted):
+            for i in range(reached):
                 self.reached[i] += 1
-                if i < n:
-                    self.accepted[i] += 1
+                self.accepted[i] += i < accepted
 
     # --------------------------------------------------------------- derived
     @property

@@ -11,26 +11,26 @@ pruned to N nodes. The candidates are a deterministic function of the target's p
 Where h comes from: a forward pre-hook on the target's LM head keeps its input of the last target pass
 (registered when the drafter is made, removed by ``close``; the lean runner calls a hooked LM head
 module too). After the prefill that is each prompt's last token ([B, 1, H], or [B, H]); after a
-verify pass [B, N+1, H] (column 0 at the pending token, column i+1 at node i), and ``accept`` keeps
+verify pass [B, N+1, H] (column 0 at the pending token, column i+1 at node i), and ``commit`` keeps
 the column of the last accepted node (0 when none was accepted). The heads
 therefore cost one small residual block and one LM-head product per depth per step and no extra target
 pass.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence
 
 import torch
 
 from ..heads import MedusaHeads, lm_head_of
-from ..metadata import SpecDecodeMetadata
+from ..metadata import Proposal, SpecDecodeMetadata, Verdict
 from . import Drafter
 from .calibration import NodeCalibration
 from .tree_drafter import DraftTree, beam_widths, grow_tree, observe_tree, tree_num_nodes
 
 
 class HeadsDrafter(Drafter):
-    """A token tree from heads on the target; ``k`` is the number of nodes N' of every tree."""
+    """A token tree from heads on the target; ``slots`` is the number of nodes N' of every tree."""
 
     is_tree = True
 
@@ -41,7 +41,7 @@ class HeadsDrafter(Drafter):
             raise ValueError(f"draft tree depth {depth} exceeds the {heads.num_heads} heads (one head per depth)")
         self.widths = beam_widths(branch, depth, budget)
         self.branch, self.depth = branch, depth
-        self.k = tree_num_nodes(branch, depth, budget)
+        self.slots = tree_num_nodes(branch, depth, budget)
         self.heads = heads
         self.calibration = calibration  # None: rank by draft log-probability (EAGLE-2)
         self.tree: Optional[DraftTree] = None
@@ -65,8 +65,12 @@ class HeadsDrafter(Drafter):
             raise RuntimeError("HeadsDrafter: the target's prefill did not pass through its LM head")
         captured = self._captured  # the prefill scores each prompt's last token only: [B, 1, H] or [B, H]
         self._hidden = (captured[:, -1] if captured.dim() == 3 else captured).clone()  # [B, H]
+        B, N, device = meta.batch_size, self.slots, meta.device
+        self.token_ids = torch.zeros((B, N), dtype=torch.int64, device=device)  # [B, N]
+        self.parents = torch.full((B, N), -1, dtype=torch.int32, device=device)  # [B, N]
+        self.num_draft = torch.full((B,), N, dtype=torch.int32, device=device)  # [B]
 
-    def propose(self, meta: SpecDecodeMetadata) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def propose(self, meta: SpecDecodeMetadata, budget: Optional[Sequence[int]] = None) -> Proposal:
         with torch.no_grad():
             logits = self.heads(self._hidden, self.lm_head)  # [B, m, V]
         logprobs = torch.log_softmax(logits.float(), dim=-1)
@@ -74,19 +78,18 @@ class HeadsDrafter(Drafter):
         def frontier_logprobs(level, tokens, parents, frontier_index):
             return logprobs[:, level:level + 1]  # [B, 1, V]: the same children under every parent
 
-        self.tree = grow_tree(frontier_logprobs, self.widths, self.branch, self.k, self.calibration)
-        meta.draft_token_ids.copy_(self.tree.tokens)
-        meta.tree_parents.copy_(self.tree.parents)
-        meta.num_draft.fill_(self.k)
-        return meta.draft_token_ids, None
+        self.tree = grow_tree(frontier_logprobs, self.widths, self.branch, self.slots, self.calibration)
+        self.token_ids.copy_(self.tree.tokens)
+        self.parents.copy_(self.tree.parents)
+        return Proposal(self.token_ids, None, self.num_draft, parents=self.parents)
 
-    def accept(self, meta: SpecDecodeMetadata) -> None:
+    def commit(self, meta: SpecDecodeMetadata, verdict: Verdict) -> None:
         """Keep h at the last accepted node (column path[num_accepted - 1] + 1), or at the pending token;
         the step's outcome updates the node calibration."""
-        observe_tree(self.calibration, self.tree, meta)
+        observe_tree(self.calibration, self.tree, meta, verdict)
         hidden = self._captured  # [B, N+1, H] of the verify pass
-        accepted = meta.num_accepted.to(torch.int64).clamp(min=0)  # [B]
-        last_node = meta.tree_path.to(torch.int64).gather(1, (accepted - 1).clamp(min=0)[:, None])[:, 0]  # [B]
+        accepted = verdict.num_accepted.to(torch.int64).clamp(min=0)  # [B]
+        last_node = verdict.path.to(torch.int64).gather(1, (accepted - 1).clamp(min=0)[:, None])[:, 0]  # [B]
         column = torch.where(accepted > 0, last_node + 1, torch.zeros_like(last_node))  # [B]
         rows = torch.arange(hidden.shape[0], device=hidden.device)
         self._hidden = hidden[rows, column.to(hidden.device)].clone()  # [B, H]

@@ -3,31 +3,38 @@
 Per step (shapes: B rows, k drafts, V the target's vocabulary, V_d the draft model's):
 
 1. feed the committed tokens the draft has not seen (1 or 2 per row: the recovered/bonus token, and
-   the last draft token when all k were accepted) -> logits at the last fed position   [B, V_d]
+   the last draft token when all k were accepted; more after adaptive k skipped steps)
+   -> logits at the last fed position   [B, V_d]
 2. k times: filter like the target (softmax(l / T), top-k, top-p, renormalised) -> q   [B, V]
    sample with Philox uniforms u[:, i] by inverse CDF (greedy: argmax, q not needed)
    feed the sampled token (except after the last one)
-3. after verification (accept): truncate the draft cache to the tokens it fed that were committed.
+3. commit (after verification): truncate the draft cache to the tokens it fed that were committed.
 
 Vocabularies padded to different sizes are reconciled here: draft logits beyond the target's V are
 dropped, missing ones are -inf (never proposed).
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from .. import ops
-from ..metadata import MAX_DRAFT_FEED, SpecDecodeMetadata, filtered_probs, sample_inverse_cdf
-from ..stats import median_time
+from ..metadata import Proposal, SpecDecodeMetadata, Verdict
+from ..runners import ModelRunner
+from ..sampling import filtered_probs, sample_inverse_cdf
 from . import Drafter
+
+MAX_DRAFT_FEED = 2  # committed tokens a model drafter may not have seen: the bonus/recovered token and,
+# when every draft was accepted, the last draft token (which it proposed but never fed)
+
+RunnerFactory = Callable[..., ModelRunner]  # (max_batch_size=, max_seq_len=) -> the draft model's runner
 
 
 class ModelDrafter(Drafter):
-    """A HF draft model behind a model runner (``runner_factory(model, max_batch_size=, max_seq_len=)``)."""
+    """A HF draft model behind a model runner made by ``runner_factory(max_batch_size=, max_seq_len=)``."""
 
-    def __init__(self, model, runner_factory: Callable, *, k: int, vocab_size: int,
+    def __init__(self, model, runner_factory: RunnerFactory, *, k: int, vocab_size: int,
                  confidence_threshold: float = 0.0):
         self.model = model
         # A row stops drafting after a token the draft itself gives probability below this (its own
@@ -35,42 +42,51 @@ class ModelDrafter(Drafter):
         # forwards after them are mostly wasted. 0 = off (always k). The rows' num_draft then differ;
         # the decision depends on the draft alone, so verification stays lossless.
         self.confidence_threshold = float(confidence_threshold)
+        self.runner_factory = runner_factory
+        self.slots = int(k)
+        self.vocab_size = int(vocab_size)  # the target's V: proposals and q rows live in it
+        self.runner: Optional[ModelRunner] = None
         self._fed_drafts = 0  # draft tokens fed to the draft cache in the last propose (<= k - 1)
         self._skipped = 0  # adaptive k: steps skipped since the last feed (each commits <= 1 token per row)
-        self._skipped_step = False  # the last step was skipped (accept leaves the cache as it is)
-        self.runner_factory = runner_factory
-        self.k = int(k)
-        self.vocab_size = int(vocab_size)  # the target's V: proposals and q rows live in it
-        self.runner = None
-        self._feed_columns: Optional[torch.Tensor] = None  # [MAX_DRAFT_FEED] int64: 0, 1
-        self._ones: Optional[torch.Tensor] = None  # [B] int64
-        self._rows: Optional[torch.Tensor] = None  # [B] int64: 0..B-1
+        self._skipped_step = False  # the last step was skipped (commit leaves the cache as it is)
 
     # ------------------------------------------------------------------ lifecycle
+    def _ensure_runner(self, batch: int, seq_len: int) -> None:
+        if self.runner is None or self.runner.max_batch_size < batch or self.runner.max_seq_len < seq_len:
+            self.runner = self.runner_factory(max_batch_size=batch, max_seq_len=seq_len)
+
     def prefill(self, prompts: Sequence[Sequence[int]], meta: SpecDecodeMetadata) -> None:
         B, S = meta.token_buffer.shape
-        device = meta.token_buffer.device
-        if self.runner is None or self.runner.max_batch_size < B or self.runner.max_seq_len < S:
-            self.runner = self.runner_factory(self.model, max_batch_size=B, max_seq_len=S)
+        device = meta.device
+        self._ensure_runner(B, S)
         self.runner.start([list(p) for p in prompts])  # the draft's prompt logits are not needed
-        self._feed_columns = torch.arange(MAX_DRAFT_FEED, dtype=torch.int64, device=device)
-        self._ones = torch.ones((B,), dtype=torch.int64, device=device)
-        self._rows = torch.arange(B, dtype=torch.int64, device=device)
+        self._allocate(meta)
+        self._feed_columns = torch.arange(MAX_DRAFT_FEED, dtype=torch.int64, device=device)  # [2]
+        self._ones = torch.ones((B,), dtype=torch.int64, device=device)  # [B]
+        self._rows = torch.arange(B, dtype=torch.int64, device=device)  # [B]
         self._skipped, self._skipped_step = 0, False
 
+    def _allocate(self, meta: SpecDecodeMetadata) -> None:
+        """The proposal buffers (static: the same storage every step)."""
+        B, n, device = meta.batch_size, self.slots, meta.device
+        self.token_ids = torch.zeros((B, n), dtype=torch.int64, device=device)  # [B, n]
+        self.num_draft = torch.full((B,), n, dtype=torch.int32, device=device)  # [B]
+        self.probs = None if meta.sampling.greedy else torch.zeros(
+            (B, n, self.vocab_size), dtype=torch.float32, device=device)  # [B, n, V]
+
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        """Draft logits [B, V_d] -> [B, V] in the target's vocabulary."""
+        """Draft logits [..., V_d] -> [..., V] in the target's vocabulary."""
         v_draft = logits.shape[-1]
         if v_draft == self.vocab_size:
             return logits
         if v_draft > self.vocab_size:
-            return logits[:, : self.vocab_size]
+            return logits[..., : self.vocab_size]
         return torch.nn.functional.pad(logits, (0, self.vocab_size - v_draft), value=-float("inf"))
 
     def _feed_unseen(self, meta: SpecDecodeMetadata) -> torch.Tensor:
         """Feed the committed tokens not yet in the draft cache; logits at the last one [B, V_d]."""
         S = meta.token_buffer.shape[1]
-        seen = self.runner.lengths.to(meta.seq_lens.device)  # [B]
+        seen = self.runner.lengths.to(meta.device)  # [B]
         num_feed = meta.seq_lens - seen  # [B], 1..MAX_DRAFT_FEED (+ skipped steps)
         columns = self._feed_columns
         if self._skipped:  # adaptive k skipped the drafter: each skipped step committed <= 1 token per row
@@ -84,16 +100,15 @@ class ModelDrafter(Drafter):
         return logits[self._rows, last]
 
     # ------------------------------------------------------------------ the step
-    def propose(self, meta: SpecDecodeMetadata) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        sampling, k = meta.sampling, self.k
-        budget = meta.draft_budget  # adaptive k: host [B] caps, or None
+    def propose(self, meta: SpecDecodeMetadata, budget: Optional[Sequence[int]] = None) -> Proposal:
+        sampling, k = meta.sampling, self.slots
         steps = k if budget is None else min(k, max(budget, default=0))
         logits = self._fit_vocab(self._feed_unseen(meta))  # [B, V]
         uniforms = None if sampling.greedy else ops.philox_uniforms(meta.seed, meta.draft_offset, k)  # [B, k]
         if budget is None:
-            meta.num_draft.fill_(k)
+            self.num_draft.fill_(k)
         else:
-            meta.num_draft.copy_(torch.tensor([min(k, b) for b in budget], dtype=torch.int32))
+            self.num_draft.copy_(torch.tensor([min(k, b) for b in budget], dtype=torch.int32))
         drafting = torch.ones_like(meta.active) if self.confidence_threshold > 0 else None  # [B] bool
         self._fed_drafts, self._skipped_step = 0, False
         for i in range(steps):
@@ -104,13 +119,13 @@ class ModelDrafter(Drafter):
             else:
                 q = filtered_probs(logits, sampling)  # [B, V]
                 token = sample_inverse_cdf(q, uniforms[:, i])  # [B]
-                meta.draft_probs[:, i].copy_(q)
+                self.probs[:, i].copy_(q)
                 if drafting is not None:
                     confidence = q.gather(1, token[:, None])[:, 0]  # [B]
-            meta.draft_token_ids[:, i].copy_(token)
+            self.token_ids[:, i].copy_(token)
             if drafting is not None:
                 stop = drafting & (confidence < self.confidence_threshold) & meta.active  # [B]
-                meta.num_draft.masked_fill_(stop & (meta.num_draft > i + 1), i + 1)
+                self.num_draft.masked_fill_(stop & (self.num_draft > i + 1), i + 1)
                 drafting &= ~stop
                 if not bool((drafting & meta.active).any()):  # every live row has stopped drafting
                     break
@@ -118,35 +133,14 @@ class ModelDrafter(Drafter):
                 logits = self._fit_vocab(self.runner.forward(token[:, None], self._ones)[:, 0])
                 self.runner.commit(self._ones)
                 self._fed_drafts += 1
-        return meta.draft_token_ids, meta.draft_probs
-
-    def probe_cost(self, meta: SpecDecodeMetadata, counts: Sequence[int], timer, passes: int) -> Dict[int, float]:
-        """Median time of a draft step of s tokens per row for each s in ``counts`` (``passes`` timed
-        steps each, after one warm-up), every one rolled back: the draft cache, and the proposal
-        buffers the next ``propose`` rewrites, are left as they were. For adaptive k's cost model
-        (AdaptiveK.probe_drafter), after prefill."""
-        lengths = self.runner.lengths.clone()  # [B]
-        budget = meta.draft_budget
-        out: Dict[int, float] = {}
-        propose, undo = (lambda: self.propose(meta)), (lambda: self.runner.truncate(lengths))
-        try:
-            for i, count in enumerate(counts):
-                meta.draft_budget = [int(count)] * meta.batch_size
-                if i == 0:  # warm-up
-                    propose()
-                    undo()
-                out[int(count)] = median_time(timer, propose, undo, passes)
-        finally:
-            meta.draft_budget = budget
-            self._fed_drafts = 0
-        return out
+        return Proposal(self.token_ids, self.probs, self.num_draft, longest=None if budget is None else steps)
 
     def skip(self, meta: SpecDecodeMetadata) -> None:
         """No draft this step (adaptive k): the next propose feeds the tokens committed meanwhile."""
         self._skipped += 1
         self._skipped_step = True
 
-    def accept(self, meta: SpecDecodeMetadata) -> None:
+    def commit(self, meta: SpecDecodeMetadata, verdict: Verdict) -> None:
         """Roll the draft cache back to the committed tokens it has fed.
 
         Before this step the draft had fed seq_len_old tokens plus drafts 1.._fed_drafts; the first
@@ -157,6 +151,16 @@ class ModelDrafter(Drafter):
         if self._skipped_step:
             return
         seq_old = meta.seq_lens - meta.num_kept  # [B]
-        accepted = meta.num_accepted.to(torch.int64).clamp(min=0, max=self._fed_drafts)  # [B]
+        accepted = verdict.num_accepted.to(torch.int64).clamp(min=0, max=self._fed_drafts)  # [B]
         valid = torch.minimum(seq_old + accepted, meta.seq_lens - 1)  # [B]
         self.runner.truncate(valid)
+
+    def checkpoint(self):
+        """Undo for the cost probes: the draft cache back to its current lengths."""
+        lengths = self.runner.lengths.clone()  # [B]
+
+        def undo() -> None:
+            self.runner.truncate(lengths)
+            self._fed_drafts = 0
+
+        return undo

@@ -5,26 +5,24 @@ every committed token. Per step it proposes up to k tokens per row: the tokens t
 EARLIEST earlier occurrence of the longest suffix of the row that occurred before (continuing as an
 overlapping copy when that continuation runs into the end of the row, so a loop of period P < k is
 proposed in full); nothing while that match is shorter than ``min_match`` tokens. Proposals are
-ragged: ``meta.num_draft[b]`` is the number proposed for row b (0..k), the rest of
-``meta.draft_token_ids[b]`` is padded with token 0.
+ragged: ``num_draft[b]`` is the number proposed for row b (0..k), the rest of the row's ``token_ids`` is
+padded with token 0; the longest proposal, known on the host, narrows the verify pass.
 
-The drafts are deterministic, so ``draft_probs`` is None: chain_verify treats q as one-hot at the
-drafted token (accept x with probability p(x), recover from normalise(max(0, p - onehot(x)))), and the
-output is distributed exactly as sampling from the target. ``prefill`` sets ``meta.draft_probs`` to
-None so that the verifier sees it at every step (the buffer SpecDecodeMetadata.allocate makes at
-T > 0 is a model drafter's).
+The drafts are deterministic, so the proposal's ``probs`` is None: chain_verify treats q as one-hot at
+the drafted token (accept x with probability p(x), recover from normalise(max(0, p - onehot(x)))), and
+the output is distributed exactly as sampling from the target.
 
-Host work per step: one device-to-host read of the new committed tokens (in ``accept``), one host-to-
+Host work per step: one device-to-host read of the new committed tokens (in ``commit``), one host-to-
 device copy of the proposals (in ``propose``); O(k) automaton work per row. Committed tokens are never
 rolled back, so the automaton is append-only; rejected drafts never enter it.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 import torch
 
-from ..metadata import SpecDecodeMetadata
+from ..metadata import Proposal, SpecDecodeMetadata, Verdict
 from . import Drafter
 
 # A one-token match is a weak signal, but a proposal costs only verify width (the pass covers the
@@ -56,14 +54,12 @@ class NgramDrafter(Drafter):
         Continue the copy from the proposal itself when the continuation reaches the end of the row.
     """
 
-    deterministic = True  # draft_probs is None: q is one-hot at the drafted token
-
     def __init__(self, k: int, *, min_match: int = DEFAULT_MIN_MATCH, overlap_copy: bool = True):
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"k (draft tokens per step) must be an int >= 1, got {k!r}")
         if isinstance(min_match, bool) or not isinstance(min_match, int) or min_match < 1:
             raise ValueError(f"min_match must be an int >= 1, got {min_match!r}")
-        self.k = k
+        self.slots = k
         self.min_match = min_match
         self.overlap_copy = bool(overlap_copy)
         self._automaton_class = _suffix_automaton_class()
@@ -72,9 +68,11 @@ class NgramDrafter(Drafter):
     # ------------------------------------------------------------------ lifecycle
     def prefill(self, prompts: Sequence[Sequence[int]], meta: SpecDecodeMetadata) -> None:
         """Index each row's prompt and first emitted token (token_buffer[b, :seq_lens[b]])."""
-        if meta.k != self.k:
-            raise ValueError(f"NgramDrafter(k={self.k}) used with metadata for k={meta.k}")
-        meta.draft_probs = None  # deterministic drafts: chain_verify takes q one-hot
+        if meta.slots != self.slots:
+            raise ValueError(f"NgramDrafter(k={self.slots}) used with metadata for {meta.slots} draft slots")
+        B, device = meta.batch_size, meta.device
+        self.token_ids = torch.zeros((B, self.slots), dtype=torch.int64, device=device)  # [B, k]
+        self.num_draft = torch.zeros((B,), dtype=torch.int32, device=device)  # [B]
         lengths = meta.seq_lens.tolist()
         rows = meta.token_buffer.cpu()
         self.automata = []
@@ -83,33 +81,29 @@ class NgramDrafter(Drafter):
             automaton.extend(rows[b, :n])
             self.automata.append(automaton)
 
-    def propose(self, meta: SpecDecodeMetadata) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """Up to k tokens per row into meta.draft_token_ids [B, k] (padded), meta.num_draft [B]."""
-        k = self.k
-        budget = meta.draft_budget  # adaptive k: host [B] caps, or None
+    def propose(self, meta: SpecDecodeMetadata, budget: Optional[Sequence[int]] = None) -> Proposal:
+        """Up to k tokens per row (padded with PAD_TOKEN); the longest count is known on the host."""
+        k = self.slots
         drafts = [a.propose(k if budget is None else min(k, budget[b])) for b, a in enumerate(self.automata)]
         counts = [len(d) for d in drafts]
-        # known on the host: the verify pass covers max(counts) + 1 tokens (1 when no row has a match)
-        meta.draft_budget = counts
         padded = [d + [PAD_TOKEN] * (k - len(d)) for d in drafts]
-        meta.draft_token_ids.copy_(torch.tensor(padded, dtype=torch.int64).view(len(drafts), k))
-        meta.num_draft.copy_(torch.tensor(counts, dtype=torch.int32))
-        meta.draft_probs = None
-        return meta.draft_token_ids, None
+        self.token_ids.copy_(torch.tensor(padded, dtype=torch.int64).view(len(drafts), k))
+        self.num_draft.copy_(torch.tensor(counts, dtype=torch.int32))
+        return Proposal(self.token_ids, None, self.num_draft, longest=max(counts, default=0))
 
     def skip(self, meta: SpecDecodeMetadata) -> None:
-        """No proposal this step (adaptive k); accept() indexes the committed token as usual."""
+        """No proposal this step (adaptive k); commit() indexes the committed token as usual."""
 
-    def accept(self, meta: SpecDecodeMetadata) -> None:
+    def commit(self, meta: SpecDecodeMetadata, verdict: Verdict) -> None:
         """Index the tokens committed since the last call: token_buffer[b, seen_b:seq_lens[b]].
 
         One host read: seq_lens and the k+1 token columns from each row's old length (a step commits
-        at most k+1 tokens per row; more, e.g. a caller that skipped accept, falls back to a slice).
+        at most k+1 tokens per row; more, e.g. a caller that skipped commit, falls back to a slice).
         """
         S = meta.token_buffer.shape[1]
-        device = meta.token_buffer.device
+        device = meta.device
         seen = torch.tensor([len(a) for a in self.automata], dtype=torch.int64, device=device)  # [B]
-        columns = torch.arange(self.k + 1, dtype=torch.int64, device=device)  # [k+1]
+        columns = torch.arange(self.slots + 1, dtype=torch.int64, device=device)  # [k+1]
         window = torch.gather(meta.token_buffer, 1, (seen[:, None] + columns).clamp(max=S - 1))  # [B, k+1]
         host = torch.cat([meta.seq_lens[:, None], window], dim=1).tolist()  # [B, 1 + k+1]
         for b, automaton in enumerate(self.automata):
@@ -119,7 +113,7 @@ class NgramDrafter(Drafter):
                                    f"indexed {len(automaton)} (committed tokens are never rolled back)")
             if new == 0:
                 continue  # frozen row
-            if new <= self.k + 1:
+            if new <= self.slots + 1:
                 automaton.extend(host[b][1:1 + new])
             else:
                 automaton.extend(meta.token_buffer[b, len(automaton):host[b][0]].cpu())

@@ -18,8 +18,8 @@ row has the same node count N' = min(N, expanded nodes); tokens and shape differ
 Candidates. Greedy (T = 0): the top-b of each node, a deterministic function of the draft and of
 past outcomes, verified by ``tree_verify(..., draft_probs=None)`` (the first child equal to the
 target's argmax). T > 0: each expanded node's b children are drawn *without replacement* from the
-draft's filtered q (``draw_without_replacement``), and ``meta.draft_probs [B, N, V]`` holds for every
-node the distribution it was drawn from (q with its earlier siblings removed, renormalised), so
+draft's filtered q (``draw_without_replacement``), and the proposal's ``probs [B, N, V]`` holds for
+every node the distribution it was drawn from (q with its earlier siblings removed, renormalised), so
 ``tree_verify`` runs recursive rejection sampling (accept x with min(1, p(x) / q_x(x)), else
 p <- norm(max(0, p - q_x)) and try the next sibling): the first child is accepted as often as a chain
 draft, each further sibling adds its chance, and the output is distributed exactly as the target's.
@@ -30,7 +30,7 @@ Draft cache (its own runner): before ``propose`` it holds a prefix of the commit
 before the pending token. ``propose`` feeds the unseen committed tokens plus the pending token as one
 chain forward and commits all but the pending one (logits at the pending token give level 1); each
 further level is one *uncommitted* tree forward of [pending, nodes so far] with their parents (the
-runner rolls tentative tokens back by metadata). So the draft never commits a tree node and ``accept``
+runner rolls tentative tokens back by metadata). So the draft never commits a tree node and ``commit``
 has nothing to roll back; the next step feeds the accepted path and the emitted token. d draft forwards
 per step, like a chain drafter with k = d.
 """
@@ -41,9 +41,10 @@ from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from .. import ops
-from ..metadata import SpecDecodeMetadata, filtered_probs, sample_inverse_cdf
+from ..metadata import Proposal, SpecDecodeMetadata, Verdict
+from ..sampling import filtered_probs, sample_inverse_cdf
 from .calibration import NodeCalibration
-from .model_drafter import ModelDrafter
+from .model_drafter import ModelDrafter, RunnerFactory
 
 
 DEPTH_TIE_BREAK = 1e-4  # subtracted per level from the rerank score: a child never ties its parent
@@ -200,20 +201,21 @@ def grow_tree(frontier_logprobs: FrontierLogprobs, widths: Sequence[int], branch
                      ranks.gather(1, keep), kept_probs)
 
 
-def observe_tree(calibration: Optional[NodeCalibration], tree: DraftTree, meta: SpecDecodeMetadata) -> None:
+def observe_tree(calibration: Optional[NodeCalibration], tree: DraftTree, meta: SpecDecodeMetadata,
+                 verdict: Verdict) -> None:
     """Feed a verified tree step to the calibration (a no-op without one)."""
     if calibration is not None:
-        calibration.observe(tree.logprobs, tree.depth, tree.rank, tree.tokens, tree.parents, meta.tree_path,
-                            meta.num_accepted, meta.output_tokens, meta.active)
+        calibration.observe(tree.logprobs, tree.depth, tree.rank, tree.tokens, tree.parents, verdict.path,
+                            verdict.num_accepted, verdict.tokens, meta.active)
 
 
 class TreeModelDrafter(ModelDrafter):
-    """Top-b draft tree from a HF draft model. ``k`` is the number of nodes N' (<= N)."""
+    """Top-b draft tree from a HF draft model. ``slots`` is the number of nodes N' (<= N)."""
 
     is_tree = True
 
-    def __init__(self, model, runner_factory: Callable, *, branch: int, depth: int, budget: int, vocab_size: int,
-                 calibration: Optional[NodeCalibration] = None):
+    def __init__(self, model, runner_factory: RunnerFactory, *, branch: int, depth: int, budget: int,
+                 vocab_size: int, calibration: Optional[NodeCalibration] = None):
         self.widths = beam_widths(branch, depth, budget)
         self.branch, self.depth = branch, depth
         self.calibration = calibration  # None: rank by draft log-probability (EAGLE-2)
@@ -223,20 +225,16 @@ class TreeModelDrafter(ModelDrafter):
     def prefill(self, prompts: Sequence[Sequence[int]], meta: SpecDecodeMetadata) -> None:
         """ModelDrafter's prefill, with room in the draft cache for [pending, every expanded node]."""
         B, S = meta.token_buffer.shape
-        room = S + sum(self.widths) + 1
-        if self.runner is None or self.runner.max_batch_size < B or self.runner.max_seq_len < room:
-            self.runner = self.runner_factory(self.model, max_batch_size=B, max_seq_len=room)
+        self._ensure_runner(B, S + sum(self.widths) + 1)
         super().prefill(prompts, meta)
-        if not meta.sampling.greedy:  # sampled candidates: the verifier needs the q of every node
-            meta.draft_probs = torch.zeros((B, self.k, self.vocab_size), dtype=torch.float32,
-                                           device=meta.token_buffer.device)
+        self.parents = torch.full((B, self.slots), -1, dtype=torch.int32, device=meta.device)  # [B, N]
 
     # ------------------------------------------------------------------ the step
     def _feed_unseen_and_pending(self, meta: SpecDecodeMetadata) -> torch.Tensor:
         """Chain-feed the committed tokens not yet in the draft cache and the pending token; commit all
         but the pending one. Returns the draft logits at the pending token [B, V_d]."""
         S = meta.token_buffer.shape[1]
-        seen = self.runner.lengths.to(meta.seq_lens.device)  # [B]
+        seen = self.runner.lengths.to(meta.device)  # [B]
         num_feed = meta.seq_lens - seen  # [B], 1 .. depth + 2
         width = int(num_feed.max())
         columns = torch.arange(width, dtype=torch.int64, device=seen.device)
@@ -246,8 +244,8 @@ class TreeModelDrafter(ModelDrafter):
         self.runner.commit(num_feed - 1)
         return logits[self._rows, num_feed - 1]
 
-    def propose(self, meta: SpecDecodeMetadata) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        pending = torch.gather(meta.token_buffer, 1, (meta.seq_lens - 1)[:, None])  # [B, 1]
+    def propose(self, meta: SpecDecodeMetadata, budget: Optional[Sequence[int]] = None) -> Proposal:
+        pending = meta.pending_tokens()  # [B, 1]
         first = self._fit_vocab(self._feed_unseen_and_pending(meta))[:, None]  # [B, 1, V]
 
         def frontier_logprobs(level, tokens, parents, frontier_index):
@@ -256,19 +254,19 @@ class TreeModelDrafter(ModelDrafter):
             # draft logits at the frontier: one uncommitted tree forward of [pending, nodes so far]
             feed = torch.cat([pending, tokens], dim=1)  # [B, nodes so far + 1]
             out = self.runner.forward(feed, None, tree_parents=parents.to(torch.int32).contiguous())
-            logits = self._fit_vocab_3d(out.gather(
+            logits = self._fit_vocab(out.gather(
                 1, (frontier_index + 1)[:, :, None].expand(-1, -1, out.shape[-1])))  # [B, F, V]
             return torch.log_softmax(logits.float(), dim=-1)
 
         sample_children = None if meta.sampling.greedy else self._sampler(meta)
-        self.tree = grow_tree(frontier_logprobs, self.widths, self.branch, self.k, self.calibration,
+        self.tree = grow_tree(frontier_logprobs, self.widths, self.branch, self.slots, self.calibration,
                               sample_children)
-        meta.draft_token_ids.copy_(self.tree.tokens)
-        meta.tree_parents.copy_(self.tree.parents)
-        meta.num_draft.fill_(self.k)
+        self.token_ids.copy_(self.tree.tokens)
+        self.parents.copy_(self.tree.parents)
+        self.num_draft.fill_(self.slots)
         if self.tree.probs is not None:
-            meta.draft_probs.copy_(self.tree.probs)
-        return meta.draft_token_ids, meta.draft_probs
+            self.probs.copy_(self.tree.probs)
+        return Proposal(self.token_ids, self.probs, self.num_draft, parents=self.parents)
 
     def _sampler(self, meta: SpecDecodeMetadata):
         """Children drawn without replacement from the filtered draft q (T > 0), with Philox draws of
@@ -287,12 +285,12 @@ class TreeModelDrafter(ModelDrafter):
 
         return sample_children
 
-    def _fit_vocab_3d(self, logits: torch.Tensor) -> torch.Tensor:
-        B, F, V = logits.shape
-        return self._fit_vocab(logits.reshape(B * F, V)).reshape(B, F, -1)
-
-    def accept(self, meta: SpecDecodeMetadata) -> None:
+    def commit(self, meta: SpecDecodeMetadata, verdict: Verdict) -> None:
         """Nothing to roll back: the draft cache only ever commits committed tokens (see the module
         docstring); the next propose feeds the accepted path and the emitted token. The step's outcome
         updates the node calibration."""
-        observe_tree(self.calibration, self.tree, meta)
+        observe_tree(self.calibration, self.tree, meta, verdict)
+
+    def checkpoint(self):
+        """Trees are not probed (adaptive k is for chains)."""
+        return None

@@ -58,3 +58,25 @@ def check_forward_inputs(input_ids: torch.Tensor, num_tokens: Optional[torch.Ten
     if tree_parents is not None and tuple(tree_parents.shape) != (B, max(T - 1, 0)):
         raise ValueError(f"forward: tree_parents must be [B, T-1] = [{B}, {T - 1}], got {list(tree_parents.shape)}")
     return B, T, counts
+
+
+def check_commit(num_kept: torch.Tensor, tentative: Sequence[int], batch: int) -> List[int]:
+    """``commit``'s checks (one host read); returns num_kept as a list. Row b may keep 0..tentative[b]."""
+    kept = [int(x) for x in num_kept.tolist()]
+    if len(kept) != batch:
+        raise ValueError(f"commit: num_kept has {len(kept)} rows, the runner holds {batch}")
+    for b, k in enumerate(kept):
+        if not 0 <= k <= tentative[b]:
+            raise ValueError(f"commit: num_kept[{b}] = {k} is outside [0, {tentative[b]}]")
+    return kept
+
+
+def check_truncate(new_lengths: torch.Tensor, lengths: Sequence[int], batch: int) -> List[int]:
+    """``truncate``'s checks (one host read); returns the new lengths as a list (never longer)."""
+    target = [int(x) for x in new_lengths.tolist()]
+    if len(target) != batch:
+        raise ValueError(f"truncate: new_lengths has {len(target)} rows, the runner holds {batch}")
+    for b, n in enumerate(target):
+        if not 0 <= n <= lengths[b]:
+            raise ValueError(f"truncate: new_lengths[{b}] = {n} is outside [0, {lengths[b]}]")
+    return target

@@ -1,10 +1,10 @@
-"""LeanLlamaRunner: a minimal pure-torch forward for Llama-family draft models (the runner interface).
+"""LeanLlamaRunner: a minimal pure-torch forward for Llama-family models (the ``ModelRunner`` protocol).
 
 Why: a 2-layer d=128 draft costs ~1.3 ms per one-token HF forward on one CPU thread, nearly all of it
 module/Python overhead (hooks, the attention-interface dispatch, masks, our paged-cache gather), not
 arithmetic. This runner runs the same math directly over the HF model's own weight tensors (no
 copies; optionally ``compute_dtype=torch.float32`` over fp32 copies made once per weight version,
-which ``lean_runner_factory`` uses for bf16/fp16 models on the CPU): RMSNorm, default RoPE, GQA
+which the plan chooses for a bf16/fp16 draft on the CPU): RMSNorm, default RoPE, GQA
 attention with ``scaled_dot_product_attention``, a SiLU-gated MLP, the LM head; linear biases are
 used when the modules have them (Qwen2's q/k/v, Llama's ``attention_bias`` / ``mlp_bias``). When
 hooks are registered on the model's LM head (the heads drafter reads its input through one) the LM
@@ -13,32 +13,32 @@ head module itself is called, so they see what they would see under the HF forwa
 Cache: contiguous, preallocated per row, ``[layers, B, kv_heads, capacity, head_dim]`` (K and V),
 in the compute dtype, except for a bf16/fp16 model on the CPU: there the cache and the attention are
 fp32 (the cached k and v are the model-dtype values, exact in fp32; attention accumulates in fp32
-as half-precision kernels do inside; torch's CPU bf16 SDPA is slow for a single query). Row b's committed tokens are positions 0 .. lengths[b]-1; a ``forward`` writes
-its T tokens TENTATIVELY at lengths[b] + t (padding columns too, harmlessly past the row's tokens);
+as half-precision kernels do inside; torch's CPU bf16 SDPA is slow for a single query). Row b's
+committed tokens are positions 0 .. lengths[b]-1; a ``forward`` writes its T tokens TENTATIVELY at lengths[b] + t (padding columns too, harmlessly past the row's tokens);
 ``commit`` / ``truncate`` only move ``lengths`` (rollback is metadata only). The host holds the
 lengths (source of truth); ``lengths`` returns them as a device tensor.
 
-Interface (that of ``PagedModelRunner`` used by the drafters and the decode loop): ``start``,
-``forward`` (chains, and trees with ``tree_parents``), ``commit``, ``commit_tree``, ``truncate``,
-``lengths``, ``batch_size``, ``vocab_size``, ``max_batch_size``, ``max_seq_len``, ``device``, ``dtype``.
+Positions and the attention mask of a ragged or tree forward come from ``layout.step_layout``, as in
+the paged runner; when every row starts at the same position one shared [T, S] mask (or none) is used.
 
 Supported: ``llama`` / ``mistral`` / ``qwen2`` model types with default RoPE, SiLU MLP, full attention
 (a sliding window is accepted only when it covers max_seq_len). ``unsupported_reason(model)`` says why
-not otherwise; ``lean_runner_factory(fallback)`` picks this runner when it can and ``fallback``
-otherwise (and where CUDA graphs are enabled: the static paged runner's steps are captured).
+not otherwise (the plan then picks the paged runner).
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .runner_checks import check_forward_inputs, check_start_prompts, output_vocab_size, text_config
-from .tree import token_tree_inputs, tree_commit_plan
+from .checks import (check_commit, check_forward_inputs, check_start_prompts, check_truncate, output_vocab_size,
+                     text_config)
+from .layout import additive_mask, step_layout
+from .trees import token_tree_inputs, tree_commit_plan
 
-__all__ = ["LeanLlamaRunner", "lean_runner_factory", "unsupported_reason", "SUPPORTED_MODEL_TYPES"]
+__all__ = ["LeanLlamaRunner", "unsupported_reason", "SUPPORTED_MODEL_TYPES"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 CAPACITY_SLACK = 16  # cache positions past max_seq_len for padding columns of a forward
@@ -106,8 +106,7 @@ def unsupported_reason(model, max_seq_len: Optional[int] = None) -> Optional[str
 class LeanLlamaRunner:
     """Llama-family causal LM over a contiguous per-row KV cache (see the module docstring)."""
 
-    def __init__(self, model, *, max_batch_size: int, max_seq_len: int, page_size: int = 16,
-                 num_pages: Optional[int] = None, compute_dtype: Optional[torch.dtype] = None):
+    def __init__(self, model, *, max_batch_size: int, max_seq_len: int, compute_dtype: Optional[torch.dtype] = None):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_seq_len < 1:
@@ -117,7 +116,6 @@ class LeanLlamaRunner:
             raise NotImplementedError(f"LeanLlamaRunner: {reason}")
         self.model = model
         self.max_batch_size, self.max_seq_len = int(max_batch_size), int(max_seq_len)
-        self.page_size = page_size  # interface parity; nothing is paged
         cfg = text_config(model.config)
         base = model.model
         weight_dtype = base.embed_tokens.weight.dtype
@@ -203,31 +201,19 @@ class LeanLlamaRunner:
         return weight * h.to(x.dtype)
 
     def _model(self, ids: torch.Tensor, start: List[int], keep: Optional[torch.Tensor],
-               tree: Optional[tuple] = None) -> torch.Tensor:
-        """ids [B, T]; row b's token t stored at start[b] + t. Chain (tree None): at position start[b] + t,
-        seeing positions <= start[b] + t. Tree (ancestors [B, T, T] bool, depth [B, T] int64; see
-        tree.token_tree_inputs): at position start[b] + depth[b, t], seeing the prefix and its ancestors.
-        keep: None (logits of every token, [B, T, V]) or column indices [B] ([B, V]). fp32 logits."""
+               tree: Optional[tuple] = None, counts: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """ids [B, T]; row b's token t stored at start[b] + t, the first counts[b] (default T) of them real.
+        Chain (tree None): at position start[b] + t, seeing positions <= start[b] + t. Tree (ancestors
+        [B, T, T] bool, depth [B, T] int64; see trees.token_tree_inputs): at position start[b] + depth[b, t],
+        seeing the prefix and its ancestors. keep: None (logits of every token, [B, T, V]) or column
+        indices [B] ([B, V]). fp32 logits."""
         B, T = ids.shape
         H, Hk, D = self.num_heads, self.kv_heads, self.head_dim
         S = max(start) + T
         if S > self.capacity:
             self._alloc(S + CAPACITY_SLACK)
         uniform = tree is None and all(s == start[0] for s in start)
-        if tree is not None:
-            ancestors, depth = tree
-            first = torch.tensor(start, dtype=torch.int64, device=self.device)[:, None]  # [B, 1]
-            store = first + self._arange[:T]  # [B, T] storage positions
-            pos = first + depth  # [B, T] rotary positions
-            cos, sin = self._cos[pos].unsqueeze(1), self._sin[pos].unsqueeze(1)  # [B, 1, T, D]
-            rel = self._arange[:S][None, None, :] - first[:, :, None]  # [B, 1, S]: tentative token index
-            in_new = (rel >= 0) & (rel < T)
-            sees = in_new & ancestors.gather(2, rel.clamp(0, T - 1).expand(B, T, S))
-            mask = torch.zeros((B, 1, T, S), dtype=self.attn_dtype, device=self.device)
-            mask.masked_fill_(~((rel < 0) | sees).unsqueeze(1), float("-inf"))
-            causal = False
-            rows = self._rows[:B, None]  # [B, 1]
-        elif uniform:
+        if uniform:  # every row at the same position: one shared [T, S] mask (or none)
             s0 = start[0]
             cos, sin = self._cos[s0:S], self._sin[s0:S]  # [T, D]
             if T == 1:
@@ -235,17 +221,16 @@ class LeanLlamaRunner:
             elif s0 == 0:
                 mask, causal = None, True  # square causal (top-left == bottom-right alignment)
             else:
-                q_pos = self._arange[s0:S, None]  # [T, 1]
-                mask = torch.zeros((T, S), dtype=self.attn_dtype, device=self.device)
-                mask.masked_fill_(self._arange[None, :S] > q_pos, float("-inf"))
+                visible = self._arange[None, :S] <= self._arange[s0:S, None]  # [T, S]
+                mask = additive_mask(visible[None], self.attn_dtype)[0, 0]
                 causal = False
         else:
-            pos = torch.tensor(start, dtype=torch.int64, device=self.device)[:, None] + self._arange[:T]  # [B, T]
-            store = pos
+            lengths = torch.tensor(start, dtype=torch.int64, device=self.device)
+            num_tokens = torch.tensor(counts if counts is not None else [T] * B, dtype=torch.int64, device=self.device)
+            layout = step_layout(lengths, num_tokens, T, S, self._arange, tree=tree)
+            store, pos = layout.storage, layout.positions  # [B, T]
             cos, sin = self._cos[pos].unsqueeze(1), self._sin[pos].unsqueeze(1)  # [B, 1, T, D]
-            mask = torch.zeros((B, 1, T, S), dtype=self.attn_dtype, device=self.device)
-            mask.masked_fill_((self._arange[:S] > pos[:, :, None]).unsqueeze(1), float("-inf"))
-            causal = False
+            mask, causal = additive_mask(layout.visible, self.attn_dtype), False
             rows = self._rows[:B, None]  # [B, 1]
         half = D // 2
         x = F.embedding(ids, self.embed)  # [B, T, d]
@@ -318,21 +303,15 @@ class LeanLlamaRunner:
                                  f"max_seq_len={self.max_seq_len}")
         tree = None if tree_parents is None else token_tree_inputs(tree_parents.to(self.device), counts, T)
         with torch.no_grad():
-            logits = self._model(input_ids.to(self.device), lengths, None, tree)
+            logits = self._model(input_ids.to(self.device), lengths, None, tree, counts)
         self._tentative = [int(c) for c in counts]
         self._tree = tree is not None
         return logits
 
     def commit(self, num_kept: torch.Tensor) -> None:
         """Row b keeps its first num_kept[b] tentative tokens (lengths[b] += num_kept[b])."""
-        kept = num_kept.tolist()
-        if len(kept) != self._batch:
-            raise ValueError(f"commit: num_kept has {len(kept)} rows, the runner holds {self._batch}")
-        tentative = self._tentative
-        for b, k in enumerate(kept):
-            if not 0 <= k <= tentative[b]:
-                raise ValueError(f"commit: num_kept[{b}] = {k} is outside [0, {tentative[b]}]")
-        self._len = [n + int(k) for n, k in zip(self._len, kept)]
+        kept = check_commit(num_kept, self._tentative, self._batch)
+        self._len = [n + k for n, k in zip(self._len, kept)]
         self._tentative = [0] * self._batch
 
     def commit_tree(self, path: torch.Tensor, num_accepted: torch.Tensor) -> None:
@@ -353,13 +332,7 @@ class LeanLlamaRunner:
 
     def truncate(self, new_lengths: torch.Tensor) -> None:
         """Roll rows back to shorter committed lengths (never grows). new_lengths [B] int."""
-        target = new_lengths.tolist()
-        if len(target) != self._batch:
-            raise ValueError(f"truncate: new_lengths has {len(target)} rows, the runner holds {self._batch}")
-        for b, n in enumerate(target):
-            if not 0 <= n <= self._len[b]:
-                raise ValueError(f"truncate: new_lengths[{b}] = {n} is outside [0, {self._len[b]}]")
-        self._len = [int(n) for n in target]
+        self._len = check_truncate(new_lengths, self._len, self._batch)
         self._tentative = [0] * self._batch
 
 
@@ -384,31 +357,3 @@ def _eps(norm, cfg) -> float:
     if eps is None:
         eps = getattr(norm, "eps", None)
     return float(eps if eps is not None else cfg.rms_norm_eps)
-
-
-def lean_runner_factory(fallback_factory: Callable, *, cpu_fp32: bool = True) -> Callable:
-    """A runner factory: LeanLlamaRunner for supported models, ``fallback_factory`` otherwise.
-
-    The fallback is also kept where graph capture is enabled (CUDA; the decode loop captures
-    only the static paged runner's steps; an eager lean draft would lose the draft/commit graphs).
-    cpu_fp32: on the CPU a bf16/fp16 model computes in fp32 over fp32 copies of its weights (made
-    once per weight version): half-precision GEMVs are several times slower there. It changes only
-    the draft's rounding, never what the target accepts (verification stays lossless).
-    """
-    def factory(model, *, max_batch_size: int, max_seq_len: int, **kwargs):
-        device = next(model.parameters()).device
-        use_lean = unsupported_reason(model, max_seq_len) is None
-        if use_lean:
-            from . import cuda_graphs  # looked up per call (tests force graphs on by patching it)
-            use_lean = not cuda_graphs.graphs_enabled(device)[0]
-        if use_lean:
-            dtype = next(model.parameters()).dtype
-            compute = torch.float32 if (cpu_fp32 and device.type == "cpu" and
-                                        dtype in (torch.bfloat16, torch.float16)) else None
-            return LeanLlamaRunner(model, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                                   compute_dtype=compute)
-        return fallback_factory(model, max_batch_size=max_batch_size, max_seq_len=max_seq_len, **kwargs)
-
-    factory.fallback = fallback_factory
-    factory.__name__ = f"lean_runner_factory({getattr(fallback_factory, '__name__', fallback_factory)})"
-    return factory

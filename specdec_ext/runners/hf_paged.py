@@ -1,7 +1,7 @@
 """Hugging Face integration of the paged KV cache: a ``transformers.Cache`` over a PagedKVCache, and
 the attention + mask functions registered as ``"specdec_paged"``.
 
-How a forward runs (driven by :class:`specdec_ext.model_runner.PagedModelRunner`):
+How a forward runs (driven by :class:`specdec_ext.runners.paged.PagedModelRunner`):
 
 * the runner sets, for the whole forward, a :class:`PagedStep` on the cache: the slot of every new
   token ``slot_mapping [B, T]`` (-1 = padding, not kept), the pages to read ``gather_pages [B, P]``
@@ -35,7 +35,7 @@ from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from . import ops
+from .. import ops
 from .kv_cache import PagedKVCache
 
 ATTN_IMPLEMENTATION = "specdec_paged"

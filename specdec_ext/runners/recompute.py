@@ -1,6 +1,6 @@
 """RecomputeRunner: the model-runner interface computed the obvious way, as an oracle.
 
-It has exactly the interface of ``specdec_ext.model_runner.PagedModelRunner`` but no KV cache: it
+It implements the ``ModelRunner`` protocol (runners/__init__.py) without a KV cache: it
 keeps each row's committed token list and, for every forward, runs a plain HF forward over the whole
 sequence (committed + tentative tokens). Rows of the same total length run together (no padding, so
 no mask semantics are involved); a tree proposal runs one sequence per node (committed + the node's
@@ -18,14 +18,13 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from .runner_checks import check_start_prompts, output_vocab_size
+from .checks import check_commit, check_start_prompts, check_truncate, output_vocab_size
 
 
 class RecomputeRunner:
     """Full-recompute implementation of the model-runner interface (see the module docstring)."""
 
-    def __init__(self, model, *, max_batch_size: int, max_seq_len: int, page_size: int = 16,
-                 num_pages: Optional[int] = None):
+    def __init__(self, model, *, max_batch_size: int, max_seq_len: int):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_seq_len < 1:
@@ -33,8 +32,6 @@ class RecomputeRunner:
         self.model = model
         self.max_batch_size = int(max_batch_size)
         self.max_seq_len = int(max_seq_len)
-        self.page_size = page_size  # accepted for interface parity; nothing is paged here
-        self.num_pages = num_pages
         self.vocab_size = output_vocab_size(model)
         self.device = next(model.parameters()).device
         self._committed: List[List[int]] = []
@@ -140,10 +137,8 @@ class RecomputeRunner:
 
     def commit(self, num_kept: torch.Tensor) -> None:
         """Keep the first num_kept[b] tentative tokens of each row (a chain). num_kept [B]."""
-        for b, n in enumerate(num_kept.tolist()):
-            n = int(n)
-            if not 0 <= n <= len(self._tentative[b]):
-                raise ValueError(f"commit: num_kept[{b}] = {n} is outside [0, {len(self._tentative[b])}]")
+        kept = check_commit(num_kept, [len(t) for t in self._tentative], self.batch_size)
+        for b, n in enumerate(kept):
             self._committed[b].extend(self._tentative[b][:n])
             self._tentative[b] = []
 
@@ -169,9 +164,7 @@ class RecomputeRunner:
 
     def truncate(self, new_lengths: torch.Tensor) -> None:
         """Roll each row back to new_lengths[b] committed tokens (never grows). new_lengths [B]."""
-        for b, n in enumerate(new_lengths.tolist()):
-            n = int(n)
-            if not 0 <= n <= len(self._committed[b]):
-                raise ValueError(f"truncate: new_lengths[{b}] = {n} is outside [0, {len(self._committed[b])}]")
+        target = check_truncate(new_lengths, [len(row) for row in self._committed], self.batch_size)
+        for b, n in enumerate(target):
             del self._committed[b][n:]
             self._tentative[b] = []

@@ -23,7 +23,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from . import ops
+from .. import ops
 
 
 class PoolFullError(ValueError):

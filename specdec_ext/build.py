@@ -1,0 +1,41 @@
+"""Build what a DecodePlan runs: the target's runner and the drafter (plan.py decided everything)."""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+from .drafters import Drafter, HeadsDrafter, ModelDrafter, NgramDrafter, TreeModelDrafter
+from .drafters.calibration import shared_calibration
+from .models import Models
+from .plan import DecodePlan
+from .runners import ModelRunner, make_runner, output_vocab_size
+
+
+def build(plan: DecodePlan, models: Models) -> Tuple[ModelRunner, Optional[Drafter]]:
+    """(the target's runner, the drafter or None) for ``plan``."""
+    target = make_runner(plan.target_runner, models.target, max_batch_size=plan.padded_batch_size,
+                         max_seq_len=plan.max_seq_len, static_shapes=plan.cuda_graphs)
+    return target, build_drafter(plan, models)
+
+
+def build_drafter(plan: DecodePlan, models: Models) -> Optional[Drafter]:
+    vocab_size = output_vocab_size(models.target)
+    temperature = plan.sampling.temperature
+    if plan.drafter == "none":
+        return None
+    if plan.drafter == "ngram":
+        return NgramDrafter(plan.slots)
+    if plan.drafter == "heads":
+        b, d, n = plan.tree
+        return HeadsDrafter(models.target, models.heads, branch=b, depth=d, budget=n,
+                            calibration=shared_calibration(models.heads, d, temperature))
+
+    def draft_runner(*, max_batch_size: int, max_seq_len: int) -> ModelRunner:
+        return make_runner(plan.draft_runner, models.draft, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+                           compute_dtype=plan.draft_compute_dtype, static_shapes=plan.cuda_graphs)
+
+    if plan.tree is not None:
+        b, d, n = plan.tree
+        return TreeModelDrafter(models.draft, draft_runner, branch=b, depth=d, budget=n, vocab_size=vocab_size,
+                                calibration=shared_calibration(models.draft, d, temperature))
+    return ModelDrafter(models.draft, draft_runner, k=plan.slots, vocab_size=vocab_size,
+                        confidence_threshold=plan.draft_confidence)

@@ -1,0 +1,188 @@
+"""What generate() runs on: the target, the drafter's model or heads, the tokenizer; loaded offline,
+the bundled pair once per process, and the draft's vocabulary checked against the target's."""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+from .heads import MedusaHeads
+from .runners import output_vocab_size
+
+ModelSpec = Union[None, str, os.PathLike, torch.nn.Module]
+
+NGRAM_DRAFT = "ngram"  # draft= value selecting suffix-automaton lookup over the prompt and output
+HEADS_DRAFT = "heads"  # draft= value selecting the bundled target's Medusa-style heads
+MAX_MISMATCHES_REPORTED = 5  # mismatching token ids named in a vocabulary error
+
+
+class VocabularyMismatchError(ValueError):
+    """The draft and the target do not share a vocabulary."""
+
+
+@dataclass
+class Models:
+    """The models of one generate() call."""
+
+    target: torch.nn.Module
+    drafter: str  # "model", "ngram", "heads" or "none" (plain decoding)
+    draft: Optional[torch.nn.Module] = None  # with drafter "model"
+    heads: Optional[MedusaHeads] = None  # with drafter "heads", on the target's device and dtype
+    tokenizer: object = None  # the target's tokenizer, or None (token-id prompts only)
+
+
+def load_models(target: ModelSpec = None, draft: Union[ModelSpec, MedusaHeads] = None, *, tokenizer=None,
+                draft_tokenizer=None, plain: bool = False) -> Models:
+    """The target and the drafter's model for generate(): both None is the bundled pair; ``draft`` a
+    path, a model, "ngram", "heads" (the bundled target's heads) or a MedusaHeads; ``plain`` loads the
+    target alone (no drafter)."""
+    if plain or (isinstance(draft, str) and draft == NGRAM_DRAFT):
+        target_model, tokenizer = _load_target(target, tokenizer)
+        return Models(target_model, "none" if plain else "ngram", tokenizer=tokenizer)
+    if isinstance(draft, MedusaHeads) or (isinstance(draft, str) and draft == HEADS_DRAFT):
+        return _load_heads(target, draft, tokenizer)
+    target_model, draft_model, tokenizer = load_pair(target, draft, tokenizer)
+    if draft_tokenizer is None and not isinstance(draft, torch.nn.Module) and draft is not None:
+        draft_tokenizer = _load_tokenizer(draft)
+    if draft_tokenizer is None and target is None and draft is None:
+        draft_tokenizer = tokenizer  # the bundled pair shares one tokenizer
+    check_vocabularies(target_model, draft_model, tokenizer, draft_tokenizer)
+    return Models(target_model, "model", draft=draft_model, tokenizer=tokenizer)
+
+
+def load_pair(target: ModelSpec = None, draft: ModelSpec = None, tokenizer=None):
+    """(target, draft, tokenizer): models from local paths (offline) or as given; the bundled pair
+    (loaded once per process) when both are None."""
+    if target is None and draft is None:
+        target_model, draft_model, bundled_tokenizer = _bundled_pair()
+        return target_model, draft_model, tokenizer if tokenizer is not None else bundled_tokenizer
+    if target is None or draft is None:
+        missing = "target" if target is None else "draft"
+        raise ValueError(f"pass both target= and draft= (or neither, for the bundled pair): {missing} is missing")
+    target_model, draft_model = _load_model(target, "target"), _load_model(draft, "draft")
+    if tokenizer is None:
+        tokenizer = _load_tokenizer(target)
+    return target_model, draft_model, tokenizer
+
+
+@functools.lru_cache(maxsize=1)
+def _bundled_pair():
+    try:
+        from .default_pair import load_default_pair
+    except ImportError as error:
+        raise ValueError("no target/draft given and the bundled default pair is not available: "
+                         f"pass target= and draft= ({error})") from error
+    return load_default_pair()
+
+
+def _load_target(target: ModelSpec, tokenizer):
+    """The target model and its tokenizer alone (no draft model): the bundled target when None."""
+    if target is None:
+        target_model, _, bundled_tokenizer = _bundled_pair()
+        return target_model, tokenizer if tokenizer is not None else bundled_tokenizer
+    return _load_model(target, "target"), tokenizer if tokenizer is not None else _load_tokenizer(target)
+
+
+def _load_heads(target: ModelSpec, heads: Union[str, MedusaHeads], tokenizer) -> Models:
+    if isinstance(heads, str) and not is_bundled_target(target):
+        raise ValueError("draft='heads' uses the bundled heads, trained for the bundled target; for another "
+                         "target pass draft=specdec_ext.heads.load_heads(<dir>) with heads trained for it "
+                         "(tools/train_heads.py)")
+    target_model, tokenizer = _load_target(target, tokenizer)
+    param = next(target_model.parameters())
+    if isinstance(heads, str):
+        from .default_pair import load_default_heads
+        heads = load_default_heads(dtype=param.dtype, device=param.device)
+    heads.check_target(target_model)
+    return Models(target_model, "heads", heads=heads.to(dtype=param.dtype, device=param.device), tokenizer=tokenizer)
+
+
+def _load_model(spec: ModelSpec, role: str):
+    if isinstance(spec, torch.nn.Module):
+        return spec
+    from transformers import AutoModelForCausalLM
+
+    path = os.fspath(spec)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"could not load the {role} model from {path!r} (offline, local files only): {error}") from error
+    return model.eval()
+
+
+def _model_path(spec: ModelSpec) -> Optional[str]:
+    """A local path for a model spec (a loaded model's name_or_path), or None."""
+    if isinstance(spec, torch.nn.Module):
+        spec = getattr(spec, "name_or_path", None) or getattr(spec.config, "_name_or_path", None)
+    return os.fspath(spec) if isinstance(spec, (str, os.PathLike)) and spec else None
+
+
+def _load_tokenizer(spec: ModelSpec):
+    """The tokenizer next to a model path (or a loaded model's name_or_path); the bundled tokenizer for
+    the bundled models (it lives beside them); or None."""
+    path = _model_path(spec)
+    if path is None:
+        return None
+    from .default_pair import DRAFT_DIR, TARGET_DIR, TOKENIZER_DIR
+    if os.path.realpath(path) in (os.path.realpath(TARGET_DIR), os.path.realpath(DRAFT_DIR)):
+        path = TOKENIZER_DIR
+    if not os.path.isdir(path):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def is_bundled_target(target: ModelSpec) -> bool:
+    """Whether ``target`` is the bundled pair's target: None, its directory, or a model loaded from it."""
+    from .default_pair import TARGET_DIR
+    if target is None:
+        return True
+    path = _model_path(target)
+    return path is not None and os.path.realpath(path) == os.path.realpath(TARGET_DIR)
+
+
+# ------------------------------------------------------------------------------------- the vocabulary check
+def _id_to_token(tokenizer) -> dict:
+    return {i: t for t, i in tokenizer.get_vocab().items()}
+
+
+def check_vocabularies(target_model, draft_model, target_tokenizer=None, draft_tokenizer=None) -> None:
+    """Raise VocabularyMismatchError unless the draft and the target share a vocabulary.
+
+    With both tokenizers, every token id must map to the same token string. The models' embedding
+    (logit) sizes may differ (padding), but each must cover the target tokenizer's tokens.
+    """
+    v_target, v_draft = output_vocab_size(target_model), output_vocab_size(draft_model)
+    if target_tokenizer is not None and draft_tokenizer is not None:
+        ids_t, ids_d = _id_to_token(target_tokenizer), _id_to_token(draft_tokenizer)
+        bad = [i for i in sorted(set(ids_t) | set(ids_d)) if ids_t.get(i) != ids_d.get(i)]
+        if bad:
+            shown = ", ".join(f"id {i}: target {ids_t.get(i)!r} vs draft {ids_d.get(i)!r}"
+                              for i in bad[:MAX_MISMATCHES_REPORTED])
+            raise VocabularyMismatchError(
+                f"the draft and the target tokenizers differ at {len(bad)} token ids; first mismatches: {shown}")
+    if target_tokenizer is not None:
+        real = len(target_tokenizer)
+        for role, size in (("target", v_target), ("draft", v_draft)):
+            if size < real:
+                names = _id_to_token(target_tokenizer)
+                missing = ", ".join(f"id {i}: {names.get(i)!r}" for i in range(size, min(real, size + MAX_MISMATCHES_REPORTED)))
+                raise VocabularyMismatchError(
+                    f"the {role} model scores {size} tokens but the tokenizer has {real}; first tokens "
+                    f"it lacks: {missing}")
+    elif v_target != v_draft:
+        # No tokenizer to say which ids are real: the shared ids are the common prefix, and ids
+        # beyond the draft's size are never proposed. Padded sizes are fine only for equal configs.
+        t_cfg, d_cfg = getattr(target_model.config, "vocab_size", None), getattr(draft_model.config, "vocab_size", None)
+        if t_cfg != d_cfg and min(v_target, v_draft) < max(t_cfg or 0, d_cfg or 0):
+            raise VocabularyMismatchError(
+                f"the target scores {v_target} tokens (config vocab_size {t_cfg}) and the draft {v_draft} "
+                f"(config vocab_size {d_cfg}): first ids only one of them has: "
+                + ", ".join(str(i) for i in range(min(v_target, v_draft), min(v_target, v_draft) + MAX_MISMATCHES_REPORTED)))

@@ -1,0 +1,83 @@
+"""Model runners: one interface over a HF causal LM and its KV cache, three implementations.
+
+A runner holds B rows. Row b's committed tokens are in its cache; a ``forward`` appends T tokens per
+row TENTATIVELY, and ``commit`` / ``commit_tree`` keep some of them and roll the rest back (rollback
+is metadata: lengths). Shapes: B rows, T tokens per row in a forward, V the model's logits, N tree nodes.
+
+    start(prompts)                          prefill B ragged prompts -> fp32 logits at each last token [B, V]
+    forward(input_ids, num_tokens=None,     T tokens per row [B, T] (row b's first num_tokens[b] are real),
+            tree_parents=None)              a chain, or a tree (tree_parents [B, T-1], csrc/tree.h layout,
+                                            token 0 the root) -> fp32 logits [B, T, V]
+    commit(num_kept)                        after a chain forward: keep num_kept[b] tokens [B]
+    commit_tree(path, num_accepted)         after a tree forward: keep token 0 and the accepted path
+                                            (tree_verify's path [B, N], num_accepted [B])
+    truncate(new_lengths)                   roll rows back to new_lengths [B] committed tokens
+    lengths                                 committed tokens per row, int64 on the device [B]
+
+Implementations (``make_runner(kind, ...)``):
+
+    "lean"       runners/lean.py: a pure-torch forward over the HF weights of a Llama/Mistral/Qwen2
+                 model and a contiguous cache (``lean.unsupported_reason`` says when it does not apply)
+    "paged"      runners/paged.py: the HF modules over a paged KV cache (every architecture the paged
+                 attention supports); ``static_shapes=True`` is its CUDA-graph mode
+    "recompute"  runners/recompute.py: no cache, a full HF forward per call (the tests' oracle)
+
+Positions, cache slots and attention visibility of a forward come from one builder, layout.py.
+"""
+from __future__ import annotations
+
+from typing import Optional, Protocol, Sequence, runtime_checkable
+
+import torch
+
+from .checks import output_vocab_size, text_config
+from .lean import LeanLlamaRunner, unsupported_reason
+from .paged import PagedModelRunner, PoolFullError
+from .recompute import RecomputeRunner
+
+__all__ = ["ModelRunner", "make_runner", "RUNNER_KINDS", "LeanLlamaRunner", "PagedModelRunner", "RecomputeRunner",
+           "PoolFullError", "unsupported_reason", "output_vocab_size", "text_config"]
+
+RUNNER_KINDS = ("lean", "paged", "recompute")
+
+
+@runtime_checkable
+class ModelRunner(Protocol):
+    """What the decode loop and the drafters use of a runner (see the module docstring)."""
+
+    model: torch.nn.Module
+    device: torch.device
+    vocab_size: int
+    max_batch_size: int
+    max_seq_len: int
+
+    @property
+    def batch_size(self) -> int: ...
+
+    @property
+    def lengths(self) -> torch.Tensor: ...
+
+    def start(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor: ...
+
+    def forward(self, input_ids: torch.Tensor, num_tokens: Optional[torch.Tensor] = None,
+                tree_parents: Optional[torch.Tensor] = None) -> torch.Tensor: ...
+
+    def commit(self, num_kept: torch.Tensor) -> None: ...
+
+    def commit_tree(self, path: torch.Tensor, num_accepted: torch.Tensor) -> None: ...
+
+    def truncate(self, new_lengths: torch.Tensor) -> None: ...
+
+
+def make_runner(kind: str, model, *, max_batch_size: int, max_seq_len: int,
+                compute_dtype: Optional[torch.dtype] = None, static_shapes: bool = False) -> ModelRunner:
+    """The runner of ``kind`` over ``model``. ``compute_dtype`` applies to "lean" (weights cast once),
+    ``static_shapes`` to "paged" (its CUDA-graph mode)."""
+    sizes = dict(max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+    if kind == "lean":
+        return LeanLlamaRunner(model, compute_dtype=compute_dtype, **sizes)
+    if kind == "paged":
+        return PagedModelRunner(model, static_shapes=static_shapes, **sizes)
+    if kind == "recompute":
+        return RecomputeRunner(model, **sizes)
+    raise ValueError(f"runner kind must be one of {RUNNER_KINDS}, got {kind!r}")

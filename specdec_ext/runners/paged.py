@@ -1,0 +1,242 @@
+"""PagedModelRunner: a HF causal LM over a PagedKVCache with ragged rows (the ``ModelRunner`` protocol).
+
+Row b's committed tokens sit at positions 0 .. lengths[b]-1 of its pages. A ``forward`` writes the
+K/V of its (up to T) tokens TENTATIVELY at positions lengths[b] + t; ``commit`` (chain) keeps a prefix
+of them, ``commit_tree`` moves the accepted path next to token 0 with ``ops.kv_compact``; anything not
+kept is rolled back by metadata only (lengths, freed pages). A forward without a commit in between
+overwrites the previous tentative tokens. Positions, cache slots and the attention mask come from
+``layout.step_layout``, as in every runner.
+
+Two modes:
+
+* host mode (the default): the lengths and the page allocator live on the host (the source of truth)
+  and are mirrored to device tensors. ``forward`` reads ``num_tokens`` on the host and reserves pages
+  as rows grow, and attention reads only the pages the longest row uses; ``commit`` / ``truncate`` read
+  their arguments on the host. On the CPU this costs nothing.
+* static-shapes mode (``static_shapes=True``: what a CUDA-graph-captured decode step needs): after the
+  prefill every row owns all the pages it can ever use, so the block tables never change, the
+  lengths live in the device tensor ``kv.lengths`` only, and a chain ``forward`` / ``commit`` /
+  ``truncate`` is device work over shapes fixed by (B, T): no host read, no allocation from Python
+  lists. The preconditions the host mode checks (num_kept within the tentative tokens, no row past
+  max_seq_len) are the caller's there; a token that would land past a row's pages is not written.
+  Anything that needs the host (a tree forward, ``commit_tree``) first copies the device lengths to
+  the host allocator (``sync_host``) and continues in host mode until the next ``start``.
+
+The model is switched to the ``"specdec_paged"`` attention implementation (which behaves as HF's
+sdpa outside a paged forward).
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+
+from . import hf_paged
+from .checks import (check_commit, check_forward_inputs, check_start_prompts, check_truncate, output_vocab_size,
+                     text_config)
+from .hf_paged import PagedCache, PagedStep
+from .kv_cache import PagedKVCache, PoolFullError
+from .layout import additive_mask, step_layout
+from .trees import token_tree_inputs, tree_commit_plan
+
+__all__ = ["PagedModelRunner", "PoolFullError", "DEFAULT_PAGE_SIZE"]
+
+DEFAULT_PAGE_SIZE = 16  # positions per page
+
+
+class PagedModelRunner:
+    """Runs a HF causal LM over a PagedKVCache with ragged rows (see the module docstring)."""
+
+    def __init__(self, model, *, max_batch_size: int, max_seq_len: int, page_size: int = DEFAULT_PAGE_SIZE,
+                 num_pages: Optional[int] = None, static_shapes: bool = False):
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be >= 1, got {max_seq_len}")
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.model = model
+        self.max_batch_size, self.max_seq_len, self.page_size = max_batch_size, max_seq_len, page_size
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        cfg = text_config(model.config)
+        heads = cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        self.vocab_size: int = output_vocab_size(model)  # logits last dim
+        pages_per_row = -(-max_seq_len // page_size)
+        full_pool = max_batch_size * pages_per_row
+        if num_pages is None:
+            num_pages = full_pool
+        if static_shapes and num_pages < full_pool:
+            raise ValueError(f"static_shapes needs every row to own all its pages: num_pages={num_pages} < "
+                             f"max_batch_size * pages per row = {full_pool}")
+        self.static_shapes = bool(static_shapes)
+        self.kv = PagedKVCache(num_layers=cfg.num_hidden_layers, num_kv_heads=kv_heads, head_dim=head_dim,
+                               num_pages=num_pages, page_size=page_size, max_batch=max_batch_size,
+                               max_pages_per_row=pages_per_row, dtype=self.dtype, device=self.device)
+        self.cache = PagedCache(self.kv)
+        hf_paged.register()
+        if hasattr(model, "set_attn_implementation"):
+            model.set_attn_implementation(hf_paged.ATTN_IMPLEMENTATION)
+        else:  # pragma: no cover - older transformers
+            model.config._attn_implementation = hf_paged.ATTN_IMPLEMENTATION
+        self._cache_arg = hf_paged.cache_argument_name(model)
+        self._batch = 0
+        self._device_lengths = False  # static-shapes mode in flight: kv.lengths is the truth, the host's is stale
+        self._tentative: List[int] = []  # tokens written by the last forward, per row (host mode)
+        self._tree = False  # whether the last forward was a tree
+        self._arange = torch.arange(max(max_seq_len, pages_per_row * page_size) + 1, device=self.device)
+
+    # ------------------------------------------------------------------ state
+    @property
+    def batch_size(self) -> int:
+        return self._batch
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """Committed tokens per row, int64 on the model's device. Shape: [B]."""
+        return self.kv.lengths[: self._batch]
+
+    def sync_host(self) -> None:
+        """Static-shapes mode: copy the device lengths to the host allocator (one device->host read)
+        and free the pages past them; the runner is in host mode afterwards, until the next ``start``."""
+        if not self._device_lengths:
+            return
+        self.kv.set_lengths(list(enumerate(int(n) for n in self.lengths.tolist())))
+        self._tentative = [0] * self._batch
+        self._device_lengths = False
+
+    # ------------------------------------------------------------------ core step
+    def _run(self, input_ids: torch.Tensor, num_tokens: torch.Tensor, pages: int, *,
+             first: Optional[torch.Tensor] = None, tree=None, logits_to_keep: int = 0) -> torch.Tensor:
+        """One forward over the first ``pages`` pages of each row: input_ids [B, T], num_tokens [B] int64
+        and first [B] int64 on the device (see layout.step_layout). Logits fp32 [B, T or keep, V]."""
+        B, T = input_ids.shape
+        PS = self.page_size
+        S = pages * PS
+        layout = step_layout(self.lengths, num_tokens, T, S, self._arange, first=first, tree=tree)
+        tables = self.kv.block_tables[:B]  # [B, P_max] int32
+        page = tables.gather(1, (layout.storage // PS).clamp(max=tables.shape[1] - 1)).long()
+        stored = layout.valid & (layout.storage < self.kv.max_len) & (page >= 0)
+        slot_mapping = torch.where(stored, page * PS + layout.storage % PS, -1)  # [B, T] int64
+        gather_pages = tables[:, :pages].clamp(min=0).long()  # [B, P] int64
+        mask = additive_mask(layout.visible, self.dtype)  # [B, 1, T, S]
+        ids = torch.where(layout.valid, input_ids, 0)
+        self.cache.activate(PagedStep(slot_mapping, gather_pages, mask))
+        try:
+            with torch.no_grad():
+                out = self.model(input_ids=ids, attention_mask=mask, position_ids=layout.positions,
+                                 use_cache=True, logits_to_keep=logits_to_keep, **{self._cache_arg: self.cache})
+        finally:
+            self.cache.activate(None)
+        return out.logits.float()
+
+    def _reserve(self, counts: Sequence[int]) -> int:
+        """Host mode: give each row pages for its new tokens; returns the pages the longest row uses."""
+        lengths = self.kv.host_lengths()[: self._batch]
+        for b, count in enumerate(counts):
+            if lengths[b] + count > self.max_seq_len:
+                raise ValueError(f"row {b} would hold {lengths[b] + count} tokens, more than "
+                                 f"max_seq_len={self.max_seq_len}")
+        self.kv.reserve([(b, lengths[b] + counts[b]) for b in range(self._batch)])  # PoolFullError names the row
+        return max(1, -(-max(l + n for l, n in zip(lengths, counts)) // self.page_size))
+
+    # ------------------------------------------------------------------ API
+    def start(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Free every row and prefill B ragged prompts; returns the logits at each prompt's last
+        position, fp32 [B, V]. Afterwards lengths[b] = len(prompts[b])."""
+        check_start_prompts(prompts, self.max_batch_size, self.max_seq_len)
+        self._device_lengths = False
+        self.kv.free_all()
+        self._batch = B = len(prompts)
+        T = max(len(p) for p in prompts)
+        # Left-aligned padding: every prompt ends in the last column, so logits_to_keep=1 suffices.
+        ids = torch.zeros((B, T), dtype=torch.int64)
+        for b, p in enumerate(prompts):
+            ids[b, T - len(p):] = torch.as_tensor(list(p), dtype=torch.int64)
+        counts = [len(p) for p in prompts]
+        pages = self._reserve(counts)
+        n = torch.tensor(counts, dtype=torch.int64)
+        logits = self._run(ids.to(self.device), n.to(self.device), pages, first=(T - n).to(self.device),
+                           logits_to_keep=1)
+        self.kv.set_lengths([(b, counts[b]) for b in range(B)])
+        self._tentative = [0] * B
+        if self.static_shapes:
+            self.kv.reserve([(b, self.kv.max_len) for b in range(B)])
+            self._device_lengths = True
+        return logits[:, -1]
+
+    def forward(self, input_ids: torch.Tensor, num_tokens: Optional[torch.Tensor] = None,
+                tree_parents: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Append T tokens per row tentatively and return their logits, fp32 [B, T, V].
+
+        input_ids [B, T] int64; num_tokens [B] (default T): row b's tokens past num_tokens[b] are
+        padding (not kept, garbage logits). Chain: token t sits at position lengths[b] + t and sees
+        the prefix and tokens 0..t. Tree: tree_parents [B, T-1] int32 (csrc/tree.h layout: node i is
+        token i+1, -1 = child of token 0); token 0 (the last committed token, depth 0) and each node
+        see the prefix, token 0 and their ancestors, at position lengths[b] + depth.
+        Raises ValueError naming the row when it would exceed max_seq_len or the pool is full
+        (host mode).
+        """
+        if self._device_lengths and tree_parents is None:
+            return self._device_forward(input_ids, num_tokens)
+        self.sync_host()
+        B, T, counts = check_forward_inputs(input_ids, num_tokens, tree_parents, self._batch)
+        pages = self._reserve(counts)
+        tree = None
+        if tree_parents is not None:
+            tree = token_tree_inputs(tree_parents.to(self.device), counts, T)
+        n = torch.tensor(counts, dtype=torch.int64).to(self.device)
+        logits = self._run(input_ids.to(self.device), n, pages, tree=tree)
+        self._tentative = list(counts)
+        self._tree = tree_parents is not None
+        return logits
+
+    def _device_forward(self, input_ids: torch.Tensor, num_tokens: Optional[torch.Tensor]) -> torch.Tensor:
+        """Static-shapes chain forward over every page of each row: device work only."""
+        B, T = input_ids.shape
+        if B != self._batch:
+            raise ValueError(f"forward: input_ids has {B} rows, the runner holds {self._batch}")
+        if num_tokens is None:
+            num_tokens = self._arange[T].expand(B)
+        return self._run(input_ids, num_tokens.to(torch.int64), self.kv.max_pages_per_row)
+
+    def commit(self, num_kept: torch.Tensor) -> None:
+        """After a chain forward: row b keeps its first num_kept[b] tentative tokens (lengths[b] +=
+        num_kept[b]) and rolls back the rest. num_kept [B] int."""
+        if self._device_lengths:
+            self.lengths.add_(num_kept.to(torch.int64))
+            return
+        kept = check_commit(num_kept, self._tentative, self._batch)
+        lengths = self.kv.host_lengths()
+        self.kv.set_lengths([(b, lengths[b] + kept[b]) for b in range(self._batch)])
+        self._tentative = [0] * self._batch
+
+    def commit_tree(self, path: torch.Tensor, num_accepted: torch.Tensor) -> None:
+        """After a tree forward: keep token 0 and the accepted nodes path[b, :num_accepted[b]] (node
+        indices, tree_verify's path), moved to consecutive positions: lengths[b] += 1 + num_accepted[b].
+        A row whose forward had num_tokens = 0 keeps nothing. path [B, N] int, num_accepted [B] int."""
+        B = self._batch
+        if not self._tree:
+            raise ValueError("commit_tree: the last forward was not a tree forward")
+        lengths = self.kv.host_lengths()[:B]
+        plan = tree_commit_plan(path, num_accepted, lengths, self._tentative)
+        width = max([1] + [len(moves) for moves, _ in plan])
+        src = torch.full((B, width), -1, dtype=torch.int64)
+        for b, (moves, _) in enumerate(plan):
+            src[b, : len(moves)] = torch.tensor(moves, dtype=torch.int64)
+        new_lengths = [(b, length) for b, (_, length) in enumerate(plan)]
+        dst = torch.tensor([l + 1 for l in lengths], dtype=torch.int64, device=self.device)
+        self.kv.compact(src.to(self.device), dst, new_lengths, rows=B)
+        self._tentative = [0] * B
+        self._tree = False
+
+    def truncate(self, new_lengths: torch.Tensor) -> None:
+        """Roll rows back to shorter committed lengths (never grows). new_lengths [B] int."""
+        if self._device_lengths:
+            self.lengths.copy_(torch.minimum(new_lengths.to(torch.int64), self.lengths))
+            return
+        target = check_truncate(new_lengths, self.kv.host_lengths(), self._batch)
+        self.kv.set_lengths(list(enumerate(target)))
+        self._tentative = [0] * self._batch
