@@ -1,0 +1,98 @@
+"""The decode plan (specdec_ext/plan.py): every choice made once with its reason, the checks made before
+any work, ``explain`` in the API and the CLI; and the model loading around it (models.py): the
+bundled pair loaded once per process, a bundled target passed as an object finds its tokenizer."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import specdec_ext
+from specdec_ext import cli
+from specdec_ext.models import load_pair
+from specdec_ext.plan import FIXED_K, HEADS_TREE, make_plan
+from specdec_ext.sampling import SamplingParams
+from test_generate_utils import noisy_copy, one_thread, tiny_model
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    with one_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_model("llama", vocab=64, hidden=32, layers=1, logit_scale=3.0)
+    return target, noisy_copy(target, noise=0.2)
+
+
+def test_explain_names_every_choice_with_its_reason(pair):
+    target, draft = pair
+    plan = make_plan(target, draft, drafter="model", prompt_lengths=[5, 3], max_new_tokens=16)
+    text = plan.explain()
+    choices = [line.split()[0] for line in text.splitlines()]
+    assert choices == ["drafter", "target", "draft", "cuda", "batch", "cache", "sampling"]
+    assert plan.adaptive and "k=auto" in text  # k=None: adaptive on the CPU
+    assert "lean" in text and "device is cpu" in text and "greedy" in text
+    assert plan.max_seq_len == 5 + 16 + 2 * (plan.slots + 1) + 1
+    seeded = make_plan(target, draft, drafter="model", prompt_lengths=[5], max_new_tokens=16,
+                       sampling=SamplingParams(temperature=1.0), seeded=True)
+    assert not seeded.adaptive and seeded.slots == FIXED_K and "seed reproduces" in seeded.explain()
+    heads_like = make_plan(target, None, drafter="heads", prompt_lengths=[5], max_new_tokens=4)
+    assert heads_like.tree == HEADS_TREE and "k does not apply" in heads_like.explain()
+    plain = make_plan(target, None, drafter="none", prompt_lengths=[5], max_new_tokens=4)
+    assert plain.slots == 0 and "plain decoding" in plain.explain()
+
+
+def test_bad_choices_are_refused_before_any_work(pair):
+    target, draft = pair
+    kw = dict(prompt_lengths=[5], max_new_tokens=8)
+    cases = [
+        (dict(drafter="model", runner="fast"), "runner must be 'auto' or one of"),
+        (dict(drafter="ngram", draft_tree=(2, 2, 4)), "not the n-gram drafter"),
+        (dict(drafter="none", draft_tree=(2, 2, 4)), "plain decoding drafts nothing"),
+        (dict(drafter="model", draft_tree=(2, 0, 4)), r"draft_tree must be a tuple \(b, d, N\)"),
+        (dict(drafter="model", k=0), "k \\(draft tokens per step\\) must be"),
+        (dict(drafter="model", draft_confidence=1.0), "draft_confidence must lie in"),
+        (dict(drafter="model", max_seq_len=20), "needs .* cache positions but the cache holds 20"),
+        (dict(drafter="heads", runner="recompute"), "needs the paged or lean runner"),
+    ]
+    for extra, message in cases:
+        with pytest.raises(ValueError, match=message):
+            make_plan(target, draft if extra["drafter"] == "model" else None, **{**kw, **extra})
+    gpt = tiny_model("gpt_neox", vocab=64, hidden=32, layers=1)
+    with pytest.raises(ValueError, match="runner='lean' cannot run the target model"):
+        make_plan(gpt, None, drafter="none", runner="lean", **kw)
+    with pytest.raises(ValueError, match="max_new_tokens must be an int >= 0"):
+        make_plan(target, None, drafter="none", prompt_lengths=[5], max_new_tokens=-1)
+
+
+def test_a_draft_on_another_device_is_refused(pair):
+    target, _ = pair
+    draft = noisy_copy(target, 0.1).to(torch.device("meta"))
+    with pytest.raises(ValueError, match="the draft is on meta, the target on cpu"):
+        make_plan(target, draft, drafter="model", prompt_lengths=[5], max_new_tokens=4)
+
+
+def test_generate_returns_its_plan_and_explains_it_on_stderr(pair, capsys):
+    target, draft = pair
+    result = specdec_ext.generate([[1, 2, 3]], target, draft, max_new_tokens=4, k=2, explain=True)
+    err = capsys.readouterr().err
+    assert result.plan.slots == 2 and not result.plan.adaptive
+    assert result.plan.explain() in err and "model chain, k=2: as asked" in err
+
+
+def test_cli_generate_explain_prints_the_plan(capsys):
+    assert cli.main(["generate", "--prompt", "def f(x):", "--max-new-tokens", "4", "--explain", "--no-stream",
+                     "--draft", "ngram"]) == 0
+    err = capsys.readouterr().err
+    assert "ngram chain, k=auto" in err and "target runner" in err and "cuda graphs" in err
+
+
+def test_the_bundled_pair_is_loaded_once_and_its_target_finds_its_tokenizer():
+    first, second = load_pair(), load_pair()
+    assert first[0] is second[0] and first[1] is second[1] and first[2] is second[2]
+    fresh_target = specdec_ext.load_default_pair()[0]  # a new object loaded from the bundled directory
+    assert fresh_target is not first[0]
+    result = specdec_ext.generate("def add(a, b):", fresh_target, "ngram", max_new_tokens=6)
+    assert isinstance(result.text[0], str) and len(result.token_ids[0]) == 6
