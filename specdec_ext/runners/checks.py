@@ -60,23 +60,13 @@ def check_forward_inputs(input_ids: torch.Tensor, num_tokens: Optional[torch.Ten
     return B, T, counts
 
 
-def check_commit(num_kept: torch.Tensor, tentative: Sequence[int], batch: int) -> List[int]:
-    """``commit``'s checks (one host read); returns num_kept as a list. Row b may keep 0..tentative[b]."""
-    kept = [int(x) for x in num_kept.tolist()]
-    if len(kept) != batch:
-        raise ValueError(f"commit: num_kept has {len(kept)} rows, the runner holds {batch}")
-    for b, k in enumerate(kept):
-        if not 0 <= k <= tentative[b]:
-            raise ValueError(f"commit: num_kept[{b}] = {k} is outside [0, {tentative[b]}]")
-    return kept
-
-
-def check_truncate(new_lengths: torch.Tensor, lengths: Sequence[int], batch: int) -> List[int]:
-    """``truncate``'s checks (one host read); returns the new lengths as a list (never longer)."""
-    target = [int(x) for x in new_lengths.tolist()]
-    if len(target) != batch:
-        raise ValueError(f"truncate: new_lengths has {len(target)} rows, the runner holds {batch}")
-    for b, n in enumerate(target):
-        if not 0 <= n <= lengths[b]:
-            raise ValueError(f"truncate: new_lengths[{b}] = {n} is outside [0, {lengths[b]}]")
-    return target
+def check_row_counts(op: str, name: str, values: torch.Tensor, upper: Sequence[int], batch: int) -> List[int]:
+    """``commit``'s num_kept (each row within its tentative tokens) and ``truncate``'s new_lengths (each
+    row within its committed tokens): [B] counts, row b in [0, upper[b]]; one host read, returned as a list."""
+    counts = [int(x) for x in values.tolist()]
+    if len(counts) != batch:
+        raise ValueError(f"{op}: {name} has {len(counts)} rows, the runner holds {batch}")
+    for b, n in enumerate(counts):
+        if not 0 <= n <= upper[b]:
+            raise ValueError(f"{op}: {name}[{b}] = {n} is outside [0, {upper[b]}]")
+    return counts

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .checks import (check_commit, check_forward_inputs, check_start_prompts, check_truncate, output_vocab_size,
+from .checks import (check_forward_inputs, check_row_counts, check_start_prompts, output_vocab_size,
                      text_config)
 from .layout import additive_mask, step_layout
 from .trees import token_tree_inputs, tree_commit_plan
@@ -310,7 +310,7 @@ class LeanLlamaRunner:
 
     def commit(self, num_kept: torch.Tensor) -> None:
         """Row b keeps its first num_kept[b] tentative tokens (lengths[b] += num_kept[b])."""
-        kept = check_commit(num_kept, self._tentative, self._batch)
+        kept = check_row_counts("commit", "num_kept", num_kept, self._tentative, self._batch)
         self._len = [n + k for n, k in zip(self._len, kept)]
         self._tentative = [0] * self._batch
 
@@ -332,7 +332,7 @@ class LeanLlamaRunner:
 
     def truncate(self, new_lengths: torch.Tensor) -> None:
         """Roll rows back to shorter committed lengths (never grows). new_lengths [B] int."""
-        self._len = check_truncate(new_lengths, self._len, self._batch)
+        self._len = check_row_counts("truncate", "new_lengths", new_lengths, self._len, self._batch)
         self._tentative = [0] * self._batch
 
 

@@ -32,7 +32,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from . import hf_paged
-from .checks import (check_commit, check_forward_inputs, check_start_prompts, check_truncate, output_vocab_size,
+from .checks import (check_forward_inputs, check_row_counts, check_start_prompts, output_vocab_size,
                      text_config)
 from .hf_paged import PagedCache, PagedStep
 from .kv_cache import PagedKVCache, PoolFullError
@@ -208,7 +208,7 @@ class PagedModelRunner:
         if self._device_lengths:
             self.lengths.add_(num_kept.to(torch.int64))
             return
-        kept = check_commit(num_kept, self._tentative, self._batch)
+        kept = check_row_counts("commit", "num_kept", num_kept, self._tentative, self._batch)
         lengths = self.kv.host_lengths()
         self.kv.set_lengths([(b, lengths[b] + kept[b]) for b in range(self._batch)])
         self._tentative = [0] * self._batch
@@ -237,6 +237,6 @@ class PagedModelRunner:
         if self._device_lengths:
             self.lengths.copy_(torch.minimum(new_lengths.to(torch.int64), self.lengths))
             return
-        target = check_truncate(new_lengths, self.kv.host_lengths(), self._batch)
+        target = check_row_counts("truncate", "new_lengths", new_lengths, self.kv.host_lengths(), self._batch)
         self.kv.set_lengths(list(enumerate(target)))
         self._tentative = [0] * self._batch

@@ -18,7 +18,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from .checks import check_commit, check_start_prompts, check_truncate, output_vocab_size
+from .checks import check_row_counts, check_start_prompts, output_vocab_size
 
 
 class RecomputeRunner:
@@ -137,7 +137,7 @@ class RecomputeRunner:
 
     def commit(self, num_kept: torch.Tensor) -> None:
         """Keep the first num_kept[b] tentative tokens of each row (a chain). num_kept [B]."""
-        kept = check_commit(num_kept, [len(t) for t in self._tentative], self.batch_size)
+        kept = check_row_counts("commit", "num_kept", num_kept, [len(t) for t in self._tentative], self.batch_size)
         for b, n in enumerate(kept):
             self._committed[b].extend(self._tentative[b][:n])
             self._tentative[b] = []
@@ -164,7 +164,8 @@ class RecomputeRunner:
 
     def truncate(self, new_lengths: torch.Tensor) -> None:
         """Roll each row back to new_lengths[b] committed tokens (never grows). new_lengths [B]."""
-        target = check_truncate(new_lengths, [len(row) for row in self._committed], self.batch_size)
+        committed = [len(row) for row in self._committed]
+        target = check_row_counts("truncate", "new_lengths", new_lengths, committed, self.batch_size)
         for b, n in enumerate(target):
             del self._committed[b][n:]
             self._tentative[b] = []
