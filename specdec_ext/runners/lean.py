@@ -14,8 +14,9 @@ Cache: contiguous, preallocated per row, ``[layers, B, kv_heads, capacity, head_
 in the compute dtype, except for a bf16/fp16 model on the CPU: there the cache and the attention are
 fp32 (the cached k and v are the model-dtype values, exact in fp32; attention accumulates in fp32
 as half-precision kernels do inside; torch's CPU bf16 SDPA is slow for a single query). Row b's
-committed tokens are positions 0 .. lengths[b]-1; a ``forward`` writes its T tokens TENTATIVELY at lengths[b] + t (padding columns too, harmlessly past the row's tokens);
-``commit`` / ``truncate`` only move ``lengths`` (rollback is metadata only). The host holds the
+committed tokens are positions 0 .. lengths[b]-1; a ``forward`` writes its T tokens TENTATIVELY at
+lengths[b] + t (padding columns too, harmlessly past the row's tokens); ``commit`` / ``truncate`` only
+move ``lengths`` (rollback is metadata only). The host holds the
 lengths (source of truth); ``lengths`` returns them as a device tensor.
 
 Positions and the attention mask of a ragged or tree forward come from ``layout.step_layout``, as in
