@@ -37,6 +37,7 @@ from .cuda_graphs import graphs_available
 from .drafters.tree_drafter import tree_num_nodes
 from .metadata import SCRATCH_COLUMNS
 from .runners import RUNNER_KINDS, unsupported_reason
+from .runners.support import unsupported_reason as paged_unsupported_reason
 from .sampling import SamplingParams
 
 AUTO_K = "auto"  # k= value: the draft length chosen per step (adaptive.py); what k=None means by default
@@ -141,14 +142,14 @@ def make_plan(target_model, draft_model, *, drafter: str, prompt_lengths: Sequen
             reasons.append(("drafter", f"{drafter} chain, k={slots}: {why}"))
     # 3. runners
     cache_len = required_cache_len(max(prompt_lengths), max_new_tokens, slots)
-    target_runner, why = _runner_for(target_model, runner, graphs_ok, cache_len, device, "target")
+    target_runner, why = _runner_for(target_model, runner, graphs_ok, cache_len, device, "target", tree is not None)
     reasons.append(("target runner", f"{target_runner}: {why}"))
     if drafter == "heads" and target_runner == "recompute":
         raise ValueError("draft='heads' needs the paged or lean runner (runner='auto'), not 'recompute' (its HF "
                          "forwards are per group of equal lengths, not one per pass)")
     draft_runner = draft_dtype = None
     if draft_model is not None:
-        draft_runner, why = _runner_for(draft_model, runner, graphs_ok, cache_len, device, "draft")
+        draft_runner, why = _runner_for(draft_model, runner, graphs_ok, cache_len, device, "draft", tree is not None)
         weights = next(draft_model.parameters()).dtype
         if draft_runner == "lean" and device.type == "cpu" and weights in (torch.bfloat16, torch.float16):
             draft_dtype = torch.float32
@@ -211,21 +212,27 @@ def _default_draft_length(drafter: str, sampling: SamplingParams, seeded: bool, 
     return AUTO_K, "k=None: the draft length that maximises measured tokens per second, per step"
 
 
-def _runner_for(model, runner: str, graphs_ok: bool, cache_len: int, device: torch.device,
-                role: str) -> Tuple[str, str]:
-    """(runner kind, why) for the target or the draft model."""
-    reason = unsupported_reason(model, cache_len)
+def _runner_for(model, runner: str, graphs_ok: bool, cache_len: int, device: torch.device, role: str,
+                tree: bool) -> Tuple[str, str]:
+    """(runner kind, why) for the target or the draft model; refuses a model the chosen runner cannot run
+    (the error names the architecture and the missing feature)."""
+    lean_reason = unsupported_reason(model, cache_len)
     if runner == "lean":
-        if reason is not None:
-            raise ValueError(f"runner='lean' cannot run the {role} model: {reason}")
+        if lean_reason is not None:
+            raise ValueError(f"runner='lean' cannot run the {role} model: {lean_reason}")
         return "lean", "as asked"
+    if runner == "auto" and not graphs_ok and lean_reason is None:
+        return "lean", "a Llama-family model: a pure-torch forward over its weights and a contiguous cache"
+    if runner in ("auto", "paged"):
+        paged_reason = paged_unsupported_reason(model, tree=tree)
+        if paged_reason is not None:
+            raise ValueError(f"the {role} model cannot be run: {paged_reason}"
+                             + (f" (and the lean runner does not apply: {lean_reason})" if lean_reason else ""))
     if runner != "auto":
         return runner, "as asked"
     if graphs_ok:
         return "paged", f"{device.type} with CUDA graphs available: the paged runner's static shapes are captured"
-    if reason is not None:
-        return "paged", f"the lean runner does not apply ({reason})"
-    return "lean", "a Llama-family model: a pure-torch forward over its weights and a contiguous cache"
+    return "paged", f"the lean runner does not apply ({lean_reason})"
 
 
 def _graphs(graphs_ok: bool, graphs_reason: Optional[str], drafter: str, tree, controller, target_runner: str,

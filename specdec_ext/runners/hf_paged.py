@@ -12,7 +12,16 @@ How a forward runs (driven by :class:`specdec_ext.runners.paged.PagedModelRunner
   ``ops.kv_write`` and the row's pages come back gathered, ``[B, H_kv, P * page_size, D]``, in one
   batched index per layer (no loop over rows);
 * the registered attention function runs ``scaled_dot_product_attention`` with that float mask
-  (GQA through ``enable_gqa``).
+  (GQA through ``enable_gqa``); a sliding-window layer (the model passes ``sliding_window=w``) gets
+  the mask restricted to keys within w positions (``PagedStep.mask_for``, from the step's layout:
+  a tree node's window counts along its path), as does a layer HF's own cache keeps a window for; attention logit softcapping (Gemma 2) and attention
+  sinks (gpt-oss) run the attention written out (``eager_attention``: SDPA has neither);
+* ALiBi models that build their bias from the attention mask (Bloom: ``build_alibi_tensor``) get it
+  from the key positions of the step instead (``install_alibi``).
+
+The page pool holds the largest key/value head count and head size any layer produces
+(support.kv_layout, from a probe of the model); a layer with smaller keys or values is padded on
+write and sliced back on read.
 
 Outside a paged forward (``PagedStep`` not active) the registered functions fall back to HF's own
 ``sdpa`` attention and mask, so a model switched to ``"specdec_paged"`` still runs plain HF forwards
@@ -25,8 +34,8 @@ transformers 5.17 / 5.18 call ``past_key_values.update(k, v, layer_idx, cache_kw
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +46,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .. import ops
 from .kv_cache import PagedKVCache
+from .layout import StepLayout, additive_mask
+from .support import KVLayout
 
 ATTN_IMPLEMENTATION = "specdec_paged"
 
@@ -48,6 +59,18 @@ class PagedStep:
     slot_mapping: torch.Tensor   # [B, T] int64: slot of each new token, -1 = padding (not kept)
     gather_pages: torch.Tensor   # [B, P] int64: pages to read per row (>= 0; unused ones masked)
     mask: torch.Tensor           # [B, 1, T, P * page_size] model dtype, additive (0 / dtype min)
+    layout: StepLayout           # positions and visibility of the step (windows, ALiBi)
+    windows: Tuple[Optional[int], ...]  # per layer: the sliding window HF's own cache keeps (None: all)
+    layer: int = 0               # the layer in flight (set by PagedCache.update, read by the attention)
+    windowed: Dict[int, torch.Tensor] = field(default_factory=dict)  # window -> its mask (made on first use)
+
+    def mask_for(self, window: Optional[int]) -> torch.Tensor:
+        """The additive mask of a layer: the full one, or restricted to a sliding window of positions."""
+        if window is None:
+            return self.mask
+        if window not in self.windowed:
+            self.windowed[window] = additive_mask(self.layout.window_visible(int(window)), self.mask.dtype)
+        return self.windowed[window]
 
 
 class _Active:
@@ -58,22 +81,46 @@ class _Active:
 
 def paged_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
                             scaling: Optional[float] = None, is_causal: Optional[bool] = None, **kwargs):
-    """Attention over the gathered pages: query [B, Hq, T, D], key/value [B, Hkv, S, D],
-    attention_mask [B, 1, T, S] additive float. Returns ([B, T, Hq, D], None)."""
-    if _Active.step is None:  # a plain HF forward: behave exactly as the sdpa implementation
+    """Attention over the gathered pages: query [B, Hq, T, D], key/value [B, Hkv, S, D], the step's
+    additive mask [B, 1, T, S] (windowed for a sliding-window layer). Returns ([B, T, Hq, D], None)."""
+    step = _Active.step
+    if step is None:  # a plain HF forward: behave exactly as the sdpa implementation
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, is_causal=is_causal, **kwargs)
-    if kwargs.get("softcap") is not None:
-        raise NotImplementedError("specdec_paged attention does not support attention logit softcapping")
-    window = kwargs.get("sliding_window")
-    if window is not None and key.shape[-2] > window:
-        raise NotImplementedError(
-            f"specdec_paged attention does not implement sliding windows ({window}) shorter than "
-            f"the keys ({key.shape[-2]})")
-    out = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, dropout_p=0.0, scale=scaling,
-        enable_gqa=query.shape[1] != key.shape[1])
+    # the window the model passes, else the one HF's own cache would keep for this layer (a model
+    # may apply its window only through its cache or its own mask, both of which are ours here)
+    window = kwargs["sliding_window"] if "sliding_window" in kwargs else step.windows[step.layer]
+    mask = step.mask_for(window)
+    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
+    if softcap is not None or sinks is not None:
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        out = eager_attention(query, key, value, mask, scale, softcap=softcap, sinks=sinks)
+    else:
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=0.0, scale=scaling,
+                                             enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2).contiguous(), None
+
+
+def eager_attention(query, key, value, mask, scaling: float, softcap: Optional[float] = None,
+                    sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Attention written out, as HF's eager attention computes it, for what SDPA has no argument for:
+    logit softcapping (scores -> softcap * tanh(scores / softcap), Gemma 2) and attention sinks (one
+    learnt logit per head joins every softmax and takes its share of the mass, gpt-oss).
+    query [B, Hq, T, D], key/value [B, Hkv, S, D], mask [B, 1, T, S], sinks [Hq] -> [B, Hq, T, Dv]."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores + mask
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    else:
+        sink = sinks.reshape(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1).to(scores.dtype)
+        combined = torch.cat([scores, sink], dim=-1)
+        combined = combined - combined.amax(dim=-1, keepdim=True)
+        probs = torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1].to(query.dtype)
+    return torch.matmul(probs, value)
 
 
 def paged_mask(batch_size: int, q_length: int, kv_length: int, *args, **kwargs):
@@ -106,6 +153,37 @@ def cache_argument_name(model) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+def _fit(states: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    """[B, T, h, d] zero-padded to [B, T, heads, head_dim] (a layer smaller than the page pool)."""
+    h, d = states.shape[2], states.shape[3]
+    if h == heads and d == head_dim:
+        return states
+    return F.pad(states, (0, head_dim - d, 0, heads - h))
+
+
+def install_alibi(model) -> None:
+    """Bloom builds its ALiBi bias from a 2D attention mask (``build_alibi_tensor``), which a paged step
+    does not have: during a paged forward the bias comes from the step's key positions instead (the
+    same bias for a chain; a tree node's keys at their path's positions). Idempotent."""
+    base = getattr(model, "base_model", model)
+    original = getattr(base, "build_alibi_tensor", None)
+    if original is None or getattr(original, "_specdec_paged", False):
+        return
+    from transformers.models.bloom.modeling_bloom import _get_alibi_slopes
+
+    def build_alibi_tensor(attention_mask, num_heads: int, dtype: torch.dtype) -> torch.Tensor:
+        step = _Active.step
+        if step is None:
+            return original(attention_mask, num_heads, dtype)
+        positions = step.layout.key_positions  # [B, S]
+        slopes = _get_alibi_slopes(num_heads, positions.device)  # [H]
+        alibi = slopes[None, :, None] * positions[:, None, :].to(slopes.dtype)  # [B, H, S]
+        return alibi.reshape(-1, 1, positions.shape[1]).to(dtype)
+
+    build_alibi_tensor._specdec_paged = True
+    base.build_alibi_tensor = build_alibi_tensor
+
+
 class PagedCache(Cache):
     """A ``transformers.Cache`` whose storage is a :class:`PagedKVCache`.
 
@@ -117,9 +195,10 @@ class PagedCache(Cache):
 
     is_compileable = False
 
-    def __init__(self, kv: PagedKVCache):
+    def __init__(self, kv: PagedKVCache, layout: KVLayout):
         super().__init__(layers=[])
         self.kv = kv
+        self.layout = layout
         self.step: Optional[PagedStep] = None
 
     def activate(self, step: Optional[PagedStep]) -> None:
@@ -129,19 +208,24 @@ class PagedCache(Cache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args,
                **kwargs):
-        """key/value_states [B, H_kv, T, D] -> gathered (keys, values) [B, H_kv, S, D]."""
+        """key/value_states [B, H_kv, T, D] -> gathered (keys, values) [B, H_kv, S, D] (the layer's own
+        head counts and sizes; the pool's are the largest of any layer)."""
         step = self.step
         if step is None:
             raise RuntimeError("PagedCache.update called outside a PagedModelRunner forward")
+        step.layer = layer_idx
         layer = self.kv.pool[layer_idx]  # [2, num_pages, page_size, H, D]
-        ops.kv_write(key_states.transpose(1, 2), value_states.transpose(1, 2), step.slot_mapping, layer)
+        H, D = self.kv.num_kv_heads, self.kv.head_dim
+        ops.kv_write(_fit(key_states.transpose(1, 2), H, D), _fit(value_states.transpose(1, 2), H, D),
+                     step.slot_mapping, layer)
         batch, pages = step.gather_pages.shape
         # One batched gather of every row's pages (index_select: ~3x faster than advanced indexing
         # on the CPU): [2, B * P, page_size * H * D] -> [2, B, S, H, D].
         kv = layer.view(2, layer.shape[1], -1).index_select(1, step.gather_pages.view(-1))
-        kv = kv.view(2, batch, pages * self.kv.page_size, self.kv.num_kv_heads, self.kv.head_dim)
+        kv = kv.view(2, batch, pages * self.kv.page_size, H, D)
         kv = kv.transpose(2, 3)  # [2, B, H, S, D]
-        return kv[0], kv[1]
+        hk, dk, hv, dv = self.layout.layers[layer_idx]
+        return kv[0, :, :hk, :, :dk], kv[1, :, :hv, :, :dv]
 
     # --- the queries transformers may make of a cache -------------------------------------
     def get_seq_length(self, layer_idx: int = 0) -> int:

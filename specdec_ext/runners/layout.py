@@ -9,6 +9,9 @@ A forward appends T columns per row after the row's ``L[b]`` committed tokens. R
                root at depth 0, a node sits one position below its parent)
     visible    it sees the prefix (cache positions < L[b]) and, of the new tokens, itself and the earlier
                ones (chain) or itself, the root and its ancestors (tree)
+    window     a sliding-window layer of w positions sees only the visible keys whose position is within
+               w of its own (``window_visible``): a tree node's window counts along its path, since
+               its ancestors sit at their depths' positions
 
 A padding column is not stored (``valid`` False) and sees cache position 0 only, so that no attention
 row is empty (an all-masked row would make the softmax NaN).
@@ -29,6 +32,13 @@ class StepLayout:
     storage: torch.Tensor  # [B, T] int64: cache position of the token (padding: a harmless in-row value)
     positions: torch.Tensor  # [B, T] int64: rotary position ids
     visible: torch.Tensor  # [B, T, S] bool: query column -> cache position it attends to
+    key_positions: torch.Tensor  # [B, S] int64: the position of the token in each cache slot
+
+    def window_visible(self, window: int) -> torch.Tensor:
+        """``visible`` restricted to keys within ``window`` positions of the query (padding columns keep
+        their one key). Shape: [B, T, S] bool."""
+        near = self.positions.unsqueeze(2) - self.key_positions.unsqueeze(1) < window  # [B, T, S]
+        return self.visible & (near | ~self.valid.unsqueeze(2))
 
 
 def step_layout(lengths: torch.Tensor, num_tokens: torch.Tensor, columns: int, cache_positions: int,
@@ -51,16 +61,20 @@ def step_layout(lengths: torch.Tensor, num_tokens: torch.Tensor, columns: int, c
     storage = lengths.unsqueeze(1) + j  # [B, T]
     rel = arange[:S].view(1, 1, S) - lengths.view(B, 1, 1)  # [B, 1, S]: new-token index of a cache position
     in_new = (rel >= 0) & (rel < num_tokens.view(B, 1, 1))
+    slots = arange[:S].view(1, S).expand(B, S)  # [B, S]
     if tree is None:
         positions = storage
         sees_new = in_new & (rel <= j.unsqueeze(2))
+        key_positions = slots
     else:  # a tree forward starts at column 0 (first is None): the column is the token index
         ancestors, depth = tree
         positions = lengths.unsqueeze(1) + depth
         sees_new = in_new & ancestors.gather(2, rel.clamp(0, T - 1).expand(B, T, S))
+        new_token = rel[:, 0].clamp(0, T - 1)  # [B, S]
+        key_positions = torch.where(rel[:, 0] >= 0, lengths.unsqueeze(1) + depth.gather(1, new_token), slots)
     visible = (rel < 0) | sees_new
     visible = torch.where(valid.unsqueeze(2), visible, arange[:S].view(1, 1, S) == 0)
-    return StepLayout(valid, storage, positions, visible)
+    return StepLayout(valid, storage, positions, visible, key_positions)
 
 
 def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

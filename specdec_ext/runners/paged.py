@@ -23,7 +23,9 @@ Two modes:
   the host allocator (``sync_host``) and continues in host mode until the next ``start``.
 
 The model is switched to the ``"specdec_paged"`` attention implementation (which behaves as HF's
-sdpa outside a paged forward).
+sdpa outside a paged forward). The page pool is sized from the keys and values the model produces
+(support.kv_layout); a model the paged attention cannot run is refused at construction
+(support.UnsupportedModelError, naming the architecture and the missing feature).
 """
 from __future__ import annotations
 
@@ -32,11 +34,11 @@ from typing import List, Optional, Sequence
 import torch
 
 from . import hf_paged
-from .checks import (check_forward_inputs, check_row_counts, check_start_prompts, output_vocab_size,
-                     text_config)
+from .checks import check_forward_inputs, check_row_counts, check_start_prompts, output_vocab_size
 from .hf_paged import PagedCache, PagedStep
 from .kv_cache import PagedKVCache, PoolFullError
 from .layout import additive_mask, step_layout
+from .support import kv_layout
 from .trees import token_tree_inputs, tree_commit_plan
 
 __all__ = ["PagedModelRunner", "PoolFullError", "DEFAULT_PAGE_SIZE"]
@@ -59,10 +61,7 @@ class PagedModelRunner:
         self.max_batch_size, self.max_seq_len, self.page_size = max_batch_size, max_seq_len, page_size
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        cfg = text_config(model.config)
-        heads = cfg.num_attention_heads
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        layout = kv_layout(model)  # the cache shapes the model produces (UnsupportedModelError names why not)
         self.vocab_size: int = output_vocab_size(model)  # logits last dim
         pages_per_row = -(-max_seq_len // page_size)
         full_pool = max_batch_size * pages_per_row
@@ -72,11 +71,12 @@ class PagedModelRunner:
             raise ValueError(f"static_shapes needs every row to own all its pages: num_pages={num_pages} < "
                              f"max_batch_size * pages per row = {full_pool}")
         self.static_shapes = bool(static_shapes)
-        self.kv = PagedKVCache(num_layers=cfg.num_hidden_layers, num_kv_heads=kv_heads, head_dim=head_dim,
+        self.kv = PagedKVCache(num_layers=layout.num_layers, num_kv_heads=layout.heads, head_dim=layout.head_dim,
                                num_pages=num_pages, page_size=page_size, max_batch=max_batch_size,
                                max_pages_per_row=pages_per_row, dtype=self.dtype, device=self.device)
-        self.cache = PagedCache(self.kv)
+        self.cache = PagedCache(self.kv, layout)
         hf_paged.register()
+        hf_paged.install_alibi(model)
         if hasattr(model, "set_attn_implementation"):
             model.set_attn_implementation(hf_paged.ATTN_IMPLEMENTATION)
         else:  # pragma: no cover - older transformers
@@ -123,7 +123,7 @@ class PagedModelRunner:
         gather_pages = tables[:, :pages].clamp(min=0).long()  # [B, P] int64
         mask = additive_mask(layout.visible, self.dtype)  # [B, 1, T, S]
         ids = torch.where(layout.valid, input_ids, 0)
-        self.cache.activate(PagedStep(slot_mapping, gather_pages, mask))
+        self.cache.activate(PagedStep(slot_mapping, gather_pages, mask, layout, self.cache.layout.windows))
         try:
             with torch.no_grad():
                 out = self.model(input_ids=ids, attention_mask=mask, position_ids=layout.positions,

@@ -1,0 +1,130 @@
+"""Tiny random models of every decoder architecture in transformers' causal-LM mapping, for
+test_architectures.py and tools/architectures_table.py (no tests here).
+
+``tiny_config(model_type)`` shrinks the config class's defaults (hidden size 64, 2 layers, 4 heads / 2
+KV heads, a 128-token vocabulary, windows of 8 positions) so each model builds in milliseconds;
+``SKIPPED`` names the model types that cannot be built or run that way, with the reason.
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Dict, List
+
+import torch
+
+VOCAB = 128
+WINDOW = 8  # sliding windows shorter than the test contexts (prompts of 13-20 tokens + 20 new)
+SIZES = {
+    "hidden_size": 64, "n_embd": 64, "d_model": 64, "dim": 64, "embed_dim": 64, "model_dim": 64, "n_embed": 64,
+    "intermediate_size": 128, "n_inner": 128, "ffn_dim": 128, "ffn_hidden_size": 128, "d_ff": 128,
+    "inner_hidden_size": 128, "num_hidden_layers": 2, "n_layer": 2, "num_layers": 2, "n_layers": 2,
+    "num_attention_heads": 4, "n_head": 4, "n_heads": 4, "num_heads": 4,
+    "num_key_value_heads": 2, "n_kv_heads": 2, "num_kv_heads": 2, "head_dim": 16,
+    "vocab_size": VOCAB, "max_position_embeddings": 512, "n_positions": 512, "n_ctx": 512, "max_seq_len": 512,
+    "moe_intermediate_size": 32, "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4,
+    "num_experts_per_tok": 2, "shared_expert_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1,
+    "sliding_window": WINDOW, "attention_window_size": WINDOW,
+    "rotary_dim": 8, "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+    "v_head_dim": 16, "n_group": 1, "topk_group": 1, "index_head_dim": 16, "index_n_heads": 2, "moe_topk": 2,
+    "zero_expert_num": 2, "expert_ffn_hidden_size": 32,
+}
+SIZED_WHEN_NONE = ("sliding_window", "head_dim", "v_head_dim", "num_experts_per_tok")  # set even where None
+
+# Model types that are not decoder-only language models over a key/value cache, or that cannot be
+# built tiny from their config class: the reason is the test's skip message and the README's.
+SKIPPED: Dict[str, str] = {
+    "blt": "byte latent transformer: a patcher model in front of the decoder (the tiny build hangs)",
+    "musicgen": "an audio decoder conditioned on a text encoder (two text configs)",
+    "musicgen_melody": "an audio decoder conditioned on a text encoder (two text configs)",
+    "reformer": "a reversible LSH-attention model that needs is_decoder=True (no causal-LM use)",
+    "gemma3n": "the vision/audio model does not build tiny (timm is not installed)",
+    "gemma3n_text": "shares key/value caches across layers (its layer types do not build tiny)",
+    "gemma4_assistant": "a drafter head for Gemma 4 (not a language model of its own)",
+    "gemma4_unified_assistant": "a drafter head for Gemma 4 (not a language model of its own)",
+}
+
+
+def _shrink(config) -> None:
+    values = config.to_dict()
+    for key, value in SIZES.items():
+        if key in values and (isinstance(values[key], int) and not isinstance(values[key], bool)
+                              or values[key] is None and key in SIZED_WHEN_NONE):
+            try:
+                setattr(config, key, value)
+            except (AttributeError, TypeError):  # a derived property
+                pass
+    if values.get("qk_rope_head_dim") is not None and "head_dim" in values:  # MLA: rotary over the rope part
+        config.head_dim = SIZES["qk_rope_head_dim"]
+    layers = getattr(config, "num_hidden_layers", None) or 2
+    for key in ("layer_types", "layers_block_type"):
+        types = getattr(config, key, None)
+        if isinstance(types, list) and types:
+            kinds = sorted(set(types), key=types.index)  # every kind of layer the model has, in its order
+            try:
+                setattr(config, key, [kinds[i % len(kinds)] for i in range(layers)])
+            except (AttributeError, TypeError):
+                pass
+    pad = getattr(config, "pad_token_id", None)
+    if isinstance(pad, int) and pad >= VOCAB:
+        config.pad_token_id = 0  # (a pad id inside the vocabulary: learned positions offset by it)
+    for key in ("bos_token_id", "eos_token_id", "decoder_start_token_id"):
+        if hasattr(config, key):
+            try:
+                setattr(config, key, None)
+            except Exception:  # a strict field that must be an id: the first one, inside the vocabulary
+                setattr(config, key, 0)
+    if getattr(config, "is_encoder_decoder", False) is False and hasattr(config, "is_decoder"):
+        config.is_decoder = True
+
+
+def tiny_config(model_type: str):
+    """The config class's defaults shrunk (module docstring)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type)
+    configs = [config]
+    try:
+        text = config.get_text_config()
+        if text is not config:
+            configs.append(text)
+    except (ValueError, AttributeError):
+        pass
+    for c in configs:
+        _shrink(c)
+    return config
+
+
+def tiny_model(model_type: str, seed: int = 0, logit_scale: float = 4.0):
+    """A random-weight tiny causal LM of ``model_type`` in eval mode, sharpened by ``logit_scale``."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_config(tiny_config(model_type)).eval()
+    head = model.get_output_embeddings()
+    if head is not None:
+        with torch.no_grad():
+            head.weight.mul_(logit_scale)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = None
+    return model
+
+
+def noisy_copy(model, noise: float = 0.2, seed: int = 1):
+    """A draft of the same architecture that agrees with the target often but not always."""
+    torch.manual_seed(seed)
+    draft = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in draft.parameters():
+            if p.dim() > 1:
+                p.add_(noise * p.std() * torch.randn_like(p))
+    return draft.eval()
+
+
+def causal_lm_types() -> List[str]:
+    """Every model type of transformers' causal-LM mapping, sorted."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
