@@ -17,6 +17,7 @@ from specdec_ext.progress import progress_bar, progress_wanted
 from test_generate_utils import noisy_copy, one_thread, tiny_model
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+PNG_PALETTE = 3
 PROMPT = [1, 4, 2, 6, 3]
 
 
@@ -69,6 +70,7 @@ def test_generation_stats_plot(pair, tmp_path, k):
     path = tmp_path / "generation.png"
     assert stats.plot(str(path), label="tiny pair") == str(path)
     assert png_size(path) == plots.figure_pixels(1) == (1200, 450)
+    assert path.read_bytes()[25] == PNG_PALETTE  # IHDR's colour type: the small palette PNG
 
 
 def test_generation_stats_plot_needs_drafted_tokens(pair, tmp_path):

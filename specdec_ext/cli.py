@@ -204,7 +204,7 @@ def cmd_generate(args) -> int:
     else:
         print("\n" + result.stats.summary(), file=sys.stderr)
     if args.plot:
-        pair = f"target {args.target or 'bundled'}, draft {args.draft or 'bundled'}"
+        pair = f"target / draft: {args.target or 'bundled'} / {args.draft or 'bundled'}"
         write_plot("generate", lambda: result.stats.plot(args.plot, label=pair))
     return 0
 
