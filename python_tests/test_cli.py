@@ -210,7 +210,8 @@ def test_plot_without_matplotlib_fails_before_the_work(command, tmp_path, monkey
     monkeypatch.setattr(importlib.import_module("specdec_ext.audit"), "load_pair", no_work)
     monkeypatch.setattr(importlib.import_module("specdec_ext.bench.compare"), "load", no_work)
     argv = {"generate": ["generate", "x"], "audit": ["audit"], "bench": ["bench"]}[command]
-    with pytest.raises(SystemExit, match=rf'specdec {command} --plot: .*pip install "specdec_ext\[plot\]"'):
+    message = rf'specdec {command} --plot: .*pip install "\.\[plot\]" in the specdec_ext checkout'
+    with pytest.raises(SystemExit, match=message):
         cli.main(argv + ["--plot", str(tmp_path / "figure.png")])
 
 

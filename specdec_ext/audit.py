@@ -73,7 +73,7 @@ class AuditReport:
 
     def plot(self, path: str) -> str:
         """Draw the TV per position next to its noise floor and the predicted vs measured speedup per k into
-        ``path`` (a .png, 1200 x 450 pixels) and return ``path``; needs ``pip install "specdec_ext[plot]"``."""
+        ``path`` (a .png, 1200 x 450 pixels) and return ``path``; needs ``pip install ".[plot]"``."""
         from .plots import plot_audit
 
         return plot_audit(self, path)

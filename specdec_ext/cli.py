@@ -61,7 +61,7 @@ def _model_args(parser: argparse.ArgumentParser, threads: Optional[int] = None) 
 
 def _report_args(parser: argparse.ArgumentParser, figure: str) -> None:
     parser.add_argument("--plot", metavar="FILE.png", help=f"also draw {figure} into FILE.png (needs matplotlib: "
-                        'pip install "specdec_ext[plot]")')
+                        'pip install ".[plot]" in the specdec_ext checkout)')
     parser.add_argument("--quiet", action="store_true",
                         help="no progress bars (they go to stderr, and only when it is a terminal)")
 

@@ -1,7 +1,7 @@
 """Figures of the reports: ``specdec bench --plot``, ``specdec audit --plot`` (``AuditReport.plot``) and
 ``GenerationStats.plot``; one function per figure.
 
-matplotlib is an optional extra (``pip install "specdec_ext[plot]"``). It is imported when a figure is
+matplotlib is an optional extra (``pip install ".[plot]"``). It is imported when a figure is
 drawn, never when this module is, and only through its object-oriented API on the Agg canvas: pyplot's
 global backend and figure list are left alone (a notebook's own plotting keeps working).
 
@@ -21,7 +21,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from .stats import expected_tokens_per_pass, predicted_speedup
 
-INSTALL_HINT = 'pip install "specdec_ext[plot]" (in a source checkout: pip install ".[plot]")'
+INSTALL_HINT = 'pip install ".[plot]" in the specdec_ext checkout (or pip install "matplotlib>=3.7")'
 WIDTH_IN = 12.0
 PANEL_HEIGHT_IN = 4.5
 LEGEND_COLUMNS = 5  # the bench figure's shared legend, under the panels

@@ -192,7 +192,7 @@ class GenerationStats:
     def plot(self, path: str, *, label: str = "") -> str:
         """Draw acceptance by draft position and tokens per target pass against the cost model into ``path``
         (a .png, 1200 x 450 pixels; ``label`` names the pair in the title) and return ``path``. Needs
-        matplotlib: ``pip install "specdec_ext[plot]"``; raises ValueError when nothing was drafted."""
+        matplotlib: ``pip install ".[plot]"`` in the checkout; raises ValueError when nothing was drafted."""
         from .plots import plot_generation
 
         return plot_generation(self, path, label=label)

@@ -135,7 +135,7 @@ def parse_args(argv):
     p.add_argument("--no-hf", action="store_true", help="skip the three HF baselines (ours only)")
     p.add_argument("--plot", metavar="FILE.png",
                    help="also draw tokens/s and tokens per pass against k for each drafter, the HF methods and "
-                   'ours plain as horizontal lines, one row per workload (needs pip install "specdec_ext[plot]")')
+                   'ours plain as horizontal lines, one row per workload (needs matplotlib: pip install ".[plot]")')
     p.add_argument("--quiet", action="store_true",
                    help="no progress bars (they go to stderr, and only when it is a terminal)")
     return p.parse_args(argv)
