@@ -64,3 +64,19 @@ def test_audit_bad_input(pair):
         audit(target, draft, PROMPTS, temperature=1.0, positions=0)
     with pytest.raises(ValueError, match="prompts"):
         audit(target, draft, None, temperature=1.0)
+
+
+def test_audit_report_plot(pair, tmp_path, monkeypatch):
+    from specdec_ext import plots
+    from test_plots import FakeTerminal, png_size
+
+    target, draft = pair
+    terminal = FakeTerminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    report = audit(target, draft, PROMPTS, temperature=1.0, positions=2, samples=100, ks=(1, 2), bench_tokens=6,
+                   verbose=False, progress=False)
+    assert terminal.getvalue() == ""  # progress=False: no bar even on a terminal
+    assert report.pair == plots.pair_label(target, draft)
+    path = tmp_path / "audit.png"
+    assert report.plot(str(path)) == str(path)
+    assert png_size(path) == plots.figure_pixels(1)

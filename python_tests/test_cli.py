@@ -1,6 +1,7 @@
 """The ``specdec`` command line: --help of every command, generate (streamed and not), audit, bench."""
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -8,8 +9,9 @@ import sys
 
 import pytest
 
-from specdec_ext import cli
+from specdec_ext import cli, plots
 from test_generate_utils import CHAR_VOCAB, char_tokenizer, noisy_copy, one_thread, tiny_model
+from test_plots import FakeTerminal, missing_matplotlib, png_size  # noqa: F401 (a fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -43,11 +45,12 @@ def test_python_dash_m_help_lists_the_commands():
 @pytest.mark.parametrize("command,flags", [
     ("generate", ["--target", "--draft", "--max-new-tokens", "--k", "--temperature", "--top-k", "--top-p", "--seed",
                   "--eos-token-id", "--no-eos", "--stop", "--no-stream", "--json", "--threads", "--runner",
-                  "--prompt-file"]),
+                  "--prompt-file", "--plot", "--quiet"]),
     ("audit", ["--positions", "--samples", "--ks", "--bench-tokens", "--alpha", "--max-prompts", "--no-break-even",
-               "--temperature", "--top-p"]),
+               "--temperature", "--top-p", "--plot", "--quiet"]),
     ("demo", ["--files", "--lines", "--max-new-tokens", "--k"]),
-    ("bench", ["--ks", "--prompts", "--lines", "--max-new-tokens", "--repeats", "--threads", "--dtype", "--no-hf"]),
+    ("bench", ["--ks", "--prompts", "--lines", "--max-new-tokens", "--repeats", "--threads", "--dtype", "--no-hf",
+               "--plot", "--quiet"]),
 ])
 def test_help_explains_every_flag(command, flags, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -97,8 +100,10 @@ def test_bench_command_runs_on_a_tiny_pair(pair_dirs, tmp_path, capsys):
     prompt.write_text("def f(x):\n    return ")
     # fp32: every method then reproduces HF greedy exactly (in bf16 our lean target computes attention
     # in fp32 on the CPU, and multi-token passes round differently: near-ties may flip)
+    figure = tmp_path / "bench.png"
     assert cli.main(["bench", "--target", target, "--draft", draft, "--prompt-file", str(prompt), "--ks", "2,3",
-                     "--max-new-tokens", "10", "--repeats", "2", "--dtype", "float32"]) == 0
+                     "--max-new-tokens", "10", "--repeats", "2", "--dtype", "float32", "--plot", str(figure)]) == 0
+    assert png_size(figure) == plots.figure_pixels(1)  # one workload: the prompt file
     out = capsys.readouterr().out
     for name in ("HF plain greedy", "HF assisted (draft)", "HF prompt lookup", "ours plain (k=0)", "ours k=2",
                  "ours k=3", "cost model", "targets:"):
@@ -141,3 +146,75 @@ def test_generate_with_a_heads_directory_for_another_target(pair_dirs, tmp_path,
     assert json.loads(out[out.index("{"):])["k"] == 3
     with pytest.raises(SystemExit, match="needs the --target"):
         cli.main(["generate", "--prompt", "abc", "--draft", str(tmp_path / "heads")])
+
+
+# ------------------------------------------------------------------------------------- --plot, progress, --quiet
+AUDIT_FAST = ["--samples", "60", "--positions", "2", "--ks", "1,2", "--bench-tokens", "6", "--max-prompts", "1"]
+
+
+def test_audit_plot_and_progress_on_a_terminal(pair_dirs, tmp_path, monkeypatch, capsys):
+    target, draft = pair_dirs
+    terminal = FakeTerminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    figure = tmp_path / "audit.png"
+    assert cli.main(["audit", "abc", "--target", target, "--draft", draft, *AUDIT_FAST, "--plot", str(figure)]) == 0
+    assert png_size(figure) == plots.figure_pixels(1)
+    bars = terminal.getvalue()
+    assert "audit sampling" in bars and "120/120" in bars and "audit break-even" in bars
+    assert "Loading weights" in bars  # transformers' own bars, which --quiet hides too
+    assert f"wrote {figure}" in bars
+    out = capsys.readouterr().out
+    assert "verdict: PASS" in out and "audit sampling" not in out  # the report on stdout, no bar there
+
+
+def test_audit_quiet_draws_no_progress(pair_dirs, tmp_path, monkeypatch):
+    target, draft = pair_dirs
+    terminal = FakeTerminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    figure = tmp_path / "audit.png"
+    assert cli.main(["audit", "abc", "--target", target, "--draft", draft, *AUDIT_FAST, "--no-break-even",
+                     "--quiet", "--plot", str(figure)]) == 0
+    assert png_size(figure) == plots.figure_pixels(1)  # the break-even panel says it was not run
+    assert "audit sampling" not in terminal.getvalue() and "Loading weights" not in terminal.getvalue()
+
+
+def test_generate_progress_bar_and_plot(pair_dirs, tmp_path, monkeypatch, capsys):
+    target, draft = pair_dirs
+    monkeypatch.setattr(cli, "GENERATE_PROGRESS_DELAY_S", 0.0)  # the tiny pair is done long before 3 s
+    run = ["generate", "def f(x):", "--target", target, "--draft", draft, "--max-new-tokens", "12", "-k", "3",
+           "--no-eos", "--no-stream"]
+    # stderr not a terminal (captured): no bar
+    assert cli.main(run) == 0
+    assert "generating" not in capsys.readouterr().err
+    terminal = FakeTerminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    figure = tmp_path / "generation.png"
+    assert cli.main(run + ["--plot", str(figure)]) == 0
+    assert "generating" in terminal.getvalue() and "tokens per pass" in terminal.getvalue()
+    assert png_size(figure) == plots.figure_pixels(1)
+    out = capsys.readouterr().out
+    assert "--- [0]" in out and "generating" not in out
+    terminal.seek(0)
+    terminal.truncate()
+    assert cli.main(run + ["--quiet"]) == 0
+    assert "generating" not in terminal.getvalue() and "tokens per pass" in terminal.getvalue()
+
+
+@pytest.mark.parametrize("command", ["generate", "audit", "bench"])
+def test_plot_without_matplotlib_fails_before_the_work(command, tmp_path, monkeypatch, missing_matplotlib):
+    def no_work(*args, **kwargs):
+        raise AssertionError("the models were loaded before --plot was checked")
+
+    # the modules, not the functions of the same names that specdec_ext exports
+    monkeypatch.setattr(importlib.import_module("specdec_ext.generate"), "load_models", no_work)
+    monkeypatch.setattr(importlib.import_module("specdec_ext.audit"), "load_pair", no_work)
+    monkeypatch.setattr(importlib.import_module("specdec_ext.bench.compare"), "load", no_work)
+    argv = {"generate": ["generate", "x"], "audit": ["audit"], "bench": ["bench"]}[command]
+    message = rf'specdec {command} --plot: .*pip install "\.\[plot\]" in the specdec_ext checkout'
+    with pytest.raises(SystemExit, match=message):
+        cli.main(argv + ["--plot", str(tmp_path / "figure.png")])
+
+
+def test_plot_to_a_missing_directory_fails_before_the_work(tmp_path):
+    with pytest.raises(SystemExit, match="does not exist"):
+        cli.main(["generate", "x", "--plot", str(tmp_path / "missing" / "figure.png")])

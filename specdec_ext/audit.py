@@ -21,6 +21,8 @@ import torch
 from .decode import lossless_verify
 from .generate import generate, normalise_prompts, plain_generate
 from .models import load_pair
+from .plots import pair_label
+from .progress import progress_bar
 from .sampling import SamplingParams, filtered_probs
 from .stats import expected_tokens_per_pass, predicted_speedup
 
@@ -67,6 +69,14 @@ class AuditReport:
     break_even: List[BreakEvenRow] = field(default_factory=list)
     target_step_time: Optional[float] = None
     acceptance: Optional[float] = None
+    pair: str = ""  # the models audited, for the figure's title
+
+    def plot(self, path: str) -> str:
+        """Draw the TV per position next to its noise floor and the predicted vs measured speedup per k into
+        ``path`` (a .png, 1200 x 450 pixels) and return ``path``; needs ``pip install ".[plot]"``."""
+        from .plots import plot_audit
+
+        return plot_audit(self, path)
 
     @property
     def threshold(self) -> float:
@@ -149,9 +159,9 @@ def _counts(values) -> dict:
 # ------------------------------------------------------------------------------- sampling
 @torch.no_grad()
 def plain_samples(model, prompt: List[int], count: int, positions: int, sampling: SamplingParams,
-                  seed: int) -> List[tuple]:
+                  seed: int, progress=None) -> List[tuple]:
     """``count`` plain samples of the first ``positions`` tokens: full HF forwards, filtered softmax,
-    torch.multinomial (nothing of the speculative machinery)."""
+    torch.multinomial (nothing of the speculative machinery). ``progress``: a bar advanced per sample."""
     generator = torch.Generator().manual_seed(seed)
     device = next(model.parameters()).device
     out: List[tuple] = []
@@ -163,11 +173,15 @@ def plain_samples(model, prompt: List[int], count: int, positions: int, sampling
             token = torch.multinomial(probs.cpu(), 1, generator=generator).to(device)
             ids = torch.cat([ids, token], dim=1)
         out.extend(tuple(r) for r in ids[:, len(prompt):].tolist())
+        if progress is not None:
+            progress.update(rows)
     return out
 
 
 def speculative_samples(target, draft, prompt: List[int], count: int, positions: int, sampling: SamplingParams,
-                        seed: int, runner, verifier=lossless_verify) -> List[tuple]:
+                        seed: int, runner, verifier=lossless_verify, progress=None) -> List[tuple]:
+    """``count`` seeded speculative samples of the first ``positions`` tokens (k = AUDIT_K).
+    ``progress``: a bar advanced per sample."""
     out: List[tuple] = []
     for start in range(0, count, AUDIT_BATCH):
         rows = min(AUDIT_BATCH, count - start)
@@ -176,6 +190,8 @@ def speculative_samples(target, draft, prompt: List[int], count: int, positions:
                           seed=[seed + start + i for i in range(rows)], eos_token_id=False, runner=runner,
                           cost_probe=False, verifier=verifier)
         out.extend(tuple(t) for t in result.token_ids)
+        if progress is not None:
+            progress.update(rows)
     return out
 
 
@@ -191,21 +207,27 @@ def _test(prompt_index: int, label: str, spec: List, plain: List) -> Distributio
 
 # ------------------------------------------------------------------------------- break-even
 def break_even(target, draft, prompts: List[List[int]], sampling: SamplingParams, *, ks=DEFAULT_KS,
-               max_new_tokens: int = 48, runner="auto", seed: int = 0):
-    """Rows of the break-even table, the plain target step time and the pooled acceptance."""
+               max_new_tokens: int = 48, runner="auto", seed: int = 0, progress: Optional[bool] = None):
+    """Rows of the break-even table, the plain target step time and the pooled acceptance.
+    ``progress``: a bar of the timed runs on stderr (None: when stderr is a terminal)."""
     bench = prompts[:BENCH_PROMPTS]
+    bar = progress_bar(len(bench) * (1 + len(ks)), "audit break-even", unit="run", show=progress)
     kw = dict(max_new_tokens=max_new_tokens, temperature=sampling.temperature, top_k=sampling.top_k,
               top_p=sampling.top_p, seed=seed, eos_token_id=False, runner=runner)
     generate([bench[0]], target, draft, k=1, **{**kw, "max_new_tokens": 4})  # warm-up
     plain_steps, plain_time = 0, 0.0
     for p in bench:
         stats = plain_generate([p], target, **kw).stats
+        bar.update()
         plain_steps += stats.steps
         plain_time += stats.decode_time
     plain_step = plain_time / plain_steps
     rows, accepted, reached = [], 0, 0
     for k in ks:
-        runs = [generate([p], target, draft, k=k, **kw).stats for p in bench]
+        runs = []
+        for p in bench:
+            runs.append(generate([p], target, draft, k=k, **kw).stats)
+            bar.update()
         acc = sum(sum(s.accepted) for s in runs) / max(sum(sum(s.reached) for s in runs), 1)
         accepted += sum(sum(s.accepted) for s in runs)
         reached += sum(sum(s.reached) for s in runs)
@@ -219,6 +241,7 @@ def break_even(target, draft, prompts: List[List[int]], sampling: SamplingParams
         measured = decode_tokens / decode_time * plain_step
         rows.append(BreakEvenRow(k, acc, c, v, expected_tokens_per_pass(acc, k), tpp,
                                  predicted_speedup(acc, k, c, v), measured))
+    bar.close()
     return rows, plain_step, accepted / max(reached, 1)
 
 
@@ -226,7 +249,7 @@ def break_even(target, draft, prompts: List[List[int]], sampling: SamplingParams
 def audit(target=None, draft=None, prompts=None, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
           positions: int = 3, samples: int = 1000, ks=DEFAULT_KS, bench_tokens: int = 48, alpha: float = DEFAULT_ALPHA,
           seed: int = 0, tokenizer=None, runner="auto", max_prompts: int = 2, run_break_even: bool = True,
-          verbose: bool = True, verifier=lossless_verify) -> AuditReport:
+          verbose: bool = True, verifier=lossless_verify, progress: Optional[bool] = None) -> AuditReport:
     """Audit a (target, draft) pair: is speculative sampling lossless on it, and where does it break even?
 
     Parameters
@@ -243,6 +266,7 @@ def audit(target=None, draft=None, prompts=None, *, temperature: float = 1.0, to
     alpha : family-wise significance level of the verdict
     verbose : print the report
     verifier : the verification step audited (default: the lossless chain_verify)
+    progress : progress bars of the sampling and the timed runs on stderr (None: when stderr is a terminal)
 
     Returns
     -------
@@ -259,19 +283,21 @@ def audit(target=None, draft=None, prompts=None, *, temperature: float = 1.0, to
         raise ValueError("audit: pass prompts (text or token ids)")
     token_prompts = normalise_prompts(prompts, tokenizer)[0][:max_prompts]
     tests: List[DistributionTest] = []
+    bar = progress_bar(2 * samples * len(token_prompts), "audit sampling", unit="sample", show=progress)
     for i, prompt in enumerate(token_prompts):
         spec = speculative_samples(target_model, draft_model, prompt, samples, positions, sampling, seed, runner,
-                                   verifier)
-        plain = plain_samples(target_model, prompt, samples, positions, sampling, seed)
+                                   verifier, progress=bar)
+        plain = plain_samples(target_model, prompt, samples, positions, sampling, seed, progress=bar)
         for pos in range(positions):
             tests.append(_test(i, str(pos + 1), [s[pos] for s in spec], [s[pos] for s in plain]))
         if positions > 1:
             tests.append(_test(i, "joint", spec, plain))
-    report = AuditReport(sampling, tests, alpha)
+    bar.close()
+    report = AuditReport(sampling, tests, alpha, pair=pair_label(target_model, draft_model))
     if run_break_even:
         report.break_even, report.target_step_time, report.acceptance = break_even(
             target_model, draft_model, token_prompts, sampling, ks=ks, max_new_tokens=bench_tokens, runner=runner,
-            seed=seed)
+            seed=seed, progress=progress)
     if verbose:
         print(report.text())
     return report

@@ -8,11 +8,14 @@ import sys
 import sysconfig
 from typing import List, Optional
 
+from .progress import hf_progress_bars_off, progress_bar, progress_wanted
+
 DEMO_PROMPT_LINES = 20  # lines of each held-out file used as a demo prompt
 DEMO_FILES = 3
 DEMO_NEW_TOKENS = 64
 DEMO_THREADS = 1  # the bundled models are small: intra-op threads cost more than they save on a CPU
 DEFAULT_AUDIT_PROMPTS = ["import os\nimport sys\n\n\ndef main(", "class Parser:\n    def __init__(self"]
+GENERATE_PROGRESS_DELAY_S = 3.0  # a generation shows a progress bar only once it has run this long
 
 
 def _draft_length(value: str):
@@ -54,6 +57,13 @@ def _model_args(parser: argparse.ArgumentParser, threads: Optional[int] = None) 
                         help="model runner: auto (the lean pure-torch forward for Llama-family models, the paged "
                         "KV cache otherwise and where CUDA graphs run), lean, paged, or the slow full-recompute "
                         "oracle (default: auto)")
+
+
+def _report_args(parser: argparse.ArgumentParser, figure: str) -> None:
+    parser.add_argument("--plot", metavar="FILE.png", help=f"also draw {figure} into FILE.png (needs matplotlib: "
+                        'pip install ".[plot]" in the specdec_ext checkout)')
+    parser.add_argument("--quiet", action="store_true",
+                        help="no progress bars (they go to stderr, and only when it is a terminal)")
 
 
 def _sampling_args(parser: argparse.ArgumentParser, temperature: float) -> None:
@@ -98,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--explain", action="store_true",
                    help="print the decode plan first: one line per choice (drafter, k, runners, CUDA graphs, "
                    "cache) and why")
+    _report_args(g, "acceptance by draft position and tokens per pass against the cost model")
 
     a = sub.add_parser("audit", help="check losslessness on your pair and where speculation breaks even",
                        description="For the first --positions generated tokens, compare speculative and plain "
@@ -115,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--alpha", type=float, default=1e-3, help="family-wise significance level (default: 0.001)")
     a.add_argument("--max-prompts", type=int, default=2, help="prompts used (default: 2)")
     a.add_argument("--no-break-even", action="store_true", help="skip the timed break-even report")
+    _report_args(a, "the TV per position next to its noise floor and the predicted vs measured speedup per k")
 
     b = sub.add_parser("bench", help="benchmark against HF plain, assisted and prompt-lookup generation",
                        description="HF plain greedy generate, HF assisted "
@@ -174,36 +186,79 @@ def cmd_generate(args) -> int:
     kw = dict(max_new_tokens=args.max_new_tokens, k=args.k, temperature=args.temperature, top_k=args.top_k,
               top_p=args.top_p, seed=args.seed, eos_token_id=eos, stop=args.stop or None, runner=args.runner,
               draft_tree=args.tree, explain=args.explain)
-    if args.no_stream:
+    check_plot_option("generate", args.plot)
+    # streamed to a terminal, the text is its own progress (a bar next to it would tear it)
+    show_bar = progress_wanted(args.quiet) and (args.no_stream or not sys.stdout.isatty())
+    if args.no_stream and not show_bar:
         result = generate(prompts, target, draft, **kw)
+    else:
+        with progress_bar(args.max_new_tokens * len(prompts), "generating", unit="token", show=show_bar,
+                          delay_s=GENERATE_PROGRESS_DELAY_S, leave=False) as bar:
+            result = _consume(generate(prompts, target, draft, stream=True, **kw), bar, echo=not args.no_stream,
+                              several=len(prompts) > 1)
+    if args.no_stream:
         for i, text in enumerate(result.text or []):
             print(f"--- [{i}] {prompts[i]!r}\n{text}")
-    else:
-        stream = generate(prompts, target, draft, stream=True, **kw)
-        last = None
-        for piece in stream:
-            if piece.index != last and len(prompts) > 1:
-                print(f"\n--- [{piece.index}] ", end="")
-            last = piece.index
-            print(piece, end="", flush=True)
-        print()
-        result = stream.result
     if args.json:
         print(json.dumps(result.stats.as_dict(), indent=2))
     else:
         print("\n" + result.stats.summary(), file=sys.stderr)
+    if args.plot:
+        pair = f"target / draft: {args.target or 'bundled'} / {args.draft or 'bundled'}"
+        write_plot("generate", lambda: result.stats.plot(args.plot, label=pair))
     return 0
+
+
+def _consume(stream, bar, *, echo: bool, several: bool):
+    """Run a generation stream to its end, advancing ``bar`` by the tokens of each piece and printing the
+    pieces when ``echo`` (with a header per prompt when ``several``); -> its GenerationResult."""
+    last = None
+    for piece in stream:
+        bar.update(len(piece.token_ids))
+        if echo:
+            if piece.index != last and several:
+                print(f"\n--- [{piece.index}] ", end="")
+            last = piece.index
+            print(piece, end="", flush=True)
+    if echo:
+        print()
+    return stream.result
+
+
+def check_plot_option(command: str, path: Optional[str]) -> None:
+    """--plot FILE: fail before the work when the figure could not be drawn or written."""
+    if path is None:
+        return
+    from .plots import PlotDependencyError, check_plot_path
+
+    try:
+        check_plot_path(path)
+    except (PlotDependencyError, ValueError) as error:
+        raise SystemExit(f"specdec {command} --plot: {error}") from None
+
+
+def write_plot(command: str, draw) -> None:
+    """Call ``draw()`` (it writes a figure and returns its path) and say where the figure went, on stderr."""
+    try:
+        path = draw()
+    except ValueError as error:
+        raise SystemExit(f"specdec {command} --plot: {error}") from None
+    print(f"specdec {command}: wrote {path}", file=sys.stderr)
 
 
 def cmd_audit(args) -> int:
     from .audit import audit
 
     target, draft = _pair_args(args)
+    check_plot_option("audit", args.plot)
     ks = tuple(int(x) for x in args.ks.split(",") if x.strip())
     report = audit(target, draft, args.prompts or DEFAULT_AUDIT_PROMPTS, temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, positions=args.positions, samples=args.samples, ks=ks,
                    bench_tokens=args.bench_tokens, alpha=args.alpha, seed=args.seed or 0, runner=args.runner,
-                   max_prompts=args.max_prompts, run_break_even=not args.no_break_even)
+                   max_prompts=args.max_prompts, run_break_even=not args.no_break_even,
+                   progress=progress_wanted(args.quiet))
+    if args.plot:
+        write_plot("audit", lambda: report.plot(args.plot))
     return 0 if report.passed else 1
 
 
@@ -285,7 +340,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     _set_threads(getattr(args, "threads", None))
-    return COMMANDS[args.command](args)
+    with hf_progress_bars_off(getattr(args, "quiet", False)):
+        return COMMANDS[args.command](args)
 
 
 if __name__ == "__main__":  # pragma: no cover

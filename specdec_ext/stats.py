@@ -189,6 +189,14 @@ class GenerationStats:
             return float("nan")
         return self.tokens_per_pass * self.target_step_time / (self.decode_time / self.steps)
 
+    def plot(self, path: str, *, label: str = "") -> str:
+        """Draw acceptance by draft position and tokens per target pass against the cost model into ``path``
+        (a .png, 1200 x 450 pixels; ``label`` names the pair in the title) and return ``path``. Needs
+        matplotlib: ``pip install ".[plot]"`` in the checkout; raises ValueError when nothing was drafted."""
+        from .plots import plot_generation
+
+        return plot_generation(self, path, label=label)
+
     def as_dict(self) -> Dict[str, object]:
         return {
             "k": self.k,

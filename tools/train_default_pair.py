@@ -65,6 +65,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from specdec_ext.progress import progress_bar, progress_wanted, write_line
+
 EOT = "<|endoftext|>"
 SEQ = 256
 MAX_FILE_BYTES = 512 * 1024
@@ -76,7 +78,7 @@ DRAFT_SHAPE = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=2,
 
 
 def log(*a):
-    print(time.strftime("%H:%M:%S"), *a, flush=True)
+    write_line(" ".join(map(str, (time.strftime("%H:%M:%S"),) + a)))  # on stdout, under the progress bar
 
 
 # ----------------------------------------------------------------------------------------- data
@@ -281,6 +283,8 @@ def run_phase(args, phase, model, batches, peak_lr, warmup, budget_s, fixed_step
     calib_at = step0 + 12
     t_start, last_ckpt, last_log = time.time(), time.time(), time.time()
     ema, tok_seen, hist = None, 0, []
+    bar = progress_bar(total, phase, unit="step", show=progress_wanted(args.quiet))
+    bar.update(step)
     while total is None or step < total:
         x = batches.get(step)
         for g in opt.param_groups:
@@ -332,6 +336,11 @@ def run_phase(args, phase, model, batches, peak_lr, warmup, budget_s, fixed_step
                     f"replanned {total} -> {new_total} steps")
                 total = new_total
                 plan.append((step, total))
+        if bar.total != total:  # planned, or replanned to the budget
+            bar.total = total
+            bar.refresh()
+        bar.set_postfix_str(f"ce {ema:.3f}", refresh=False)
+        bar.update()
         if now - last_log > 30 or (total and step == total):
             el = spent + now - t_start
             rate = tok_seen / (now - t_start)
@@ -344,6 +353,7 @@ def run_phase(args, phase, model, batches, peak_lr, warmup, budget_s, fixed_step
             save_ckpt(ckpt_path, dict(phase=phase, model=model.state_dict(), opt=opt.state_dict(),
                                       step=step, total=total, spent=spent + now - t_start, plan=plan))
             last_ckpt = now
+    bar.close()
     return model
 
 
@@ -367,6 +377,8 @@ def main():
     ap.add_argument("--ckpt-minutes", type=float, default=4.0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--prepare-only", action="store_true")
+    ap.add_argument("--quiet", action="store_true",
+                    help="no progress bar (it goes to stderr, and only when it is a terminal)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     os.makedirs(args.out, exist_ok=True)

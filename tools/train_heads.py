@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_default_pair import collect_files, is_heldout, read_text, log  # noqa: E402
+from specdec_ext.progress import progress_bar, progress_wanted  # noqa: E402
 
 SEQ = 256
 EVAL_WINDOWS = 48
@@ -57,6 +58,8 @@ def parse_args(argv=None):
     p.add_argument("--max-tokens", type=int, default=4_000_000)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bar (it goes to stderr, and only when it is a terminal)")
     return p.parse_args(argv)
 
 
@@ -182,6 +185,7 @@ def main(argv=None):
     opt = torch.optim.AdamW(heads.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     total, plan, step = args.steps, [], 0
     start = time.time()
+    bar = progress_bar(total, "heads", unit="step", show=progress_wanted(args.quiet))
     while total is None or step < total:
         x = windows(train_ids, args.batch, rng)
         if total is None and step == 5:  # plan from the speed of steps 1..4 (step 0 warms up)
@@ -189,6 +193,8 @@ def main(argv=None):
             total = max(step + 1, int(args.minutes * 60 / per_step))
             plan.append([step, total])
             log(f"planned {total} steps ({per_step:.2f} s/step)")
+            bar.total = total
+            bar.refresh()
         if step == 1:
             first_timed = time.time()
         for g in opt.param_groups:
@@ -201,9 +207,12 @@ def main(argv=None):
         torch.nn.utils.clip_grad_norm_(heads.parameters(), 1.0)
         opt.step()
         step += 1
+        bar.set_postfix_str(f"loss {loss.item():.3f}", refresh=False)
+        bar.update()
         if step % 25 == 0 or step == total:
             log(f"step {step}/{total}: loss {loss.item():.4f} per head "
                 f"{[round(l.item(), 3) for l in losses]} ({time.time() - start:.0f}s)")
+    bar.close()
     after = evaluate(heads, target, capture, lm_head, held)
     log(f"after training: {after}")
     out = os.path.join(args.out, "final")

@@ -37,10 +37,12 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
+from ..plots import BenchPanel, BenchPoint
+from ..progress import hf_progress_bars_off, progress_bar, progress_wanted
 from .workloads import WORKLOADS, workload_prompts
 
 DEFAULT_KS = (2, 4, 6, 8)
@@ -70,6 +72,18 @@ class Measure:
     @property
     def tokens_per_pass(self) -> float:
         return sum(self.tokens) / max(sum(self.passes), 1)
+
+
+@dataclass(frozen=True)
+class PlotPlace:
+    """Where a method goes in --plot: a point of its drafter's curve at k draft tokens per step (a tree:
+    its node count; None: adaptive, placed at the mean k it chose), or a reference line (curve None)."""
+
+    curve: Optional[str] = None
+    k: Optional[int] = None
+
+
+REFERENCE = PlotPlace()
 
 
 class PassCounter:
@@ -119,6 +133,11 @@ def parse_args(argv):
                    help="our drafter stops a row's draft after a token it gives probability below this "
                    "(like HF's assistant_confidence_threshold); 0 = always k (default: 0)")
     p.add_argument("--no-hf", action="store_true", help="skip the three HF baselines (ours only)")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="also draw tokens/s and tokens per pass against k for each drafter, the HF methods and "
+                   'ours plain as horizontal lines, one row per workload (needs matplotlib: pip install ".[plot]")')
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bars (they go to stderr, and only when it is a terminal)")
     return p.parse_args(argv)
 
 
@@ -152,9 +171,14 @@ def parse_trees(text: str) -> List[tuple]:
 
 
 def main(argv=None) -> int:
+    from ..cli import check_plot_option, write_plot
+    from ..plots import pair_label, plot_bench
+
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    check_plot_option("bench", args.plot)
     torch.set_num_threads(args.threads)
-    target, draft, tokenizer = load(args)
+    with hf_progress_bars_off(args.quiet):
+        target, draft, tokenizer = load(args)
     workloads = workloads_of(args, tokenizer)
     drafters = {d.strip() for d in args.drafters.split(",") if d.strip()}
     unknown = drafters - set(DRAFTERS)
@@ -169,17 +193,25 @@ def main(argv=None) -> int:
     print(f"pair: target {sum(p.numel() for p in target.parameters()) / 1e6:.1f}M, draft "
           f"{sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M params, {args.dtype}, {args.threads} thread(s); "
           f"{args.max_new_tokens} new tokens, batch 1, greedy, {args.repeats} repeats", flush=True)
+    panels: List[BenchPanel] = []
     for workload, prompts in workloads.items():
         print(f"\n=== workload {workload}: {len(prompts)} prompts of {[len(p) for p in prompts]} tokens", flush=True)
-        methods = build_methods(args, target, draft, tokenizer, drafters, ks, ngram_ks)
-        results = run_methods(methods, prompts, counter, args)
+        methods, places = build_methods(args, target, draft, tokenizer, drafters, ks, ngram_ks)
+        results = run_methods(methods, prompts, counter, args, description=f"bench {workload}")
         report(results, ks, ngram_ks)
+        count = f"{len(prompts)} prompt{'s' if len(prompts) != 1 else ''}"
+        panels.append(bench_panel(f"{workload} ({count})", results, places))
     counter.handle.remove()
+    if args.plot:
+        details = (f"{args.dtype}, {args.max_new_tokens} new tokens, batch 1, greedy, median of {args.repeats} "
+                   f"repeat{'s' if args.repeats != 1 else ''}")
+        write_plot("bench", lambda: plot_bench(panels, args.plot, pair=pair_label(target, draft), details=details))
     return 0
 
 
-def build_methods(args, target, draft, tokenizer, drafters, ks, ngram_ks) -> Dict[str, callable]:
-    """{row name: prompt tokens -> (new tokens, GenerationStats or None)}; new tokens from args.new."""
+def build_methods(args, target, draft, tokenizer, drafters, ks, ngram_ks):
+    """({row name: prompt tokens -> (new tokens, GenerationStats or None)}, {row name: PlotPlace}); new
+    tokens from args.new."""
     from ..generate import generate, plain_generate
 
     eos = target.generation_config.eos_token_id
@@ -211,36 +243,62 @@ def build_methods(args, target, draft, tokenizer, drafters, ks, ngram_ks) -> Dic
         return run
 
     methods: Dict[str, callable] = {}
+    places: Dict[str, PlotPlace] = {}
+
+    def add(name, run, place=REFERENCE):
+        methods[name], places[name] = run, place
+
     if not args.no_hf:
-        methods["HF plain greedy"] = hf()
-        methods["HF assisted (draft)"] = hf(assistant_model=draft)
-        methods[f"HF prompt lookup ({PROMPT_LOOKUP_TOKENS})"] = hf(prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS)
-    methods["ours plain (k=0)"] = ours_plain
+        add("HF plain greedy", hf())
+        add("HF assisted (draft)", hf(assistant_model=draft))
+        add(f"HF prompt lookup ({PROMPT_LOOKUP_TOKENS})", hf(prompt_lookup_num_tokens=PROMPT_LOOKUP_TOKENS))
+    add("ours plain (k=0)", ours_plain)
     for k in ks:
-        methods[f"ours k={k}"] = ours(draft, k=k, draft_confidence=args.confidence)
+        add(f"ours k={k}", ours(draft, k=k, draft_confidence=args.confidence), PlotPlace("ours draft model", k))
     if "auto" in drafters:
-        methods["ours k=auto"] = ours(draft, k="auto")
+        add("ours k=auto", ours(draft, k="auto"), PlotPlace("ours draft model k=auto"))
     for k in ngram_ks:
-        methods[f"ours ngram k={k}"] = ours("ngram", k=k)
+        add(f"ours ngram k={k}", ours("ngram", k=k), PlotPlace("ours ngram", k))
     if "ngram" in drafters and "auto" in drafters:
-        methods["ours ngram k=auto"] = ours("ngram", k="auto")
+        add("ours ngram k=auto", ours("ngram", k="auto"), PlotPlace("ours ngram k=auto"))
     if "tree" in drafters:
         for tree in parse_trees(args.trees):
-            methods[f"ours tree {','.join(map(str, tree))}"] = ours(draft, draft_tree=tree)
+            add(f"ours tree {','.join(map(str, tree))}", ours(draft, draft_tree=tree),
+                PlotPlace("ours draft-model trees (b,d,N)", tree[2]))
     if heads is not None:
         for tree in parse_trees(args.heads_trees):
-            methods[f"ours heads {','.join(map(str, tree))}"] = ours(heads, draft_tree=tree)
-    return methods
+            add(f"ours heads {','.join(map(str, tree))}", ours(heads, draft_tree=tree),
+                PlotPlace("ours heads trees (b,d,N)", tree[2]))
+    return methods, places
 
 
-def run_methods(methods, prompts, counter, args) -> Dict[str, Measure]:
-    """Warm up every method, then the timed repeats, interleaved (repeat -> method -> prompt)."""
+def bench_panel(workload: str, results: Dict[str, Measure], places: Dict[str, PlotPlace]) -> BenchPanel:
+    """The --plot panel of one workload: each method at its PlotPlace."""
+    panel = BenchPanel(workload)
+    for name, m in results.items():
+        place = places[name]
+        if place.curve is None:
+            panel.references[name] = BenchPoint(None, m.tokens_per_s, m.tokens_per_pass)
+            continue
+        k = place.k if place.k is not None else statistics.mean(s.adaptive["mean_row_k"] for s in m.stats)
+        panel.curves.setdefault(place.curve, []).append(BenchPoint(k, m.tokens_per_s, m.tokens_per_pass))
+    return panel
+
+
+def run_methods(methods, prompts, counter, args, description: str = "bench") -> Dict[str, Measure]:
+    """Warm up every method, then the timed repeats, interleaved (repeat -> method -> prompt); a progress
+    bar on stderr counts the method runs (hidden when stderr is not a terminal or with args.quiet)."""
+    bar = progress_bar(len(methods) * (1 + args.repeats), description, unit="run",
+                       show=progress_wanted(getattr(args, "quiet", False)))
     args.new = WARMUP_TOKENS
+    bar.set_postfix_str("warm-up", refresh=False)
     for run in methods.values():
         run(prompts[0])
+        bar.update()
     args.new = args.max_new_tokens
     results = {name: Measure() for name in methods}
     for rep in range(args.repeats):
+        bar.set_postfix_str(f"repeat {rep + 1}/{args.repeats}", refresh=False)
         order = list(methods.items())
         for name, run in (order if rep % 2 == 0 else order[::-1]):  # a method's place in the order is not its cost
             m = results[name]
@@ -260,7 +318,8 @@ def run_methods(methods, prompts, counter, args) -> Dict[str, Measure]:
             m.tokens.append(total_tokens)
             m.passes.append(passes_of(repeat_stats) if repeat_stats else counter.calls)
             m.outputs = outputs
-        print(f"repeat {rep + 1}/{args.repeats} done", file=sys.stderr, flush=True)
+            bar.update()
+    bar.close()
     return results
 
 
