@@ -28,8 +28,10 @@ SIZES = {
     "rotary_dim": 8, "kv_lora_rank": 16, "q_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
     "v_head_dim": 16, "n_group": 1, "topk_group": 1, "index_head_dim": 16, "index_n_heads": 2, "moe_topk": 2,
     "zero_expert_num": 2, "expert_ffn_hidden_size": 32,
+    "decoder_layers": 2, "encoder_layers": 2, "decoder_attention_heads": 4, "encoder_attention_heads": 4,
+    "decoder_ffn_dim": 128, "encoder_ffn_dim": 128,
 }
-SIZED_WHEN_NONE = ("sliding_window", "head_dim", "v_head_dim", "num_experts_per_tok")  # set even where None
+SIZED_WHEN_NONE = ("sliding_window", "head_dim", "v_head_dim", "num_experts_per_tok", "num_key_value_heads")
 
 # Model types that are not decoder-only language models over a key/value cache, or that cannot be
 # built tiny from their config class: the reason is the test's skip message and the README's.
@@ -42,6 +44,13 @@ SKIPPED: Dict[str, str] = {
     "gemma3n_text": "shares key/value caches across layers (its layer types do not build tiny)",
     "gemma4_assistant": "a drafter head for Gemma 4 (not a language model of its own)",
     "gemma4_unified_assistant": "a drafter head for Gemma 4 (not a language model of its own)",
+    "cohere_compass_text": "its rotary parameters per layer type do not build from the config defaults (KeyError)",
+    "dbrx": "its nested attention config does not build from the defaults (no rope_theta)",
+    "dots1": "its MoE routing buffers do not build from the shrunk defaults",
+    "lfm2_moe": "its layer types (convolution / attention) are None in the config defaults",
+    "zamba": "its shared transformer blocks do not tie when shrunk to 2 layers",
+    "qwen4_exp": "its sparse-attention indexer has no token budget in the config defaults",
+    "qwen4_exp_text": "its sparse-attention indexer has no token budget in the config defaults",
 }
 
 
@@ -78,8 +87,8 @@ def _shrink(config) -> None:
         config.is_decoder = True
 
 
-def tiny_config(model_type: str):
-    """The config class's defaults shrunk (module docstring)."""
+def tiny_config(model_type: str, vocab: int = VOCAB):
+    """The config class's defaults shrunk (module docstring), with a vocabulary of ``vocab`` tokens."""
     from transformers import AutoConfig
 
     config = AutoConfig.for_model(model_type)
@@ -92,17 +101,19 @@ def tiny_config(model_type: str):
         pass
     for c in configs:
         _shrink(c)
+        if hasattr(c, "vocab_size"):
+            c.vocab_size = vocab
     return config
 
 
-def tiny_model(model_type: str, seed: int = 0, logit_scale: float = 4.0):
+def tiny_model(model_type: str, seed: int = 0, logit_scale: float = 4.0, vocab: int = VOCAB):
     """A random-weight tiny causal LM of ``model_type`` in eval mode, sharpened by ``logit_scale``."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = AutoModelForCausalLM.from_config(tiny_config(model_type)).eval()
+        model = AutoModelForCausalLM.from_config(tiny_config(model_type, vocab)).eval()
     head = model.get_output_embeddings()
     if head is not None:
         with torch.no_grad():
@@ -121,6 +132,52 @@ def noisy_copy(model, noise: float = 0.2, seed: int = 1):
             if p.dim() > 1:
                 p.add_(noise * p.std() * torch.randn_like(p))
     return draft.eval()
+
+
+PROMPTS = [[5, 17, 3, 44, 9, 12, 61, 7, 30, 2, 11, 90, 14],
+           [2, 30, 4, 8, 99, 100, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]]  # longer than WINDOW
+NEW = 20
+
+
+def hf_greedy(model, prompt: List[int], new: int = NEW) -> List[int]:
+    ids = torch.tensor([prompt])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new,
+                             pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt):].tolist()
+
+
+def check_architecture(model_type: str):
+    """(status, detail) of ``model_type``: ("supported", runner) when greedy speculative decoding
+    (k = 3, a batch of two ragged prompts longer than the windows) equals HF's greedy generate;
+    ("refused", message) when generate() refuses it before decoding with an error naming the
+    architecture; ("skipped", reason) for SKIPPED; ("differs", detail) or ("error", detail) otherwise
+    (the test's failures)."""
+    import specdec_ext
+
+    if model_type in SKIPPED:
+        return "skipped", SKIPPED[model_type]
+    try:
+        model = tiny_model(model_type)
+    except Exception as error:  # belongs in SKIPPED, with the reason
+        return "unbuildable", f"{type(error).__name__}: {error}"
+    draft = noisy_copy(model)
+    try:
+        result = specdec_ext.generate(PROMPTS, model, draft, max_new_tokens=NEW, k=3, eos_token_id=False,
+                                      cost_probe=False)
+    except ValueError as error:
+        message = str(error)
+        if "cannot be run" in message:
+            return "refused", message
+        return "error", f"{type(error).__name__}: {message}"
+    except Exception as error:  # an error from inside the loop: what the issue says must never happen
+        return "error", f"{type(error).__name__}: {error}"
+    references = [hf_greedy(model, p) for p in PROMPTS]
+    if result.token_ids != references:
+        wrong = sum(a != b for r, o in zip(references, result.token_ids) for a, b in zip(r, o))
+        return "differs", f"{wrong} of {2 * NEW} tokens differ from HF greedy"
+    return "supported", result.plan.target_runner
 
 
 def causal_lm_types() -> List[str]:

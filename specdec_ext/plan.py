@@ -226,8 +226,9 @@ def _runner_for(model, runner: str, graphs_ok: bool, cache_len: int, device: tor
     if runner in ("auto", "paged"):
         paged_reason = paged_unsupported_reason(model, tree=tree)
         if paged_reason is not None:
+            lean_note = lean_reason is not None and not lean_reason.startswith("model_type")
             raise ValueError(f"the {role} model cannot be run: {paged_reason}"
-                             + (f" (and the lean runner does not apply: {lean_reason})" if lean_reason else ""))
+                             + (f" (and the lean runner does not apply: {lean_reason})" if lean_note else ""))
     if runner != "auto":
         return runner, "as asked"
     if graphs_ok:

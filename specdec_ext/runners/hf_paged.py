@@ -23,9 +23,9 @@ The page pool holds the largest key/value head count and head size any layer pro
 (support.kv_layout, from a probe of the model); a layer with smaller keys or values is padded on
 write and sliced back on read.
 
-Outside a paged forward (``PagedStep`` not active) the registered functions fall back to HF's own
-``sdpa`` attention and mask, so a model switched to ``"specdec_paged"`` still runs plain HF forwards
-(e.g. with a DynamicCache) correctly.
+Outside a paged forward (``PagedStep`` not active) the registered functions fall back to the model's
+own attention implementation and mask (remembered by ``keep_original_implementation``), so a model
+switched to ``"specdec_paged"`` still runs plain HF forwards (e.g. HF's generate) as before.
 
 transformers 5.17 / 5.18 call ``past_key_values.update(k, v, layer_idx, cache_kwargs)`` and take
 ``past_key_values=``; 5.2x call ``cache.update(k, v, layer_idx, kwargs=...)`` and take ``cache=``
@@ -34,6 +34,7 @@ transformers 5.17 / 5.18 call ``past_key_values.update(k, v, layer_idx, cache_kw
 from __future__ import annotations
 
 import inspect
+import sys
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
@@ -42,7 +43,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, sdpa_mask
 
 from .. import ops
 from .kv_cache import PagedKVCache
@@ -50,6 +51,7 @@ from .layout import StepLayout, additive_mask
 from .support import KVLayout
 
 ATTN_IMPLEMENTATION = "specdec_paged"
+FALLBACK_ATTRIBUTE = "_specdec_original_attn_implementation"  # on a switched model's configs
 
 
 @dataclass
@@ -84,9 +86,9 @@ def paged_attention_forward(module, query, key, value, attention_mask, dropout: 
     """Attention over the gathered pages: query [B, Hq, T, D], key/value [B, Hkv, S, D], the step's
     additive mask [B, 1, T, S] (windowed for a sliding-window layer). Returns ([B, T, Hq, D], None)."""
     step = _Active.step
-    if step is None:  # a plain HF forward: behave exactly as the sdpa implementation
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, is_causal=is_causal, **kwargs)
+    if step is None:  # a plain HF forward: behave exactly as the model's own implementation
+        return _original_attention(module)(module, query, key, value, attention_mask, dropout=dropout,
+                                           scaling=scaling, is_causal=is_causal, **kwargs)
     # the window the model passes, else the one HF's own cache would keep for this layer (a model
     # may apply its window only through its cache or its own mask, both of which are ours here)
     window = kwargs["sliding_window"] if "sliding_window" in kwargs else step.windows[step.layer]
@@ -126,11 +128,37 @@ def eager_attention(query, key, value, mask, scaling: float, softcap: Optional[f
 def paged_mask(batch_size: int, q_length: int, kv_length: int, *args, **kwargs):
     """Mask function of ``"specdec_paged"``: the runner's float mask during a paged forward (it
     normally arrives as the 4D ``attention_mask`` and is returned as-is before this is reached),
-    HF's sdpa mask otherwise."""
+    the mask of the model's own implementation otherwise."""
     step = _Active.step
     if step is not None:
         return step.mask
-    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, *args, **kwargs)
+    name = getattr(kwargs.get("config"), FALLBACK_ATTRIBUTE, "sdpa")
+    mask_function = ALL_MASK_ATTENTION_FUNCTIONS[name] if name in ALL_MASK_ATTENTION_FUNCTIONS else sdpa_mask
+    return mask_function(batch_size=batch_size, q_length=q_length, kv_length=kv_length, *args, **kwargs)
+
+
+def keep_original_implementation(model) -> None:
+    """Remember the attention implementation the model had before it is switched to "specdec_paged",
+    on each of its configs: outside a paged forward the switched model still runs exactly as before
+    (eager for softcapping or sinks, where sdpa would refuse)."""
+    from .checks import text_config
+
+    for config in {id(c): c for c in (model.config, text_config(model.config))}.values():
+        current = getattr(config, "_attn_implementation", None) or "sdpa"
+        if current != ATTN_IMPLEMENTATION and not hasattr(config, FALLBACK_ATTRIBUTE):
+            setattr(config, FALLBACK_ATTRIBUTE, current)
+
+
+def _original_attention(module):
+    """The attention function of the model's own implementation (module docstring: outside a paged forward)."""
+    name = getattr(getattr(module, "config", None), FALLBACK_ATTRIBUTE, "sdpa")
+    if name == "eager":  # each modeling file defines its own eager attention
+        eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+        if eager is not None:
+            return eager
+    if name in AttentionInterface._global_mapping:
+        return AttentionInterface._global_mapping[name]
+    return sdpa_attention_forward
 
 
 def register() -> str:

@@ -76,6 +76,7 @@ class PagedModelRunner:
                                max_pages_per_row=pages_per_row, dtype=self.dtype, device=self.device)
         self.cache = PagedCache(self.kv, layout)
         hf_paged.register()
+        hf_paged.keep_original_implementation(model)
         hf_paged.install_alibi(model)
         if hasattr(model, "set_attn_implementation"):
             model.set_attn_implementation(hf_paged.ATTN_IMPLEMENTATION)

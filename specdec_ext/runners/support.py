@@ -119,7 +119,7 @@ def _probe(model):
 
 
 def _layout_of(name: str, cache):
-    from transformers.cache_utils import DynamicCache
+    from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
     if cache is None:
         return f"{name}: the model returns no cache"
@@ -128,9 +128,10 @@ def _layout_of(name: str, cache):
     layers, windows = [], []
     for i, layer in enumerate(cache.layers):
         keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
-        if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor) or keys.dim() != 4:
-            return (f"{name}: layer {i} keeps {type(layer).__name__} state (recurrent or linear attention), not "
-                    "keys and values")
+        if (type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer) or not isinstance(keys, torch.Tensor)
+                or not isinstance(values, torch.Tensor) or keys.dim() != 4):
+            return (f"{name}: layer {i} keeps {type(layer).__name__} state (recurrent, convolution or compressed "
+                    "attention), not plain keys and values")
         if keys.shape[2] != PROBE_TOKENS or values.shape[2] != PROBE_TOKENS:
             return f"{name}: layer {i} caches {keys.shape[2]} positions for {PROBE_TOKENS} tokens"
         layers.append((keys.shape[1], keys.shape[3], values.shape[1], values.shape[3]))
