@@ -82,6 +82,24 @@ def rebuild_command(path: str) -> str:
     return "pip install <the specdec_ext source directory>"
 
 
+def check_extension_file(path: str) -> dict:
+    """The build facts of the extension file at ``path`` (not loaded); ExtensionMismatchError when it has
+    none or they do not match the running torch."""
+    built = read_build_info(path)
+    if built is None:
+        raise ExtensionMismatchError(
+            f"{path} carries no build information (it predates the torch check or is not a specdec_ext "
+            f"build): rebuild it for torch {torch.__version__}:\n    {rebuild_command(path)}")
+    problems = mismatches(built, running_torch_info())
+    if problems:
+        raise ExtensionMismatchError(
+            f"specdec_ext._C ({path}) was built for another torch than the one running "
+            f"({os.path.dirname(torch.__file__)}):\n  " + "\n  ".join(problems) + "\n"
+            "Loading it could crash or give wrong results. Rebuild it against this torch (CUDA kernels "
+            "when it is a CUDA build and nvcc is found):\n    " + rebuild_command(path))
+    return built
+
+
 def load_extension():
     """Import specdec_ext._C (registers torch.ops.specdec_ext.*) after checking that it was built for
     the running torch; ImportError when it is missing, ExtensionMismatchError when it does not match."""
@@ -91,16 +109,5 @@ def load_extension():
             "specdec_ext._C is not built. Install the package (`pip install .`) or build in place "
             "(`python setup.py build_ext --inplace`); running from a source tree without the compiled "
             "extension does not work.")
-    built = read_build_info(spec.origin)
-    if built is None:
-        raise ExtensionMismatchError(
-            f"{spec.origin} carries no build information (it predates the torch check or is not a "
-            f"specdec_ext build): rebuild it for torch {torch.__version__}: {rebuild_command(spec.origin)}")
-    problems = mismatches(built, running_torch_info())
-    if problems:
-        raise ExtensionMismatchError(
-            f"specdec_ext._C ({spec.origin}) was built for another torch than the one running "
-            f"({os.path.dirname(torch.__file__)}):\n  " + "\n  ".join(problems) + "\n"
-            "Loading it could crash or give wrong results. Rebuild it against this torch (CUDA kernels "
-            "when it is a CUDA build and nvcc is found):\n    " + rebuild_command(spec.origin))
+    check_extension_file(spec.origin)
     return importlib.import_module("specdec_ext._C")
