@@ -35,7 +35,9 @@ INSTALL_TORCH_FIRST = (
     "Install torch there first, then build, e.g. for the CPU:\n"
     "    pip install torch==2.13.0 ninja && pip install .\n"
     "or with the CUDA build of torch you use (and nvcc): pip install torch ninja && pip install .\n"
-    "(`pip install --no-build-isolation .` builds against the torch importable by that pip's Python.)"
+    "If your torch is in another environment than that one (a frontend running from its own venv), "
+    "build with that environment's Python without isolation:\n"
+    "    python -m pip install --no-build-isolation ."
 )
 
 
@@ -64,14 +66,14 @@ def _parent_python():
     must be the binary the parent runs, so a venv's symlinked python keeps its venv.
     """
     proc = f"/proc/{os.getppid()}"
+    binary = _parent_binary()
     try:
         argv0 = open(f"{proc}/cmdline", "rb").read().split(b"\0")[0].decode()
-        binary = os.path.realpath(f"{proc}/exe")
         cwd = os.readlink(f"{proc}/cwd")
         environ = open(f"{proc}/environ", "rb").read().split(b"\0")
     except (OSError, IndexError, UnicodeDecodeError):
         return None
-    if not re.match(r"(python|pypy)[0-9.]*$", os.path.basename(binary)):
+    if binary is None or not re.match(r"(python|pypy)[0-9.]*$", os.path.basename(binary)):
         return None  # e.g. uv, make, a shell: not a Python we could ask
     if "/" in argv0:
         candidates = [os.path.join(cwd, argv0)]
@@ -115,9 +117,10 @@ def _import_target_torch():
         uv = os.path.basename(_parent_binary() or "") == "uv"
         frontend = ("uv " if uv else "") + "pip install --no-build-isolation ."
         raise SystemExit(
-            "specdec_ext compiles against the torch of the environment it is installed into, but this build "
-            "runs in an isolated environment without torch and cannot tell which environment that is (the "
-            "frontend is not a Python process on Linux). Install torch there, then build without isolation:\n"
+            "specdec_ext compiles against the torch of the environment it is installed into, but torch is not "
+            f"importable by this build's Python ({sys.executable}) and the process that started the build is "
+            "not a Python whose environment could be asked (an isolated build from a frontend such as uv, or "
+            "setup.py run directly). Install torch into your environment, then build there without isolation:\n"
             f"    {frontend}")
     if target["torch_dir"] is None:
         raise SystemExit(INSTALL_TORCH_FIRST.format(where=f"{target['prefix']} (Python {target['python']}) has none"))
@@ -125,7 +128,8 @@ def _import_target_torch():
         raise SystemExit(
             f"the environment pip installs into ({target['prefix']}) runs Python "
             f"{'.'.join(map(str, target['version']))} but this build runs Python {sys.version_info[0]}."
-            f"{sys.version_info[1]}: build with that Python, `pip install --no-build-isolation .`")
+            f"{sys.version_info[1]}: build with the Python of your torch environment, without isolation:\n"
+            "    python -m pip install --no-build-isolation .")
     # Appended, not prepended: the build environment's setuptools and ninja keep precedence.
     sys.path.append(target["torch_dir"])
     import torch
