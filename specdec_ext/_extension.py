@@ -60,26 +60,23 @@ def mismatches(built: dict, running: dict) -> list[str]:
 
 def rebuild_command(path: str) -> str:
     """The command that rebuilds the extension at ``path`` for the torch of this environment."""
-    package_dir = os.path.dirname(os.path.abspath(path))
-    root = os.path.dirname(package_dir)
-    source = None
-    editable = False
+    root = os.path.dirname(os.path.dirname(os.path.abspath(path)))  # the folder that holds specdec_ext/
     try:
-        direct_url = importlib.metadata.distribution("specdec_ext").read_text("direct_url.json")
-    except importlib.metadata.PackageNotFoundError:
-        direct_url = None
-    if direct_url:
-        record = json.loads(direct_url)
-        if record.get("url", "").startswith("file://"):
-            source = unquote(urlparse(record["url"]).path)
-            editable = bool(record.get("dir_info", {}).get("editable"))
-    in_checkout = os.path.isfile(os.path.join(root, "setup.py")) and os.path.isdir(os.path.join(root, "csrc"))
-    if in_checkout and not (editable and os.path.realpath(source) == os.path.realpath(root)):
+        dist = importlib.metadata.distribution("specdec_ext")
+        record = json.loads(dist.read_text("direct_url.json") or "{}")
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        dist, record = None, {}
+    source = unquote(urlparse(record["url"]).path) if record.get("url", "").startswith("file://") else None
+    if source is not None:
+        if record.get("dir_info", {}).get("editable"):
+            if os.path.realpath(source) == os.path.realpath(root):  # the editable install of this checkout
+                return f"pip install -e {source}"
+        elif os.path.realpath(str(dist.locate_file(""))) == os.path.realpath(root):  # installed from source
+            return f"pip install {source}"
+    if os.path.isfile(os.path.join(root, "setup.py")) and os.path.isdir(os.path.join(root, "csrc")):
         # built in place (python setup.py build_ext --inplace, tools/dev_build.sh) and imported from the tree
         return f"cd {root} && python setup.py build_ext --inplace"
-    if source is not None:
-        return f"pip install {'-e ' if editable else ''}{source}"
-    return "pip install <the specdec_ext source directory>"
+    return "pip install <the specdec_ext source directory> (from the environment of this torch)"
 
 
 def check_extension_file(path: str) -> dict:
