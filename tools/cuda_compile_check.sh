@@ -43,7 +43,8 @@ PY
 )
 
 # The CUDA build under a CPU torch: refused before loading, with both versions and the fix.
-cpu_python="${SPECDEC_CPU_VENV:-.venv}/bin/python"
+cpu_venv="${SPECDEC_CPU_VENV:-.venv}"
+cpu_python="$(cd "$cpu_venv" 2>/dev/null && pwd)/bin/python"
 if [ -x "$cpu_python" ] && "$cpu_python" -c 'import torch, sys; sys.exit(torch.version.cuda is not None)'; then
   site="$(cd "$scratch" && "$venv/bin/python" -c 'import os, specdec_ext; print(os.path.dirname(specdec_ext.__file__))')"
   ln -s "$site" "$scratch/specdec_ext"
