@@ -5,14 +5,10 @@ The kernels are torch ops under ``torch.ops.specdec_ext`` with typed wrappers in
 """
 import torch  # noqa: F401  (loads libc10/libtorch, which _C links against)
 
-try:
-    from . import _C  # noqa: F401  (registers torch.ops.specdec_ext.*)
-except ImportError as error:  # pragma: no cover - depends on how the package was installed
-    raise ImportError(
-        "specdec_ext._C is not built. Install the package (`pip install --no-build-isolation .`) "
-        "or build in place (`python setup.py build_ext --inplace`); running from a source tree "
-        f"without the compiled extension does not work. Original error: {error}"
-    ) from error
+from ._extension import load_extension as _load_extension
+
+# registers torch.ops.specdec_ext.*; ImportError when _C is not built or was built for another torch
+_C = _load_extension()
 
 from . import ops  # noqa: E402
 from .adaptive import AdaptiveK  # noqa: E402
