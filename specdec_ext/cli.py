@@ -105,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable); excluded from the text")
     g.add_argument("--no-stream", action="store_true", help="print each prompt's text at the end instead of streaming")
     g.add_argument("--json", action="store_true", help="print the stats as JSON instead of text")
+    g.add_argument("--tp", type=int, default=None, metavar="N",
+                   help="shard --target over N ranks with tensor parallelism: run under "
+                   "torchrun --nproc_per_node=N -m specdec_ext generate --tp N ... (rank 0 prints; docs/multi-gpu.md)")
+    g.add_argument("--tp-check", default="broadcast", choices=["broadcast", "verify", "off"],
+                   help="with --tp: broadcast rank 0's proposals and verdicts (default), verify that the ranks "
+                   "agree and fail otherwise, or trust that they do")
     g.add_argument("--explain", action="store_true",
                    help="print the decode plan first: one line per choice (drafter, k, runners, CUDA graphs, "
                    "cache) and why")
@@ -186,6 +192,8 @@ def cmd_generate(args) -> int:
     kw = dict(max_new_tokens=args.max_new_tokens, k=args.k, temperature=args.temperature, top_k=args.top_k,
               top_p=args.top_p, seed=args.seed, eos_token_id=eos, stop=args.stop or None, runner=args.runner,
               draft_tree=args.tree, explain=args.explain)
+    if args.tp is not None:
+        return _generate_tensor_parallel(args, prompts, target, draft, kw)
     check_plot_option("generate", args.plot)
     # streamed to a terminal, the text is its own progress (a bar next to it would tear it)
     show_bar = progress_wanted(args.quiet) and (args.no_stream or not sys.stdout.isatty())
@@ -206,6 +214,32 @@ def cmd_generate(args) -> int:
     if args.plot:
         pair = f"target / draft: {args.target or 'bundled'} / {args.draft or 'bundled'}"
         write_plot("generate", lambda: result.stats.plot(args.plot, label=pair))
+    return 0
+
+
+def _generate_tensor_parallel(args, prompts, target, draft, kw) -> int:
+    """``generate --tp N`` under torchrun: every rank runs the loop; rank 0 prints. A rank that fails
+    prints its error and exits 1, and torchrun then ends the other ranks (the process group's timeout,
+    SPECDEC_TP_TIMEOUT_S, bounds any wait in between)."""
+    from . import distributed
+    from .generate import generate
+
+    if target is None:
+        raise SystemExit("specdec generate --tp: give --target PATH (the model to shard) and --draft")
+    try:
+        result = generate(prompts, target, draft, tp_size=args.tp, tp_check=args.tp_check, **kw)
+    except Exception as error:
+        print(f"specdec generate --tp {args.tp}: rank {distributed.rank()} failed: {type(error).__name__}: {error}",
+              file=sys.stderr, flush=True)
+        return 1
+    if distributed.rank() == 0:
+        for i, text in enumerate(result.text or [str(t) for t in result.token_ids]):
+            print(f"--- [{i}] {prompts[i]!r}\n{text}")
+        if args.json:
+            print(json.dumps(result.stats.as_dict(), indent=2))
+        else:
+            print("\n" + result.stats.summary(), file=sys.stderr)
+    distributed.destroy()
     return 0
 
 

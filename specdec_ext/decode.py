@@ -32,6 +32,7 @@ from . import ops
 from ._status import raise_for_row_status
 from .adaptive import AdaptiveK, ProbeRequest, drafter_key
 from .cuda_graphs import StepGraph
+from .distributed import RankSync
 from .drafters import Drafter
 from .metadata import SCRATCH_COLUMNS, Proposal, SpecDecodeMetadata, Verdict
 from .profiling import nvtx_range
@@ -236,7 +237,7 @@ def decode(target: ModelRunner, drafter: Optional[Drafter], prompts: Sequence[Se
            stop: StopCriteria, *, slots: int, sampling: SamplingParams, max_seq_len: int, cuda_graphs: bool = False,
            adaptive: Optional[AdaptiveK] = None, verifier: Verifier = lossless_verify,
            stats: Optional[GenerationStats] = None, rows: Optional[List[RowState]] = None, cost_probe: bool = True,
-           graph_backend=None) -> Iterator[List[List[int]]]:
+           sync: Optional[RankSync] = None, graph_backend=None) -> Iterator[List[List[int]]]:
     """Run the loop; yields, after the prefill and after every step, the new tokens of each row.
 
     ``drafter=None`` (``slots=0``) is plain decoding over the same runner and sampler (the baseline).
@@ -245,6 +246,8 @@ def decode(target: ModelRunner, drafter: Optional[Drafter], prompts: Sequence[Se
     (``drafter.is_tree``) proposes ``slots`` nodes. ``rows`` (one RowState per prompt; rows already
     finished, e.g. the padding of a CUDA-graph bucket, stay frozen and emit nothing) receives the
     returned tokens and finish reasons; ``stats`` the measurements. seeds [B] int64; ``max_seq_len`` is S.
+    ``sync`` (a tensor-parallel target, distributed.py): every rank takes rank 0's first tokens, proposals
+    and verdicts.
     """
     B = len(prompts)
     timer = Timer(seeds.device)
@@ -256,6 +259,8 @@ def decode(target: ModelRunner, drafter: Optional[Drafter], prompts: Sequence[Se
     start = timer.now()
     with nvtx_range("prefill"):
         prefill(target, drafter, prompts, meta)
+    if sync is not None:
+        sync.tokens(meta.token_buffer)
     first = meta.token_buffer.gather(1, meta.prompt_lens[:, None])[:, 0].tolist()
     new = [[] if rows[b].finished else apply_stops(rows[b], [first[b]], stop) for b in range(B)]
     stats.prefill_time = timer.now() - start
@@ -284,9 +289,13 @@ def decode(target: ModelRunner, drafter: Optional[Drafter], prompts: Sequence[Se
         t0 = timer.now()
         with nvtx_range("draft"):
             steps.draft()
+            if sync is not None:
+                sync.proposal(steps.proposal)
         t1 = timer.now()
         with nvtx_range("verify"):
             steps.verify()
+            if sync is not None:
+                sync.verdict(steps.verdict)
         proposal, verdict = steps.proposal, steps.verdict
         host = torch.cat([verdict.num_accepted[:, None].long(), proposal.num_draft[:, None].long(), verdict.tokens],
                          dim=1).tolist()  # the step's one host read: [B, 2 + n+1]

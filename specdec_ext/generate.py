@@ -9,6 +9,7 @@ from typing import Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from . import distributed
 from .adaptive import AdaptiveK
 from .build import build
 from .decode import Verifier, decode, lossless_verify, pad_batch
@@ -189,8 +190,8 @@ def generate(prompts, target: ModelSpec = None, draft: ModelSpec = None, *, max_
              top_p: float = 1.0, seed=None, eos_token_id=None, stop=None, stream: bool = False, tokenizer=None,
              draft_tokenizer=None, max_seq_len: Optional[int] = None, runner: str = "auto",
              verifier: Verifier = lossless_verify, cost_probe: bool = True, draft_confidence: float = 0.0,
-             draft_tree: Optional[Tuple[int, int, int]] = None,
-             explain: bool = False) -> Union[GenerationResult, GenerationStream]:
+             draft_tree: Optional[Tuple[int, int, int]] = None, explain: bool = False,
+             tp_size: Optional[int] = None, tp_check: str = "broadcast") -> Union[GenerationResult, GenerationStream]:
     """Lossless speculative generation: the tokens are distributed exactly as sampling from the target.
 
     Parameters
@@ -263,26 +264,33 @@ def generate(prompts, target: ModelSpec = None, draft: ModelSpec = None, *, max_
 
     explain : bool
         Print ``plan.explain()`` (one line per choice: drafter, k, runners, CUDA graphs, cache) to
-        stderr before decoding.
+        stderr before decoding (rank 0 only under tensor parallelism).
+    tp_size : int, optional
+        Load ``target`` (a path) sharded over this many ranks with HF tensor parallelism (every rank
+        calls generate() with the same arguments, e.g. under torchrun; docs/multi-gpu.md). A target
+        already loaded with ``tp_plan`` / ``distributed_config`` needs nothing: it is detected.
+    tp_check : "broadcast" (default), "verify" or "off"
+        Under tensor parallelism, how the ranks are kept on rank 0's decisions (distributed.py).
 
     Returns
     -------
     GenerationResult (``.token_ids``, ``.text``, ``.finish_reasons``, ``.stats``) or GenerationStream.
     """
-    models = load_models(target, draft, tokenizer=tokenizer, draft_tokenizer=draft_tokenizer)
+    models = load_models(target, draft, tokenizer=tokenizer, draft_tokenizer=draft_tokenizer, tp_size=tp_size)
     return _run(models, prompts, max_new_tokens=max_new_tokens, k=k, temperature=temperature, top_k=top_k,
                 top_p=top_p, seed=seed, eos_token_id=eos_token_id, stop=stop, stream=stream, max_seq_len=max_seq_len,
                 runner=runner, verifier=verifier, cost_probe=cost_probe, draft_confidence=draft_confidence,
-                draft_tree=draft_tree, explain=explain)
+                draft_tree=draft_tree, explain=explain, tp_check=tp_check)
 
 
 def plain_generate(prompts, target: ModelSpec = None, *, max_new_tokens: int = 128, temperature: float = 0.0,
                    top_k: int = 0, top_p: float = 1.0, seed=None, eos_token_id=None, stop=None, stream: bool = False,
-                   tokenizer=None, max_seq_len: Optional[int] = None, runner: str = "auto", explain: bool = False):
+                   tokenizer=None, max_seq_len: Optional[int] = None, runner: str = "auto", explain: bool = False,
+                   tp_size: Optional[int] = None):
     """Plain decoding (one target pass per token) over the same runner, sampler and stop checks as
     ``generate``: the baseline of the benchmarks and of the cost model. Same arguments, no draft;
     the target None means the bundled pair's target."""
-    models = load_models(target, tokenizer=tokenizer, plain=True)
+    models = load_models(target, tokenizer=tokenizer, plain=True, tp_size=tp_size)
     return _run(models, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                 seed=seed, eos_token_id=eos_token_id, stop=stop, stream=stream, max_seq_len=max_seq_len,
                 runner=runner, cost_probe=False, explain=explain)
@@ -291,7 +299,7 @@ def plain_generate(prompts, target: ModelSpec = None, *, max_new_tokens: int = 1
 def _run(models: Models, prompts, *, max_new_tokens: int, k=None, temperature: float, top_k: int, top_p: float,
          seed, eos_token_id, stop, stream: bool, max_seq_len: Optional[int], runner: str,
          verifier: Verifier = lossless_verify, cost_probe: bool, draft_confidence: float = 0.0,
-         draft_tree=None, explain: bool = False):
+         draft_tree=None, explain: bool = False, tp_check: str = "broadcast"):
     """Normalise the prompts -> plan -> build -> decode."""
     sampling = SamplingParams(float(temperature), top_k, float(top_p))
     sampling.validate()
@@ -309,8 +317,9 @@ def _run(models: Models, prompts, *, max_new_tokens: int, k=None, temperature: f
             raise ValueError(f"prompt {b} has token ids outside [0, {vocab_size}): {bad[:MAX_MISMATCHES_REPORTED]}")
     plan = make_plan(models.target, models.draft, drafter=models.drafter, prompt_lengths=[len(p) for p in token_prompts],
                      max_new_tokens=max_new_tokens, k=k, draft_tree=draft_tree, runner=runner, sampling=sampling,
-                     seeded=seed is not None, max_seq_len=max_seq_len, draft_confidence=draft_confidence)
-    if explain:
+                     seeded=seed is not None, max_seq_len=max_seq_len, draft_confidence=draft_confidence,
+                     tp_check=tp_check)
+    if explain and distributed.rank() == 0:
         print(plan.explain(), file=sys.stderr)
     B = len(token_prompts)
     seeds = _row_seeds(seed, B).to(plan.device)
@@ -329,7 +338,7 @@ def _run(models: Models, prompts, *, max_new_tokens: int, k=None, temperature: f
         events = decode(target_runner, drafter, padded_prompts, padded_seeds, stop_criteria, slots=plan.slots,
                         sampling=sampling, max_seq_len=plan.max_seq_len, cuda_graphs=plan.cuda_graphs,
                         adaptive=plan.controller, verifier=verifier, stats=stats, rows=padded_rows,
-                        cost_probe=cost_probe)
+                        cost_probe=cost_probe, sync=distributed.rank_sync(plan.tensor_parallel, plan.tp_check))
         events = _real_rows(events, B, drafter)
     if stream:
         return GenerationStream(events, rows, finisher)

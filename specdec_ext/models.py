@@ -35,22 +35,49 @@ class Models:
 
 
 def load_models(target: ModelSpec = None, draft: Union[ModelSpec, MedusaHeads] = None, *, tokenizer=None,
-                draft_tokenizer=None, plain: bool = False) -> Models:
+                draft_tokenizer=None, plain: bool = False, tp_size: Optional[int] = None) -> Models:
     """The target and the drafter's model for generate(): both None is the bundled pair; ``draft`` a
     path, a model, "ngram", "heads" (the bundled target's heads) or a MedusaHeads; ``plain`` loads the
-    target alone (no drafter)."""
+    target alone (no drafter); ``tp_size`` loads a target path sharded over that many ranks (the draft
+    replicated on each, on the target's device)."""
+    if tp_size is not None:
+        target = _tensor_parallel_target(target, tp_size)
+        if tokenizer is None:
+            tokenizer = _load_tokenizer(target)
     if plain or (isinstance(draft, str) and draft == NGRAM_DRAFT):
         target_model, tokenizer = _load_target(target, tokenizer)
         return Models(target_model, "none" if plain else "ngram", tokenizer=tokenizer)
     if isinstance(draft, MedusaHeads) or (isinstance(draft, str) and draft == HEADS_DRAFT):
         return _load_heads(target, draft, tokenizer)
     target_model, draft_model, tokenizer = load_pair(target, draft, tokenizer)
+    if tp_size is not None:  # the draft is replicated on every rank, beside the rank's shard of the target
+        draft_model = draft_model.to(next(target_model.parameters()).device)
     if draft_tokenizer is None and not isinstance(draft, torch.nn.Module) and draft is not None:
         draft_tokenizer = _load_tokenizer(draft)
     if draft_tokenizer is None and target is None and draft is None:
         draft_tokenizer = tokenizer  # the bundled pair shares one tokenizer
     check_vocabularies(target_model, draft_model, tokenizer, draft_tokenizer)
     return Models(target_model, "model", draft=draft_model, tokenizer=tokenizer)
+
+
+def _tensor_parallel_target(target: ModelSpec, tp_size: int) -> torch.nn.Module:
+    """The target sharded over ``tp_size`` ranks: loaded so from a path (torch.distributed initialised
+    from torchrun's environment when needed), or checked when already loaded."""
+    from . import distributed
+    from .runners.checks import tensor_parallel_size
+
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tp_size must be an int >= 1, got {tp_size!r}")
+    if isinstance(target, torch.nn.Module):
+        if tensor_parallel_size(target) != tp_size:
+            raise ValueError(f"tp_size={tp_size} but the target given is sharded over {tensor_parallel_size(target)} "
+                             "rank(s): load it with distributed_config=DistributedConfig(tp_size=...) or pass its path")
+        return target
+    if target is None:
+        raise ValueError("tp_size needs target= (a local path to load sharded)")
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    distributed.init_from_environment(device_type)
+    return distributed.load_tensor_parallel(os.fspath(target), tp_size)
 
 
 def load_pair(target: ModelSpec = None, draft: ModelSpec = None, tokenizer=None):

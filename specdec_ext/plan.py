@@ -36,7 +36,9 @@ from . import adaptive as adaptive_k
 from .cuda_graphs import graphs_available
 from .drafters.tree_drafter import tree_num_nodes
 from .metadata import SCRATCH_COLUMNS
+from .distributed import TP_CHECKS
 from .runners import RUNNER_KINDS, unsupported_reason
+from .runners.checks import tensor_parallel_size
 from .runners.support import unsupported_reason as paged_unsupported_reason
 from .sampling import SamplingParams
 
@@ -82,6 +84,8 @@ class DecodePlan:
     max_seq_len: int  # S: cache positions per row
     max_new_tokens: int
     draft_confidence: float  # a draft model stops drafting a row below this probability (0: off)
+    tensor_parallel: int = 1  # ranks the target is sharded over (every rank runs this plan)
+    tp_check: str = "broadcast"  # how the ranks are kept on rank 0's decisions (distributed.RankSync)
     reasons: Tuple[Tuple[str, str], ...] = ()  # (choice, why), in the order they were made
     controller: Optional[adaptive_k.AdaptiveK] = field(default=None, compare=False, repr=False)
 
@@ -98,7 +102,8 @@ class DecodePlan:
 def make_plan(target_model, draft_model, *, drafter: str, prompt_lengths: Sequence[int], max_new_tokens: int,
               k: Union[None, int, str, adaptive_k.AdaptiveK] = None, draft_tree: Optional[Tuple[int, int, int]] = None,
               runner: str = "auto", sampling: SamplingParams = SamplingParams(), seeded: bool = False,
-              max_seq_len: Optional[int] = None, draft_confidence: float = 0.0) -> DecodePlan:
+              max_seq_len: Optional[int] = None, draft_confidence: float = 0.0,
+              tp_check: str = "broadcast") -> DecodePlan:
     """Resolve every choice (module docstring) and check what can be checked before any work."""
     if drafter not in DRAFTER_KINDS:
         raise ValueError(f"drafter must be one of {DRAFTER_KINDS}, got {drafter!r}")
@@ -117,6 +122,9 @@ def make_plan(target_model, draft_model, *, drafter: str, prompt_lengths: Sequen
         if draft_device != device:
             raise ValueError(f"the draft is on {draft_device}, the target on {device}: use one device")
     graphs_ok, graphs_reason = graphs_available(device)
+    tensor_parallel = tensor_parallel_size(target_model)
+    if tp_check not in TP_CHECKS:
+        raise ValueError(f"tp_check must be one of {TP_CHECKS}, got {tp_check!r}")
 
     # 1. drafter and shape
     tree = _tree_shape(drafter, draft_tree)
@@ -131,7 +139,13 @@ def make_plan(target_model, draft_model, *, drafter: str, prompt_lengths: Sequen
         reasons.append(("drafter", f"{drafter} tree (b, d, N) = {tree}: {slots} nodes from {source}, verified "
                                    f"in one pass of {slots + 1} tokens (k does not apply)"))
     else:
-        if k is None:
+        if tensor_parallel > 1 and (k == AUTO_K or isinstance(k, adaptive_k.AdaptiveK)):
+            raise ValueError("k='auto' cannot run on a tensor-parallel target: adaptive choices follow each rank's own "
+                             "timings, so the ranks would disagree on the verify width; pass an int k")
+        if k is None and tensor_parallel > 1:
+            k, why = FIXED_K, (f"k=None on a tensor-parallel target: a fixed k={FIXED_K} (adaptive choices follow "
+                               "each rank's own timings)")
+        elif k is None:
             k, why = _default_draft_length(drafter, sampling, seeded, runner, graphs_ok)
         else:
             why = "as asked"
@@ -179,12 +193,16 @@ def make_plan(target_model, draft_model, *, drafter: str, prompt_lengths: Sequen
                              f"{max_new_tokens} new + two steps of drafts)"))
     reasons.append(("sampling", "greedy" if sampling.greedy else
                     f"T={sampling.temperature}, top_k={sampling.top_k}, top_p={sampling.top_p}"))
+    if tensor_parallel > 1:
+        reasons.append(("tensor parallel", f"the target is sharded over {tensor_parallel} ranks, each running this "
+                                           f"loop with a replicated drafter; tp_check={tp_check} (distributed.py)"))
     return DecodePlan(drafter=drafter, tree=tree, slots=slots, adaptive=controller is not None,
                       target_runner=target_runner, draft_runner=draft_runner, draft_compute_dtype=draft_dtype,
                       cuda_graphs=graphs, device=device, target_dtype=target_dtype, sampling=sampling,
                       batch_size=batch, padded_batch_size=padded, max_seq_len=cache_len,
                       max_new_tokens=max_new_tokens, draft_confidence=float(draft_confidence),
-                      reasons=tuple(reasons), controller=controller)
+                      tensor_parallel=tensor_parallel, tp_check=tp_check, reasons=tuple(reasons),
+                      controller=controller)
 
 
 def _tree_shape(drafter: str, draft_tree) -> Optional[Tuple[int, int, int]]:

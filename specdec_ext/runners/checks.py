@@ -20,6 +20,22 @@ def output_vocab_size(model) -> int:
     return int(model.config.vocab_size)
 
 
+def tensor_parallel_size(model) -> int:
+    """Ranks the model's weights are sharded over (HF tensor parallelism: tp_plan / distributed_config),
+    1 for a model held whole by this process."""
+    size = getattr(model, "tp_size", None) or getattr(model, "_tp_size", None)
+    if isinstance(size, int) and size > 1:
+        return size
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return 1
+    for param in model.parameters():
+        if isinstance(param, DTensor):
+            return param.device_mesh.size()
+    return 1
+
+
 def text_config(config):
     """The text model's config (multimodal configs nest it)."""
     return config.get_text_config() if hasattr(config, "get_text_config") else config

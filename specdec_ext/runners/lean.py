@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .checks import (check_forward_inputs, check_row_counts, check_start_prompts, output_vocab_size,
+                     tensor_parallel_size,
                      text_config)
 from .layout import additive_mask, step_layout
 from .trees import token_tree_inputs, tree_commit_plan
@@ -82,6 +83,8 @@ def unsupported_reason(model, max_seq_len: Optional[int] = None) -> Optional[str
     if window is not None and (model_type == "mistral" or getattr(cfg, "use_sliding_window", False)):
         if max_seq_len is None or window < max_seq_len:
             return f"sliding_window={window} smaller than the cache ({max_seq_len})"
+    if tensor_parallel_size(model) > 1:
+        return "tensor-parallel weights (the HF modules run the collectives)"
     base = getattr(model, "model", None)
     head = getattr(model, "lm_head", None)
     if base is None or head is None or not hasattr(base, "layers") or not hasattr(base, "embed_tokens"):
