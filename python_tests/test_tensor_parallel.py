@@ -58,7 +58,15 @@ SCENARIOS = {  # name -> generate() arguments (besides the prompts and the model
     "greedy_eos": dict(k=3),  # eos_token_id: a token row 0 emits early (chosen by the fixture)
     "seeded_t1": dict(k=3, temperature=1.0, top_p=0.9, seed=[1, 2, 3]),
     "greedy_tree": dict(draft_tree=(2, 2, 4)),
+    "greedy_heads": dict(draft="heads", draft_tree=(2, 2, 4)),  # Medusa-style heads on the target, replicated
 }
+
+
+def _heads():
+    """The same random heads on every process (seeded): hidden 64, 2 heads, vocabulary 64."""
+    from specdec_ext.heads import MedusaHeads
+    torch.manual_seed(5)
+    return MedusaHeads(64, 2, 64).eval()
 
 
 def _scenario_kwargs(name, eos):
@@ -81,6 +89,7 @@ def _run_scenarios(target, draft, eos):
     for name in SCENARIOS:
         kw = _scenario_kwargs(name, eos)
         d = kw.pop("draft", draft)
+        d = _heads() if d == "heads" else d
         result = specdec_ext.generate(PROMPTS, target, d, max_new_tokens=NEW, cost_probe=False, **kw)
         out[name] = (result.token_ids, result.finish_reasons)
     return out
@@ -105,6 +114,7 @@ def _worker(rank, root, port, arch, mode, eos=None):
     for name in SCENARIOS:
         kw = _scenario_kwargs(name, eos)
         d = kw.pop("draft", draft)
+        d = _heads() if d == "heads" else d
         result = specdec_ext.generate(PROMPTS, os.path.join(root, f"{arch}_target"), d, tp_size=WORLD,
                                       tp_check="verify", max_new_tokens=NEW, cost_probe=False, **kw)
         results[name] = (result.token_ids, result.finish_reasons)
