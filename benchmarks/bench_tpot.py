@@ -153,7 +153,8 @@ def bench_verify_cost(name, model, *, batches, k, context, device, vocab, repeat
     for B in batches:
         g = torch.Generator().manual_seed(B)
         prompts = torch.randint(0, vocab, (B, context), generator=g).tolist()
-        runner = StaticPagedRunner.factory()(model, max_batch_size=B, max_seq_len=context + 2 * (k + 1) + 16)
+        runner = make_runner("paged", model, max_batch_size=B, max_seq_len=context + 2 * (k + 1) + 16,
+                             static_shapes=True)
         runner.start(prompts)
         times = {}
         for T in (1, k + 1):
