@@ -10,10 +10,10 @@
 #if defined(SPECDEC_CUDA_EMULATOR)
 #include <cuda_emu.h>
 #else
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #endif
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 
 namespace specdec::cuda {
 
