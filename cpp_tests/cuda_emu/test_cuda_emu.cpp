@@ -7,6 +7,7 @@
 #include <cuda_fp16.h>
 
 #include <cub/block/block_reduce.cuh>
+#include <algorithm>
 #include <cub/block/block_scan.cuh>
 #include <numeric>
 #include <string>
@@ -52,6 +53,25 @@ TEST(CudaEmuBarrier, AMissingBarrierIsExposedByTheSchedule) {
   cuda_emu::launch_kernel(read_before_barrier_missing, dim3(1), dim3(64), nullptr, out.data());
   ASSERT_EQ(launch_error(), "");
   EXPECT_LT(std::accumulate(out.begin(), out.end(), 0), 64);
+  cuda_emu::set_schedule("shuffle", 0x5eed);
+}
+
+__global__ void overwrite_before_the_neighbour_read(int* out) {
+  __shared__ int slots[128];
+  slots[threadIdx.x] = 1;
+  __syncthreads();
+  out[threadIdx.x] = slots[(threadIdx.x + 32) % 128];  // the next warp's slot
+  slots[threadIdx.x] = 2;  // no __syncthreads() before: the next warp may not have read it yet
+}
+
+TEST(CudaEmuBarrier, AWarpRunsAheadToTheNextBarrier) {
+  // Between barriers the warps run one after the other, each as far as it can: in reverse order
+  // warp 2 overwrites its slots before warp 1 reads them.
+  cuda_emu::set_schedule("reverse", 0);
+  std::vector<int> out(128, -1);
+  cuda_emu::launch_kernel(overwrite_before_the_neighbour_read, dim3(1), dim3(128), nullptr, out.data());
+  ASSERT_EQ(launch_error(), "");
+  EXPECT_EQ(std::count(out.begin(), out.end(), 2), 96);
   cuda_emu::set_schedule("shuffle", 0x5eed);
 }
 
@@ -186,7 +206,7 @@ __global__ void lane_of_the_mask_exits(int* out) {
 }
 
 __global__ void mismatched_masks(int* out) {
-  const unsigned mask = threadIdx.x < 16 ? 0xFFFFFFFFu : 0x0000FFFFu;
+  const unsigned mask = threadIdx.x < 16 ? 0xFFFFFFFFu : 0xFFFF0000u;
   out[threadIdx.x] = __shfl_xor_sync(mask, 1, 1);
 }
 
@@ -211,7 +231,7 @@ TEST(CudaEmuWarp, PartialMasksWorkAndBrokenOnesAreErrors) {
 
   cuda_emu::launch_kernel(mismatched_masks, dim3(1), dim3(32), nullptr, out.data());
   error = launch_error();
-  EXPECT_NE(error.find("with mask 0xffff"), std::string::npos) << error;
+  EXPECT_NE(error.find("with mask 0xffff"), std::string::npos) << error;  // 0xffffffff or 0xffff0000
 
   cuda_emu::launch_kernel(warp_op_against_block_barrier, dim3(1), dim3(32), nullptr, out.data());
   error = launch_error();

@@ -1,6 +1,7 @@
 // Exact cases under the emulator and on the CPU alike: every RowStatus code of both verifiers,
 // and the temperature edge cases of csrc/common/sampling_math.h (greedy below 1e-5, T = inf uniform
 // over the finite logits, T = 1e30, no draws needed by greedy rows).
+#include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -108,6 +109,35 @@ TEST(EmulatedStatus, EveryCodeOfBothVerifiers) {
       const VerifierOutputs out = run_both(in);
       EXPECT_EQ(out.num_accepted[0].item<int32_t>(), c.status);
       EXPECT_EQ(tokens_of(out), std::vector<int64_t>(4, -1));
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Greedy rows: the lowest index among tied maxima, wherever they lie
+
+TEST(EmulatedGreedy, TiedMaximaFarApartTakeTheLowestIndex) {
+  // Maxima 8192 apart land in different spans of one thread's strided loop, or in different
+  // statistics chunks; 4097 apart in different threads of one span.
+  for (const bool tree : {false, true}) {
+    for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+      for (const int64_t vocab : {32000, 151936}) {
+        SCOPED_TRACE(std::string(tree ? "tree " : "chain ") + c10::toString(dtype) + " V=" + std::to_string(vocab));
+        VerifierInputs in;
+        at::Tensor logits = torch::randn({3, 2, vocab}, at::make_generator<at::CPUGeneratorImpl>(vocab));
+        const std::vector<std::vector<int64_t>> maxima = {{5, 5 + 8192, 5 + 2 * 8192}, {300, 300 + 4097}, {9000, 17192}};
+        for (int64_t b = 0; b < 3; ++b) {
+          for (const int64_t j : maxima[b]) logits.index_put_({b, torch::indexing::Slice(), j}, 50.0f);
+        }
+        in.logits = logits.to(dtype);
+        in.ids = torch::tensor({maxima[0][1], maxima[1][0], maxima[2][1]}).view({3, 1});  // drafts: rejected, accepted, rejected
+        if (tree) in.parents = torch::full({3, 1}, -1, torch::kInt);
+        in.temperature = torch::zeros({3});
+        const VerifierOutputs out = run_both(in);
+        EXPECT_EQ(tokens_of(out, 0), (std::vector<int64_t>{maxima[0][0], -1}));
+        EXPECT_EQ(tokens_of(out, 1), (std::vector<int64_t>{maxima[1][0], maxima[1][0]}));
+        EXPECT_EQ(tokens_of(out, 2), (std::vector<int64_t>{maxima[2][0], -1}));
+      }
     }
   }
 }

@@ -163,6 +163,11 @@ class BlockRunner {
 
   void yield(Thread& self) { self.fiber.switch_to(scheduler_); }
 
+  // Runs one block in epochs between block barriers. In each epoch the warps run one after the
+  // other in an order drawn for the epoch (with the lanes of a warp in an order of their own), each
+  // as far as it can: a warp operation completes as soon as the lanes of its mask are there, so a
+  // warp may finish a phase, write shared memory and reach the barrier before another warp has
+  // started the phase. A missing barrier between phases then shows up in some epoch order.
   std::string run_block(dim3 grid, dim3 block, uint3 block_idx, unsigned threads) {
     block_threads_ = threads;
     error_.clear();
@@ -176,33 +181,51 @@ class BlockRunner {
       th.state = State::kReady;
       th.fiber.start(&BlockRunner::thread_main, this);
     }
-    std::vector<unsigned> order(threads);
-    std::iota(order.begin(), order.end(), 0u);
-    if (order_ == Order::kReverse) std::reverse(order.begin(), order.end());
+    const unsigned warps = (threads + kWarpSize - 1) / kWarpSize;
+    std::vector<unsigned> warp_order(warps), lane_order(kWarpSize);
     std::mt19937_64 rng(seed_ ^ (launch_ * 0x9E3779B97F4A7C15ull) ^
                         (uint64_t{block_idx.x} + (uint64_t{block_idx.y} << 21) + (uint64_t{block_idx.z} << 42)));
-    for (uint64_t round = 0;; ++round) {
-      if (order_ == Order::kShuffle) std::shuffle(order.begin(), order.end(), rng);
-      for (unsigned t : order) {
-        Thread& th = *threads_[t];
-        if (th.state != State::kReady) continue;
-        current_ = &th;
-        scheduler_.switch_to(th.fiber);
-        current_ = nullptr;
-        if (!error_.empty()) return abandon(threads);
+    for (;;) {
+      draw_order(warp_order, rng);
+      for (unsigned w : warp_order) {
+        draw_order(lane_order, rng);
+        if (!run_warp(w * kWarpSize, std::min(kWarpSize, threads - w * kWarpSize), lane_order)) return abandon(threads);
       }
       if (std::all_of(threads_.begin(), threads_.begin() + threads,
                       [](const auto& th) { return th->state == State::kDone; })) {
         return "";
       }
-      bool progress = complete_warp_ops(threads);
-      if (error_.empty() && !progress) progress = complete_block_barrier(threads);
-      if (!error_.empty()) return abandon(threads);
-      if (!progress) {
-        error_ = describe_deadlock(threads);
+      if (!complete_block_barrier(threads)) {
+        if (error_.empty()) error_ = describe_deadlock(threads);
         return abandon(threads);
       }
     }
+  }
+
+  void draw_order(std::vector<unsigned>& order, std::mt19937_64& rng) const {
+    std::iota(order.begin(), order.end(), 0u);
+    if (order_ == Order::kShuffle) std::shuffle(order.begin(), order.end(), rng);
+    if (order_ == Order::kReverse) std::reverse(order.begin(), order.end());
+  }
+
+  // Runs the lanes of one warp until none can proceed (all at a block barrier, done, or waiting on
+  // a lane that is). Returns false on an error.
+  bool run_warp(unsigned warp_start, unsigned lanes, const std::vector<unsigned>& lane_order) {
+    for (bool ran = true; ran;) {
+      ran = false;
+      for (unsigned l : lane_order) {
+        if (l >= lanes) continue;
+        Thread& th = *threads_[warp_start + l];
+        if (th.state != State::kReady) continue;
+        current_ = &th;
+        scheduler_.switch_to(th.fiber);
+        current_ = nullptr;
+        ran = true;
+        if (th.state == State::kAtWarpOp) complete_warp_op(warp_start, lanes, l);
+        if (!error_.empty()) return false;
+      }
+    }
+    return true;
   }
 
   // Threads blocked when the launch failed never resume: their stacks are reset for the next block.
@@ -263,68 +286,58 @@ class BlockRunner {
     return true;
   }
 
-  // Completes every warp operation whose mask's lanes are all there; an inconsistent one is an error.
-  bool complete_warp_ops(unsigned threads) {
-    bool progress = false;
-    for (unsigned warp_start = 0; warp_start < threads; warp_start += kWarpSize) {
-      const unsigned lanes = std::min(kWarpSize, threads - warp_start);
-      for (unsigned l = 0; l < lanes; ++l) {
-        Thread& leader = *threads_[warp_start + l];
-        if (leader.state != State::kAtWarpOp) continue;
-        const uint32_t mask = leader.mask;
-        std::ostringstream os;
-        os << op_name(leader.op) << " (" << leader.site << ") in thread " << leader.linear << ": ";
-        if ((mask >> l & 1u) == 0) {
-          error_ = os.str() + "the mask does not include the calling lane";
-          return false;
-        }
-        if (lanes < kWarpSize && (mask >> lanes) != 0) {
-          error_ = os.str() + "the mask names lanes past the end of the block";
-          return false;
-        }
-        bool complete = true;
-        for (unsigned m = 0; m < lanes; ++m) {
-          if ((mask >> m & 1u) == 0) continue;
-          const Thread& lane = *threads_[warp_start + m];
-          if (lane.state == State::kDone) {
-            os << "lane " << m << " of the mask has exited";
-            error_ = os.str();
-            return false;
-          }
-          if (lane.state == State::kAtWarpOp &&
-              (lane.op != leader.op || lane.mask != mask || std::strcmp(lane.site, leader.site) != 0)) {
-            os << "lane " << m << " waits at " << op_name(lane.op) << " (" << lane.site << ") with mask 0x" << std::hex
-               << lane.mask;
-            error_ = os.str();
-            return false;
-          }
-          complete = complete && lane.state == State::kAtWarpOp;
-        }
-        if (!complete) continue;  // a lane is still running or at a block barrier (a deadlock if it stays)
-        uint32_t ballot = 0;
-        for (unsigned m = 0; m < lanes; ++m) {
-          if ((mask >> m & 1u) != 0 && threads_[warp_start + m]->predicate != 0) ballot |= 1u << m;
-        }
-        for (unsigned m = 0; m < lanes; ++m) {
-          if ((mask >> m & 1u) == 0) continue;
-          Thread& lane = *threads_[warp_start + m];
-          if (lane.size > 0) {
-            if (lane.src_lane >= lanes || (mask >> lane.src_lane & 1u) == 0) {
-              os << "lane " << m << " reads lane " << lane.src_lane << ", which is not in the mask 0x" << std::hex << mask;
-              error_ = os.str();
-              return false;
-            }
-            std::memcpy(lane.result, threads_[warp_start + lane.src_lane]->value, lane.size);
-          }
-          lane.ballot = ballot;
-        }
-        for (unsigned m = 0; m < lanes; ++m) {
-          if ((mask >> m & 1u) != 0) threads_[warp_start + m]->state = State::kReady;
-        }
-        progress = true;
-      }
+  // Completes the warp operation lane `l` waits at once every lane of its mask is there; an
+  // inconsistent one (a lane of the mask exited, or at another operation or mask) is an error.
+  void complete_warp_op(unsigned warp_start, unsigned lanes, unsigned l) {
+    Thread& caller = *threads_[warp_start + l];
+    const uint32_t mask = caller.mask;
+    std::ostringstream os;
+    os << op_name(caller.op) << " (" << caller.site << ") in thread " << caller.linear << ": ";
+    if ((mask >> l & 1u) == 0) {
+      error_ = os.str() + "the mask does not include the calling lane";
+      return;
     }
-    return progress;
+    if (lanes < kWarpSize && (mask >> lanes) != 0) {
+      error_ = os.str() + "the mask names lanes past the end of the block";
+      return;
+    }
+    for (unsigned m = 0; m < lanes; ++m) {
+      if ((mask >> m & 1u) == 0) continue;
+      const Thread& lane = *threads_[warp_start + m];
+      if (lane.state == State::kDone) {
+        os << "lane " << m << " of the mask has exited";
+        error_ = os.str();
+        return;
+      }
+      if (lane.state == State::kAtWarpOp &&
+          (lane.op != caller.op || lane.mask != mask || std::strcmp(lane.site, caller.site) != 0)) {
+        os << "lane " << m << " waits at " << op_name(lane.op) << " (" << lane.site << ") with mask 0x" << std::hex
+           << lane.mask;
+        error_ = os.str();
+        return;
+      }
+      if (lane.state != State::kAtWarpOp) return;  // still running, or at a block barrier (a deadlock if it stays)
+    }
+    uint32_t ballot = 0;
+    for (unsigned m = 0; m < lanes; ++m) {
+      if ((mask >> m & 1u) != 0 && threads_[warp_start + m]->predicate != 0) ballot |= 1u << m;
+    }
+    for (unsigned m = 0; m < lanes; ++m) {
+      if ((mask >> m & 1u) == 0) continue;
+      Thread& lane = *threads_[warp_start + m];
+      if (lane.size > 0) {
+        if (lane.src_lane >= lanes || (mask >> lane.src_lane & 1u) == 0) {
+          os << "lane " << m << " reads lane " << lane.src_lane << ", which is not in the mask 0x" << std::hex << mask;
+          error_ = os.str();
+          return;
+        }
+        std::memcpy(lane.result, threads_[warp_start + lane.src_lane]->value, lane.size);
+      }
+      lane.ballot = ballot;
+    }
+    for (unsigned m = 0; m < lanes; ++m) {
+      if ((mask >> m & 1u) != 0) threads_[warp_start + m]->state = State::kReady;
+    }
   }
 
   std::string describe_deadlock(unsigned threads) {
