@@ -207,7 +207,7 @@ TEST(EmulatedTemperature, InfiniteTemperatureIsUniformOverTheFiniteLogits) {
 }
 
 TEST(EmulatedTemperature, InfiniteTemperatureDrawsAreUniformOverSeeds) {
-  const int64_t rows = 1200;
+  const int64_t rows = 600;
   for (const bool tree : {false, true}) {
     VerifierInputs in;
     in.logits = torch::tensor({0.0f, 5.0f, -kInf, -2.0f}).repeat({rows, 1, 1});
