@@ -83,8 +83,8 @@
 //         sampling_math.h); num_accepted = d; stop.
 //   Both lossless rules are this one loop: with draft_probs it is SpecInfer's multi-step
 //   speculative sampling (accept w.p. min(1, p/q), residual max(0, p - q)); without, q one-hot
-//   makes it "accept x w.p. p(x), else remove x from p and renormalise". At T == 0 p is one-hot,
-//   so the walk follows the first child equal to argmax p and emits argmax p.
+//   makes it "accept x w.p. p(x), else remove x from p and renormalise". On greedy rows p is
+//   one-hot, so the walk follows the first child equal to argmax p and emits argmax p.
 //   A chain (parents = [-1, 0, 1, ..., N-2]) with the same logits, ids, q, filters and draws gives
 //   exactly chain_verify's tokens/num_accepted (num_nodes playing num_draft), and path = [0..d-1].
 //   Note: the per-child draw is u(c) for the node index c, not for the depth: a row uses the

@@ -3,7 +3,8 @@
 // Temperature. T < kGreedyTemperature (1e-5, vLLM's threshold; 0 included) is greedy: p is one-hot
 // at the argmax (the lowest index on ties), which makes the acceptance rule below accept exactly the
 // drafts equal to the argmax and emit the argmax; greedy rows read no draw. Below that threshold
-// 1 / T overflows or loses every digit, so no temperature there could be sampled faithfully.
+// exp((l - max) / T) underflows to 0 for every logit more than 87 T below the max (sampling would
+// differ from greedy only among near-ties), and from about 3e-39 down 1 / T overflows to inf.
 // T = +inf is uniform over the finite logits: every weight is exp(0) = 1 except a -inf logit's,
 // whose scaled logit (-inf - max) * 0 is NaN, and a NaN exponent gives weight 0 in both backends.
 // Huge finite T (1e30) is the same in the limit: weights exp(-tiny) = 1. Negative or NaN T is

@@ -291,30 +291,23 @@ class BlockRunner {
   void complete_warp_op(unsigned warp_start, unsigned lanes, unsigned l) {
     Thread& caller = *threads_[warp_start + l];
     const uint32_t mask = caller.mask;
-    std::ostringstream os;
-    os << op_name(caller.op) << " (" << caller.site << ") in thread " << caller.linear << ": ";
-    if ((mask >> l & 1u) == 0) {
-      error_ = os.str() + "the mask does not include the calling lane";
-      return;
-    }
-    if (lanes < kWarpSize && (mask >> lanes) != 0) {
-      error_ = os.str() + "the mask names lanes past the end of the block";
-      return;
-    }
+    const auto fail = [&](const std::string& what) {  // the message is built only on an error
+      std::ostringstream os;
+      os << op_name(caller.op) << " (" << caller.site << ") in thread " << caller.linear << ": " << what;
+      error_ = os.str();
+    };
+    if ((mask >> l & 1u) == 0) return fail("the mask does not include the calling lane");
+    if (lanes < kWarpSize && (mask >> lanes) != 0) return fail("the mask names lanes past the end of the block");
     for (unsigned m = 0; m < lanes; ++m) {
       if ((mask >> m & 1u) == 0) continue;
       const Thread& lane = *threads_[warp_start + m];
-      if (lane.state == State::kDone) {
-        os << "lane " << m << " of the mask has exited";
-        error_ = os.str();
-        return;
-      }
+      if (lane.state == State::kDone) return fail("lane " + std::to_string(m) + " of the mask has exited");
       if (lane.state == State::kAtWarpOp &&
           (lane.op != caller.op || lane.mask != mask || std::strcmp(lane.site, caller.site) != 0)) {
+        std::ostringstream os;
         os << "lane " << m << " waits at " << op_name(lane.op) << " (" << lane.site << ") with mask 0x" << std::hex
            << lane.mask;
-        error_ = os.str();
-        return;
+        return fail(os.str());
       }
       if (lane.state != State::kAtWarpOp) return;  // still running, or at a block barrier (a deadlock if it stays)
     }
@@ -327,9 +320,9 @@ class BlockRunner {
       Thread& lane = *threads_[warp_start + m];
       if (lane.size > 0) {
         if (lane.src_lane >= lanes || (mask >> lane.src_lane & 1u) == 0) {
+          std::ostringstream os;
           os << "lane " << m << " reads lane " << lane.src_lane << ", which is not in the mask 0x" << std::hex << mask;
-          error_ = os.str();
-          return;
+          return fail(os.str());
         }
         std::memcpy(lane.result, threads_[warp_start + lane.src_lane]->value, lane.size);
       }
