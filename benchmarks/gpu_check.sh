@@ -5,6 +5,9 @@
 #   2. build    pip install --no-build-isolation --no-deps .  (TORCH_CUDA_ARCH_LIST=9.0, MAX_JOBS=16)
 #   3. tests    CUDA tests: test_cuda_ops.py, test_cuda_tree.py, test_kv_ops.py::test_cuda_matches_cpu,
 #               test_cuda_graphs.py (graph replay == eager), test_profiling.py and the CUDA heads/trees test
+#   3b. sanitizers  compute-sanitizer memcheck, racecheck and synccheck, each over the small CUDA cases of
+#               python_tests/test_cuda_sanitizer_cases.py (every kernel, checked against the CPU ops);
+#               their output goes to tests.log, their error counts to the summary (GPU_CHECK_SANITIZERS=0: off)
 #   4. tpot     benchmarks/bench_tpot.py --device cuda (eager vs graphs, plain vs speculative, 1B verify cost),
 #               then bench_tree_decode.py --device cuda (chains vs draft trees at N = 8, 16; into tpot.log)
 #   5. kernels  bench_sampling.py --quick, bench_tree.py (small), bench_kv.py --quick, all --device cuda
@@ -83,6 +86,42 @@ else
     "$REPO/python_tests/test_heads.py::test_cuda_heads_and_sampled_trees_match_the_cpu"
 fi
 
+# 3b. compute-sanitizer ----------------------------------------------------------------------------
+# Each tool runs the small cases in a fresh process; its "ERROR SUMMARY" (and racecheck's hazard summary)
+# lines are what the summary reports. Output goes to tests.log: the device tool brings back 8 files.
+SANITIZER_TOOLS=(memcheck racecheck synccheck)
+SANITIZER="$(command -v compute-sanitizer || echo "$CUDA_HOME/bin/compute-sanitizer")"
+if [ "${GPU_CHECK_SANITIZERS:-1}" = "0" ]; then
+  skip sanitizers "GPU_CHECK_SANITIZERS=0"
+elif [ "$BUILT" != "ok" ]; then
+  skip sanitizers "build $BUILT"
+elif [ ! -x "$SANITIZER" ]; then
+  skip sanitizers "compute-sanitizer not found (PATH, \$CUDA_HOME/bin)"
+elif ! $PY -c "import pytest" 2>/dev/null; then
+  skip sanitizers "pytest is not installed"
+else
+  for tool in "${SANITIZER_TOOLS[@]}"; do
+    cap=50
+    [ "$tool" = racecheck ] && cap=70
+    phase "$tool" "$cap" tests.log "$SANITIZER" --tool "$tool" --error-exitcode 3 \
+      "$PY" -m pytest -q -p no:cacheprovider -x "$REPO/python_tests/test_cuda_sanitizer_cases.py"
+  done
+fi
+
+# The counts one tool's run printed into tests.log (between its phase's header and result lines).
+sanitizer_counts() {
+  local section
+  section="$(sed -n "/^=== $1 (limit/,/^=== $1: /p" "$LOG/tests.log" 2>/dev/null)"
+  local errors hazards
+  errors="$(printf '%s\n' "$section" | grep -Eo 'ERROR SUMMARY: [0-9]+ error' | tail -1 | grep -Eo '[0-9]+')"
+  hazards="$(printf '%s\n' "$section" | grep -Eo 'RACECHECK SUMMARY: [0-9]+ hazard[^(]*\([^)]*\)' | tail -1)"
+  if [ -z "$errors" ]; then
+    echo "no ERROR SUMMARY line (see tests.log)"
+  else
+    echo "$errors${hazards:+; $hazards}"
+  fi
+}
+
 # 4. TPOT -------------------------------------------------------------------------------------------
 if [ "$BUILT" != "ok" ]; then
   skip tpot "build $BUILT"
@@ -111,7 +150,17 @@ fi
   printf '%s\n' "${SUMMARY[@]}"
   if [ -f "$LOG/tests.log" ]; then
     echo
-    echo "tests: $(grep -E '[0-9]+ (passed|failed|error)' "$LOG/tests.log" | tail -1)"
+    echo "tests: $(sed -n '/^=== tests (limit/,/^=== tests:/p' "$LOG/tests.log" | grep -E '[0-9]+ (passed|failed|error)' | tail -1)"
+  fi
+  if [ "${STATUS[memcheck]:-}" != "" ] || [ "${STATUS[racecheck]:-}" != "" ] || [ "${STATUS[synccheck]:-}" != "" ]; then
+    echo
+    echo "compute-sanitizer over python_tests/test_cuda_sanitizer_cases.py:"
+    echo
+    echo "| tool | result | errors reported |"
+    echo "|---|---|---|"
+    for tool in "${SANITIZER_TOOLS[@]}"; do
+      echo "| $tool | ${STATUS[$tool]:-not run} | $(sanitizer_counts "$tool") |"
+    done
   fi
   for entry in "${FAILED_LOGS[@]}"; do
     echo

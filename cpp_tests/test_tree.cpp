@@ -8,16 +8,15 @@
 #include <optional>
 #include <vector>
 
+#include "op_call.h"
+
 namespace {
 
-using OptTensor = std::optional<at::Tensor>;
+using specdec_test::OptTensor;
 
 void build_tree_mask_op(const at::Tensor& parents, const OptTensor& num_nodes, at::Tensor& mask,
                         at::Tensor& depth) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("specdec_ext::build_tree_mask", "")
-                       .typed<void(const at::Tensor&, const OptTensor&, at::Tensor&, at::Tensor&)>();
-  op.call(parents, num_nodes, mask, depth);
+  specdec_test::build_tree_mask(parents, num_nodes, mask, depth);
 }
 
 void tree_verify_op(const at::Tensor& logits, const at::Tensor& ids, const at::Tensor& parents,
@@ -25,27 +24,15 @@ void tree_verify_op(const at::Tensor& logits, const at::Tensor& ids, const at::T
                     const OptTensor& top_k, const OptTensor& top_p, const OptTensor& seed,
                     const OptTensor& offset, const OptTensor& uniforms, at::Tensor& path,
                     at::Tensor& tokens, at::Tensor& num_accepted) {
-  static auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("specdec_ext::tree_verify", "")
-          .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&,
-                      const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&,
-                      const OptTensor&, const OptTensor&, const OptTensor&, at::Tensor&, at::Tensor&,
-                      at::Tensor&)>();
-  op.call(logits, ids, parents, draft_probs, num_nodes, temperature, top_k, top_p, seed, offset, uniforms,
-          path, tokens, num_accepted);
+  specdec_test::tree_verify(logits, ids, parents, draft_probs, num_nodes, temperature, top_k, top_p, seed, offset,
+                            uniforms, path, tokens, num_accepted);
 }
 
 void chain_verify_op(const at::Tensor& logits, const at::Tensor& draft, const OptTensor& draft_probs,
                      const OptTensor& num_draft, const OptTensor& seed, at::Tensor& tokens,
                      at::Tensor& num_accepted) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("specdec_ext::chain_verify", "")
-                       .typed<void(const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&,
-                                   const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&,
-                                   const OptTensor&, const OptTensor&, at::Tensor&, at::Tensor&)>();
-  op.call(logits, draft, draft_probs, num_draft, std::nullopt, std::nullopt, std::nullopt, seed, std::nullopt,
-          std::nullopt, tokens, num_accepted);
+  specdec_test::chain_verify(logits, draft, draft_probs, num_draft, std::nullopt, std::nullopt, std::nullopt, seed,
+                             std::nullopt, std::nullopt, tokens, num_accepted);
 }
 
 template <typename T>

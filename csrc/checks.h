@@ -52,6 +52,18 @@ inline void check_contiguous(const char* op, const char* name, const at::Tensor&
   TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
 }
 
+// A [rows, columns] tensor of one dtype, contiguous, on the reference device.
+inline void check_matrix(const char* op, const char* name, const at::Tensor& t, const char* layout,
+                         int64_t rows, const char* rows_what, int64_t columns, const char* columns_what,
+                         at::ScalarType dtype, const at::Tensor& reference, const char* reference_name) {
+  check_rank(op, name, t, 2, layout);
+  check_size(op, name, t, 0, rows, rows_what);
+  check_size(op, name, t, 1, columns, columns_what);
+  check_dtype(op, name, t, {dtype});
+  check_same_device(op, name, t, reference, reference_name);
+  check_contiguous(op, name, t);
+}
+
 // A per-row parameter: optional 1-D [B] tensor of one dtype on the reference device.
 inline void check_row_param(const char* op, const char* name, const c10::optional<at::Tensor>& t,
                             int64_t batch, at::ScalarType dtype, const at::Tensor& reference,

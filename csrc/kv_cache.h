@@ -1,5 +1,6 @@
-// Contract of the paged KV cache family: kv_write and kv_compact. Both backends call the
-// check_*() functions here before touching data. Rollback is metadata only (lengths and freed
+// Contract of the paged KV cache family: kv_write and kv_compact. A backend registers its
+// implementations with register_kv_cache_ops(), whose adapters run the checks here first and skip
+// empty calls. Rollback is metadata only (lengths and freed
 // pages, kept by specdec_ext/kv_cache.py); these ops move data.
 //
 // Pool layout: kv_cache [X, num_pages, page_size, H, D] contiguous, fp32/bf16/fp16, where X = 2
@@ -26,8 +27,10 @@
 //   dst_start     [B] int64: the first destination position of each row
 #pragma once
 #include <ATen/core/Tensor.h>
+#include <torch/library.h>
 
 #include "checks.h"
+#include "common/op_views.h"
 
 namespace specdec {
 
@@ -58,12 +61,8 @@ inline void check_kv_write(const at::Tensor& key, const at::Tensor& value,
               ": value must have the dtype of kv_cache (", kv_cache.scalar_type(), "), got ",
               value.scalar_type());
   check_same_device(op, "value", value, kv_cache, "kv_cache");
-  check_rank(op, "slot_mapping", slot_mapping, 2, "[B, T]");
-  check_size(op, "slot_mapping", slot_mapping, 0, batch, "B (key dimension 0)");
-  check_size(op, "slot_mapping", slot_mapping, 1, tokens, "T (key dimension 1)");
-  check_dtype(op, "slot_mapping", slot_mapping, {at::kLong});
-  check_same_device(op, "slot_mapping", slot_mapping, kv_cache, "kv_cache");
-  check_contiguous(op, "slot_mapping", slot_mapping);
+  check_matrix(op, "slot_mapping", slot_mapping, "[B, T]", batch, "B (key dimension 0)", tokens,
+               "T (key dimension 1)", at::kLong, kv_cache, "kv_cache");
 }
 
 inline void check_kv_compact(const at::Tensor& kv_cache, const at::Tensor& block_tables,
@@ -85,6 +84,72 @@ inline void check_kv_compact(const at::Tensor& kv_cache, const at::Tensor& block
   check_dtype(op, "dst_start", dst_start, {at::kLong});
   check_same_device(op, "dst_start", dst_start, kv_cache, "kv_cache");
   check_contiguous(op, "dst_start", dst_start);
+}
+
+inline KvWriteView kv_write_view(const at::Tensor& key, const at::Tensor& value, const at::Tensor& slot_mapping,
+                                 const at::Tensor& kv_cache) {
+  KvWriteView v;
+  v.key = key.data_ptr();
+  v.value = value.data_ptr();
+  for (int dim = 0; dim < 4; ++dim) {
+    v.key_strides[dim] = key.stride(dim);
+    v.value_strides[dim] = value.stride(dim);
+  }
+  v.slot_mapping = slot_mapping.data_ptr<int64_t>();
+  v.pool = kv_cache.data_ptr();
+  v.batch = key.size(0);
+  v.tokens = key.size(1);
+  v.heads = key.size(2);
+  v.head_dim = key.size(3);
+  v.num_slots = kv_cache.size(1) * kv_cache.size(2);
+  v.word_bytes = static_cast<int32_t>(kv_cache.element_size());
+  return v;
+}
+
+inline KvCompactView kv_compact_view(const at::Tensor& kv_cache, const at::Tensor& block_tables,
+                                     const at::Tensor& src_positions, const at::Tensor& dst_start) {
+  KvCompactView v;
+  v.pool = kv_cache.data_ptr();
+  v.block_tables = block_tables.data_ptr<int32_t>();
+  v.src_positions = src_positions.data_ptr<int64_t>();
+  v.dst_start = dst_start.data_ptr<int64_t>();
+  v.planes = kv_cache.size(0);
+  v.num_pages = kv_cache.size(1);
+  v.page_size = kv_cache.size(2);
+  v.slot_elems = kv_cache.size(3) * kv_cache.size(4);
+  v.batch = block_tables.size(0);
+  v.max_pages = block_tables.size(1);
+  v.positions = src_positions.size(1);
+  v.word_bytes = static_cast<int32_t>(kv_cache.element_size());
+  return v;
+}
+
+// The schemas around a backend's implementations, which get the raw view of checked, non-empty
+// arguments (and the pool, for its device).
+using KvWriteImpl = void (*)(const KvWriteView&, const at::Tensor& kv_cache);
+using KvCompactImpl = void (*)(const KvCompactView&, const at::Tensor& kv_cache);
+
+template <KvWriteImpl Impl>
+void kv_write_op(const at::Tensor& key, const at::Tensor& value, const at::Tensor& slot_mapping,
+                 at::Tensor& kv_cache) {
+  check_kv_write(key, value, slot_mapping, kv_cache);
+  if (key.numel() > 0) Impl(kv_write_view(key, value, slot_mapping, kv_cache), kv_cache);
+}
+
+template <KvCompactImpl Impl>
+void kv_compact_op(at::Tensor& kv_cache, const at::Tensor& block_tables, const at::Tensor& src_positions,
+                   const at::Tensor& dst_start) {
+  check_kv_compact(kv_cache, block_tables, src_positions, dst_start);
+  if (kv_cache.numel() > 0 && src_positions.numel() > 0) {
+    Impl(kv_compact_view(kv_cache, block_tables, src_positions, dst_start), kv_cache);
+  }
+}
+
+// Registers a backend's implementations of the family's ops under their schemas.
+template <KvWriteImpl KvWrite, KvCompactImpl KvCompact>
+void register_kv_cache_ops(torch::Library& m) {
+  m.impl("kv_write", &kv_write_op<KvWrite>);
+  m.impl("kv_compact", &kv_compact_op<KvCompact>);
 }
 
 }  // namespace specdec

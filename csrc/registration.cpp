@@ -1,6 +1,6 @@
 // The one operator library of specdec_ext: every schema, declared once. Backends register their
 // implementations with TORCH_LIBRARY_IMPL in cpu/ and cuda/; fake (meta) kernels live in
-// specdec_ext/ops.py. Outputs are passed in (Tensor(a!)) so the ops are safe in CUDA graphs.
+// specdec_ext/ops/. Outputs are passed in (Tensor(a!)) so the ops are safe in CUDA graphs.
 #include <torch/library.h>
 
 TORCH_LIBRARY(specdec_ext, m) {

@@ -1,139 +1,61 @@
-// Contract of the sampling family: chain_verify and residual_probs. Both backends call the
-// check_*() functions here before touching data.
+// Contract of the sampling family: chain_verify, residual_probs and philox_uniforms. A backend
+// registers its implementations with register_sampling_ops(): the *_op adapters below take the
+// schema's arguments, run the one check and hand the backend checked, non-empty tensors (the raw
+// views of common/op_views.h come from the *_view() functions).
 //
 // chain_verify: lossless verification of a chain of k draft tokens per row (Leviathan et al. 2023).
+//   The arguments shared with tree_verify (logits, ids, draft_probs, counts, sampling, outputs) are
+//   described in verifier.h; for chains:
 //   target_logits   [B, k+1, V] fp32/bf16/fp16  row i scores draft position i; row k the bonus position
 //   draft_token_ids [B, k]      int64
 //   draft_probs     [B, k, V]   fp32, optional: the distribution each draft token was sampled from;
 //                               absent means deterministic drafts (q one-hot at the drafted token)
 //   num_draft       [B] int32, optional (k): ragged draft lengths, 0 <= num_draft <= k
-//   temperature     [B] fp32, optional (1): 0 means greedy
-//   top_k           [B] int32, optional (0 = off);  top_p [B] fp32, optional (1 = off)
-//   seed, offset    [B] int64, optional: Philox key and counter; uniform i = philox(seed, offset, i)
-//   uniforms        [B, k+1] fp32, optional: explicit draws instead of Philox (column i < k accepts
-//                   draft position i, column k samples the recovered or bonus token)
+//   uniforms        [B, k+1] fp32, optional: column i < k accepts draft position i, column k samples
+//                   the recovered or bonus token
 //   tokens          [B, k+1] int64 out: accepted tokens, then the recovered/bonus token, then -1
 //   num_accepted    [B] int32 out: accepted draft tokens (the row emits num_accepted + 1 tokens),
 //                   or a negative RowStatus when the row's input is invalid (tokens then all -1)
+//   Per row, status checks before anything is emitted: validate_filter() (-5, -6, -7), num_draft in
+//   [0, k] (-4), draws (-11 when a sampling row has neither seed nor uniforms, -8 for a uniform
+//   outside [0, 1)), draft ids in [0, V) (-3); then the walk (-1 for a non-finite logits row, -2 for
+//   an invalid draft probability at a position read).
 //
 // residual_probs: normalise(max(0, p - q)) over the last dimension; p where that mass is zero.
 //   target_probs [..., V] fp32/bf16/fp16, draft_probs [..., V] same shape, out [..., V] fp32.
+//
+// philox_uniforms: the uniforms the verifiers draw, out[b, c] = philox(seed[b], offset[b], c).
+//   seed, offset [B] int64; out [B, C] fp32.
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>
-
-#include <string>
+#include <torch/library.h>
 
 #include "checks.h"
+#include "common/op_views.h"
+#include "tensor_data.h"
+#include "verifier.h"
 
 namespace specdec {
 
-struct ChainVerifyArgs {
-  const at::Tensor& target_logits;
-  const at::Tensor& draft_token_ids;
-  const c10::optional<at::Tensor>& draft_probs;
-  const c10::optional<at::Tensor>& num_draft;
-  const c10::optional<at::Tensor>& temperature;
-  const c10::optional<at::Tensor>& top_k;
-  const c10::optional<at::Tensor>& top_p;
-  const c10::optional<at::Tensor>& seed;
-  const c10::optional<at::Tensor>& offset;
-  const c10::optional<at::Tensor>& uniforms;
-  const at::Tensor& tokens;
-  const at::Tensor& num_accepted;
-};
-
-// The sampling parameters every verifier takes, checked the same way by chain and tree ops.
-inline void check_sampling_params(const char* op, int64_t batch, const at::Tensor& reference,
-                                  const char* reference_name,
-                                  const c10::optional<at::Tensor>& temperature,
-                                  const c10::optional<at::Tensor>& top_k,
-                                  const c10::optional<at::Tensor>& top_p,
-                                  const c10::optional<at::Tensor>& seed,
-                                  const c10::optional<at::Tensor>& offset,
-                                  const c10::optional<at::Tensor>& uniforms,
-                                  int64_t num_uniforms) {
-  check_row_param(op, "temperature", temperature, batch, at::kFloat, reference, reference_name);
-  check_row_param(op, "top_k", top_k, batch, at::kInt, reference, reference_name);
-  check_row_param(op, "top_p", top_p, batch, at::kFloat, reference, reference_name);
-  check_row_param(op, "seed", seed, batch, at::kLong, reference, reference_name);
-  check_row_param(op, "offset", offset, batch, at::kLong, reference, reference_name);
-  if (uniforms.has_value()) {
-    check_rank(op, "uniforms", *uniforms, 2, "[B, draws]");
-    check_size(op, "uniforms", *uniforms, 0, batch, "B");
-    check_size(op, "uniforms", *uniforms, 1, num_uniforms, "the number of draws per row");
-    check_dtype(op, "uniforms", *uniforms, {at::kFloat});
-    check_same_device(op, "uniforms", *uniforms, reference, reference_name);
-    check_contiguous(op, "uniforms", *uniforms);
-  } else {
-    TORCH_CHECK(seed.has_value(), op,
-                ": pass either uniforms or seed (with an optional offset) for the random draws");
-  }
-}
-
-// Target logits [B, n+1, V], the drafted ids [B, n] and the optional draft probabilities [B, n, V]
-// that every verifier takes; `n` names the draft dimension ("k" for chains, "N" for trees).
-struct VerifierShape {
-  int64_t batch, drafts, vocab;
-};
-
-inline VerifierShape check_verifier_inputs(const char* op, const char* n, const at::Tensor& target_logits,
-                                           const char* ids_name, const at::Tensor& ids,
-                                           const c10::optional<at::Tensor>& draft_probs) {
-  const std::string logits_layout = std::string("[B, ") + n + "+1, V]";
-  check_rank(op, "target_logits", target_logits, 3, logits_layout.c_str());
-  check_dtype(op, "target_logits", target_logits, {at::kFloat, at::kBFloat16, at::kHalf});
-  check_contiguous(op, "target_logits", target_logits);
-  const VerifierShape shape{target_logits.size(0), target_logits.size(1) - 1, target_logits.size(2)};
-  TORCH_CHECK(shape.drafts >= 0, op, ": target_logits must have ", n, "+1 >= 1 positions, got shape ",
-              shape_str(target_logits.sizes()));
-  TORCH_CHECK(shape.vocab >= 1, op, ": target_logits must have a vocabulary of at least 1 token");
-
-  const std::string ids_layout = std::string("[B, ") + n + "]";
-  const std::string ids_what = std::string(n) + " (target_logits has " + n + "+1 positions)";
-  check_rank(op, ids_name, ids, 2, ids_layout.c_str());
-  check_size(op, ids_name, ids, 0, shape.batch, "B");
-  check_size(op, ids_name, ids, 1, shape.drafts, ids_what.c_str());
-  check_dtype(op, ids_name, ids, {at::kLong});
-  check_same_device(op, ids_name, ids, target_logits, "target_logits");
-  check_contiguous(op, ids_name, ids);
-
-  if (draft_probs.has_value()) {
-    const at::Tensor& q = *draft_probs;
-    const std::string q_layout = std::string("[B, ") + n + ", V]";
-    check_rank(op, "draft_probs", q, 3, q_layout.c_str());
-    check_size(op, "draft_probs", q, 0, shape.batch, "B");
-    check_size(op, "draft_probs", q, 1, shape.drafts, n);
-    check_size(op, "draft_probs", q, 2, shape.vocab, "V (the target's vocabulary)");
-    check_dtype(op, "draft_probs", q, {at::kFloat});
-    check_same_device(op, "draft_probs", q, target_logits, "target_logits");
-    check_contiguous(op, "draft_probs", q);
-  }
-  return shape;
-}
-
-// An output the op writes: [B] (width < 0) or [B, width], one dtype, beside target_logits.
-inline void check_output(const char* op, const char* name, const at::Tensor& out, int64_t batch,
-                         int64_t width, const char* width_name, at::ScalarType dtype,
-                         const at::Tensor& target_logits) {
-  const std::string layout = width < 0 ? std::string("[B]") : std::string("[B, ") + width_name + "]";
-  check_rank(op, name, out, width < 0 ? 1 : 2, layout.c_str());
-  check_size(op, name, out, 0, batch, "B");
-  if (width >= 0) check_size(op, name, out, 1, width, width_name);
-  check_dtype(op, name, out, {dtype});
-  check_same_device(op, name, out, target_logits, "target_logits");
-  check_contiguous(op, name, out);
-}
+using ChainVerifyArgs = VerifierArgs;
 
 inline void check_chain_verify(const ChainVerifyArgs& a) {
-  constexpr const char* op = "chain_verify";
-  const VerifierShape shape = check_verifier_inputs(op, "k", a.target_logits, "draft_token_ids",
-                                                    a.draft_token_ids, a.draft_probs);
-  check_row_param(op, "num_draft", a.num_draft, shape.batch, at::kInt, a.target_logits, "target_logits");
-  check_sampling_params(op, shape.batch, a.target_logits, "target_logits", a.temperature, a.top_k,
-                        a.top_p, a.seed, a.offset, a.uniforms, shape.drafts + 1);
-  check_output(op, "tokens", a.tokens, shape.batch, shape.drafts + 1, "k+1", at::kLong, a.target_logits);
-  check_output(op, "num_accepted", a.num_accepted, shape.batch, -1, "", at::kInt, a.target_logits);
+  check_verifier({"chain_verify", "k", "draft_token_ids", "num_draft"}, a);
+}
+
+// chain_verify's schema around a backend's implementation, which gets checked arguments, B > 0.
+template <void (*Impl)(const ChainVerifyArgs&)>
+void chain_verify_op(const at::Tensor& target_logits, const at::Tensor& draft_token_ids,
+                     const c10::optional<at::Tensor>& draft_probs, const c10::optional<at::Tensor>& num_draft,
+                     const c10::optional<at::Tensor>& temperature, const c10::optional<at::Tensor>& top_k,
+                     const c10::optional<at::Tensor>& top_p, const c10::optional<at::Tensor>& seed,
+                     const c10::optional<at::Tensor>& offset, const c10::optional<at::Tensor>& uniforms,
+                     at::Tensor& tokens, at::Tensor& num_accepted) {
+  const ChainVerifyArgs args{target_logits, draft_token_ids, draft_probs, num_draft,
+                             {temperature, top_k, top_p, seed, offset, uniforms}, tokens, num_accepted};
+  check_chain_verify(args);
+  if (target_logits.size(0) > 0) Impl(args);
 }
 
 inline void check_residual_probs(const at::Tensor& target_probs, const at::Tensor& draft_probs,
@@ -158,12 +80,13 @@ inline void check_residual_probs(const at::Tensor& target_probs, const at::Tenso
   check_contiguous(op, "out", out);
 }
 
-}  // namespace specdec
+inline ResidualProbsView residual_probs_view(const at::Tensor& target_probs, const at::Tensor& draft_probs,
+                                             const at::Tensor& out) {
+  const int64_t vocab = target_probs.size(-1);
+  return {target_probs.data_ptr(), draft_probs.data_ptr(), element_type(target_probs),
+          out.data_ptr<float>(), target_probs.numel() / vocab, vocab};
+}
 
-namespace specdec {
-
-// philox_uniforms: the uniforms the verifiers draw, out[b, c] = philox(seed[b], offset[b], c).
-//   seed, offset [B] int64; out [B, C] fp32.
 inline void check_philox_uniforms(const at::Tensor& seed, const at::Tensor& offset,
                                   const at::Tensor& out) {
   constexpr const char* op = "philox_uniforms";
@@ -172,6 +95,34 @@ inline void check_philox_uniforms(const at::Tensor& seed, const at::Tensor& offs
   check_contiguous(op, "out", out);
   check_row_param(op, "seed", seed, out.size(0), at::kLong, out, "out");
   check_row_param(op, "offset", offset, out.size(0), at::kLong, out, "out");
+}
+
+inline PhiloxUniformsView philox_uniforms_view(const at::Tensor& seed, const at::Tensor& offset,
+                                               const at::Tensor& out) {
+  return {seed.data_ptr<int64_t>(), offset.data_ptr<int64_t>(), out.data_ptr<float>(), out.size(0),
+          out.size(1)};
+}
+
+template <void (*Impl)(const at::Tensor&, const at::Tensor&, at::Tensor&)>
+void residual_probs_op(const at::Tensor& target_probs, const at::Tensor& draft_probs, at::Tensor& out) {
+  check_residual_probs(target_probs, draft_probs, out);
+  if (target_probs.numel() > 0) Impl(target_probs, draft_probs, out);
+}
+
+template <void (*Impl)(const at::Tensor&, const at::Tensor&, at::Tensor&)>
+void philox_uniforms_op(const at::Tensor& seed, const at::Tensor& offset, at::Tensor& out) {
+  check_philox_uniforms(seed, offset, out);
+  if (out.numel() > 0) Impl(seed, offset, out);
+}
+
+// Registers a backend's implementations of the family's ops under their schemas.
+template <void (*ChainVerify)(const ChainVerifyArgs&),
+          void (*ResidualProbs)(const at::Tensor&, const at::Tensor&, at::Tensor&),
+          void (*PhiloxUniforms)(const at::Tensor&, const at::Tensor&, at::Tensor&)>
+void register_sampling_ops(torch::Library& m) {
+  m.impl("chain_verify", &chain_verify_op<ChainVerify>);
+  m.impl("residual_probs", &residual_probs_op<ResidualProbs>);
+  m.impl("philox_uniforms", &philox_uniforms_op<PhiloxUniforms>);
 }
 
 }  // namespace specdec

@@ -46,12 +46,13 @@
 //                              same q, stored on each child). Absent: the children are
 //                              deterministic candidates (q one-hot at each child's token).
 //   num_nodes      [B] int32, optional (N).
-//   temperature, top_k, top_p, seed, offset: [B] as in chain_verify (csrc/sampling.h), checked by
-//                              check_sampling_params(); the target distribution p at a position is
-//                              the filtered softmax of sampling_math.h (one-hot argmax at T == 0).
+//   temperature, top_k, top_p, seed, offset: [B] as in chain_verify (verifier.h, one check for
+//                              both); the target distribution p at a position is the filtered
+//                              softmax of sampling_math.h (one-hot argmax below kGreedyTemperature).
 //   uniforms       [B, N+1] fp32, optional: column i (< N) is the acceptance draw of node i,
 //                              column N the single draw of the recovered/bonus token. Without it
-//                              column c is philox_uniform(seed[b], offset[b] (default 0), c).
+//                              column c is philox_uniform(seed[b], offset[b] (default 0), c); with
+//                              neither, greedy rows run and sampling rows report -11.
 //   path           [B, N] int32 out: the accepted node indices from depth 1 down, then -1.
 //   tokens         [B, N+1] int64 out: the tokens of the accepted nodes, then the recovered or
 //                              bonus token, then -1.
@@ -64,7 +65,8 @@
 //       validate_filter()                                        (-5, -6, -7)
 //       num_nodes in [0, N]                                      (-10)
 //       parents[i] in [-1, i) for every i < n                    (-9)
-//       u(c) in [0, 1) for every column c in 0..N (all N+1, whatever n is)   (-8)
+//       draws: a sampling row with neither seed nor uniforms      (-11)
+//              u(c) in [0, 1) for every column c in 0..N (all N+1, whatever n is)   (-8)
 //       tree_token_ids[i] in [0, V) for every i < n              (-3)
 //     walk: cur = -1 (the root), d = 0
 //       loop:
@@ -81,8 +83,8 @@
 //         sampling_math.h); num_accepted = d; stop.
 //   Both lossless rules are this one loop: with draft_probs it is SpecInfer's multi-step
 //   speculative sampling (accept w.p. min(1, p/q), residual max(0, p - q)); without, q one-hot
-//   makes it "accept x w.p. p(x), else remove x from p and renormalise". At T == 0 p is one-hot,
-//   so the walk follows the first child equal to argmax p and emits argmax p.
+//   makes it "accept x w.p. p(x), else remove x from p and renormalise". On greedy rows p is
+//   one-hot, so the walk follows the first child equal to argmax p and emits argmax p.
 //   A chain (parents = [-1, 0, 1, ..., N-2]) with the same logits, ids, q, filters and draws gives
 //   exactly chain_verify's tokens/num_accepted (num_nodes playing num_draft), and path = [0..d-1].
 //   Note: the per-child draw is u(c) for the node index c, not for the depth: a row uses the
@@ -105,21 +107,25 @@
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>
+#include <torch/library.h>
 
 #include "checks.h"
-#include "sampling.h"
+#include "common/op_views.h"
+#include "tensor_data.h"
+#include "verifier.h"
 
 namespace specdec {
 
-inline void check_tree_parents(const char* op, const at::Tensor& parents, int64_t batch,
-                               int64_t nodes, const char* nodes_what, const at::Tensor& reference,
-                               const char* reference_name) {
-  check_rank(op, "parents", parents, 2, "[B, N]");
-  check_size(op, "parents", parents, 0, batch, "B");
-  check_size(op, "parents", parents, 1, nodes, nodes_what);
-  check_dtype(op, "parents", parents, {at::kInt});
-  check_same_device(op, "parents", parents, reference, reference_name);
-  check_contiguous(op, "parents", parents);
+// An output [B, N, ...] of build_tree_mask beside parents.
+inline void check_tree_mask_output(const char* name, const at::Tensor& out, const at::Tensor& parents,
+                                   int64_t rank, const char* layout, at::ScalarType dtype) {
+  constexpr const char* op = "build_tree_mask";
+  check_rank(op, name, out, rank, layout);
+  check_size(op, name, out, 0, parents.size(0), "B");
+  for (int64_t dim = 1; dim < rank; ++dim) check_size(op, name, out, dim, parents.size(1), "N");
+  check_dtype(op, name, out, {dtype});
+  check_same_device(op, name, out, parents, "parents");
+  check_contiguous(op, name, out);
 }
 
 inline void check_build_tree_mask(const at::Tensor& parents,
@@ -129,54 +135,70 @@ inline void check_build_tree_mask(const at::Tensor& parents,
   check_rank(op, "parents", parents, 2, "[B, N]");
   check_dtype(op, "parents", parents, {at::kInt});
   check_contiguous(op, "parents", parents);
-  const int64_t batch = parents.size(0);
-  const int64_t nodes = parents.size(1);
-  check_row_param(op, "num_nodes", num_nodes, batch, at::kInt, parents, "parents");
-  check_rank(op, "mask", mask, 3, "[B, N, N]");
-  check_size(op, "mask", mask, 0, batch, "B");
-  check_size(op, "mask", mask, 1, nodes, "N");
-  check_size(op, "mask", mask, 2, nodes, "N");
-  check_dtype(op, "mask", mask, {at::kBool});
-  check_same_device(op, "mask", mask, parents, "parents");
-  check_contiguous(op, "mask", mask);
-  check_rank(op, "depth", depth, 2, "[B, N]");
-  check_size(op, "depth", depth, 0, batch, "B");
-  check_size(op, "depth", depth, 1, nodes, "N");
-  check_dtype(op, "depth", depth, {at::kInt});
-  check_same_device(op, "depth", depth, parents, "parents");
-  check_contiguous(op, "depth", depth);
+  check_row_param(op, "num_nodes", num_nodes, parents.size(0), at::kInt, parents, "parents");
+  check_tree_mask_output("mask", mask, parents, 3, "[B, N, N]", at::kBool);
+  check_tree_mask_output("depth", depth, parents, 2, "[B, N]", at::kInt);
+}
+
+inline TreeMaskView tree_mask_view(const at::Tensor& parents, const c10::optional<at::Tensor>& num_nodes,
+                                   const at::Tensor& mask, const at::Tensor& depth) {
+  return {parents.data_ptr<int32_t>(), optional_data<int32_t>(num_nodes), mask.data_ptr<bool>(),
+          depth.data_ptr<int32_t>(), parents.size(0), parents.size(1)};
 }
 
 struct TreeVerifyArgs {
-  const at::Tensor& target_logits;
-  const at::Tensor& tree_token_ids;
+  VerifierArgs verifier;  // tree_token_ids, num_nodes, ...: the arguments chain_verify has too
   const at::Tensor& parents;
-  const c10::optional<at::Tensor>& draft_probs;
-  const c10::optional<at::Tensor>& num_nodes;
-  const c10::optional<at::Tensor>& temperature;
-  const c10::optional<at::Tensor>& top_k;
-  const c10::optional<at::Tensor>& top_p;
-  const c10::optional<at::Tensor>& seed;
-  const c10::optional<at::Tensor>& offset;
-  const c10::optional<at::Tensor>& uniforms;
   const at::Tensor& path;
-  const at::Tensor& tokens;
-  const at::Tensor& num_accepted;
 };
 
 inline void check_tree_verify(const TreeVerifyArgs& a) {
   constexpr const char* op = "tree_verify";
-  const VerifierShape shape = check_verifier_inputs(op, "N", a.target_logits, "tree_token_ids",
-                                                    a.tree_token_ids, a.draft_probs);
-  check_tree_parents(op, a.parents, shape.batch, shape.drafts, "N (target_logits has N+1 positions)",
-                     a.target_logits, "target_logits");
-  check_row_param(op, "num_nodes", a.num_nodes, shape.batch, at::kInt, a.target_logits,
-                  "target_logits");
-  check_sampling_params(op, shape.batch, a.target_logits, "target_logits", a.temperature, a.top_k,
-                        a.top_p, a.seed, a.offset, a.uniforms, shape.drafts + 1);
-  check_output(op, "path", a.path, shape.batch, shape.drafts, "N", at::kInt, a.target_logits);
-  check_output(op, "tokens", a.tokens, shape.batch, shape.drafts + 1, "N+1", at::kLong, a.target_logits);
-  check_output(op, "num_accepted", a.num_accepted, shape.batch, -1, "", at::kInt, a.target_logits);
+  const VerifierShape shape = check_verifier({op, "N", "tree_token_ids", "num_nodes"}, a.verifier);
+  const at::Tensor& logits = a.verifier.target_logits;
+  check_matrix(op, "parents", a.parents, "[B, N]", shape.batch, "B", shape.drafts,
+               "N (target_logits has N+1 positions)", at::kInt, logits, "target_logits");
+  check_output(op, "path", a.path, shape.batch, shape.drafts, "N", at::kInt, logits);
+}
+
+inline TreeVerifyView tree_verify_view(const TreeVerifyArgs& a) {
+  TreeVerifyView v;
+  static_cast<VerifierView&>(v) = verifier_view(a.verifier);
+  v.parents = a.parents.data_ptr<int32_t>();
+  v.path = a.path.data_ptr<int32_t>();
+  return v;
+}
+
+// build_tree_mask's schema around a backend's implementation, which gets checked, non-empty arguments.
+template <void (*Impl)(const at::Tensor&, const c10::optional<at::Tensor>&, at::Tensor&, at::Tensor&)>
+void build_tree_mask_op(const at::Tensor& parents, const c10::optional<at::Tensor>& num_nodes, at::Tensor& mask,
+                        at::Tensor& depth) {
+  check_build_tree_mask(parents, num_nodes, mask, depth);
+  if (parents.numel() > 0) Impl(parents, num_nodes, mask, depth);
+}
+
+// tree_verify's schema around a backend's implementation, which gets checked arguments, B > 0.
+template <void (*Impl)(const TreeVerifyArgs&)>
+void tree_verify_op(const at::Tensor& target_logits, const at::Tensor& tree_token_ids, const at::Tensor& parents,
+                    const c10::optional<at::Tensor>& draft_probs, const c10::optional<at::Tensor>& num_nodes,
+                    const c10::optional<at::Tensor>& temperature, const c10::optional<at::Tensor>& top_k,
+                    const c10::optional<at::Tensor>& top_p, const c10::optional<at::Tensor>& seed,
+                    const c10::optional<at::Tensor>& offset, const c10::optional<at::Tensor>& uniforms,
+                    at::Tensor& path, at::Tensor& tokens, at::Tensor& num_accepted) {
+  const TreeVerifyArgs args{{target_logits, tree_token_ids, draft_probs, num_nodes,
+                             {temperature, top_k, top_p, seed, offset, uniforms}, tokens, num_accepted},
+                            parents,
+                            path};
+  check_tree_verify(args);
+  if (target_logits.size(0) > 0) Impl(args);
+}
+
+// Registers a backend's implementations of the family's ops under their schemas.
+template <void (*BuildTreeMask)(const at::Tensor&, const c10::optional<at::Tensor>&, at::Tensor&, at::Tensor&),
+          void (*TreeVerify)(const TreeVerifyArgs&)>
+void register_tree_ops(torch::Library& m) {
+  m.impl("build_tree_mask", &build_tree_mask_op<BuildTreeMask>);
+  m.impl("tree_verify", &tree_verify_op<TreeVerify>);
 }
 
 }  // namespace specdec

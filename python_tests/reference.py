@@ -37,19 +37,26 @@ def philox_uniforms(seeds, offsets, num_draws: int) -> np.ndarray:
                      for s, o in zip(seeds, offsets)], dtype=np.float32)
 
 
-def filtered_probs(logits, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
-    """softmax(logits / T) filtered by top-k then top-p and renormalised; one-hot argmax at T = 0.
+GREEDY_TEMPERATURE = 1e-5  # csrc/common/sampling_math.h: kGreedyTemperature
 
+
+def filtered_probs(logits, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
+    """softmax(logits / T) filtered by top-k then top-p and renormalised.
+
+    T below GREEDY_TEMPERATURE (0 included) is greedy: one-hot at the argmax, the lowest index on
+    ties. T = inf weighs every finite logit 1 and a -inf logit 0 ((-inf - max) / inf is NaN: weight 0).
     Ties: every logit equal to the k-th largest is kept; top-p keeps every logit >= the one at which
     the descending cumulative mass first reaches top_p * (mass after top-k).
     """
     logits = np.asarray(logits, dtype=np.float64)
     vocab = logits.shape[-1]
-    if temperature == 0.0:
+    if not temperature >= GREEDY_TEMPERATURE:
         p = np.zeros(vocab)
         p[int(np.argmax(logits))] = 1.0
         return p
-    weights = np.exp((logits - logits.max()) / temperature)
+    with np.errstate(invalid="ignore"):
+        scaled = (logits - logits.max()) / temperature
+    weights = np.where(np.isnan(scaled), 0.0, np.exp(np.where(np.isnan(scaled), 0.0, scaled)))
     threshold = -np.inf
     if 0 < top_k < vocab:
         threshold = np.sort(logits)[::-1][top_k - 1]

@@ -255,7 +255,6 @@ def call(**overrides):
     (dict(draft_probs=torch.full((2, 2, 5), 0.2, dtype=torch.float16)), "draft_probs must have dtype Float"),
     (dict(num_draft=torch.tensor([1, 2, 2], dtype=torch.int32)), "num_draft dimension 0 must be B"),
     (dict(temperature=torch.ones(2, dtype=torch.float64)), "temperature must have dtype Float"),
-    (dict(seed=None), "pass either uniforms or seed"),
     (dict(uniforms=torch.rand(2, 2)), "uniforms dimension 1 must be the number of draws"),
     (dict(num_draft=torch.tensor([1, 3], dtype=torch.int32)), r"num_draft: row 1 is outside \[0, k\]"),
     (dict(num_draft=torch.tensor([-1, 0], dtype=torch.int32)), r"num_draft: row 0 is outside \[0, k\]"),

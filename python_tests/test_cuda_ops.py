@@ -196,6 +196,27 @@ def test_chain_verify_status_codes_match_cpu():
         assert (gpu[0][row] == -1).all()
 
 
+@pytest.mark.parametrize("temperature", [float("inf"), 1e30, 1e-39, 0.0], ids=["inf", "1e30", "1e-39", "zero"])
+@pytest.mark.parametrize("with_probs", [True, False], ids=["probs", "no_probs"])
+def test_chain_verify_edge_temperatures_match_cpu(temperature, with_probs):
+    batch, k = 64, 4
+    case = make_case(21, batch, k, 5000, torch.float32, with_probs, filters=(temperature, 0, 1.0))
+    case["logits"][..., ::3] = -float("inf")  # masked tokens: weight 0 even at T = inf
+    uniforms = torch.rand(batch, k + 1, generator=torch.Generator().manual_seed(4))
+    assert_same(case, run(case, "cpu", uniforms=uniforms), run(case, "cuda", uniforms=uniforms), uniforms)
+
+
+def test_chain_verify_draws_are_optional_for_greedy_rows_on_cuda():
+    logits = torch.tensor([[[0.0, 5.0, 1.0], [0.0, 1.0, 7.0]]] * 2, device="cuda")
+    ids = torch.tensor([[1], [1]], device="cuda")
+    tokens, n = ops.chain_verify(logits, ids, temperature=torch.tensor([0.0, 1e-39], device="cuda"))
+    assert tokens.tolist() == [[1, 2], [1, 2]] and n.tolist() == [1, 1]
+    tokens, n = torch.empty(2, 2, dtype=torch.int64, device="cuda"), torch.empty(2, dtype=torch.int32, device="cuda")
+    torch.ops.specdec_ext.chain_verify(logits, ids, None, None, torch.tensor([0.0, 0.8], device="cuda"), None, None,
+                                       None, None, None, tokens, n)
+    assert tokens.tolist() == [[1, 2], [-1, -1]] and n.tolist() == [1, -11]
+
+
 @pytest.mark.parametrize("k", [0, 70], ids=["bonus_only", "k70"])
 @pytest.mark.parametrize("with_probs", [True, False], ids=["probs", "no_probs"])
 def test_chain_verify_long_and_empty_chains(k, with_probs):

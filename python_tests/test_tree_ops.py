@@ -529,7 +529,6 @@ def test_good_args_work():
     (dict(target_logits=torch.randn(2, 4, 5, dtype=torch.float64)), RuntimeError, "target_logits must have dtype"),
     (dict(target_logits=torch.randn(4, 2, 5).transpose(0, 1)), RuntimeError, "target_logits must be contiguous"),
     (dict(num_nodes=torch.tensor([3, 3, 3], dtype=torch.int32)), RuntimeError, "num_nodes dimension 0 must be B"),
-    (dict(seed=None), RuntimeError, "pass either uniforms or seed"),
     (dict(uniforms=torch.rand(2, 3)), RuntimeError, "uniforms dimension 1 must be the number of draws per row = 4"),
     (dict(temperature=torch.ones(2, dtype=torch.float64)), RuntimeError, "temperature must have dtype Float"),
     # row errors, reported per row and raised by the wrapper naming the argument

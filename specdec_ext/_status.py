@@ -9,7 +9,7 @@ import torch
 ROW_STATUS_MESSAGES = {
     -1: "target_logits: row {row} has a NaN or +inf logit (or every logit is -inf) at a verified position",
     -2: "draft_probs: row {row} has a NaN, negative or > 1 probability at a verified position",
-    -3: "draft_token_ids: row {row} has a token id outside [0, V) among its drafted tokens",
+    -3: "{ids}: row {row} has a token id outside [0, V) among its first {counts} entries",
     -4: "num_draft: row {row} is outside [0, k]",
     -5: "temperature: row {row} is negative or NaN",
     -6: "top_k: row {row} is negative",
@@ -17,7 +17,15 @@ ROW_STATUS_MESSAGES = {
     -8: "uniforms: row {row} has a value outside [0, 1)",
     -9: "parents: row {row} is not a valid tree (a parent index must be -1 or smaller than the node's own)",
     -10: "num_nodes: row {row} is outside [0, N]",
+    -11: "seed/uniforms: row {row} samples (temperature >= GREEDY_TEMPERATURE) but neither seed nor uniforms "
+         "was given (inside a CUDA graph capture the wrappers cannot draw seeds: pass seed)",
 }
+
+# The names of the drafted ids and of their per-row count in each verifier's signature.
+_ARGUMENT_NAMES = {
+    "tree_verify": dict(ids="tree_token_ids", counts="num_nodes"),
+}
+_CHAIN_NAMES = dict(ids="draft_token_ids", counts="num_draft")
 
 
 def raise_for_row_status(op_name: str, num_accepted: torch.Tensor) -> None:
@@ -31,4 +39,5 @@ def raise_for_row_status(op_name: str, num_accepted: torch.Tensor) -> None:
     row = int(bad[0, 0])
     code = int(num_accepted[row])
     message = ROW_STATUS_MESSAGES.get(code, f"row {{row}} failed with status {code}")
-    raise ValueError(f"{op_name}: " + message.format(row=row))
+    names = _ARGUMENT_NAMES.get(op_name, _CHAIN_NAMES)
+    raise ValueError(f"{op_name}: " + message.format(row=row, **names))

@@ -1,15 +1,24 @@
 // Scalar pieces of the sampling kernels shared by the CPU and CUDA backends (no torch here).
 //
-// Filtering. At a position with temperature T > 0 the target distribution is
+// Temperature. T < kGreedyTemperature (1e-5, vLLM's threshold; 0 included) is greedy: p is one-hot
+// at the argmax (the lowest index on ties), which makes the acceptance rule below accept exactly the
+// drafts equal to the argmax and emit the argmax; greedy rows read no draw. Below that threshold
+// exp((l - max) / T) underflows to 0 for every logit more than 87 T below the max (sampling would
+// differ from greedy only among near-ties), and from about 3e-39 down 1 / T overflows to inf.
+// T = +inf is uniform over the finite logits: every weight is exp(0) = 1 except a -inf logit's,
+// whose scaled logit (-inf - max) * 0 is NaN, and a NaN exponent gives weight 0 in both backends.
+// Huge finite T (1e30) is the same in the limit: weights exp(-tiny) = 1. Negative or NaN T is
+// kStatusInvalidTemperature.
+//
+// Filtering. At a position with temperature T >= kGreedyTemperature the target distribution is
 //   e(j) = exp((l(j) - max_l) / T),  kept(j) = l(j) >= lambda,  p(j) = kept(j) e(j) / M,  M = sum kept e,
 // where lambda = max(lambda_k, lambda_p):
 //   lambda_k: the k-th largest logit (top-k; every logit tied with it is kept; off when k == 0 or k >= V),
 //   lambda_p: the largest threshold whose kept mass (among the top-k) is >= top_p * M_k (top-p; the
 //             smallest prefix of the sorted distribution reaching top_p, ties at the boundary kept).
 // Both thresholds are found by ThresholdSearch below: a bisection over order-preserving integer keys
-// of the logits, a few passes over the row and never a sort of the vocabulary.
-// T == 0 is greedy: p is one-hot at the argmax (the lowest index on ties), which makes the
-// acceptance rule below accept exactly the drafts equal to the argmax and emit the argmax.
+// of the logits, a few passes over the row and never a sort of the vocabulary. At T = +inf every
+// finite logit weighs 1, so top-p keeps the smallest set of largest logits reaching top_p of them.
 //
 // Sampling. A token is drawn from weights w by inverse CDF: the smallest index j whose running sum
 // of w exceeds u * sum(w); if rounding leaves no such index, the last index with positive weight.
@@ -34,7 +43,12 @@ enum RowStatus : int32_t {
   kStatusInvalidUniform = -8,      // outside [0, 1) or NaN
   kStatusInvalidTree = -9,         // a parent index that is not -1 and not below the node's own
   kStatusNumNodesOutOfRange = -10,
+  kStatusMissingRandomness = -11,  // T >= kGreedyTemperature but neither seed nor uniforms given
 };
+
+// Temperatures below this are greedy (see the top of this file); specdec_ext.ops.GREEDY_TEMPERATURE
+// mirrors it for the Python side.
+constexpr float kGreedyTemperature = 1e-5f;
 
 constexpr int32_t kEmptySlot = -1;  // token slots after the emitted ones
 
@@ -76,7 +90,7 @@ struct ThresholdSearch {
 };
 
 struct FilterParams {
-  float temperature;  // 0: greedy
+  float temperature;  // < kGreedyTemperature: greedy
   int32_t top_k;      // 0: off
   float top_p;        // 1: off
 };
@@ -86,6 +100,20 @@ SPECDEC_HOST_DEVICE int32_t validate_filter(const FilterParams& f) {
   if (f.top_k < 0) return kStatusInvalidTopK;
   if (!(f.top_p > 0.0f && f.top_p <= 1.0f)) return kStatusInvalidTopP;
   return 0;
+}
+
+// Whether a row with this temperature is greedy; NaN counts as greedy here, so callers that have
+// not validated the filter yet take the path that reads no draws (validate_filter rejects it).
+SPECDEC_HOST_DEVICE bool is_greedy(float temperature) { return !(temperature >= kGreedyTemperature); }
+
+// 1 / T for sampling rows (0 at T = +inf), 0 for greedy ones (unused there).
+SPECDEC_HOST_DEVICE float inverse_temperature(float temperature) {
+  return is_greedy(temperature) ? 0.0f : 1.0f / temperature;
+}
+
+// Whether top-k or top-p removes anything at a sampling row (greedy rows are never filtered).
+SPECDEC_HOST_DEVICE bool is_filtered(const FilterParams& f, int64_t vocab) {
+  return !is_greedy(f.temperature) && ((f.top_k > 0 && f.top_k < vocab) || f.top_p < 1.0f);
 }
 
 SPECDEC_HOST_DEVICE bool is_valid_uniform(float u) { return u >= 0.0f && u < 1.0f; }

@@ -3,10 +3,7 @@
 // sample), w stays implicit: w_j = exp((l_j - max) / T) is recomputed from the logits, so an
 // accepted position costs one max pass and one exp-sum pass and writes nothing.
 #pragma once
-#include <ATen/core/Tensor.h>
-
 #include <cstdint>
-#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -19,7 +16,7 @@ class TargetDistribution {
  public:
   explicit TargetDistribution(int64_t vocab) : vocab_(vocab), converted_(vocab), weights_(vocab) {}
 
-  // p <- filtered softmax(logits / T) (one-hot at the argmax when T == 0).
+  // p <- filtered softmax(logits / T) (one-hot at the argmax when the row is greedy).
   // Returns 0 or kStatusNonFiniteLogits.
   template <typename scalar_t>
   int32_t load(const scalar_t* logits, const FilterParams& filter) {
@@ -34,7 +31,7 @@ class TargetDistribution {
       return kStatusNonFiniteLogits;
     }
     max_logit_ = row.max;
-    if (filter.temperature == 0.0f) {
+    if (is_greedy(filter.temperature)) {
       int64_t argmax = 0;
       while (logits_[argmax] != row.max) ++argmax;  // the lowest index on ties
       one_hot_token_ = argmax;
@@ -42,7 +39,7 @@ class TargetDistribution {
       return 0;
     }
     one_hot_token_ = -1;
-    inv_temperature_ = 1.0f / filter.temperature;
+    inv_temperature_ = inverse_temperature(filter.temperature);
     const bool filtered = filter.top_k > 0 || filter.top_p < 1.0f;
     mass_ = exp_sum(logits_, vocab_, max_logit_, inv_temperature_, filtered ? weights_.data() : nullptr);
     materialized_ = filtered;
@@ -86,17 +83,5 @@ class TargetDistribution {
   int64_t one_hot_token_ = -1;  // >= 0 for greedy rows: p is one-hot there
   bool materialized_ = false;
 };
-
-// Per-row filter parameters with their defaults (T = 1, top-k and top-p off); shared by the
-// verifiers of this backend (chain_verify in sampling.cpp, tree_verify in tree.cpp).
-inline FilterParams read_filter(const std::optional<at::Tensor>& temperature,
-                                const std::optional<at::Tensor>& top_k,
-                                const std::optional<at::Tensor>& top_p, int64_t row) {
-  FilterParams f;
-  f.temperature = temperature ? temperature->data_ptr<float>()[row] : 1.0f;
-  f.top_k = top_k ? top_k->data_ptr<int32_t>()[row] : 0;
-  f.top_p = top_p ? top_p->data_ptr<float>()[row] : 1.0f;
-  return f;
-}
 
 }  // namespace specdec::cpu

@@ -17,15 +17,16 @@ namespace specdec::cpu {
 constexpr int kLanes = 16;
 
 // exp(x) for x <= 0 with about 2 ulp error (Cody-Waite reduction, degree-6 polynomial);
-// exactly 0 below the smallest normal result, so masked (-inf) logits get zero weight. Branch-free
-// (selects and a round-to-nearest by the 1.5 * 2^23 trick) so that loops over it vectorise.
+// exactly 0 below the smallest normal result, so masked (-inf) logits get zero weight, and 0 for
+// NaN (a -inf logit at T = +inf scales to -inf * 0; sampling_math.h). Branch-free (selects and a
+// round-to-nearest by the 1.5 * 2^23 trick) so that loops over it vectorise.
 inline float exp_nonpositive(float x) {
   constexpr float kLog2e = 1.44269504088896341f;
   constexpr float kLn2Hi = 0.693359375f;
   constexpr float kLn2Lo = -2.12194440e-4f;
   constexpr float kMinArg = -87.3f;
   constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const float xc = x < kMinArg ? kMinArg : x;
+  const float xc = x >= kMinArg ? x : kMinArg;  // NaN -> kMinArg: no NaN to int conversion below
   const float n = (xc * kLog2e + kRoundMagic) - kRoundMagic;
   const float r = (xc - n * kLn2Hi) - n * kLn2Lo;
   float poly = 1.9875691500e-4f;
@@ -39,7 +40,7 @@ inline float exp_nonpositive(float x) {
   float scale;
   std::memcpy(&scale, &exponent_bits, sizeof(scale));
   const float result = expm * scale;
-  return x < kMinArg ? 0.0f : result;
+  return x >= kMinArg ? result : 0.0f;
 }
 
 inline float lane_sum(const float (&lanes)[kLanes]) {

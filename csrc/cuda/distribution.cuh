@@ -55,26 +55,25 @@ __device__ __forceinline__ void load_vec8(const float* p, float (&v)[kVec]) {
   v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
 }
 
-__device__ __forceinline__ void load_vec8(const __half* p, float (&v)[kVec]) {
+__device__ __forceinline__ float2 pair_to_float2(__half2 h) { return __half22float2(h); }
+__device__ __forceinline__ float2 pair_to_float2(__nv_bfloat162 h) { return __bfloat1622float2(h); }
+
+// Eight 16-bit elements as one 16-byte load of four pairs (Pair: __half2 or __nv_bfloat162).
+template <typename Pair, typename T>
+__device__ __forceinline__ void load_vec8_pairs(const T* p, float (&v)[kVec]) {
   const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
-  const __half2* h = reinterpret_cast<const __half2*>(&raw);
+  const Pair* pairs = reinterpret_cast<const Pair*>(&raw);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const float2 f = __half22float2(h[i]);
+    const float2 f = pair_to_float2(pairs[i]);
     v[2 * i] = f.x;
     v[2 * i + 1] = f.y;
   }
 }
 
+__device__ __forceinline__ void load_vec8(const __half* p, float (&v)[kVec]) { load_vec8_pairs<__half2>(p, v); }
 __device__ __forceinline__ void load_vec8(const __nv_bfloat16* p, float (&v)[kVec]) {
-  const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __bfloat1622float2(h[i]);
-    v[2 * i] = f.x;
-    v[2 * i + 1] = f.y;
-  }
+  load_vec8_pairs<__nv_bfloat162>(p, v);
 }
 
 // Elements [start, start + 8) of row, clipped to `end`, as floats; missing ones are `fill`.
@@ -97,10 +96,15 @@ __device__ __forceinline__ int load_group(const T* __restrict__ row, int64_t sta
 // Asks L2 for the line holding p (no register result, no wait): used one tile ahead by passes
 // that stop early and so cannot keep many loads in flight.
 __device__ __forceinline__ void prefetch_l2(const void* p) {
+#if defined(__CUDA_ARCH__)  // PTX only: the CPU emulator of cpp_tests/cuda_emu has no L2 to ask
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#else
+  (void)p;
+#endif
 }
 
-// exp(x) for x <= 0 with the CPU's underflow rule (0 below kExpMinArg, NaN gives 0).
+// exp(x) for x <= 0 with the CPU's underflow rule (0 below kExpMinArg, NaN gives 0: a -inf logit
+// at T = +inf, sampling_math.h).
 __device__ __forceinline__ float exp_weight(float x) { return x >= kExpMinArg ? __expf(x) : 0.0f; }
 
 // ---------------------------------------------------------------------------------------------
@@ -173,51 +177,38 @@ struct BlockTemp {
   int64_t index;
 };
 
-// Block-wide reductions whose result every thread receives (two barriers: the second lets the
-// caller reuse `temp` right away).
-template <int kThreads>
-__device__ __forceinline__ MaxStats block_reduce_max(MaxStats v, BlockTemp<kThreads>& temp) {
-  const MaxStats r = cub::BlockReduce<MaxStats, kThreads>(temp.cub.max_stats).Reduce(v, MaxStatsOp());
-  if (threadIdx.x == 0) temp.max_stats = r;
+// A block reduction whose result every thread receives, through `slot` (two barriers: the second
+// lets the caller reuse `temp` right away). `storage` is the cub scratch for T inside BlockTemp.
+template <int kThreads, typename T, typename Op>
+__device__ __forceinline__ T block_reduce_broadcast(T v, Op op,
+                                                    typename cub::BlockReduce<T, kThreads>::TempStorage& storage,
+                                                    T& slot) {
+  const T r = cub::BlockReduce<T, kThreads>(storage).Reduce(v, op);
+  if (threadIdx.x == 0) slot = r;
   __syncthreads();
-  const MaxStats out = temp.max_stats;
+  const T out = slot;
   __syncthreads();
   return out;
 }
 
 template <int kThreads>
-__device__ __forceinline__ float2 block_reduce_sum2(float2 v, BlockTemp<kThreads>& temp) {
-  const float2 r = cub::BlockReduce<float2, kThreads>(temp.cub.sum2).Reduce(v, Float2Sum());
-  if (threadIdx.x == 0) temp.sum2 = r;
-  __syncthreads();
-  const float2 out = temp.sum2;
-  __syncthreads();
-  return out;
+__device__ __forceinline__ MaxStats block_reduce_max(MaxStats v, BlockTemp<kThreads>& temp) {
+  return block_reduce_broadcast<kThreads>(v, MaxStatsOp(), temp.cub.max_stats, temp.max_stats);
 }
 
 template <int kThreads>
 __device__ __forceinline__ float block_reduce_sum(float v, BlockTemp<kThreads>& temp) {
-  return block_reduce_sum2<kThreads>(make_float2(v, 0.0f), temp).x;
+  return block_reduce_broadcast<kThreads>(make_float2(v, 0.0f), Float2Sum(), temp.cub.sum2, temp.sum2).x;
 }
 
 template <int kThreads>
 __device__ __forceinline__ KeyMeasure block_reduce_key(KeyMeasure v, BlockTemp<kThreads>& temp) {
-  const KeyMeasure r = cub::BlockReduce<KeyMeasure, kThreads>(temp.cub.key).Reduce(v, KeyMeasureOp());
-  if (threadIdx.x == 0) temp.key = r;
-  __syncthreads();
-  const KeyMeasure out = temp.key;
-  __syncthreads();
-  return out;
+  return block_reduce_broadcast<kThreads>(v, KeyMeasureOp(), temp.cub.key, temp.key);
 }
 
 template <int kThreads, typename Op>
 __device__ __forceinline__ int64_t block_reduce_index(int64_t v, Op op, BlockTemp<kThreads>& temp) {
-  const int64_t r = cub::BlockReduce<int64_t, kThreads>(temp.cub.index).Reduce(v, op);
-  if (threadIdx.x == 0) temp.index = r;
-  __syncthreads();
-  const int64_t out = temp.index;
-  __syncthreads();
-  return out;
+  return block_reduce_broadcast<kThreads>(v, op, temp.cub.index, temp.index);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -590,14 +581,14 @@ template <typename T, int kThreads, int kGroups, int kMaxLevels>
 __device__ int32_t block_load_distribution(const T* __restrict__ row, int64_t vocab,
                                            const FilterParams& filter,
                                            DistState<kMaxLevels>& d, BlockTemp<kThreads>& temp) {
-  const bool greedy = filter.temperature == 0.0f;
-  const float inv_temperature = greedy ? 0.0f : 1.0f / filter.temperature;
+  const bool greedy = is_greedy(filter.temperature);
+  const float inv_temperature = inverse_temperature(filter.temperature);
   const RowStats s =
       block_row_stats<T, kThreads, kGroups>(row, 0, vocab, inv_temperature, greedy, temp);
   if (!s.valid()) return kStatusNonFiniteLogits;
   uint32_t threshold = 0u;
   float mass = s.sum;
-  if (!greedy && ((filter.top_k > 0 && filter.top_k < vocab) || filter.top_p < 1.0f)) {
+  if (is_filtered(filter, vocab)) {
     block_filter_threshold<T, kThreads, kGroups>(row, vocab, filter, s, inv_temperature,
                                                  threshold, mass, temp);
   }

@@ -1,5 +1,5 @@
 // CUDA kernels of the sampling family (contract in ../sampling.h, semantics of cpu/sampling.cpp).
-// No torch includes; the host wrappers are in sampling.cu.
+// No torch includes; grids and launches are in sampling_launch.cuh, the torch wrappers in sampling.cu.
 //
 // chain_verify runs as two kernels:
 //
@@ -30,9 +30,11 @@
 #pragma once
 #include <cstdint>
 
+#include "../common/op_views.h"
 #include "../common/philox.h"
 #include "../common/sampling_math.h"
 #include "distribution.cuh"
+#include "verifier_row.cuh"
 
 namespace specdec::cuda {
 
@@ -48,90 +50,52 @@ constexpr int kPhiloxThreads = 256;
 
 inline int64_t stats_chunks(int64_t vocab) { return (vocab + kStatsChunk - 1) / kStatsChunk; }
 
-template <typename T>
-struct ChainVerifyParams {
-  const T* logits;             // [B, k+1, V]
-  const int64_t* draft_ids;    // [B, k]
-  const float* draft_probs;    // [B, k, V] or null
-  const int32_t* num_draft;    // [B] or null (k)
-  const float* temperature;    // [B] or null (1)
-  const int32_t* top_k;        // [B] or null (0)
-  const float* top_p;          // [B] or null (1)
-  const int64_t* seed;         // [B] or null (then uniforms is set)
-  const int64_t* offset;       // [B] or null (0)
-  const float* uniforms;       // [B, k+1] or null
-  int64_t* tokens;             // [B, k+1]
-  int32_t* num_accepted;       // [B]
-  RowStats* stats;             // [B, k+1, num_chunks] workspace
-  int64_t batch;
-  int64_t k;
-  int64_t vocab;
-  int64_t num_chunks;
+// chain_verify's kernel parameters: the op's view (common/op_views.h) and the statistics workspace.
+struct ChainVerifyParams : ChainVerifyView {
+  RowStats* stats;     // [B, k+1, num_chunks] workspace
+  int64_t num_chunks;  // stats_chunks(vocab)
 };
 
 template <typename T>
-__device__ __forceinline__ int64_t row_num_draft(const ChainVerifyParams<T>& p, int64_t b) {
-  return p.num_draft ? p.num_draft[b] : p.k;
-}
-
-template <typename T>
-__global__ void __launch_bounds__(kStatsThreads, 4) chain_stats_kernel(ChainVerifyParams<T> p) {
+__global__ void __launch_bounds__(kStatsThreads, 4) chain_stats_kernel(ChainVerifyParams p) {
   __shared__ BlockTemp<kStatsThreads> temp;
+  const int64_t k = p.drafts;
   const int64_t chunk = blockIdx.x % p.num_chunks;
   const int64_t position_row = blockIdx.x / p.num_chunks;  // b * (k+1) + i
-  const int64_t b = position_row / (p.k + 1);
-  const int64_t i = position_row % (p.k + 1);
-  const int64_t n = row_num_draft(p, b);
-  if (n < 0 || n > p.k || i > n) return;  // never read by the decision kernel
-  const float temperature = p.temperature ? p.temperature[b] : 1.0f;
+  const int64_t b = position_row / (k + 1);
+  const int64_t i = position_row % (k + 1);
+  const int64_t n = p.row_count(b);
+  if (n < 0 || n > k || i > n) return;  // never read by the decision kernel
   // Greedy (and invalid) temperatures take the argmax path; the decision kernel rejects the latter.
-  const bool greedy = !(temperature > 0.0f);
-  const float inv_temperature = greedy ? 0.0f : 1.0f / temperature;
+  const float temperature = p.sampling.filter(b).temperature;
+  const bool greedy = is_greedy(temperature);
   const int64_t begin = chunk * kStatsChunk;
   const int64_t end = begin + kStatsChunk < p.vocab ? begin + kStatsChunk : p.vocab;
   const RowStats s = block_row_stats<T, kStatsThreads, kStatsGroups>(
-      p.logits + position_row * p.vocab, begin, end, inv_temperature, greedy, temp);
+      static_cast<const T*>(p.logits) + position_row * p.vocab, begin, end,
+      inverse_temperature(temperature), greedy, temp);
   if (threadIdx.x == 0) p.stats[position_row * p.num_chunks + chunk] = s;
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kDecideThreads) chain_decide_kernel(ChainVerifyParams<T> p) {
+__global__ void __launch_bounds__(kDecideThreads) chain_decide_kernel(ChainVerifyParams p) {
   constexpr int kThreads = kDecideThreads;
   __shared__ BlockTemp<kThreads> temp;
   using Dist = DistState<1>;
   const int64_t b = blockIdx.x;
-  const int64_t k = p.k;
+  const int64_t k = p.drafts;
   const int64_t vocab = p.vocab;
-  auto uniform = [&](int64_t column) {
-    return p.uniforms ? p.uniforms[b * (k + 1) + column]
-                      : philox_uniform(p.seed[b], p.offset ? p.offset[b] : 0, column);
-  };
-  FilterParams filter;
-  filter.temperature = p.temperature ? p.temperature[b] : 1.0f;
-  filter.top_k = p.top_k ? p.top_k[b] : 0;
-  filter.top_p = p.top_p ? p.top_p[b] : 1.0f;
-  const int64_t n = row_num_draft(p, b);
+  const T* logits = static_cast<const T*>(p.logits);
+  const FilterParams filter = p.sampling.filter(b);
+  const int64_t n = p.row_count(b);
 
   // Every value below is block-uniform: all threads take the same branches.
   int32_t status = validate_filter(filter);
   if (status == 0 && (n < 0 || n > k)) status = kStatusNumDraftOutOfRange;
-  if (status == 0) {
-    bool bad = false;
-    for (int64_t c = threadIdx.x; c <= k; c += kThreads) bad |= !is_valid_uniform(uniform(c));
-    if (__syncthreads_or(bad)) status = kStatusInvalidUniform;
-  }
-  if (status == 0) {  // every drafted token is checked before any logits are read
-    bool bad = false;
-    for (int64_t i = threadIdx.x; i < n; i += kThreads) {
-      const int64_t x = p.draft_ids[b * k + i];
-      bad |= x < 0 || x >= vocab;
-    }
-    if (__syncthreads_or(bad)) status = kStatusDraftTokenOutOfRange;
-  }
-  const bool greedy = filter.temperature == 0.0f;
-  const float inv_temperature = greedy ? 0.0f : 1.0f / filter.temperature;
-  const bool filtered =
-      !greedy && ((filter.top_k > 0 && filter.top_k < vocab) || filter.top_p < 1.0f);
+  if (status == 0) status = block_draws_and_ids_status<kThreads>(p, b, filter, n);
+  const bool greedy = is_greedy(filter.temperature);
+  const float inv_temperature = inverse_temperature(filter.temperature);
+  const bool filtered = is_filtered(filter, vocab);
 
   // Fast path (unfiltered rows, k+1 <= kFastPositions): the statistics of every reachable position
   // are merged up front, one warp per position, and the l[x], q[x] the decisions need are loaded at
@@ -147,8 +111,8 @@ __global__ void __launch_bounds__(kDecideThreads) chain_decide_kernel(ChainVerif
                                           static_cast<int>(p.num_chunks), inv_temperature, greedy);
       if (lane == 0) position_stats[i] = s;
       if (lane == 1 && i < n) {
-        const int64_t x = p.draft_ids[b * k + i];
-        position_logit_x[i] = to_float(p.logits[(b * (k + 1) + i) * vocab + x]);
+        const int64_t x = p.token_ids[b * k + i];
+        position_logit_x[i] = to_float(logits[(b * (k + 1) + i) * vocab + x]);
         position_q_x[i] = p.draft_probs ? p.draft_probs[(b * k + i) * vocab + x] : 1.0f;
       }
     }
@@ -165,7 +129,7 @@ __global__ void __launch_bounds__(kDecideThreads) chain_decide_kernel(ChainVerif
     uint32_t threshold = 0;
     float mass = s.sum;
     if (filtered) {
-      block_filter_threshold<T, kThreads, kDecideGroups>(p.logits + (b * (k + 1) + i) * vocab,
+      block_filter_threshold<T, kThreads, kDecideGroups>(logits + (b * (k + 1) + i) * vocab,
                                                          vocab, filter, s, inv_temperature,
                                                          threshold, mass, temp);
     }
@@ -181,7 +145,7 @@ __global__ void __launch_bounds__(kDecideThreads) chain_decide_kernel(ChainVerif
   int64_t x = -1;
   float weight_x = 0.0f;  // unnormalised p(x) at the current position
   for (; status == 0 && accepted < n; ++accepted) {
-    x = p.draft_ids[b * k + accepted];
+    x = p.token_ids[b * k + accepted];
     status = load_position(accepted, d);
     if (status != 0) break;
     q_row = p.draft_probs ? p.draft_probs + (b * k + accepted) * vocab : nullptr;
@@ -191,15 +155,15 @@ __global__ void __launch_bounds__(kDecideThreads) chain_decide_kernel(ChainVerif
       break;
     }
     const float logit_x = fast ? position_logit_x[accepted]
-                               : to_float(p.logits[(b * (k + 1) + accepted) * vocab + x]);
+                               : to_float(logits[(b * (k + 1) + accepted) * vocab + x]);
     weight_x = d.weight(x, logit_x);
-    if (accept_draft(uniform(accepted), weight_x / d.mass, q)) continue;
+    if (accept_draft(p.sampling.draw(b, accepted), weight_x / d.mass, q)) continue;
     rejected = true;
     break;
   }
 
   if (status == 0 && rejected) {  // the recovered token, from normalise(max(0, p - q))
-    const T* row = p.logits + (b * (k + 1) + accepted) * vocab;
+    const T* row = logits + (b * (k + 1) + accepted) * vocab;
     if (greedy) {
       // p is one-hot at the argmax: the residual is that one-hot (or p itself), whatever q is.
       if (q_row && !block_probs_valid<kThreads>(q_row, vocab)) status = kStatusInvalidDraftProbs;
@@ -213,7 +177,7 @@ __global__ void __launch_bounds__(kDecideThreads) chain_decide_kernel(ChainVerif
         status = block_subtract<T, kThreads, kDecideGroups>(d, row, vocab, q_row, x, temp);
       }
       if (status == 0) {
-        emitted = block_sample<T, kThreads, kSampleGroups>(d, row, vocab, uniform(k), temp);
+        emitted = block_sample<T, kThreads, kSampleGroups>(d, row, vocab, p.sampling.draw(b, k), temp);
       }
     }
   }
@@ -222,14 +186,14 @@ __global__ void __launch_bounds__(kDecideThreads) chain_decide_kernel(ChainVerif
     if (status == 0) {
       emitted = greedy ? d.argmax
                        : block_sample<T, kThreads, kSampleGroups>(
-                             d, p.logits + (b * (k + 1) + n) * vocab, vocab, uniform(k), temp);
+                             d, logits + (b * (k + 1) + n) * vocab, vocab, p.sampling.draw(b, k), temp);
     }
   }
 
   for (int64_t c = threadIdx.x; c <= k; c += kThreads) {
     int64_t token = kEmptySlot;
     if (status == 0) {
-      if (c < accepted) token = p.draft_ids[b * k + c];
+      if (c < accepted) token = p.token_ids[b * k + c];
       if (c == accepted) token = emitted;
     }
     p.tokens[b * (k + 1) + c] = token;

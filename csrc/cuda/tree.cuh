@@ -1,5 +1,5 @@
 // CUDA kernels of the tree family (contract in ../tree.h, semantics of cpu/tree.cpp). No torch
-// includes; the host wrappers are in tree.cu.
+// includes; grids, workspace and launches are in tree_launch.cuh, the torch wrappers in tree.cu.
 //
 // build_tree_mask_kernel: one block per row. The row's tree is validated first (num_nodes, then
 // every used parent, exactly the CPU's order), the row's [N, N] mask is zero-filled with 16-byte
@@ -30,9 +30,11 @@
 #pragma once
 #include <cstdint>
 
+#include "../common/op_views.h"
 #include "../common/philox.h"
 #include "../common/sampling_math.h"
 #include "distribution.cuh"
+#include "verifier_row.cuh"
 
 namespace specdec::cuda {
 
@@ -257,51 +259,28 @@ __device__ int64_t block_find_child(const int32_t* __restrict__ row_parents, int
 // ---------------------------------------------------------------------------------------------
 // tree_verify kernel
 
-template <typename T>
-struct TreeVerifyParams {
-  const T* logits;            // [B, N+1, V]
-  const int64_t* token_ids;   // [B, N]
-  const int32_t* parents;     // [B, N]
-  const float* draft_probs;   // [B, N, V] or null
-  const int32_t* num_nodes;   // [B] or null (N)
-  const float* temperature;   // [B] or null (1)
-  const int32_t* top_k;       // [B] or null (0)
-  const float* top_p;         // [B] or null (1)
-  const int64_t* seed;        // [B] or null (then uniforms is set)
-  const int64_t* offset;      // [B] or null (0)
-  const float* uniforms;      // [B, N+1] or null
-  int32_t* path;              // [B, N]
-  int64_t* tokens;            // [B, N+1]
-  int32_t* num_accepted;      // [B]
-  float* workspace;           // [B, num_buffers, stride]
-  int64_t nodes;
-  int64_t vocab;
-  int64_t stride;             // floats per buffer, a multiple of kTreeBufferAlign, >= vocab
-  int num_buffers;            // 2 with draft_probs (ping-pong), else 1
+// tree_verify's kernel parameters: the op's view (common/op_views.h) and the fp32 workspace.
+struct TreeVerifyParams : TreeVerifyView {
+  float* workspace;  // [B, num_buffers, stride]
+  int64_t stride;    // floats per buffer, a multiple of kTreeBufferAlign, >= vocab
+  int num_buffers;   // 2 with draft_probs (ping-pong), else 1
 };
 
 template <typename T>
-__global__ void __launch_bounds__(kTreeThreads) tree_verify_kernel(TreeVerifyParams<T> p) {
+__global__ void __launch_bounds__(kTreeThreads) tree_verify_kernel(TreeVerifyParams p) {
   constexpr int kThreads = kTreeThreads;
   constexpr int kGroups = kTreeGroups;
   __shared__ BlockTemp<kThreads> temp;
   const int64_t b = blockIdx.x;
-  const int64_t nodes = p.nodes;
+  const int64_t nodes = p.drafts;
   const int64_t vocab = p.vocab;
   const int32_t* row_parents = p.parents + b * nodes;
   const int64_t* row_ids = p.token_ids + b * nodes;
   int32_t* row_path = p.path + b * nodes;
   int64_t* row_tokens = p.tokens + b * (nodes + 1);
   float* const row_workspace = p.workspace + b * p.num_buffers * p.stride;
-  auto uniform = [&](int64_t column) {
-    return p.uniforms ? p.uniforms[b * (nodes + 1) + column]
-                      : philox_uniform(p.seed[b], p.offset ? p.offset[b] : 0, column);
-  };
-  FilterParams filter;
-  filter.temperature = p.temperature ? p.temperature[b] : 1.0f;
-  filter.top_k = p.top_k ? p.top_k[b] : 0;
-  filter.top_p = p.top_p ? p.top_p[b] : 1.0f;
-  const int64_t n = p.num_nodes ? p.num_nodes[b] : nodes;
+  const FilterParams filter = p.sampling.filter(b);
+  const int64_t n = p.row_count(b);
 
   // Status checks in the CPU's order; every value here is block-uniform.
   int32_t status = validate_filter(filter);
@@ -314,30 +293,17 @@ __global__ void __launch_bounds__(kTreeThreads) tree_verify_kernel(TreeVerifyPar
     }
     if (__syncthreads_or(bad)) status = kStatusInvalidTree;
   }
-  if (status == 0) {
-    bool bad = false;
-    for (int64_t c = threadIdx.x; c <= nodes; c += kThreads) bad |= !is_valid_uniform(uniform(c));
-    if (__syncthreads_or(bad)) status = kStatusInvalidUniform;
-  }
-  if (status == 0) {
-    bool bad = false;
-    for (int64_t i = threadIdx.x; i < n; i += kThreads) {
-      const int64_t x = row_ids[i];
-      bad |= x < 0 || x >= vocab;
-    }
-    if (__syncthreads_or(bad)) status = kStatusDraftTokenOutOfRange;
-  }
-  const bool greedy = filter.temperature == 0.0f;
-  const float inv_temperature = greedy ? 0.0f : 1.0f / filter.temperature;
-  const bool filtered =
-      !greedy && ((filter.top_k > 0 && filter.top_k < vocab) || filter.top_p < 1.0f);
+  if (status == 0) status = block_draws_and_ids_status<kThreads>(p, b, filter, n);
+  const bool greedy = is_greedy(filter.temperature);
+  const float inv_temperature = inverse_temperature(filter.temperature);
+  const bool filtered = is_filtered(filter, vocab);
 
   int64_t accepted = 0;  // the depth of `current`
   int64_t current = -1;  // the root: the committed token
   int64_t emitted = -1;
   while (status == 0) {
     // p <- the filtered target at logits row current + 1.
-    const T* row = p.logits + (b * (nodes + 1) + current + 1) * vocab;
+    const T* row = static_cast<const T*>(p.logits) + (b * (nodes + 1) + current + 1) * vocab;
     const RowStats stats =
         block_row_stats<T, kThreads, kGroups>(row, 0, vocab, inv_temperature, greedy, temp);
     if (!stats.valid()) {
@@ -372,7 +338,7 @@ __global__ void __launch_bounds__(kTreeThreads) tree_verify_kernel(TreeVerifyPar
         const float wx = src < 0 ? logit_weights.at(x) : row_workspace[src * p.stride + x];
         px = wx / mass;
       }
-      if (accept_draft(uniform(c), px, qx)) {
+      if (accept_draft(p.sampling.draw(b, c), px, qx)) {
         next = c;
         break;
       }
@@ -427,7 +393,7 @@ __global__ void __launch_bounds__(kTreeThreads) tree_verify_kernel(TreeVerifyPar
       if (greedy) {
         emitted = stats.argmax;
       } else {
-        const float target = uniform(nodes) * mass;
+        const float target = p.sampling.draw(b, nodes) * mass;
         emitted = src < 0 ? block_inverse_cdf<kThreads, kTreeSampleGroups>(logit_weights, vocab,
                                                                            target, temp)
                           : block_inverse_cdf<kThreads, kTreeSampleGroups>(

@@ -1,8 +1,9 @@
 """Typed wrappers over ``torch.ops.specdec_ext.*`` (numpydoc with a ``Shape:`` line per tensor) and
 the fake kernels of every op, one module per op family."""
+from ._common import GREEDY_TEMPERATURE
 from .kv_cache import kv_compact, kv_write
 from .sampling import chain_verify, philox_uniforms, residual_probs
 from .tree import build_tree_mask, tree_verify
 
-__all__ = ["build_tree_mask", "chain_verify", "kv_compact", "kv_write", "philox_uniforms", "residual_probs",
-           "tree_verify"]
+__all__ = ["GREEDY_TEMPERATURE", "build_tree_mask", "chain_verify", "kv_compact", "kv_write", "philox_uniforms",
+           "residual_probs", "tree_verify"]

@@ -9,34 +9,35 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
+from typing_extensions import Unpack
 
 from .. import _C  # noqa: F401  (loads the library: registers torch.ops.specdec_ext)
 from .._status import raise_for_row_status
-from ._common import RowParam, check_same_device, row_tensor, sampling_row_tensors
+from ._common import (RowParam, SamplingKeywords, check_same_device, row_tensor, sampling_op_args,
+                      with_sampling_parameters_doc)
 
+
+@with_sampling_parameters_doc(
+    "k", "column i < k decides draft position i, column k samples the recovered or bonus token by "
+    "inverse CDF (the smallest index whose running sum exceeds u times the total mass).")
 def chain_verify(
     target_logits: torch.Tensor,
     draft_token_ids: torch.Tensor,
     draft_probs: Optional[torch.Tensor] = None,
     *,
     num_draft: RowParam = None,
-    temperature: RowParam = None,
-    top_k: RowParam = None,
-    top_p: RowParam = None,
-    seed: RowParam = None,
-    offset: RowParam = None,
-    uniforms: Optional[torch.Tensor] = None,
     out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
     check_status: bool = True,
+    **sampling: Unpack[SamplingKeywords],
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Verify a chain of draft tokens per row, losslessly (fused rejection sampling).
 
     At each draft position i the draft token x is accepted with probability min(1, p_i(x) / q_i(x)),
     where p_i is the target distribution softmax(logits / T) filtered by top-k then top-p; at the first
     rejection the recovered token is drawn from normalise(max(0, p_i - q_i)); if every drafted token is
-    accepted the bonus token is drawn from p at the next position. Greedy rows (T = 0) accept while the
-    draft equals argmax p (the lowest index on ties) and emit argmax p. The emitted tokens are
-    distributed exactly as sampling from the filtered target.
+    accepted the bonus token is drawn from p at the next position. Greedy rows (T below
+    ``GREEDY_TEMPERATURE``) accept while the draft equals argmax p (the lowest index on ties) and
+    emit argmax p. The emitted tokens are distributed exactly as sampling from the filtered target.
 
     Parameters
     ----------
@@ -53,24 +54,7 @@ def chain_verify(
     num_draft : int or torch.Tensor, optional
         Drafted tokens per row (ragged batches), int32, each in [0, k]; default k.
         Shape: [B]
-    temperature : float or torch.Tensor, optional
-        Sampling temperature per row, fp32; 0 is greedy; default 1.
-        Shape: [B]
-    top_k : int or torch.Tensor, optional
-        Keep the k most likely tokens (ties at the k-th kept), int32; 0 is off (default).
-        Shape: [B]
-    top_p : float or torch.Tensor, optional
-        Keep the smallest most-likely set with mass >= top_p (after top-k), fp32 in (0, 1]; 1 is off.
-        Shape: [B]
-    seed, offset : int or torch.Tensor, optional
-        Philox key and counter per row, int64; draw c of a row is philox(seed, offset, c), so a row's
-        result does not depend on the other rows. ``seed`` is required unless ``uniforms`` is given.
-        Shape: [B]
-    uniforms : torch.Tensor, optional
-        Explicit draws in [0, 1), fp32: column i < k decides draft position i, column k samples the
-        recovered or bonus token by inverse CDF (the smallest index whose running sum exceeds u times
-        the total mass).
-        Shape: [B, k+1]
+    {sampling_parameters}
     out : (torch.Tensor, torch.Tensor), optional
         Preallocated (tokens, num_accepted).
     check_status : bool
@@ -98,8 +82,7 @@ def chain_verify(
         draft_token_ids,
         draft_probs,
         row_tensor(num_draft, "num_draft", batch, torch.int32, device),
-        *sampling_row_tensors(batch, device, temperature, top_k, top_p, seed, offset),
-        uniforms,
+        *sampling_op_args("chain_verify", batch, device, sampling),
         tokens,
         num_accepted,
     )

@@ -13,23 +13,11 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
+from typing_extensions import Unpack
 
 from .. import _C  # noqa: F401  (loads the library: registers torch.ops.specdec_ext)
 from .._status import raise_for_row_status
-from ._common import RowParam, row_tensor, sampling_row_tensors
-
-
-def _raise_for_tree_status(op_name: str, status: torch.Tensor) -> None:
-    """raise_for_row_status, except that code -3 names tree_token_ids (the shared text names
-    chain_verify's draft_token_ids)."""
-    try:
-        raise_for_row_status(op_name, status)
-    except ValueError:
-        row = int((status < 0).nonzero()[0, 0])
-        if int(status[row]) == -3:
-            raise ValueError(f"{op_name}: tree_token_ids: row {row} has a token id outside [0, V) "
-                             "among its first num_nodes nodes") from None
-        raise
+from ._common import RowParam, SamplingKeywords, row_tensor, sampling_op_args, with_sampling_parameters_doc
 
 
 def build_tree_mask(
@@ -82,12 +70,14 @@ def build_tree_mask(
     torch.ops.specdec_ext.build_tree_mask(parents, counts, mask, depth)
     if check_status:
         if nodes > 0:
-            _raise_for_tree_status("build_tree_mask", depth[:, 0])
+            raise_for_row_status("build_tree_mask", depth[:, 0])
         elif counts is not None and bool((counts != 0).any()):
-            _raise_for_tree_status("build_tree_mask", torch.where(counts != 0, -10, 0))
+            raise_for_row_status("build_tree_mask", torch.where(counts != 0, -10, 0))
     return mask, depth
 
 
+@with_sampling_parameters_doc(
+    "N", "column i < N decides node i, column N samples the recovered or bonus token by inverse CDF.")
 def tree_verify(
     target_logits: torch.Tensor,
     tree_token_ids: torch.Tensor,
@@ -95,14 +85,9 @@ def tree_verify(
     draft_probs: Optional[torch.Tensor] = None,
     *,
     num_nodes: RowParam = None,
-    temperature: RowParam = None,
-    top_k: RowParam = None,
-    top_p: RowParam = None,
-    seed: RowParam = None,
-    offset: RowParam = None,
-    uniforms: Optional[torch.Tensor] = None,
     out: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None,
     check_status: bool = True,
+    **sampling: Unpack[SamplingKeywords],
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Verify a token tree per row, losslessly; returns the accepted root-to-node path.
 
@@ -117,9 +102,9 @@ def tree_verify(
 
     An accepted child becomes the current node; when every child is rejected (the recovered token)
     or the current node is a leaf (the bonus token) one token is drawn from the current p. Greedy
-    rows (T = 0) follow the first child equal to argmax p and emit argmax p. The emitted tokens are
-    distributed exactly as sampling from the filtered target. A chain tree (parents = [-1, 0, 1, ...])
-    gives exactly :func:`chain_verify`'s result with the same draws.
+    rows (T below ``GREEDY_TEMPERATURE``) follow the first child equal to argmax p and emit argmax p.
+    The emitted tokens are distributed exactly as sampling from the filtered target. A chain tree
+    (parents = [-1, 0, 1, ...]) gives exactly :func:`chain_verify`'s result with the same draws.
 
     Parameters
     ----------
@@ -141,23 +126,7 @@ def tree_verify(
     num_nodes : int or torch.Tensor, optional
         Nodes used per row, int32, each in [0, N]; default N.
         Shape: [B]
-    temperature : float or torch.Tensor, optional
-        Sampling temperature per row, fp32; 0 is greedy; default 1.
-        Shape: [B]
-    top_k : int or torch.Tensor, optional
-        Keep the k most likely tokens (ties at the k-th kept), int32; 0 is off (default).
-        Shape: [B]
-    top_p : float or torch.Tensor, optional
-        Keep the smallest most-likely set with mass >= top_p (after top-k), fp32 in (0, 1]; 1 is off.
-        Shape: [B]
-    seed, offset : int or torch.Tensor, optional
-        Philox key and counter per row, int64; draw c is philox(seed, offset, c). ``seed`` is
-        required unless ``uniforms`` is given.
-        Shape: [B]
-    uniforms : torch.Tensor, optional
-        Explicit draws in [0, 1), fp32: column i < N decides node i, column N samples the recovered
-        or bonus token by inverse CDF.
-        Shape: [B, N+1]
+    {sampling_parameters}
     out : (torch.Tensor, torch.Tensor, torch.Tensor), optional
         Preallocated (path, tokens, num_accepted).
     check_status : bool
@@ -196,14 +165,13 @@ def tree_verify(
         parents,
         draft_probs,
         row_tensor(num_nodes, "num_nodes", batch, torch.int32, device),
-        *sampling_row_tensors(batch, device, temperature, top_k, top_p, seed, offset),
-        uniforms,
+        *sampling_op_args("tree_verify", batch, device, sampling),
         path,
         tokens,
         num_accepted,
     )
     if check_status:
-        _raise_for_tree_status("tree_verify", num_accepted)
+        raise_for_row_status("tree_verify", num_accepted)
     return path, tokens, num_accepted
 
 

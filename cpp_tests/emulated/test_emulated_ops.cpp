@@ -1,0 +1,119 @@
+// residual_probs, philox_uniforms, build_tree_mask, kv_write and kv_compact under the emulator
+// against the CPU ops: bitwise for the ops that copy, count or hash, within fp32 rounding for the
+// residual (a block reduction sums in another order than the CPU loop).
+#include <ATen/CPUGeneratorImpl.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <string>
+
+#include "emulated_kernels.h"
+#include "kv_cache.h"
+#include "op_call.h"
+#include "sampling.h"
+#include "tree.h"
+
+namespace specdec_test {
+namespace {
+
+at::Generator generator(uint64_t seed) { return at::make_generator<at::CPUGeneratorImpl>(seed); }
+
+TEST(EmulatedOps, ResidualProbs) {
+  at::Generator gen = generator(1);
+  for (const at::ScalarType dtype : {at::kFloat, at::kHalf, at::kBFloat16}) {
+    for (const int64_t vocab : {1, 7, 32000, 32001, 151936}) {
+      SCOPED_TRACE(std::string(c10::toString(dtype)) + " V=" + std::to_string(vocab));
+      const int64_t rows = 3;
+      at::Tensor p = torch::softmax(torch::randn({rows, vocab}, gen) * 2, -1);
+      at::Tensor q = torch::softmax(torch::randn({rows, vocab}, gen) * 2, -1);
+      q[1].copy_(p[1]);  // a zero residual: p itself
+      p = p.to(dtype);
+      q = q.to(dtype);
+      at::Tensor cpu = torch::empty({rows, vocab});
+      residual_probs(p, q, cpu);
+      at::Tensor emulated = torch::full({rows, vocab}, 7.0f);
+      specdec::check_residual_probs(p, q, emulated);
+      ASSERT_EQ(specdec::emulated::residual_probs(specdec::residual_probs_view(p, q, emulated)), "");
+      EXPECT_TRUE(torch::allclose(emulated, cpu, 1e-5, 1e-9)) << (emulated - cpu).abs().max();
+      EXPECT_TRUE(torch::equal(emulated[1], p[1].to(at::kFloat)));
+    }
+  }
+}
+
+TEST(EmulatedOps, PhiloxUniformsAreBitwiseTheCpuOnes) {
+  const at::Tensor seed = torch::tensor({0L, 1L, -5L, (1L << 40) + 3, (1L << 62) + 1, 77L, 123456789L});
+  const at::Tensor offset = torch::tensor({0L, 7L, 1L << 33, 1L, 12345L, 0L, 999L});
+  at::Tensor cpu = torch::empty({7, 1000});
+  philox_uniforms(seed, offset, cpu);
+  at::Tensor emulated = torch::full({7, 1000}, -1.0f);
+  ASSERT_EQ(specdec::emulated::philox_uniforms(specdec::philox_uniforms_view(seed, offset, emulated)), "");
+  EXPECT_TRUE(torch::equal(emulated, cpu));
+}
+
+TEST(EmulatedOps, BuildTreeMaskOnRandomAndInvalidTrees) {
+  at::Generator gen = generator(2);
+  for (const int64_t nodes : {1, 5, 16, 33, 130}) {
+    SCOPED_TRACE("N=" + std::to_string(nodes));
+    const int64_t batch = 6;
+    const at::Tensor span = torch::arange(nodes, torch::kDouble).add(1).repeat({batch, 1});
+    at::Tensor parents = (torch::rand({batch, nodes}, gen, torch::kDouble) * span).floor().to(torch::kInt) - 1;
+    at::Tensor num_nodes = torch::randint(nodes + 1, {batch}, gen, torch::kInt);
+    num_nodes[0] = nodes;
+    num_nodes[4] = nodes + 1;  // -10
+    if (nodes > 1) parents.index_put_({5, nodes - 1}, static_cast<int32_t>(nodes - 1));  // -9
+    num_nodes[5] = nodes;
+    at::Tensor cpu_mask = torch::empty({batch, nodes, nodes}, torch::kBool);
+    at::Tensor cpu_depth = torch::empty({batch, nodes}, torch::kInt);
+    build_tree_mask(parents, num_nodes, cpu_mask, cpu_depth);
+    at::Tensor mask = torch::ones({batch, nodes, nodes}, torch::kBool);  // stale trues the kernel must clear
+    at::Tensor depth = torch::full({batch, nodes}, 99, torch::kInt);
+    const std::optional<at::Tensor> counts(num_nodes);
+    ASSERT_EQ(specdec::emulated::build_tree_mask(specdec::tree_mask_view(parents, counts, mask, depth)), "");
+    EXPECT_TRUE(torch::equal(mask, cpu_mask));
+    EXPECT_TRUE(torch::equal(depth, cpu_depth)) << depth << cpu_depth;
+    EXPECT_EQ(depth[4][0].item<int32_t>(), -10);
+  }
+}
+
+TEST(EmulatedOps, KvWriteWithStridesAndSkippedSlots) {
+  at::Generator gen = generator(3);
+  for (const at::ScalarType dtype : {at::kFloat, at::kHalf, at::kBFloat16}) {
+    for (const int64_t head_dim : {1, 8, 80, 128}) {
+      SCOPED_TRACE(std::string(c10::toString(dtype)) + " D=" + std::to_string(head_dim));
+      const int64_t batch = 3, tokens = 5, heads = 3, pages = 6, page_size = 4;
+      // HF's layout: [B, H, T, D] transposed to [B, T, H, D] without a copy.
+      const at::Tensor key = torch::randn({batch, heads, tokens, head_dim}, gen).to(dtype).transpose(1, 2);
+      const at::Tensor value = torch::randn({batch, tokens, heads, head_dim}, gen).to(dtype);
+      at::Tensor slots = torch::randperm(pages * page_size, gen, torch::kLong).slice(0, 0, batch * tokens).view({batch, tokens});
+      slots.index_put_({0, 1}, -1);             // padding
+      slots.index_put_({2, 4}, pages * page_size + 3);  // past the pool: skipped
+      at::Tensor cpu = torch::randn({2, pages, page_size, heads, head_dim}, gen).to(dtype);
+      at::Tensor emulated = cpu.clone();
+      kv_write(key, value, slots, cpu);
+      specdec::check_kv_write(key, value, slots, emulated);
+      ASSERT_EQ(specdec::emulated::kv_write(specdec::kv_write_view(key, value, slots, emulated)), "");
+      EXPECT_TRUE(torch::equal(emulated, cpu));
+    }
+  }
+}
+
+TEST(EmulatedOps, KvCompactMovesAcceptedPathsInOrder) {
+  at::Generator gen = generator(4);
+  for (const at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    const int64_t batch = 4, pages = 12, page_size = 4, max_pages = 3, layers = 2;
+    at::Tensor cpu = torch::randn({2 * layers, pages, page_size, 2, 16}, gen).to(dtype);
+    at::Tensor emulated = cpu.clone();
+    const at::Tensor tables = torch::randperm(pages, gen, torch::kInt).view({batch, max_pages});
+    // Sources strictly increasing after dst_start (the tree case), -1 ending some rows early,
+    // positions past the table skipped.
+    at::Tensor src = torch::tensor({5L, 7L, 8L, 11L, 3L, 4L, -1L, 9L, 6L, 10L, 11L, 40L, 2L, 9L, 10L, 11L}).view({batch, 4});
+    const at::Tensor dst = torch::tensor({4L, 1L, 5L, 2L});
+    kv_compact(cpu, tables, src, dst);
+    specdec::check_kv_compact(emulated, tables, src, dst);
+    ASSERT_EQ(specdec::emulated::kv_compact(specdec::kv_compact_view(emulated, tables, src, dst)), "");
+    EXPECT_TRUE(torch::equal(emulated, cpu));
+  }
+}
+
+}  // namespace
+}  // namespace specdec_test

@@ -1,0 +1,41 @@
+// Host side of the paged KV cache kernels, from the ops' raw views (common/op_views.h): block
+// sizes and launches. No torch includes: the torch wrappers (kv_cache.cu) and the emulated-kernel
+// tests (cpp_tests/emulated) run exactly this code.
+#pragma once
+#include <cstdint>
+
+#include "../common/op_views.h"
+#include "kv_cache.cuh"
+#include "launch.cuh"
+
+namespace specdec::cuda {
+
+// Threads per block for a loop over `elems` elements: a power of two in [32, 256].
+inline int kv_threads_for(int64_t elems) {
+  int threads = 32;
+  while (threads < 256 && threads < elems) threads *= 2;
+  return threads;
+}
+
+inline void launch_kv_write(const KvWriteView& v, cudaStream_t stream) {
+  with_word_type(v.word_bytes, [&](auto word) {
+    using W = typename decltype(word)::type;
+    const int64_t* ks = v.key_strides;
+    const int64_t* vs = v.value_strides;
+    launch_kernel(kv_write_kernel<W>, grid_of(v.batch * v.tokens), dim3(kv_threads_for(v.heads * v.head_dim)),
+                  stream, static_cast<const W*>(v.key), static_cast<const W*>(v.value), v.slot_mapping,
+                  static_cast<W*>(v.pool), v.tokens, v.heads, v.head_dim, ks[0], ks[1], ks[2], ks[3], vs[0], vs[1],
+                  vs[2], vs[3], v.num_slots);
+  });
+}
+
+inline void launch_kv_compact(const KvCompactView& v, cudaStream_t stream) {
+  with_word_type(v.word_bytes, [&](auto word) {
+    using W = typename decltype(word)::type;
+    launch_kernel(kv_compact_kernel<W>, grid_of(v.batch * v.planes), dim3(kv_threads_for(v.slot_elems)), stream,
+                  static_cast<W*>(v.pool), v.block_tables, v.src_positions, v.dst_start, v.planes, v.num_pages,
+                  v.page_size, v.slot_elems, v.max_pages, v.positions);
+  });
+}
+
+}  // namespace specdec::cuda
