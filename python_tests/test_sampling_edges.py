@@ -16,6 +16,7 @@ from scipy import stats
 
 import reference as ref
 import reference_tree as ref_tree
+import specdec_ext
 from specdec_ext import ops
 from specdec_ext._status import raise_for_row_status
 
@@ -179,3 +180,23 @@ def test_tree_reference_follows_the_same_temperature_rules(rng):
                           uniforms=torch.tensor(uniforms, dtype=torch.float32))
     assert [t.tolist() for t in got] == [path.tolist(), tokens.tolist(), n.tolist()]
     assert math.isclose(ref.filtered_probs([0.0, 2.0, -INF], INF)[1], 0.5)
+
+
+# ------------------------------------------------------------------------------ through generate()
+def test_generate_at_tiny_and_infinite_temperatures():
+    """T below GREEDY_TEMPERATURE is greedy end to end (drafter and verifier); T = inf samples uniformly
+    over the target's finite logits (a chi-square over the first token), never NaN."""
+    from test_generate_utils import noisy_copy, one_thread, tiny_model
+    with one_thread():
+        target = tiny_model("llama", vocab=8, hidden=32, layers=1, logit_scale=3.0)
+        draft = noisy_copy(target, 0.3)
+        prompt = [1, 4, 2, 6]
+        greedy = specdec_ext.generate([prompt], target, draft, max_new_tokens=8, k=2, eos_token_id=False)
+        for temperature in (1e-40, 3e-39, 1e-6):
+            tiny = specdec_ext.generate([prompt], target, draft, max_new_tokens=8, k=2, eos_token_id=False,
+                                        temperature=temperature, seed=1)
+            assert tiny.token_ids == greedy.token_ids, temperature
+        hot = specdec_ext.generate([prompt] * 2000, target, draft, max_new_tokens=1, k=2, eos_token_id=False,
+                                   temperature=float("inf"), seed=list(range(2000)))
+    counts = np.bincount([t[0] for t in hot.token_ids], minlength=8)
+    assert stats.chisquare(counts).pvalue > 1e-4  # uniform over the 8 tokens

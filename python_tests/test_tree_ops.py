@@ -1,7 +1,7 @@
 """Tree ops (csrc/tree.h): build_tree_mask and tree_verify against the float64 NumPy references of
 reference_tree.py: exact (given uniforms), chain == tree, invariants, greedy, distribution of the
 emitted tokens at depth 1 and of the pair at depths 1-2 for both lossless rules, opcheck, odd sizes,
-every bad-input path, and the HF helpers of specdec_ext.tree."""
+and every bad-input path."""
 import numpy as np
 import pytest
 import torch
@@ -12,7 +12,6 @@ from scipy import stats
 import reference as ref
 import reference_tree as rt
 from specdec_ext import ops
-from specdec_ext import tree as tree_helpers
 
 DTYPE_CASES = [torch.float32, torch.bfloat16, torch.float16]
 FILTER_CASES = {
@@ -567,93 +566,3 @@ def test_invalid_row_leaves_other_rows_and_fills_empty():
     parents = torch.tensor([[-1, 0, 7], [-1, 0, 0]], dtype=torch.int32)
     ops.tree_verify(a["target_logits"], ids, parents, a["draft_probs"], num_nodes=torch.tensor([2, 3], dtype=torch.int32),
                     seed=a["seed"])
-
-
-# ---------------------------------------------------------------------------------------------
-# HF helpers
-def test_tree_builders():
-    assert tree_helpers.chain_parents(4).tolist() == [-1, 0, 1, 2]
-    assert tree_helpers.full_tree_parents([2, 2]).tolist() == TWO_LEVEL
-    assert tree_helpers.full_tree_parents([1, 1, 1]).tolist() == [-1, 0, 1]
-    assert tree_helpers.full_tree_parents([3, 1]).tolist() == [-1, -1, -1, 0, 1, 2]
-    assert tree_helpers.full_tree_parents([2, 2]).dtype == torch.int32
-
-
-def test_trim_verify_outputs(rng):
-    c = make_case(rng, batch=6, nodes=9, vocab=10, dtype=torch.float32, with_probs=False, filters=(1.0, 0, 1.0))
-    path, tokens, n = run_op(c)
-    short_path, short_tokens = tree_helpers.trim_verify_outputs(path, tokens, n)
-    d = int(n.max())
-    assert short_path.shape == (6, d) and short_tokens.shape == (6, d + 1)
-    assert (path[:, d:] == -1).all() and (tokens[:, d + 1:] == -1).all()
-    assert torch.equal(short_tokens, tokens[:, :d + 1])
-
-
-@pytest.mark.parametrize("nodes", [5, 64, 65, 130])
-def test_pack_tree_mask_round_trip(rng, nodes):
-    mask, _ = ops.build_tree_mask(torch.from_numpy(random_parents(rng, 3, nodes)))
-    packed = tree_helpers.pack_tree_mask(mask)
-    assert packed.shape == (3, nodes, (nodes + 63) // 64) and packed.dtype == torch.int64
-    assert torch.equal(tree_helpers.unpack_tree_mask(packed, nodes), mask)
-    j = nodes - 1  # the diagonal bit of the last node
-    assert (packed[0, j, j // 64] >> (j % 64)) & 1 == 1
-
-
-def test_tree_attention_inputs_layout():
-    parents = torch.tensor([[-1, 0, 0, 1], [-1, -1, 0, 0]], dtype=torch.int32)
-    prefix = torch.tensor([3, 1])
-    mask, pos = tree_helpers.tree_attention_inputs(parents, prefix, torch.tensor([4, 3], dtype=torch.int32),
-                                                    as_bool=True)
-    assert mask.shape == (2, 1, 4, 3 + 4)
-    assert pos.tolist() == [[3, 4, 4, 5], [1, 1, 2, 1]]
-    assert mask[0, 0, 3].int().tolist() == [1, 1, 1, 1, 1, 0, 1]
-    assert mask[1, 0, 2].int().tolist() == [1, 0, 0, 1, 0, 1, 0]
-    assert mask[1, 0, 3].int().tolist() == [1, 0, 0, 0, 0, 0, 1]  # unused slot: prefix and itself
-    additive, pos2 = tree_helpers.tree_attention_inputs(parents, prefix, torch.tensor([4, 3], dtype=torch.int32),
-                                                         dtype=torch.bfloat16)
-    assert additive.dtype == torch.bfloat16 and torch.equal(pos, pos2)
-    assert torch.equal(additive == 0, mask)
-    rooted, pos_root = tree_helpers.tree_attention_inputs(parents, prefix, with_root=True, as_bool=True,
-                                                          past_length=4)
-    assert rooted.shape == (2, 1, 5, 4 + 5)
-    assert pos_root.tolist() == [[3, 4, 5, 5, 6], [1, 2, 2, 3, 3]]
-    assert rooted[0, 0, 0].int().tolist() == [1, 1, 1, 0, 1, 0, 0, 0, 0]
-    assert rooted[0, 0, 4].int().tolist() == [1, 1, 1, 0, 1, 1, 1, 0, 1]
-
-
-@pytest.mark.parametrize("with_root", [False, True])
-def test_tree_forward_of_a_hf_model_matches_sequential_forwards(with_root):
-    """One forward over the tree (cache of the prefix + tree mask + depth positions) gives every
-    node the logits of a plain forward over prefix + its root-to-node path."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    model = transformers.LlamaForCausalLM(config).eval()
-    parents = torch.tensor([[-1, -1, 0, 0, 1, 2, 5]], dtype=torch.int32)
-    node_ids = torch.randint(0, 50, (1, 7))
-    prompt = torch.randint(0, 50, (1, 6))
-    if with_root:  # the committed (last prompt) token is fed with the tree
-        prefix_ids, new_ids = prompt[:, :-1], torch.cat([prompt[:, -1:], node_ids], dim=1)
-    else:
-        prefix_ids, new_ids = prompt, node_ids
-    import inspect
-    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    with torch.no_grad():
-        cache = transformers.DynamicCache()
-        model(prefix_ids, use_cache=True, **{cache_arg: cache})
-        mask, positions = tree_helpers.tree_attention_inputs(parents, torch.tensor([prefix_ids.shape[1]]),
-                                                             with_root=with_root)
-        logits = model(new_ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                       **{cache_arg: cache}).logits[0]
-        offset = 1 if with_root else 0
-        for i in range(7):
-            chain, node = [], i
-            while node >= 0:
-                chain.append(int(node_ids[0, node]))
-                node = int(parents[0, node])
-            full = torch.cat([prompt, torch.tensor([chain[::-1]])], dim=1)
-            expected = model(full).logits[0, -1]
-            torch.testing.assert_close(logits[i + offset], expected, atol=1e-4, rtol=1e-4)
-        if with_root:
-            torch.testing.assert_close(logits[0], model(prompt).logits[0, -1], atol=1e-4, rtol=1e-4)

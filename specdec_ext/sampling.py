@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-GREEDY_TEMPERATURE = 1e-5  # temperatures below this are greedy (as vLLM's sampler does)
+from .ops import GREEDY_TEMPERATURE  # temperatures below this are greedy (as vLLM's sampler does)
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,8 @@ def build_tree_mask(
     token, is not a node). Unused slots (``i >= num_nodes[b]``) see only themselves and have depth 0,
     so no attention row is empty. For an invalid row (a parent index not in [-1, i), or num_nodes
     outside [0, N]) the mask is all False and every depth entry holds the negative status code.
-    See :func:`specdec_ext.tree.tree_attention_inputs` for the 4D mask and position ids of a HF model.
+    The runners turn it into the attention visibility and positions of a tree forward
+    (specdec_ext/runners/trees.py, layout.py).
 
     Parameters
     ----------
