@@ -60,6 +60,20 @@ class Collector:
         return self
 
 
+def _run_to_end(engine, requests) -> List[Collector]:
+    """Queue ``requests`` on a stopped engine, run it until each has ended, stop it; their sinks."""
+    sinks = [Collector() for _ in requests]
+    for request, sink in zip(requests, sinks):
+        engine.submit(request, sink)
+    engine.start()
+    try:
+        for sink in sinks:
+            sink.wait()
+    finally:
+        engine.stop()
+    return sinks
+
+
 def _engine(pair, drafter="model", **options):
     target, draft, tokenizer = pair
     models = Models(target, drafter, draft=draft if drafter == "model" else None, tokenizer=tokenizer)
@@ -169,15 +183,7 @@ def test_a_full_cache_queues_requests_and_is_never_overcommitted(pair):
                 for i, (p, f) in enumerate(zip(PROMPTS, FILTERS))]
     assert budget.units(len(requests[0].prompt), 60) * 3 > budget.capacity  # three never fit together
     references = [_reference(pair, "model", "paged", r, p) for r, p in zip(requests, PROMPTS)]
-    sinks = [Collector() for _ in requests]
-    for request, sink in zip(requests, sinks):
-        engine.submit(request, sink)
-    engine.start()
-    try:
-        for sink in sinks:
-            sink.wait()
-    finally:
-        engine.stop()
+    sinks = _run_to_end(engine, requests)
     assert [s.tokens for s in sinks] == references
     assert most["rows"] == 2 and most["pages"] <= kv.num_pages
     assert kv.num_free_pages == kv.num_pages and budget.used == 0
@@ -226,15 +232,7 @@ def test_a_failing_row_ends_alone_and_frees_its_slot(pair):
     requests = [_request(tokenizer, p, max_new=25, sampling=f, seed=i, eos=False)
                 for i, (p, f) in enumerate(zip(PROMPTS[:3], FILTERS[:3]))]
     bad = _request(tokenizer, "x", max_new=5, sampling=SamplingParams(float("nan")))  # fails at its prefill
-    sinks = [Collector() for _ in range(4)]
-    for request, sink in zip(requests + [bad], sinks):
-        engine.submit(request, sink)
-    engine.start()
-    try:
-        for sink in sinks:
-            sink.wait()
-    finally:
-        engine.stop()
+    sinks = _run_to_end(engine, requests + [bad])
     assert sinks[1].reason == FAILED and "NaN" in sinks[1].message
     assert sinks[3].reason == FAILED and "temperature" in sinks[3].message
     for i in (0, 2):
@@ -296,15 +294,7 @@ def test_build_engine_refuses_what_it_cannot_serve(pair):
 def test_metrics_count_tokens_passes_and_acceptance(pair):
     tokenizer = pair[2]
     engine = _engine(pair, max_rows=2)
-    sinks = [Collector(), Collector()]
-    for sink in sinks:
-        engine.submit(_request(tokenizer, "def f(x):", max_new=20, eos=False), sink)
-    engine.start()
-    try:
-        for sink in sinks:
-            sink.wait()
-    finally:
-        engine.stop()
+    _run_to_end(engine, [_request(tokenizer, "def f(x):", max_new=20, eos=False) for _ in range(2)])
     metrics = engine.metrics
     assert metrics.generated_tokens == 40 and metrics.finished["length"] == 2
     steps = metrics.steps
