@@ -1,27 +1,24 @@
-"""Shared builders for the serving tests: a tiny served pair with a chat template, an in-process server on
-127.0.0.1 (a free port, stopped by the fixture), and helpers to read streams and metrics.
+"""Shared builders for the serving tests: a tiny served pair with a chat template, the app over it (served
+in-process by serve.server.ServerThread on 127.0.0.1 and a free port), and helpers to read metrics.
 
 (No tests here.)
 """
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from typing import Dict, Tuple
 
 import httpx
-import uvicorn
 
 from specdec_ext.models import Models
 from specdec_ext.serve.build import EngineOptions, build_engine, eos_token_ids
-from specdec_ext.serve.server import GracefulServer, create_app
+from specdec_ext.serve.server import ServerThread, create_app
 from test_generate_utils import CHAR_VOCAB, char_tokenizer, noisy_copy, tiny_model
 
 MODEL_NAME = "tiny-pair"
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant: {% endif %}")
-SERVER_START_S = 30.0
 
 
 def tiny_pair(seed: int = 0):
@@ -42,35 +39,8 @@ def make_app(target, draft, tokenizer, **options):
     return app, engine
 
 
-class ServerThread:
-    """uvicorn serving ``app`` in a thread on 127.0.0.1 and a free port; ``stop`` shuts it down gracefully
-    (the same path as SIGTERM: GracefulServer.shutdown)."""
-
-    def __init__(self, app, engine, grace_s: float = 5.0):
-        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning")
-        self.server = GracefulServer(config, engine, grace_s)
-        self.engine = engine
-        self.thread = threading.Thread(target=self.server.run, name="test-uvicorn", daemon=True)
-
-    def start(self) -> "ServerThread":
-        self.thread.start()
-        deadline = time.monotonic() + SERVER_START_S
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("the test server did not start")
-            time.sleep(0.01)
-        self.port = self.server.servers[0].sockets[0].getsockname()[1]
-        return self
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def stop(self, timeout_s: float = 30.0) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout_s)
-        if self.thread.is_alive():
-            raise RuntimeError("the test server did not stop")
+__all__ = ["MODEL_NAME", "CHAT_TEMPLATE", "ServerThread", "tiny_pair", "make_app", "openai_client", "metrics",
+           "wait_until", "slow_target"]
 
 
 def openai_client(server: ServerThread, **kwargs):

@@ -34,7 +34,7 @@ def pair():
 @pytest.fixture(scope="module")
 def server(pair):
     app, engine = make_app(*pair, max_rows=16, k=K, max_seq_len=256)
-    server = ServerThread(app, engine).start()
+    server = ServerThread(app, engine, grace_s=5.0).start()
     yield server
     server.stop()
 

@@ -37,7 +37,7 @@ def server(pair):
     # 2 rows, 1 queue place; a pool of 18 pages of 16 (2 kept for drafts): two 100-token rows fit, a
     # 300-position request fits a 512-position row but not the pool
     app, engine = make_app(*pair, runner="paged", max_rows=2, max_queue=1, k=K, max_seq_len=512, cache_tokens=288)
-    server = ServerThread(app, engine).start()
+    server = ServerThread(app, engine, grace_s=5.0).start()
     yield server
     server.stop()
 

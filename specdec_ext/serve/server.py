@@ -25,6 +25,8 @@ import json
 import logging
 import secrets
 import signal
+import threading
+import time
 from typing import Any, AsyncIterator, Callable, List, Optional, Sequence
 
 import uvicorn
@@ -313,6 +315,40 @@ class GracefulServer(uvicorn.Server):
     async def shutdown(self, sockets=None) -> None:
         self.engine.begin_shutdown(self.grace_s)
         await super().shutdown(sockets)
+
+
+class ServerThread:
+    """uvicorn serving ``app`` in a background thread (tests, benchmarks, notebooks): ``start`` binds
+    ``host`` on ``port`` (0: a free port, then ``self.port``), ``stop`` shuts down as SIGTERM would
+    (GracefulServer.shutdown: the engine drains for ``grace_s``). No signal handlers are installed."""
+
+    def __init__(self, app: FastAPI, engine: Engine, *, host: str = "127.0.0.1", port: int = 0,
+                 grace_s: float = DEFAULT_SHUTDOWN_GRACE_S, log_level: str = "warning"):
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                timeout_graceful_shutdown=int(grace_s) + 5)
+        self.server = GracefulServer(config, engine, grace_s)
+        self.engine, self.host, self.port = engine, host, port
+        self.thread = threading.Thread(target=self.server.run, name="specdec-uvicorn", daemon=True)
+
+    def start(self, timeout_s: float = 30.0) -> "ServerThread":
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError(f"the server did not start on {self.host}:{self.port}")
+            time.sleep(0.01)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout_s)
+        if self.thread.is_alive():
+            raise RuntimeError("the server did not stop")
 
 
 def run_server(app: FastAPI, engine: Engine, *, host: str, port: int, shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S,
