@@ -203,6 +203,7 @@ def test_models_health_and_metrics(server, client):
 # ------------------------------------------------------------------------------------------ bad requests
 BAD_COMPLETIONS = [
     ("malformed JSON", b'{"model": "tiny-pair", "prompt": ', 400, None, "not valid JSON"),
+    ("not JSON at all", b"model=tiny-pair", 400, None, "Content-Type: application/json"),
     ("negative temperature", {"temperature": -1}, 400, "temperature", "greater than or equal to 0"),
     ("temperature of the wrong type", {"temperature": "hot"}, 400, "temperature", "valid number"),
     ("top_p zero", {"top_p": 0}, 400, "top_p", "greater than 0"),
@@ -231,8 +232,8 @@ BAD_COMPLETIONS = [
 def test_a_bad_completion_request_is_refused_naming_the_field(server, case):
     _, change, status, param, words = case
     if isinstance(change, bytes):
-        response = httpx.post(server.url + "/v1/completions", content=change,
-                              headers={"Content-Type": "application/json"})
+        kind = "application/json" if change.startswith(b"{") else "application/x-www-form-urlencoded"
+        response = httpx.post(server.url + "/v1/completions", content=change, headers={"Content-Type": kind})
     else:
         body = {"model": MODEL_NAME, "prompt": "abc", "max_tokens": 4}
         body.update(change)

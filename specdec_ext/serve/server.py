@@ -40,7 +40,7 @@ from ..stops import StopCriteria
 from . import DEFAULT_SHUTDOWN_GRACE_S, protocol
 from .engine import RUNNING, Engine
 from .protocol import ChatRequest, CompletionRequest
-from .request import ABORTED, FAILED, GenerationRequest, RequestRejected, RowEvent
+from .request import ABORTED, FAILED, GenerationRequest, QueueFullError, RequestRejected, RowEvent
 from .text import SharedTokenizer, TextStream
 
 log = logging.getLogger("specdec_ext.serve")
@@ -132,7 +132,7 @@ class OpenAIService:
         try:
             handle = self.engine.submit(request, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
         except RequestRejected as error:
-            headers = {"Retry-After": str(error.retry_after)} if hasattr(error, "retry_after") else None
+            headers = {"Retry-After": str(error.retry_after)} if isinstance(error, QueueFullError) else None
             raise ApiError(error.status, str(error), error.error_type, error.param, headers=headers) from None
         reply = Reply(self, request, body, chat, TextStream(self.tokenizer.decode, request.stop.stop_strings))
         if body.stream:
@@ -268,6 +268,8 @@ def create_app(engine: Engine, tokenizer, *, model_name: str, eos_token_ids: Seq
             reason = first.get("ctx", {}).get("error", first.get("msg", ""))
             return ApiError(400, f"the body is not valid JSON: {reason} (at character {loc[0] if loc else 0})"
                             ).response()
+        if not loc and isinstance(first.get("input"), (bytes, str)):  # e.g. curl -d without the header
+            return ApiError(400, "the body must be a JSON object sent with Content-Type: application/json").response()
         message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid').removeprefix('Value error, ')}"
         if first.get("type") != "value_error" and not isinstance(first.get("input"), (dict, list, type(None))):
             message += f" (got {first['input']!r})"
