@@ -13,7 +13,8 @@ import httpx
 
 from specdec_ext.models import Models
 from specdec_ext.serve.build import EngineOptions, build_engine, eos_token_ids
-from specdec_ext.serve.server import ServerThread, create_app
+from specdec_ext.serve.app import create_app
+from specdec_ext.serve.server import ServerThread
 from test_generate_utils import CHAR_VOCAB, char_tokenizer, noisy_copy, tiny_model
 
 MODEL_NAME = "tiny-pair"

@@ -381,7 +381,8 @@ def cmd_serve(args) -> int:
         raise SystemExit(str(error)) from None
     from .models import load_models
     from .serve.build import EngineOptions, build_engine, eos_token_ids
-    from .serve.server import create_app, run_server
+    from .serve.app import create_app
+    from .serve.server import run_server
 
     if args.draft == "none":
         models = load_models(args.target, plain=True)

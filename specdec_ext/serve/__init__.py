@@ -12,10 +12,11 @@
     metrics.py   ServeMetrics: counters and histograms in the Prometheus text format
     text.py      TextStream: a request's text in pieces as its tokens arrive (what generate() streams)
     protocol.py  the OpenAI request bodies (pydantic) and response objects
-    server.py    the FastAPI app (completions, chat, models, health, metrics; SSE streaming) and uvicorn
-                 with SIGTERM handling
+    app.py       the FastAPI app: completions, chat, models, health, metrics; SSE streaming
+    server.py    uvicorn: run_server (SIGTERM drains the engine, exit 0) and ServerThread
 
-Only protocol.py and server.py need the ``serve`` extra (FastAPI, uvicorn); the engine runs without it.
+Only protocol.py, app.py and server.py need the ``serve`` extra (FastAPI, uvicorn); the engine runs
+without it.
 """
 from __future__ import annotations
 
