@@ -43,13 +43,15 @@ def _tree_shape(value: str):
     return shape
 
 
-def _model_args(parser: argparse.ArgumentParser, threads: Optional[int] = None) -> None:
+DRAFT_HELP = ("draft model sharing the target's vocabulary; 'ngram' for lookup drafting over the prompt and the "
+              "generated tokens (no draft model); 'heads' for the bundled target's Medusa-style heads, or a heads "
+              "directory (tools/train_heads.py) with --target (default: the bundled pair's draft)")
+
+
+def _model_args(parser: argparse.ArgumentParser, threads: Optional[int] = None, draft_help: str = DRAFT_HELP) -> None:
     parser.add_argument("--target", help="target model: a local path or model id, loaded offline "
                         "(default: the bundled pair's target; give --target and --draft together)")
-    parser.add_argument("--draft", help="draft model sharing the target's vocabulary; 'ngram' for lookup drafting "
-                        "over the prompt and the generated tokens (no draft model); 'heads' for the bundled target's "
-                        "Medusa-style heads, or a heads directory (tools/train_heads.py) with --target "
-                        "(default: the bundled pair's draft)")
+    parser.add_argument("--draft", help=draft_help)
     parser.add_argument("--threads", type=int, default=threads,
                         help="torch CPU threads (default: " + ("torch's choice" if threads is None else str(threads))
                         + "; 1 is best for small models on a busy CPU)")
@@ -79,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="specdec", description="Lossless speculative decoding for Hugging Face models: a small draft "
         "proposes k tokens, the target verifies them in one pass, and the output is distributed exactly as "
         "sampling from the target.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,audit,bench,demo}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,audit,bench,demo,serve}")
 
     g = sub.add_parser("generate", help="generate text (streamed) and print the stats",
                        description="Generate continuations of the prompts with speculative decoding, stream the "
@@ -153,7 +155,48 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"new tokens per prompt (default: {DEMO_NEW_TOKENS})")
     d.add_argument("-k", "--k", type=_draft_length, default=None, dest="k",
                    help="draft tokens per step, or 'auto' (default: generate()'s, 'auto' on the CPU)")
+    _serve_parser(sub)
     return parser
+
+
+def _serve_parser(sub) -> None:
+    from .serve import DEFAULT_MAX_QUEUE, DEFAULT_MAX_ROWS, DEFAULT_SHUTDOWN_GRACE_S
+
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching",
+                       description="Serve the pair over HTTP with the OpenAI API (POST /v1/completions, "
+                       "/v1/chat/completions, streaming or not; GET /v1/models, /health, /metrics). Requests join "
+                       "and leave the running batch between decode steps; each keeps its own sampling parameters, "
+                       "seed and stop checks, so a seeded request returns the same tokens whatever else runs. "
+                       "Needs the [serve] extra (FastAPI, uvicorn).")
+    _model_args(s, draft_help="draft model sharing the target's vocabulary; 'ngram' for lookup drafting; 'none' "
+                "for plain decoding (one target pass per token); heads and trees are not served (default: the "
+                "bundled pair's draft)")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    s.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
+    s.add_argument("--model-name", default=None,
+                   help="the model id clients ask for (default: the target directory's name, or "
+                   f"{BUNDLED_MODEL_NAME!r} for the bundled pair)")
+    s.add_argument("-k", "--k", type=int, default=None, dest="k",
+                   help="draft tokens per step, fixed so that seeded requests reproduce (default: the fixed k "
+                   "generate() takes where adaptive k is off)")
+    s.add_argument("--max-rows", type=int, default=DEFAULT_MAX_ROWS,
+                   help=f"rows that decode at once (slots; default: {DEFAULT_MAX_ROWS})")
+    s.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
+                   help=f"requests that may wait for a row; more get 429 with Retry-After (default: {DEFAULT_MAX_QUEUE})")
+    s.add_argument("--max-seq-len", type=int, default=None,
+                   help="positions per row: prompt + max_tokens + two steps of drafts (default: the models' "
+                   "max_position_embeddings)")
+    s.add_argument("--cache-tokens", type=int, default=None,
+                   help="with the paged runner: positions in the target's page pool shared by the rows (default: "
+                   "max-rows x max-seq-len); a request that does not fit waits")
+    s.add_argument("--shutdown-grace", type=float, default=DEFAULT_SHUTDOWN_GRACE_S,
+                   help="seconds running requests get to finish after SIGTERM before they are aborted "
+                   f"(default: {DEFAULT_SHUTDOWN_GRACE_S:g})")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn's log level (default: info)")
+
+
+BUNDLED_MODEL_NAME = "specdec-default-pair"
 
 
 # ---------------------------------------------------------------------------------------- commands
@@ -363,7 +406,37 @@ def cmd_demo(args) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "audit": cmd_audit, "bench": cmd_bench, "demo": cmd_demo}
+def cmd_serve(args) -> int:
+    from .serve import ServeDependencyError, require_serve_dependencies
+
+    try:
+        require_serve_dependencies()
+    except ServeDependencyError as error:
+        raise SystemExit(str(error)) from None
+    from .models import load_models
+    from .serve.build import EngineOptions, build_engine, eos_token_ids
+    from .serve.app import create_app
+    from .serve.server import run_server
+
+    if args.draft == "none":
+        models = load_models(args.target, plain=True)
+    else:
+        models = load_models(*_pair_args(args))
+    options = EngineOptions(max_rows=args.max_rows, max_queue=args.max_queue, k=args.k, max_seq_len=args.max_seq_len,
+                            cache_tokens=args.cache_tokens, runner=args.runner)
+    try:
+        engine = build_engine(models, options)
+        name = args.model_name or (os.path.basename(os.path.normpath(args.target)) if args.target else BUNDLED_MODEL_NAME)
+        app = create_app(engine, models.tokenizer, model_name=name,
+                         eos_token_ids=eos_token_ids(models.target, models.tokenizer))
+    except ValueError as error:
+        raise SystemExit(f"specdec serve: {error}") from None
+    print(f"specdec serve: {name!r} on http://{args.host}:{args.port}/v1 ({engine.description})", file=sys.stderr)
+    return run_server(app, engine, host=args.host, port=args.port, shutdown_grace_s=args.shutdown_grace,
+                      log_level=args.log_level)
+
+
+COMMANDS = {"generate": cmd_generate, "audit": cmd_audit, "bench": cmd_bench, "demo": cmd_demo, "serve": cmd_serve}
 
 
 def main(argv: Optional[List[str]] = None) -> int:

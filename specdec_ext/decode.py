@@ -93,6 +93,35 @@ def prefill(target: ModelRunner, drafter: Optional[Drafter], prompts: Sequence[S
         drafter.prefill(prompts, meta)
 
 
+def prefill_rows(target: ModelRunner, drafter: Optional[Drafter], rows: Sequence[int],
+                 prompts: Sequence[Sequence[int]], meta: SpecDecodeMetadata) -> Tuple[List[int], List[int]]:
+    """Continuous batching: what ``prefill`` does for a whole batch, for some free rows (slots) while
+    the other rows keep their caches. ``meta`` covers every slot and already holds the joining rows'
+    sampling parameters and seeds; each row's first token is drawn with its own filter at its own
+    Philox step 0, so it is the token ``prefill`` would give it in a batch of its own.
+
+    Returns (the first token, the RowStatus) of each joining row; a status < 0 means its prompt's
+    logits were invalid (e.g. NaN), and the caller frees it."""
+    n = len(rows)
+    index = torch.tensor(list(rows), dtype=torch.int64, device=meta.device)  # [n]
+    logits = target.start_rows(rows, prompts)  # [n, V]
+    lengths = torch.tensor([len(p) for p in prompts], dtype=torch.int64, device=meta.device)  # [n]
+    for row, p in zip(rows, prompts):
+        meta.token_buffer[row, : len(p)] = torch.as_tensor(list(p), dtype=torch.int64)
+    meta.prompt_lens[index] = lengths
+    joining = meta.select(index)  # the rows' own filters and seeds
+    joining.set_row_steps(torch.zeros((n,), dtype=torch.int64))
+    first = torch.empty((n, 1), dtype=torch.int64, device=logits.device)  # [n, 1]
+    status = torch.empty((n,), dtype=torch.int32, device=logits.device)  # [n]
+    sample_plain(logits.unsqueeze(1).contiguous(), joining, first, status, check=False)
+    first = first[:, 0].clamp(min=0)  # (a failed row's token is never used)
+    meta.token_buffer[index, lengths] = first
+    meta.seq_lens[index] = lengths + 1
+    if drafter is not None:
+        drafter.start_rows(rows, prompts, meta)
+    return first.tolist(), status.tolist()
+
+
 def draft(drafter: Optional[Drafter], meta: SpecDecodeMetadata, budget: Optional[List[int]]) -> Proposal:
     """This step's proposal; ``meta.no_drafts`` without a drafter, or when adaptive k gives every row a
     budget of 0 (the drafter is told to ``skip``)."""
@@ -149,6 +178,14 @@ def commit(target: ModelRunner, drafter: Optional[Drafter], meta: SpecDecodeMeta
     meta.seq_lens.add_(meta.num_kept)
     if drafter is not None:
         drafter.commit(meta, verdict)
+
+
+def read_step(proposal: Proposal, verdict: Verdict) -> Tuple[List[List[int]], List[int], List[int]]:
+    """The step's one host read: per row [num_accepted, num_draft, tokens...] ([B, 2 + n+1]), and the
+    accepted and drafted counts as lists. Row b emits host[b][2: 3 + num_accepted[b]]."""
+    host = torch.cat([verdict.num_accepted[:, None].long(), proposal.num_draft[:, None].long(), verdict.tokens],
+                     dim=1).tolist()
+    return host, [r[0] for r in host], [r[1] for r in host]
 
 
 class DecodeSteps:
@@ -297,9 +334,7 @@ def decode(target: ModelRunner, drafter: Optional[Drafter], prompts: Sequence[Se
             if sync is not None:
                 sync.verdict(steps.verdict)
         proposal, verdict = steps.proposal, steps.verdict
-        host = torch.cat([verdict.num_accepted[:, None].long(), proposal.num_draft[:, None].long(), verdict.tokens],
-                         dim=1).tolist()  # the step's one host read: [B, 2 + n+1]
-        num_accepted, num_draft = [r[0] for r in host], [r[1] for r in host]
+        host, num_accepted, num_draft = read_step(proposal, verdict)
         if min(num_accepted) < 0:
             raise_for_row_status("tree_verify" if tree else "chain_verify", verdict.num_accepted)
         with nvtx_range("commit"):

@@ -14,12 +14,16 @@ never in Python ints, so a step can be captured in a CUDA graph. Finished rows s
 Randomness: row b draws from Philox keyed by ``seed[b]``; step s uses the counters
 ``offset = s * PHILOX_OFFSET_STRIDE + PHILOX_VERIFY_OFFSET`` for the verifier (columns 0..n) and
 ``... + PHILOX_DRAFT_OFFSET`` for the drafter's own sampling. The step index is the same for a row
-whatever else shares the batch, so a row's tokens do not depend on the batch.
+whatever else shares the batch, so a row's tokens do not depend on the batch. Under continuous batching
+(specdec_ext/serve/) rows join and leave between steps, so each row counts its own steps
+(``set_row_steps``) and may have its own filter (``row_sampling``); the engine steps over a view of the
+slots in use (``rows``).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, List, Optional
 
 import torch
 
@@ -96,6 +100,8 @@ class SpecDecodeMetadata:
     # what a step without drafts verifies (plain decoding, or adaptive k's speculation-off steps) --
     no_drafts: Proposal
     step: int = 0  # decode step index (host-side; the Philox offsets are derived from it)
+    row_sampling: Optional[List[SamplingParams]] = None  # host: each row's own filter (continuous
+    #   batching; the tensors above hold the same values); None: ``sampling`` for every row
 
     @property
     def batch_size(self) -> int:
@@ -136,6 +142,47 @@ class SpecDecodeMetadata:
             num_kept=torch.zeros((B,), **long),
             no_drafts=no_drafts,
         )
+
+    @property
+    def all_greedy(self) -> bool:
+        """Every row is greedy (host): a drafter then proposes argmaxes and no q."""
+        if self.row_sampling is None:
+            return self.sampling.greedy
+        return all(params.greedy for params in self.row_sampling)
+
+    def rows(self, width: int) -> "SpecDecodeMetadata":
+        """Rows 0..width-1 as metadata of their own: every buffer a view (writes reach this one)."""
+        view = self._map_rows(lambda t: t[:width])
+        if self.row_sampling is not None:
+            view.row_sampling = self.row_sampling[:width]
+        return view
+
+    def select(self, index: torch.Tensor) -> "SpecDecodeMetadata":
+        """Rows ``index`` [n] int64 as metadata of their own: every buffer a gathered copy."""
+        picked = self._map_rows(lambda t: t[index])
+        if self.row_sampling is not None:
+            picked.row_sampling = [self.row_sampling[i] for i in index.tolist()]
+        return picked
+
+    def _map_rows(self, take: Callable[[torch.Tensor], torch.Tensor]) -> "SpecDecodeMetadata":
+        """A copy whose per-row buffers (every tensor field, the no-drafts proposal) are ``take`` of ours."""
+        def part(value):
+            if isinstance(value, torch.Tensor):
+                return take(value)
+            if isinstance(value, Proposal):
+                return dataclasses.replace(value, **{f.name: take(getattr(value, f.name))
+                                                     for f in dataclasses.fields(value)
+                                                     if isinstance(getattr(value, f.name), torch.Tensor)})
+            return value
+
+        return dataclasses.replace(self, **{f.name: part(getattr(self, f.name)) for f in dataclasses.fields(self)})
+
+    def set_row_steps(self, steps: torch.Tensor) -> None:
+        """Point each row's Philox counters at its own step index ``steps`` [B] int64 (continuous
+        batching: a row counts its own steps, so its draws do not depend on when it joined)."""
+        steps = steps.to(device=self.device, dtype=torch.int64)
+        self.verify_offset.copy_(steps * PHILOX_OFFSET_STRIDE + PHILOX_VERIFY_OFFSET)
+        self.draft_offset.copy_(steps * PHILOX_OFFSET_STRIDE + PHILOX_DRAFT_OFFSET)
 
     def set_step(self, step: int) -> None:
         """Point the Philox counters at step ``step`` (in place: the buffers stay the same)."""

@@ -17,6 +17,18 @@ HF draft model (chains or trees), n-gram / suffix lookup, or heads on the target
                                            worth timing)
     drafter.close()                        once, when the loop ends (releases hooks on the target)
 
+Continuous batching (the serving engine, specdec_ext/serve/): rows join and leave a running batch.
+
+    drafter.start_rows(rows, prompts, meta)
+                                           rows (free slots) join: meta covers every slot, and its
+                                           token_buffer / seq_lens of these rows hold the prompts and
+                                           first tokens; the other rows keep their state
+    drafter.free_rows(rows)                rows leave; their state is released at once
+
+Between them ``propose`` / ``commit`` get a view of rows 0 .. the highest row in use
+(``SpecDecodeMetadata.rows``), whose ``row_sampling`` may differ per row. ModelDrafter and NgramDrafter
+implement them; tree drafters do not.
+
 Contract: the drafter samples only what the verifier checks. A stochastic drafter returns the exact
 (filtered) distribution q each token was sampled from; a deterministic one returns None (q is then
 one-hot at the drafted token). Its randomness comes from Philox keyed by (meta.seed, meta.draft_offset),
@@ -46,6 +58,12 @@ class Drafter:
 
     def commit(self, meta: SpecDecodeMetadata, verdict: Verdict) -> None:
         raise NotImplementedError
+
+    def start_rows(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], meta: SpecDecodeMetadata) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support continuous batching (start_rows)")
+
+    def free_rows(self, rows: Sequence[int]) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not support continuous batching (free_rows)")
 
     def checkpoint(self) -> Optional[Callable[[], None]]:
         """An undo for the cost probes' proposals, or None (nothing worth timing)."""

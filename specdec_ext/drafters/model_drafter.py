@@ -15,14 +15,14 @@ dropped, missing ones are -inf (never proposed).
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
 from .. import ops
 from ..metadata import Proposal, SpecDecodeMetadata, Verdict
 from ..runners import ModelRunner
-from ..sampling import filtered_probs, sample_inverse_cdf
+from ..sampling import SamplingParams, filtered_probs, sample_inverse_cdf
 from . import Drafter
 
 MAX_DRAFT_FEED = 2  # committed tokens a model drafter may not have seen: the bonus/recovered token and,
@@ -46,6 +46,7 @@ class ModelDrafter(Drafter):
         self.slots = int(k)
         self.vocab_size = int(vocab_size)  # the target's V: proposals and q rows live in it
         self.runner: Optional[ModelRunner] = None
+        self.token_ids: Optional[torch.Tensor] = None  # the proposal buffers, made for the loop's rows
         self._fed_drafts = 0  # draft tokens fed to the draft cache in the last propose (<= k - 1)
         self._skipped = 0  # adaptive k: steps skipped since the last feed (each commits <= 1 token per row)
         self._skipped_step = False  # the last step was skipped (commit leaves the cache as it is)
@@ -56,10 +57,23 @@ class ModelDrafter(Drafter):
             self.runner = self.runner_factory(max_batch_size=batch, max_seq_len=seq_len)
 
     def prefill(self, prompts: Sequence[Sequence[int]], meta: SpecDecodeMetadata) -> None:
+        self._prepare(meta)
+        self.runner.start([list(p) for p in prompts])  # the draft's prompt logits are not needed
+
+    def start_rows(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], meta: SpecDecodeMetadata) -> None:
+        """Continuous batching: rows join (``meta`` covers every slot; the buffers are made once)."""
+        if self.token_ids is None or self.token_ids.shape[0] != meta.batch_size:
+            self._prepare(meta)
+        self.runner.start_rows(rows, [list(p) for p in prompts])
+
+    def free_rows(self, rows: Sequence[int]) -> None:
+        self.runner.free_rows(rows)
+
+    def _prepare(self, meta: SpecDecodeMetadata) -> None:
+        """The draft runner and the step buffers for the loop's rows."""
         B, S = meta.token_buffer.shape
         device = meta.device
         self._ensure_runner(B, S)
-        self.runner.start([list(p) for p in prompts])  # the draft's prompt logits are not needed
         self._allocate(meta)
         self._feed_columns = torch.arange(MAX_DRAFT_FEED, dtype=torch.int64, device=device)  # [2]
         self._ones = torch.ones((B,), dtype=torch.int64, device=device)  # [B]
@@ -71,8 +85,11 @@ class ModelDrafter(Drafter):
         B, n, device = meta.batch_size, self.slots, meta.device
         self.token_ids = torch.zeros((B, n), dtype=torch.int64, device=device)  # [B, n]
         self.num_draft = torch.full((B,), n, dtype=torch.int32, device=device)  # [B]
-        self.probs = None if meta.sampling.greedy else torch.zeros(
-            (B, n, self.vocab_size), dtype=torch.float32, device=device)  # [B, n, V]
+        self.probs = None if meta.all_greedy else self._probs_buffer(B)  # [B, n, V]
+
+    def _probs_buffer(self, batch: int) -> torch.Tensor:
+        return torch.zeros((batch, self.slots, self.vocab_size), dtype=torch.float32,
+                           device=self.token_ids.device)  # [B, n, V]
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft logits [..., V_d] -> [..., V] in the target's vocabulary."""
@@ -97,43 +114,48 @@ class ModelDrafter(Drafter):
         logits = self.runner.forward(feed, num_feed)  # [B, W, V_d]
         self.runner.commit(num_feed)
         last = (num_feed - 1).clamp(min=0)
-        return logits[self._rows, last]
+        return logits[self._rows[: meta.batch_size], last]
 
     # ------------------------------------------------------------------ the step
     def propose(self, meta: SpecDecodeMetadata, budget: Optional[Sequence[int]] = None) -> Proposal:
-        sampling, k = meta.sampling, self.slots
+        k, B, greedy = self.slots, meta.batch_size, meta.all_greedy
         steps = k if budget is None else min(k, max(budget, default=0))
+        # the loop's rows are the first B of the buffers' (all of them, except under continuous batching)
+        token_ids, num_draft, ones = self.token_ids[:B], self.num_draft[:B], self._ones[:B]
+        if not greedy and self.probs is None:
+            self.probs = self._probs_buffer(self.token_ids.shape[0])
+        probs = None if greedy else self.probs[:B]  # [B, k, V]
         logits = self._fit_vocab(self._feed_unseen(meta))  # [B, V]
-        uniforms = None if sampling.greedy else ops.philox_uniforms(meta.seed, meta.draft_offset, k)  # [B, k]
+        uniforms = None if greedy else ops.philox_uniforms(meta.seed, meta.draft_offset, k)  # [B, k]
         if budget is None:
-            self.num_draft.fill_(k)
+            num_draft.fill_(k)
         else:
-            self.num_draft.copy_(torch.tensor([min(k, b) for b in budget], dtype=torch.int32))
+            num_draft.copy_(torch.tensor([min(k, b) for b in budget], dtype=torch.int32))
         drafting = torch.ones_like(meta.active) if self.confidence_threshold > 0 else None  # [B] bool
         self._fed_drafts, self._skipped_step = 0, False
         for i in range(steps):
-            if sampling.greedy:
+            if greedy:
                 token = logits.argmax(-1)  # [B]
                 if drafting is not None:
                     confidence = torch.softmax(logits.float(), -1).amax(-1)  # [B]
             else:
-                q = filtered_probs(logits, sampling)  # [B, V]
+                q = draft_probs(logits, meta)  # [B, V]
                 token = sample_inverse_cdf(q, uniforms[:, i])  # [B]
-                self.probs[:, i].copy_(q)
+                probs[:, i].copy_(q)
                 if drafting is not None:
                     confidence = q.gather(1, token[:, None])[:, 0]  # [B]
-            self.token_ids[:, i].copy_(token)
+            token_ids[:, i].copy_(token)
             if drafting is not None:
                 stop = drafting & (confidence < self.confidence_threshold) & meta.active  # [B]
-                self.num_draft.masked_fill_(stop & (self.num_draft > i + 1), i + 1)
+                num_draft.masked_fill_(stop & (num_draft > i + 1), i + 1)
                 drafting &= ~stop
                 if not bool((drafting & meta.active).any()):  # every live row has stopped drafting
                     break
             if i + 1 < steps:
-                logits = self._fit_vocab(self.runner.forward(token[:, None], self._ones)[:, 0])
-                self.runner.commit(self._ones)
+                logits = self._fit_vocab(self.runner.forward(token[:, None], ones)[:, 0])
+                self.runner.commit(ones)
                 self._fed_drafts += 1
-        return Proposal(self.token_ids, self.probs, self.num_draft, longest=None if budget is None else steps)
+        return Proposal(token_ids, probs, num_draft, longest=None if budget is None else steps)
 
     def skip(self, meta: SpecDecodeMetadata) -> None:
         """No draft this step (adaptive k): the next propose feeds the tokens committed meanwhile."""
@@ -164,3 +186,27 @@ class ModelDrafter(Drafter):
             self._fed_drafts = 0
 
         return undo
+
+
+def draft_probs(logits: torch.Tensor, meta: SpecDecodeMetadata) -> torch.Tensor:
+    """The draft's filtered q [B, V] from its logits [B, V]: the loop's filter, or each row's own
+    (``meta.row_sampling``, continuous batching). A greedy row's q is one-hot at its argmax, which is
+    what the verifier assumes of a greedy draft."""
+    if meta.row_sampling is None:
+        return filtered_probs(logits, meta.sampling)
+    return filtered_probs_by_row(logits, meta.row_sampling)
+
+
+def filtered_probs_by_row(logits: torch.Tensor, filters: Sequence[SamplingParams]) -> torch.Tensor:
+    """``sampling.filtered_probs`` with row b's own filter ``filters[b]``: one call per distinct filter,
+    so that each row gets exactly the q it would get in a batch of its own. logits [B, V] -> [B, V] fp32."""
+    groups: Dict[SamplingParams, List[int]] = {}
+    for row, params in enumerate(filters):
+        groups.setdefault(params, []).append(row)
+    if len(groups) == 1:
+        return filtered_probs(logits, filters[0])
+    q = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)  # [B, V]
+    for params, rows in groups.items():
+        index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+        q[index] = filtered_probs(logits[index], params)
+    return q

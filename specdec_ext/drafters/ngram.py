@@ -68,28 +68,52 @@ class NgramDrafter(Drafter):
     # ------------------------------------------------------------------ lifecycle
     def prefill(self, prompts: Sequence[Sequence[int]], meta: SpecDecodeMetadata) -> None:
         """Index each row's prompt and first emitted token (token_buffer[b, :seq_lens[b]])."""
+        self._allocate(meta)
+        self.automata = self._index_rows(range(meta.batch_size), meta)
+
+    def start_rows(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], meta: SpecDecodeMetadata) -> None:
+        """Continuous batching: index the joining rows (``meta`` covers every slot; a free row has no
+        automaton and proposes nothing)."""
+        if len(self.automata) != meta.batch_size:
+            self._allocate(meta)
+            self.automata = [None] * meta.batch_size
+        for row, automaton in zip(rows, self._index_rows(rows, meta)):
+            self.automata[row] = automaton
+
+    def free_rows(self, rows: Sequence[int]) -> None:
+        for row in rows:
+            self.automata[row] = None
+
+    def _allocate(self, meta: SpecDecodeMetadata) -> None:
         if meta.slots != self.slots:
             raise ValueError(f"NgramDrafter(k={self.slots}) used with metadata for {meta.slots} draft slots")
         B, device = meta.batch_size, meta.device
         self.token_ids = torch.zeros((B, self.slots), dtype=torch.int64, device=device)  # [B, k]
         self.num_draft = torch.zeros((B,), dtype=torch.int32, device=device)  # [B]
-        lengths = meta.seq_lens.tolist()
-        rows = meta.token_buffer.cpu()
-        self.automata = []
-        for b, n in enumerate(lengths):
+
+    def _index_rows(self, rows: Sequence[int], meta: SpecDecodeMetadata) -> List:
+        """A fresh automaton over token_buffer[b, :seq_lens[b]] for each row b of ``rows``."""
+        index = torch.tensor(list(rows), dtype=torch.int64, device=meta.device)
+        lengths = meta.seq_lens[index].tolist()
+        tokens = meta.token_buffer[index].cpu()  # [n, S]
+        automata = []
+        for i, length in enumerate(lengths):
             automaton = self._automaton_class(self.min_match, self.overlap_copy)
-            automaton.extend(rows[b, :n])
-            self.automata.append(automaton)
+            automaton.extend(tokens[i, :length])
+            automata.append(automaton)
+        return automata
 
     def propose(self, meta: SpecDecodeMetadata, budget: Optional[Sequence[int]] = None) -> Proposal:
         """Up to k tokens per row (padded with PAD_TOKEN); the longest count is known on the host."""
-        k = self.slots
-        drafts = [a.propose(k if budget is None else min(k, budget[b])) for b, a in enumerate(self.automata)]
+        k, B = self.slots, meta.batch_size
+        drafts = [[] if a is None else a.propose(k if budget is None else min(k, budget[b]))
+                  for b, a in enumerate(self.automata[:B])]
         counts = [len(d) for d in drafts]
         padded = [d + [PAD_TOKEN] * (k - len(d)) for d in drafts]
-        self.token_ids.copy_(torch.tensor(padded, dtype=torch.int64).view(len(drafts), k))
-        self.num_draft.copy_(torch.tensor(counts, dtype=torch.int32))
-        return Proposal(self.token_ids, None, self.num_draft, longest=max(counts, default=0))
+        token_ids, num_draft = self.token_ids[:B], self.num_draft[:B]
+        token_ids.copy_(torch.tensor(padded, dtype=torch.int64).view(B, k))
+        num_draft.copy_(torch.tensor(counts, dtype=torch.int32))
+        return Proposal(token_ids, None, num_draft, longest=max(counts, default=0))
 
     def skip(self, meta: SpecDecodeMetadata) -> None:
         """No proposal this step (adaptive k); commit() indexes the committed token as usual."""
@@ -102,11 +126,14 @@ class NgramDrafter(Drafter):
         """
         S = meta.token_buffer.shape[1]
         device = meta.device
-        seen = torch.tensor([len(a) for a in self.automata], dtype=torch.int64, device=device)  # [B]
+        automata = self.automata[: meta.batch_size]
+        seen = torch.tensor([0 if a is None else len(a) for a in automata], dtype=torch.int64, device=device)  # [B]
         columns = torch.arange(self.slots + 1, dtype=torch.int64, device=device)  # [k+1]
         window = torch.gather(meta.token_buffer, 1, (seen[:, None] + columns).clamp(max=S - 1))  # [B, k+1]
         host = torch.cat([meta.seq_lens[:, None], window], dim=1).tolist()  # [B, 1 + k+1]
-        for b, automaton in enumerate(self.automata):
+        for b, automaton in enumerate(automata):
+            if automaton is None:
+                continue  # a free slot (continuous batching)
             new = host[b][0] - len(automaton)
             if new < 0:
                 raise RuntimeError(f"NgramDrafter: row {b} has {host[b][0]} tokens but its automaton already "

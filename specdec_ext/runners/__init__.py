@@ -14,6 +14,15 @@ is metadata: lengths). Shapes: B rows, T tokens per row in a forward, V the mode
     truncate(new_lengths)                   roll rows back to new_lengths [B] committed tokens
     lengths                                 committed tokens per row, int64 on the device [B]
 
+Continuous batching (the serving engine, specdec_ext/serve/; runners/rows.py):
+
+    start_rows(rows, prompts)               prefill free rows (slots) while the others keep their caches
+                                            -> fp32 logits at each prompt's last token [n, V]
+    free_rows(rows)                         release rows and their cache at once
+
+After them the batch B spans rows 0 .. the highest row in use; a free row inside it is empty (length 0)
+and the caller freezes it. The paged runner does this in host mode only (not static shapes).
+
 Implementations (``make_runner(kind, ...)``):
 
     "lean"       runners/lean.py: a pure-torch forward over the HF weights of a Llama/Mistral/Qwen2
@@ -67,6 +76,10 @@ class ModelRunner(Protocol):
     def commit_tree(self, path: torch.Tensor, num_accepted: torch.Tensor) -> None: ...
 
     def truncate(self, new_lengths: torch.Tensor) -> None: ...
+
+    def start_rows(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor: ...
+
+    def free_rows(self, rows: Sequence[int]) -> None: ...
 
 
 def make_runner(kind: str, model, *, max_batch_size: int, max_seq_len: int,

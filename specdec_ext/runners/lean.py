@@ -38,6 +38,7 @@ from .checks import (check_forward_inputs, check_row_counts, check_start_prompts
                      tensor_parallel_size,
                      text_config)
 from .layout import additive_mask, step_layout
+from .rows import RowsInUse
 from .trees import token_tree_inputs, tree_commit_plan
 
 __all__ = ["LeanLlamaRunner", "unsupported_reason", "SUPPORTED_MODEL_TYPES"]
@@ -160,6 +161,7 @@ class LeanLlamaRunner:
         self._len: List[int] = []         # committed tokens per row (host: the source of truth)
         self._tentative: List[int] = []   # tokens written by the last forward, per row
         self._tree = False                # whether the last forward was a tree
+        self._in_use = RowsInUse(self.max_batch_size)  # continuous batching: start_rows / free_rows
         self._rows = torch.arange(self.max_batch_size, device=self.device)
         self._alloc(self.max_seq_len + CAPACITY_SLACK)
 
@@ -205,8 +207,10 @@ class LeanLlamaRunner:
         return weight * h.to(x.dtype)
 
     def _model(self, ids: torch.Tensor, start: List[int], keep: Optional[torch.Tensor],
-               tree: Optional[tuple] = None, counts: Optional[Sequence[int]] = None) -> torch.Tensor:
+               tree: Optional[tuple] = None, counts: Optional[Sequence[int]] = None,
+               cache_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         """ids [B, T]; row b's token t stored at start[b] + t, the first counts[b] (default T) of them real.
+        cache_rows [B] int64: the cache row of each batch row (start_rows); None: rows 0..B-1.
         Chain (tree None): at position start[b] + t, seeing positions <= start[b] + t. Tree (ancestors
         [B, T, T] bool, depth [B, T] int64; see trees.token_tree_inputs): at position start[b] + depth[b, t],
         seeing the prefix and its ancestors. keep: None (logits of every token, [B, T, V]) or column
@@ -217,6 +221,8 @@ class LeanLlamaRunner:
         if S > self.capacity:
             self._alloc(S + CAPACITY_SLACK)
         uniform = tree is None and all(s == start[0] for s in start)
+        # a slice keeps the cache a view; an index (rows joining a running batch) gathers a copy
+        rows_of_cache = slice(0, B) if cache_rows is None else cache_rows
         if uniform:  # every row at the same position: one shared [T, S] mask (or none)
             s0 = start[0]
             cos, sin = self._cos[s0:S], self._sin[s0:S]  # [T, D]
@@ -235,7 +241,7 @@ class LeanLlamaRunner:
             store, pos = layout.storage, layout.positions  # [B, T]
             cos, sin = self._cos[pos].unsqueeze(1), self._sin[pos].unsqueeze(1)  # [B, 1, T, D]
             mask, causal = additive_mask(layout.visible, self.attn_dtype), False
-            rows = self._rows[:B, None]  # [B, 1]
+            rows = (self._rows[:B] if cache_rows is None else cache_rows)[:, None]  # [B, 1]
         half = D // 2
         x = F.embedding(ids, self.embed)  # [B, T, d]
         for l, (w_in, eps_in, (wq, bq), (wk, bk), (wv, bv), (wo, bo), w_post, eps_post,
@@ -249,12 +255,13 @@ class LeanLlamaRunner:
             k = k * cos + k.roll(half, -1) * sin
             kc, vc = self.k_cache[l], self.v_cache[l]  # [Bmax, Hk, cap, D]
             if uniform:
-                kc[:B, :, s0:S] = k
-                vc[:B, :, s0:S] = v.transpose(1, 2)
+                kc[rows_of_cache, :, s0:S] = k.to(kc.dtype)
+                vc[rows_of_cache, :, s0:S] = v.transpose(1, 2).to(vc.dtype)
             else:
                 kc[rows, :, store] = k.transpose(1, 2).to(kc.dtype)
                 vc[rows, :, store] = v.to(vc.dtype)
-            a = F.scaled_dot_product_attention(q.to(kc.dtype), kc[:B, :, :S], vc[:B, :, :S], attn_mask=mask,
+            a = F.scaled_dot_product_attention(q.to(kc.dtype), kc[rows_of_cache, :, :S], vc[rows_of_cache, :, :S],
+                                               attn_mask=mask,
                                                is_causal=causal, scale=self.scale,
                                                enable_gqa=self.gqa).to(self.dtype)  # [B, H, T, D]
             x = x + F.linear(a.transpose(1, 2).reshape(B, T, H * D), wo, bo)
@@ -274,20 +281,51 @@ class LeanLlamaRunner:
         position, fp32 [B, V]. Afterwards lengths[b] = len(prompts[b])."""
         check_start_prompts(prompts, self.max_batch_size, self.max_seq_len)
         B = len(prompts)
+        logits = self._prefill(prompts, None)
+        self._batch = B
+        self._len = [len(p) for p in prompts]
+        self._tentative = [0] * B
+        self._in_use.reset(B)
+        return logits
+
+    def start_rows(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Continuous batching: prefill free ``rows`` with ``prompts`` while the other rows keep their
+        caches; returns the logits at each prompt's last position, fp32 [n, V]. The batch then spans
+        up to the highest row in use (runners/rows.py); lengths[rows[i]] = len(prompts[i])."""
+        check_start_prompts(prompts, self.max_batch_size, self.max_seq_len)
+        rows = self._in_use.check_free("start_rows", rows, len(prompts))
+        logits = self._prefill(prompts, torch.tensor(rows, dtype=torch.int64, device=self.device))
+        self._in_use.add(rows)
+        self._resize(self._in_use.width)
+        for row, prompt in zip(rows, prompts):
+            self._len[row] = len(prompt)
+        return logits
+
+    def free_rows(self, rows: Sequence[int]) -> None:
+        """Continuous batching: release ``rows`` (length 0); the batch shrinks to the highest row still in use."""
+        for row in self._in_use.remove("free_rows", rows):
+            self._len[row] = 0
+        self._resize(self._in_use.width)
+
+    def _resize(self, width: int) -> None:
+        """The host lists to ``width`` rows (new rows empty); between steps, so nothing is tentative."""
+        self._len = (self._len + [0] * width)[:width]
+        self._tentative = [0] * width
+        self._batch = width
+
+    def _prefill(self, prompts: Sequence[Sequence[int]], cache_rows: Optional[torch.Tensor]) -> torch.Tensor:
+        """Logits at each prompt's last position [n, V], the prompts' K/V in cache rows ``cache_rows``
+        (None: 0..n-1)."""
+        B = len(prompts)
         T = max(len(p) for p in prompts)
         # Right-padded: every row starts at position 0 (a plain causal mask); padding columns write
         # K/V past the row's tokens, which its lengths never cover.
         ids = torch.zeros((B, T), dtype=torch.int64)
         for b, p in enumerate(prompts):
             ids[b, : len(p)] = torch.as_tensor(list(p), dtype=torch.int64)
-        counts = [len(p) for p in prompts]
-        last = torch.tensor([c - 1 for c in counts], dtype=torch.int64, device=self.device)
+        last = torch.tensor([len(p) - 1 for p in prompts], dtype=torch.int64, device=self.device)
         with torch.no_grad():
-            logits = self._model(ids.to(self.device), [0] * B, last)
-        self._batch = B
-        self._len = counts
-        self._tentative = [0] * B
-        return logits
+            return self._model(ids.to(self.device), [0] * B, last, cache_rows=cache_rows)
 
     def forward(self, input_ids: torch.Tensor, num_tokens: Optional[torch.Tensor] = None,
                 tree_parents: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -38,6 +38,7 @@ from .checks import check_forward_inputs, check_row_counts, check_start_prompts,
 from .hf_paged import PagedCache, PagedStep
 from .kv_cache import PagedKVCache, PoolFullError
 from .layout import additive_mask, step_layout
+from .rows import RowsInUse
 from .support import kv_layout
 from .trees import token_tree_inputs, tree_commit_plan
 
@@ -87,6 +88,7 @@ class PagedModelRunner:
         self._device_lengths = False  # static-shapes mode in flight: kv.lengths is the truth, the host's is stale
         self._tentative: List[int] = []  # tokens written by the last forward, per row (host mode)
         self._tree = False  # whether the last forward was a tree
+        self._in_use = RowsInUse(max_batch_size)  # continuous batching: start_rows / free_rows
         self._arange = torch.arange(max(max_seq_len, pages_per_row * page_size) + 1, device=self.device)
 
     # ------------------------------------------------------------------ state
@@ -110,14 +112,17 @@ class PagedModelRunner:
 
     # ------------------------------------------------------------------ core step
     def _run(self, input_ids: torch.Tensor, num_tokens: torch.Tensor, pages: int, *,
-             first: Optional[torch.Tensor] = None, tree=None, logits_to_keep: int = 0) -> torch.Tensor:
+             first: Optional[torch.Tensor] = None, tree=None, logits_to_keep: int = 0,
+             cache_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         """One forward over the first ``pages`` pages of each row: input_ids [B, T], num_tokens [B] int64
-        and first [B] int64 on the device (see layout.step_layout). Logits fp32 [B, T or keep, V]."""
+        and first [B] int64 on the device (see layout.step_layout); cache_rows [B] int64: the cache row
+        of each batch row (start_rows), None: rows 0..B-1. Logits fp32 [B, T or keep, V]."""
         B, T = input_ids.shape
         PS = self.page_size
         S = pages * PS
-        layout = step_layout(self.lengths, num_tokens, T, S, self._arange, first=first, tree=tree)
-        tables = self.kv.block_tables[:B]  # [B, P_max] int32
+        lengths = self.lengths if cache_rows is None else self.kv.lengths[cache_rows]  # [B]
+        layout = step_layout(lengths, num_tokens, T, S, self._arange, first=first, tree=tree)
+        tables = self.kv.block_tables[:B] if cache_rows is None else self.kv.block_tables[cache_rows]  # [B, P_max]
         page = tables.gather(1, (layout.storage // PS).clamp(max=tables.shape[1] - 1)).long()
         stored = layout.valid & (layout.storage < self.kv.max_len) & (page >= 0)
         slot_mapping = torch.where(stored, page * PS + layout.storage % PS, -1)  # [B, T] int64
@@ -151,21 +156,60 @@ class PagedModelRunner:
         self._device_lengths = False
         self.kv.free_all()
         self._batch = B = len(prompts)
-        T = max(len(p) for p in prompts)
-        # Left-aligned padding: every prompt ends in the last column, so logits_to_keep=1 suffices.
-        ids = torch.zeros((B, T), dtype=torch.int64)
-        for b, p in enumerate(prompts):
-            ids[b, T - len(p):] = torch.as_tensor(list(p), dtype=torch.int64)
         counts = [len(p) for p in prompts]
         pages = self._reserve(counts)
-        n = torch.tensor(counts, dtype=torch.int64)
-        logits = self._run(ids.to(self.device), n.to(self.device), pages, first=(T - n).to(self.device),
-                           logits_to_keep=1)
+        logits = self._prefill(prompts, pages, None)
         self.kv.set_lengths([(b, counts[b]) for b in range(B)])
         self._tentative = [0] * B
+        self._in_use.reset(B)
         if self.static_shapes:
             self.kv.reserve([(b, self.kv.max_len) for b in range(B)])
             self._device_lengths = True
+        return logits
+
+    def start_rows(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Continuous batching (host mode): prefill free ``rows`` with ``prompts`` while the other rows
+        keep their pages; returns the logits at each prompt's last position, fp32 [n, V]. The batch then
+        spans up to the highest row in use (runners/rows.py). PoolFullError (nothing allocated) when the
+        pool cannot hold the prompts."""
+        if self.static_shapes:
+            raise ValueError("start_rows: the static-shapes (CUDA-graph) mode gives every row all its pages; "
+                             "continuous batching needs host mode (static_shapes=False)")
+        check_start_prompts(prompts, self.max_batch_size, self.max_seq_len)
+        rows = self._in_use.check_free("start_rows", rows, len(prompts))
+        counts = [len(p) for p in prompts]
+        self.kv.reserve(list(zip(rows, counts)))  # a free row owns no pages
+        pages = -(-max(counts) // self.page_size)
+        try:
+            logits = self._prefill(prompts, pages, torch.tensor(rows, dtype=torch.int64, device=self.device))
+        except BaseException:
+            self.kv.set_lengths([(row, 0) for row in rows])  # give the pages back
+            raise
+        self.kv.set_lengths(list(zip(rows, counts)))
+        self._in_use.add(rows)
+        self._batch = self._in_use.width
+        self._tentative = [0] * self._batch
+        return logits
+
+    def free_rows(self, rows: Sequence[int]) -> None:
+        """Continuous batching: release ``rows`` and their pages at once; the batch shrinks to the
+        highest row still in use."""
+        rows = self._in_use.remove("free_rows", rows)
+        self.kv.set_lengths([(row, 0) for row in rows])
+        self._batch = self._in_use.width
+        self._tentative = [0] * self._batch
+
+    def _prefill(self, prompts: Sequence[Sequence[int]], pages: int, cache_rows: Optional[torch.Tensor]) -> torch.Tensor:
+        """Logits at each prompt's last position [n, V]; the prompts' K/V go to cache rows ``cache_rows``
+        (None: 0..n-1), whose pages are reserved."""
+        T = max(len(p) for p in prompts)
+        # Left-aligned padding: every prompt ends in the last column, so logits_to_keep=1 suffices.
+        ids = torch.zeros((len(prompts), T), dtype=torch.int64)
+        for b, p in enumerate(prompts):
+            ids[b, T - len(p):] = torch.as_tensor(list(p), dtype=torch.int64)
+        n = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
+        logits = self._run(ids.to(self.device), n.to(self.device), pages, first=(T - n).to(self.device),
+                           logits_to_keep=1, cache_rows=cache_rows)
         return logits[:, -1]
 
     def forward(self, input_ids: torch.Tensor, num_tokens: Optional[torch.Tensor] = None,

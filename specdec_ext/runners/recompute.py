@@ -19,6 +19,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from .checks import check_row_counts, check_start_prompts, output_vocab_size
+from .rows import RowsInUse
 
 
 class RecomputeRunner:
@@ -37,6 +38,7 @@ class RecomputeRunner:
         self._committed: List[List[int]] = []
         self._tentative: List[List[int]] = []  # per row: the tokens of the last forward, in node order
         self._parents: List[Optional[List[int]]] = []  # per row: tree parents of the tentative nodes
+        self._in_use = RowsInUse(self.max_batch_size)  # continuous batching: start_rows / free_rows
 
     # ------------------------------------------------------------------ state
     @property
@@ -80,8 +82,34 @@ class RecomputeRunner:
         self._committed = prompts
         self._tentative = [[] for _ in prompts]
         self._parents = [None for _ in prompts]
+        self._in_use.reset(len(prompts))
         rows = self._last_logits(prompts, [1] * len(prompts))
         return torch.stack([r[0] for r in rows])
+
+    def start_rows(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Continuous batching: ``rows`` (free) take ``prompts``, the other rows keep theirs; fp32 logits
+        at each prompt's last position [n, V]. The batch spans up to the highest row in use."""
+        prompts = [[int(t) for t in p] for p in prompts]
+        check_start_prompts(prompts, self.max_batch_size, self.max_seq_len)
+        rows = self._in_use.check_free("start_rows", rows, len(prompts))
+        logits = self._last_logits(prompts, [1] * len(prompts))
+        self._in_use.add(rows)
+        self._resize(self._in_use.width)
+        for row, prompt in zip(rows, prompts):
+            self._committed[row] = prompt
+        return torch.stack([r[0] for r in logits])
+
+    def free_rows(self, rows: Sequence[int]) -> None:
+        """Continuous batching: ``rows`` become empty; the batch shrinks to the highest row in use."""
+        for row in self._in_use.remove("free_rows", rows):
+            self._committed[row] = []
+        self._resize(self._in_use.width)
+
+    def _resize(self, width: int) -> None:
+        """Per-row lists to ``width`` rows (new rows empty; nothing is tentative between steps)."""
+        self._committed = (self._committed + [[] for _ in range(width)])[:width]
+        self._tentative = [[] for _ in range(width)]
+        self._parents = [None for _ in range(width)]
 
     def forward(self, input_ids: torch.Tensor, num_tokens: Optional[torch.Tensor] = None,
                 tree_parents: Optional[torch.Tensor] = None) -> torch.Tensor:

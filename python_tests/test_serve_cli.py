@@ -1,0 +1,108 @@
+"""`specdec serve` as a command: a real process on 127.0.0.1 that SIGTERM shuts down gracefully (in-flight
+requests aborted with a message, new ones refused, exit status 0), its flags, and the message that names
+the install command when the [serve] extra is missing."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from specdec_ext import cli
+from serve_utils import CHAT_TEMPLATE, MODEL_NAME
+from test_generate_utils import CHAR_VOCAB, char_tokenizer, noisy_copy, tiny_model
+
+START_TIMEOUT_S = 120.0  # importing torch and transformers in a fresh process is slow on a shared machine
+EXIT_TIMEOUT_S = 30.0
+ROW_POSITIONS = 4096  # long rows: the tiny model cannot finish one before the signal lands
+
+
+@pytest.fixture(scope="module")
+def saved_pair(tmp_path_factory):
+    """A tiny pair saved as model directories (the tokenizer next to the target)."""
+    root = tmp_path_factory.mktemp("pair")
+    target = tiny_model("llama", vocab=CHAR_VOCAB, hidden=48, layers=2, logit_scale=4.0, max_positions=ROW_POSITIONS)
+    tokenizer = char_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    target.save_pretrained(root / "target")
+    tokenizer.save_pretrained(root / "target")
+    noisy_copy(target, noise=0.3).save_pretrained(root / "draft")
+    return root / "target", root / "draft"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(process, url: str) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"specdec serve exited with {process.returncode}: {process.stderr.read()}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("specdec serve did not become healthy")
+
+
+def test_sigterm_aborts_in_flight_requests_with_a_message_and_exits_0(saved_pair):
+    target, draft = saved_pair
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "specdec_ext", "serve", "--target", str(target), "--draft", str(draft),
+               "--port", str(port), "--model-name", MODEL_NAME, "-k", "3", "--max-rows", "2", "--threads", "1",
+               "--shutdown-grace", "0", "--log-level", "warning"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        _wait_healthy(process, url)
+        body = {"model": MODEL_NAME, "prompt": "def f(x):", "max_tokens": ROW_POSITIONS - 40, "temperature": 0,
+                "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=EXIT_TIMEOUT_S) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            first = next(line for line in lines if line)
+            assert json.loads(first[len("data: "):])["choices"][0]["finish_reason"] is None
+            process.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        error = json.loads(rest[-2][len("data: "):])["error"]
+        assert "shutting down" in error["message"] and error["code"] == "aborted"
+        assert process.wait(EXIT_TIMEOUT_S) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    stderr = process.stderr.read()
+    assert f"'{MODEL_NAME}' on http://127.0.0.1:{port}/v1" in stderr and "steps eager" in stderr
+    with pytest.raises(httpx.ConnectError):  # nothing listens any more
+        httpx.get(url + "/health", timeout=2)
+
+
+def test_serve_without_the_extra_names_the_install_command(monkeypatch):
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # an import of it now raises ImportError
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["serve"])
+    message = str(exit_info.value)
+    assert "needs uvicorn" in message and 'pip install --no-build-isolation ".[serve]"' in message
+
+
+def test_serve_help_lists_its_flags(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["serve", "--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    for flag in ("--host", "--port", "--max-rows", "--max-queue", "--max-seq-len", "--cache-tokens",
+                 "--shutdown-grace", "--model-name", "'none'"):
+        assert flag in out

@@ -1,0 +1,182 @@
+"""Continuous batching's row-level pieces: start_rows / free_rows of the lean, paged and recompute runners and
+of the model and ngram drafters, the metadata's row views and per-row Philox steps, per-row draft filters."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec_ext.drafters import NgramDrafter
+from specdec_ext.drafters.model_drafter import filtered_probs_by_row
+from specdec_ext.metadata import SpecDecodeMetadata
+from specdec_ext.runners import LeanLlamaRunner, PagedModelRunner, RecomputeRunner, make_runner
+from specdec_ext.sampling import SamplingParams, filtered_probs
+from test_generate_utils import one_thread, tiny_model
+
+PROMPTS = [[5, 6, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19], [20], [30, 31, 32, 33, 34]]
+RUNNERS = ("lean", "paged", "recompute")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    with one_thread():
+        yield
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama", hidden=48, layers=2, logit_scale=4.0)
+
+
+def _runner(kind, model, rows=6, seq=64):
+    return make_runner(kind, model, max_batch_size=rows, max_seq_len=seq)
+
+
+@pytest.mark.parametrize("kind", RUNNERS)
+def test_start_rows_matches_a_fresh_start_and_leaves_other_rows_alone(model, kind):
+    fresh = _runner(kind, model)
+    expected = fresh.start(PROMPTS)  # [4, V]
+    first = expected.argmax(-1)  # [4]: each row's next token
+    runner = _runner(kind, model)
+    torch.testing.assert_close(runner.start_rows([0, 2], [PROMPTS[0], PROMPTS[2]]), expected[[0, 2]],
+                               rtol=1e-5, atol=1e-5)
+    assert runner.batch_size == 3 and runner.lengths.tolist() == [3, 0, 1]  # row 1 is free, inside the width
+    # rows 0 and 2 take a step; then rows 3 and 1 join, and rows 0 and 2 keep their caches
+    runner.forward(torch.tensor([[first[0]], [0], [first[2]]]), torch.tensor([1, 0, 1]))
+    runner.commit(torch.tensor([1, 0, 1]))
+    torch.testing.assert_close(runner.start_rows([3, 1], [PROMPTS[3], PROMPTS[1]]), expected[[3, 1]],
+                               rtol=1e-5, atol=1e-5)
+    assert runner.lengths.tolist() == [4, 9, 2, 5]
+    fresh.forward(torch.tensor([[first[0]], [0], [first[2]], [0]]), torch.tensor([1, 0, 1, 0]))
+    fresh.commit(torch.tensor([1, 0, 1, 0]))
+    following = torch.tensor([[1], [first[1]], [2], [first[3]]])  # [4, 1]
+    torch.testing.assert_close(runner.forward(following), fresh.forward(following), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", RUNNERS)
+def test_free_rows_shrinks_the_batch_and_the_slot_is_reusable(model, kind):
+    runner = _runner(kind, model)
+    runner.start_rows([0, 1, 2], PROMPTS[:3])
+    runner.free_rows([2])
+    assert runner.batch_size == 2
+    runner.free_rows([0])
+    assert runner.batch_size == 2 and runner.lengths.tolist() == [0, 9]  # row 0 is free inside the width
+    again = runner.start_rows([0], [PROMPTS[3]])
+    reference = _runner(kind, model).start([PROMPTS[3]])
+    torch.testing.assert_close(again, reference, rtol=1e-5, atol=1e-5)
+    runner.free_rows([0, 1])
+    assert runner.batch_size == 0
+
+
+@pytest.mark.parametrize("kind", RUNNERS)
+def test_row_errors_name_the_row(model, kind):
+    runner = _runner(kind, model, rows=3)
+    runner.start_rows([1], [PROMPTS[0]])
+    with pytest.raises(ValueError, match="row 1 is in use"):
+        runner.start_rows([1], [PROMPTS[1]])
+    with pytest.raises(ValueError, match="row 5 is outside"):
+        runner.start_rows([5], [PROMPTS[1]])
+    with pytest.raises(ValueError, match="2 rows for 1 prompts"):
+        runner.start_rows([0, 2], [PROMPTS[1]])
+    with pytest.raises(ValueError, match="row 0 is not in use"):
+        runner.free_rows([0])
+    with pytest.raises(ValueError, match="repeat"):
+        runner.free_rows([1, 1])
+    assert runner.batch_size == 2  # nothing changed
+
+
+def test_paged_free_rows_returns_every_page_and_start_rows_is_all_or_nothing(model):
+    runner = PagedModelRunner(model, max_batch_size=4, max_seq_len=64, page_size=4, num_pages=6)
+    runner.start_rows([0, 1], [PROMPTS[1], PROMPTS[0]])  # 3 + 1 pages
+    assert runner.kv.num_free_pages == 2
+    with pytest.raises(ValueError, match="page pool is full"):
+        runner.start_rows([2], [PROMPTS[1]])  # 3 pages: nothing allocated, row 2 stays free
+    assert runner.kv.num_free_pages == 2 and runner.batch_size == 2
+    runner.free_rows([0])
+    assert runner.kv.num_free_pages == 5
+    runner.kv.check_invariants()
+    runner.start_rows([2], [PROMPTS[1]])
+    runner.free_rows([1, 2])
+    assert runner.kv.num_free_pages == 6 and runner.batch_size == 0
+    runner.kv.check_invariants()
+
+
+def test_paged_static_shapes_refuses_start_rows(model):
+    runner = PagedModelRunner(model, max_batch_size=2, max_seq_len=16, static_shapes=True)
+    with pytest.raises(ValueError, match="host mode"):
+        runner.start_rows([0], [PROMPTS[0]])
+
+
+def test_start_after_start_rows_resets_the_rows(model):
+    for runner in (LeanLlamaRunner(model, max_batch_size=4, max_seq_len=32),
+                   RecomputeRunner(model, max_batch_size=4, max_seq_len=32)):
+        runner.start_rows([3], [PROMPTS[0]])
+        runner.start(PROMPTS[:2])
+        assert runner.batch_size == 2
+        runner.start_rows([2], [PROMPTS[2]])  # rows 0, 1 in use from start, 2 joins
+        assert runner.lengths.tolist() == [3, 9, 1]
+
+
+# ------------------------------------------------------------------------------------------ metadata
+def _meta(batch=4, slots=3):
+    return SpecDecodeMetadata.allocate(batch_size=batch, slots=slots, max_seq_len=32, sampling=SamplingParams(),
+                                       seeds=torch.arange(batch, dtype=torch.int64))
+
+
+def test_rows_is_a_view_and_select_a_copy():
+    meta = _meta()
+    meta.row_sampling = [SamplingParams(float(b)) for b in range(4)]
+    view = meta.rows(2)
+    assert view.batch_size == 2 and view.no_drafts.token_ids.shape == (2, 3)
+    view.seq_lens.fill_(7)
+    assert meta.seq_lens.tolist() == [7, 7, 0, 0]
+    assert [p.temperature for p in view.row_sampling] == [0.0, 1.0]
+    picked = meta.select(torch.tensor([3, 1]))
+    assert picked.seed.tolist() == [3, 1] and [p.temperature for p in picked.row_sampling] == [3.0, 1.0]
+    picked.seed.fill_(9)
+    assert meta.seed.tolist() == [0, 1, 2, 3]
+
+
+def test_set_row_steps_gives_each_row_its_own_philox_counters():
+    meta = _meta()
+    meta.set_row_steps(torch.tensor([0, 1, 5, 2]))
+    for row, step in enumerate([0, 1, 5, 2]):
+        single = _meta(batch=1)
+        single.set_step(step)
+        assert meta.verify_offset[row] == single.verify_offset[0]
+        assert meta.draft_offset[row] == single.draft_offset[0]
+
+
+def test_all_greedy_reads_each_rows_filter():
+    meta = _meta()
+    assert meta.all_greedy
+    meta.row_sampling = [SamplingParams()] * 3 + [SamplingParams(0.7)]
+    assert not meta.all_greedy
+    assert meta.rows(3).all_greedy
+
+
+def test_filtered_probs_by_row_is_exactly_each_rows_own_filter():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 40) * 3
+    logits[2, :8] = logits[2, 0]  # ties at the top
+    filters = [SamplingParams(), SamplingParams(0.7, 5, 0.9), SamplingParams(1.0), SamplingParams(0.7, 5, 0.9),
+               SamplingParams(1.3, 0, 0.5), SamplingParams(float("inf"), 3)]
+    q = filtered_probs_by_row(logits, filters)
+    for row, params in enumerate(filters):
+        assert torch.equal(q[row], filtered_probs(logits[row: row + 1], params)[0]), row
+    same = [SamplingParams(0.7, 5, 0.9)] * 6
+    assert torch.equal(filtered_probs_by_row(logits, same), filtered_probs(logits, same[0]))
+
+
+# ------------------------------------------------------------------------------------------ drafters
+def test_ngram_drafter_rows_join_and_leave():
+    meta = _meta(batch=3, slots=3)
+    meta.row_sampling = [SamplingParams()] * 3
+    drafter = NgramDrafter(3)
+    meta.token_buffer[1, :6] = torch.tensor([1, 2, 3, 1, 2, 3])
+    meta.seq_lens[1] = 6
+    meta.seq_lens[[0, 2]] = 1
+    drafter.start_rows([1], [[1, 2, 3, 1, 2]], meta)
+    proposal = drafter.propose(meta.rows(2))
+    assert proposal.num_draft.tolist() == [0, 3] and proposal.token_ids[1].tolist() == [1, 2, 3]
+    drafter.free_rows([1])
+    assert drafter.propose(meta.rows(2)).num_draft.tolist() == [0, 0]

@@ -1,0 +1,294 @@
+"""The HTTP app: a FastAPI app over an Engine (``create_app``); serve/server.py runs it with uvicorn.
+
+Routes: POST /v1/completions, POST /v1/chat/completions (the tokenizer's chat template; 400 when it has
+none), GET /v1/models, GET /health, GET /metrics (Prometheus text).
+
+Errors have OpenAI's shape ({"error": {"message", "type", "param", "code"}}): 400 for malformed JSON and
+bad fields (``param`` names the field) and for a request that can never fit the cache (with the
+numbers), 404 for another model name, 429 with Retry-After when every row runs and the queue is full,
+503 while shutting down, 500 when the request's row failed.
+
+Streaming is server-sent events of OpenAI chunks ending with ``data: [DONE]``; a row that is aborted
+(shutdown) or fails sends an error event in place of its last chunk. A client that goes away cancels its
+row, which frees its cache at the next step boundary (streaming: as soon as the connection drops;
+non-streaming: checked every ``DISCONNECT_POLL_S``).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+from typing import Any, AsyncIterator, Callable, List, Optional, Sequence
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from ..sampling import SamplingParams
+from ..stops import StopCriteria
+from . import protocol
+from .engine import RUNNING, Engine
+from .protocol import ChatRequest, CompletionRequest
+from .request import ABORTED, FAILED, GenerationRequest, QueueFullError, RequestRejected, RowEvent
+from .text import SharedTokenizer, TextStream
+
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's max_tokens default for /v1/completions
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's default
+DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
+SEED_BITS = 62  # a request without a seed draws one in [0, 2^62)
+
+
+class ApiError(Exception):
+    """An error response with OpenAI's body."""
+
+    def __init__(self, status: int, message: str, error_type: str = "invalid_request_error",
+                 param: Optional[str] = None, code: Optional[str] = None, headers: Optional[dict] = None):
+        super().__init__(message)
+        self.status, self.error_type, self.param, self.code, self.headers = status, error_type, param, code, headers
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(protocol.error_body(str(self), self.error_type, self.param, self.code),
+                            status_code=self.status, headers=self.headers)
+
+
+class OpenAIService:
+    """Turns OpenAI requests into engine requests and engine events into OpenAI responses."""
+
+    def __init__(self, engine: Engine, tokenizer, *, model_name: str, eos_token_ids: Sequence[int]):
+        if tokenizer is None:
+            raise ValueError("specdec serve needs the target's tokenizer (text in, text out)")
+        self.engine, self.tokenizer, self.model_name = engine, SharedTokenizer(tokenizer), model_name
+        self.eos_token_ids = list(eos_token_ids)
+        self.created = protocol.now()
+        self.vocab_size = engine.batcher.target.vocab_size
+
+    # ------------------------------------------------------------------ requests
+    async def completion(self, body: CompletionRequest, http: Request):
+        self._check_model(body.model)
+        if isinstance(body.prompt, str):
+            prompt = self.tokenizer.encode(body.prompt)
+        else:
+            prompt = list(body.prompt)
+            bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ApiError(400, f"prompt: token ids outside [0, {self.vocab_size}): {bad[:5]}", param="prompt")
+        max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_COMPLETION_TOKENS
+        return await self._respond(body, prompt, max_tokens, http, chat=False)
+
+    async def chat(self, body: ChatRequest, http: Request):
+        self._check_model(body.model)
+        if not self.tokenizer.chat_template:
+            raise ApiError(400, f"the tokenizer of {self.model_name!r} has no chat template, so chat messages "
+                                "cannot be turned into a prompt: use /v1/completions with a prompt",
+                           param="messages", code="no_chat_template")
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            text = self.tokenizer.chat_prompt(messages)
+        except Exception as error:  # a template may refuse a conversation (e.g. roles out of order)
+            raise ApiError(400, f"messages: the chat template refused them: {error}", param="messages") from None
+        prompt = self.tokenizer.encode(text, add_special_tokens=False)  # the template wrote any special tokens
+        max_tokens = body.token_limit
+        if max_tokens is None:  # as OpenAI: up to the end of the row's cache
+            budget = self.engine.batcher.budget
+            max_tokens = budget.max_seq_len - budget.positions(len(prompt), 0)
+            if max_tokens < 1:
+                raise ApiError(400, f"messages: the prompt has {len(prompt)} tokens and leaves no room to "
+                                    f"generate in a row of {budget.max_seq_len} positions", param="messages")
+        return await self._respond(body, prompt, max_tokens, http, chat=True)
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise ApiError(404, f"the model {model!r} does not exist: this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+    def _generation_request(self, body, prompt: List[int], max_tokens: int) -> GenerationRequest:
+        if not prompt:
+            raise ApiError(400, "the prompt is empty (no tokens)", param="prompt")
+        sampling = SamplingParams(DEFAULT_TEMPERATURE if body.temperature is None else float(body.temperature),
+                                  max(0, body.top_k or 0), 1.0 if body.top_p is None else float(body.top_p))
+        stop = StopCriteria(max_new_tokens=max_tokens, eos_token_ids=[] if body.ignore_eos else self.eos_token_ids,
+                            stop_strings=list(body.stop or []), decode_text=self.tokenizer.decode)
+        seed = body.seed if body.seed is not None else secrets.randbits(SEED_BITS)
+        return GenerationRequest(prompt=list(prompt), sampling=sampling, seed=seed, stop=stop)
+
+    # ------------------------------------------------------------------ responses
+    async def _respond(self, body, prompt: List[int], max_tokens: int, http: Request, *, chat: bool):
+        request = self._generation_request(body, prompt, max_tokens)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        try:
+            handle = self.engine.submit(request, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+        except RequestRejected as error:
+            headers = {"Retry-After": str(error.retry_after)} if isinstance(error, QueueFullError) else None
+            raise ApiError(error.status, str(error), error.error_type, error.param, headers=headers) from None
+        reply = Reply(self, request, body, chat, TextStream(self.tokenizer.decode, request.stop.stop_strings))
+        if body.stream:
+            return CancellingStream(reply.chunks(events), on_close=lambda: reply.finished or handle.cancel())
+        try:
+            return await reply.complete(events, http)
+        finally:
+            if not reply.finished:
+                handle.cancel()
+
+
+class Reply:
+    """One response: the finished body, or the stream of chunks."""
+
+    def __init__(self, service: OpenAIService, request: GenerationRequest, body, chat: bool, text: TextStream):
+        self.service, self.request, self.body, self.chat, self.text = service, request, body, chat, text
+        self.id = protocol.new_id("chatcmpl" if chat else "cmpl")
+        self.created = protocol.now()
+        self.finished = False
+
+    def _object(self, choice, *, chunk: bool, usage=None, choices=None) -> dict:
+        return protocol.completion_object(self.id, self.service.model_name, self.created, choice, chunk=chunk,
+                                          chat=self.chat, usage_fields=usage, choices=choices)
+
+    def _usage(self) -> dict:
+        return protocol.usage(len(self.request.prompt), len(self.text.tokens))
+
+    async def complete(self, events: asyncio.Queue, http: Request):
+        clock = asyncio.get_running_loop().time
+        checked = clock()
+        while True:
+            try:
+                event: Optional[RowEvent] = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                event = None
+            if clock() - checked >= DISCONNECT_POLL_S:  # whether events arrive or not
+                checked = clock()
+                if await http.is_disconnected():
+                    return PlainTextResponse("", status_code=499)  # nobody reads it; the row is cancelled
+            if event is None:
+                continue
+            self.text.push(event)
+            if event.finished:
+                self.finished = True
+                break
+        error = _event_error(event)
+        if error is not None:
+            return error.response()
+        reason = protocol.finish_reason(event.finish_reason)
+        choice = (protocol.chat_choice if self.chat else protocol.text_choice)(self.text.text, reason)
+        return JSONResponse(self._object(choice, chunk=False, usage=self._usage()))
+
+    async def chunks(self, events: asyncio.Queue) -> AsyncIterator[str]:
+        if self.chat:
+            yield _sse(self._object(protocol.chat_delta({"role": "assistant", "content": ""}, None), chunk=True))
+        while True:
+            event: RowEvent = await events.get()
+            piece = self.text.push(event)
+            self.finished = event.finished
+            error = _event_error(event)
+            if error is not None:
+                if piece:
+                    yield self._chunk(piece, None)
+                yield _sse(protocol.error_body(str(error), error.error_type, code=error.code))
+                break
+            if piece or event.finished:
+                yield self._chunk(piece, protocol.finish_reason(event.finish_reason) if event.finished else None)
+            if event.finished:
+                if self.body.include_usage:
+                    yield _sse(self._object(None, chunk=True, usage=self._usage(), choices=[]))
+                break
+        yield "data: [DONE]\n\n"
+
+    def _chunk(self, piece: str, reason: Optional[str]) -> str:
+        if self.chat:
+            choice = protocol.chat_delta({"content": piece} if piece or reason is None else {}, reason)
+        else:
+            choice = protocol.text_choice(piece, reason)
+        return _sse(self._object(choice, chunk=True))
+
+
+class CancellingStream(StreamingResponse):
+    """An event stream that calls ``on_close`` however it ends (finished, failed, or the client left)."""
+
+    def __init__(self, content, on_close: Callable[[], Any]):
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+def _event_error(event: RowEvent) -> Optional[ApiError]:
+    if event.finish_reason == ABORTED:
+        return ApiError(503, event.message or "aborted", "server_shutting_down", code="aborted")
+    if event.finish_reason == FAILED:
+        return ApiError(500, event.message or "the request failed", "server_error", code="row_failed")
+    return None
+
+
+def _sse(body: dict) -> str:
+    return f"data: {json.dumps(body)}\n\n"
+
+
+# ---------------------------------------------------------------------------------------- the app
+def create_app(engine: Engine, tokenizer, *, model_name: str, eos_token_ids: Sequence[int] = ()) -> FastAPI:
+    """The FastAPI app; its lifespan starts the engine and stops it (see the module docstring)."""
+    service = OpenAIService(engine, tokenizer, model_name=model_name, eos_token_ids=eos_token_ids)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        try:
+            yield
+        finally:
+            await asyncio.get_running_loop().run_in_executor(None, engine.stop)
+
+    app = FastAPI(title="specdec_ext", lifespan=lifespan)
+    app.state.service = service
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, error: ApiError):
+        return error.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, error: RequestValidationError):
+        first = error.errors()[0] if error.errors() else {}
+        loc = [str(x) for x in first.get("loc", ())[1:]]  # ("body", field, ...): the field first
+        if first.get("type") == "json_invalid":
+            reason = first.get("ctx", {}).get("error", first.get("msg", ""))
+            return ApiError(400, f"the body is not valid JSON: {reason} (at character {loc[0] if loc else 0})"
+                            ).response()
+        if not loc and isinstance(first.get("input"), (bytes, str)):  # e.g. curl -d without the header
+            return ApiError(400, "the body must be a JSON object sent with Content-Type: application/json").response()
+        message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid').removeprefix('Value error, ')}"
+        if first.get("type") != "value_error" and not isinstance(first.get("input"), (dict, list, type(None))):
+            message += f" (got {first['input']!r})"
+        return ApiError(400, message, param=loc[0] if loc else None).response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException):
+        return ApiError(error.status_code, str(error.detail), "invalid_request_error").response()
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await service.completion(body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request):
+        return await service.chat(body, request)
+
+    @app.get("/v1/models")
+    async def models():
+        return protocol.model_list(model_name, service.created, engine.batcher.max_seq_len)
+
+    @app.get("/health")
+    async def health():
+        if engine.state == RUNNING:
+            return {"status": "ok"}
+        detail = engine.failure if engine.failure else f"the engine is {engine.state}"
+        return JSONResponse({"status": engine.state, "detail": detail}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(engine.metrics.render(engine.gauges()), media_type="text/plain; version=0.0.4")
+
+    return app

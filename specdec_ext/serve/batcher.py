@@ -1,0 +1,224 @@
+"""ContinuousBatcher: continuous batching over the speculative loop's step functions (decode.py).
+
+A fixed number of slots (the most rows that run at once): slot b is row b of the loop's metadata, of
+the target's runner and of the drafter. Between steps requests join (``admit``: decode.prefill_rows
+prefills their slots while the other rows keep their caches, and samples each one's first token) and
+rows leave (``end``: the runner and the drafter free the slot and its cache at once). ``step`` runs one
+draft -> verify -> commit over rows 0..width-1, the width being one past the highest slot in use
+(slots are taken lowest first); a free slot inside it is a frozen one-token dummy that commits nothing.
+
+Per row: its own filter (the verifier kernels take temperature / top-k / top-p per row, and the model
+drafter filters each row with its own: metadata.row_sampling), its own seed and Philox step count
+(metadata.set_row_steps: a row's draws depend on its seed and its own steps only, never on the batch or
+on when it joined), and its own stop checks (stops.apply_stops with its StopCriteria). A request's
+tokens are therefore those generate() gives it alone with the same k, up to the batch invariance of the
+floating-point kernels (a different batch can round a logit differently; only a near-tie could flip).
+
+The steps run eagerly, on CUDA too: the CUDA-graph mode of the paged runner gives every row all its
+pages up front (static shapes), which a shared pool with rows joining and leaving cannot do.
+
+No threads here: engine.py runs a batcher in its own thread and feeds it.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+
+from .._status import ROW_STATUS_MESSAGES
+from ..decode import FIRST_DECODE_STEP, commit, draft, lossless_verify, prefill_rows, read_step, verify
+from ..drafters import Drafter
+from ..metadata import SpecDecodeMetadata
+from ..runners import ModelRunner
+from ..sampling import SamplingParams
+from ..stats import StepOutcome
+from ..stops import RowState, apply_stops
+from .budget import CacheBudget
+from .metrics import ServeMetrics
+from .request import FAILED, EventSink, GenerationRequest, RowEvent
+
+log = logging.getLogger("specdec_ext.serve")
+
+GREEDY = SamplingParams()  # the filter of a free slot
+FREE_SLOT_TOKEN = 0  # the one token of a free slot's dummy row (any valid id would do)
+
+Admission = Tuple[GenerationRequest, EventSink, float]  # (request, where its events go, when it was submitted)
+
+
+@dataclass
+class Row:
+    """A request running in a slot."""
+
+    request: GenerationRequest
+    sink: EventSink
+    slot: int
+    units: int  # what it holds of the cache budget
+    submitted_at: float
+    state: RowState = field(default_factory=RowState)
+    steps: int = FIRST_DECODE_STEP  # the Philox step index of its next decode step (0 drew its first token)
+    first_token_at: Optional[float] = None
+
+
+class ContinuousBatcher:
+    """Slots, admission and one decode step over the running rows (see the module docstring)."""
+
+    def __init__(self, target: ModelRunner, drafter: Optional[Drafter], *, max_rows: int, slots: int,
+                 max_seq_len: int, metrics: Optional[ServeMetrics] = None,
+                 clock: Callable[[], float] = time.perf_counter):
+        if drafter is not None and drafter.is_tree:
+            raise ValueError(f"continuous batching runs chain drafters (a draft model, ngram) or none, not "
+                             f"{type(drafter).__name__} (a tree)")
+        self.target, self.drafter = target, drafter
+        self.max_rows, self.max_seq_len = int(max_rows), int(max_seq_len)
+        self.budget = CacheBudget(target, max_rows=max_rows, slots=slots, max_seq_len=max_seq_len)
+        self.metrics = metrics if metrics is not None else ServeMetrics(slots)
+        self.clock = clock
+        device = target.device
+        self.meta = SpecDecodeMetadata.allocate(batch_size=max_rows, slots=slots, max_seq_len=max_seq_len,
+                                                sampling=GREEDY, seeds=torch.zeros((max_rows,), dtype=torch.int64,
+                                                                                   device=device))
+        self.meta.row_sampling = [GREEDY] * max_rows
+        if slots:  # a verify pass narrower than slots + 1 (ngram) is widened into it: no allocation per step
+            self.meta.verify_logits = torch.zeros((max_rows, slots + 1, target.vocab_size), dtype=torch.float32,
+                                                  device=device)  # [max_rows, n+1, V]
+        self.rows: List[Optional[Row]] = [None] * max_rows
+        self._clear_slots(range(max_rows))
+
+    # ------------------------------------------------------------------ state
+    @property
+    def running(self) -> List[Row]:
+        return [row for row in self.rows if row is not None]
+
+    @property
+    def free_slots(self) -> int:
+        return sum(row is None for row in self.rows)
+
+    # ------------------------------------------------------------------ joining and leaving
+    @torch.no_grad()  # grad mode is per thread: the engine's thread needs its own
+    def admit(self, admissions: Sequence[Admission]) -> None:
+        """Prefill requests into the lowest free slots and deliver each one's first token. The caller
+        checked that they fit (``free_slots``, ``budget.fits`` of their ``budget.units``)."""
+        slots = [b for b, row in enumerate(self.rows) if row is None][: len(admissions)]
+        if len(slots) < len(admissions):
+            raise RuntimeError(f"admit: {len(admissions)} requests for {len(slots)} free slots")
+        joining = []
+        for slot, (request, sink, submitted_at) in zip(slots, admissions):
+            units = self.budget.units(len(request.prompt), request.max_new_tokens)
+            self.budget.take(units)
+            row = self.rows[slot] = Row(request, sink, slot, units, submitted_at)
+            self._set_filter(slot, request)
+            joining.append(row)
+        first, status = prefill_rows(self.target, self.drafter, slots, [r.request.prompt for r in joining], self.meta)
+        now = self.clock()
+        for row, token, code in zip(joining, first, status):
+            if code < 0:
+                self.end(row, FAILED, message=_status_message(code, row.slot))
+                continue
+            row.first_token_at = now
+            self._emit(row, apply_stops(row.state, [token], row.request.stop))
+
+    def end(self, row: Row, reason: str, *, message: Optional[str] = None, tokens: Sequence[int] = ()) -> None:
+        """The row leaves: its last event (``tokens`` and why it ended), then its slot and cache are freed."""
+        self._send(row, RowEvent(list(tokens), finished=True, finish_reason=reason,
+                                 stop_text_end=row.state.stop_text_end, message=message))
+        self._release(row)
+        now = self.clock()
+        count = len(row.state.tokens)
+        first = None if row.first_token_at is None else row.first_token_at - row.submitted_at
+        per_token = (now - row.first_token_at) / (count - 1) if row.first_token_at is not None and count > 1 else None
+        self.metrics.record_end(reason, len(row.request.prompt), count, now - row.submitted_at, first, per_token)
+
+    def end_all(self, reason: str, message: str) -> None:
+        for row in self.running:
+            self.end(row, reason, message=message)
+
+    # ------------------------------------------------------------------ the step
+    @torch.no_grad()
+    def step(self) -> None:
+        """One draft -> verify -> commit over the slots in use; each running row gets its new tokens, and
+        rows that finish leave at once."""
+        running = self.running
+        if not running:
+            return
+        width = max(row.slot for row in running) + 1
+        rows = self.rows[:width]
+        view = self.meta.rows(width)
+        active = [row is not None for row in rows]
+        view.active.copy_(torch.tensor(active))
+        view.set_row_steps(torch.tensor([row.steps if row is not None else 0 for row in rows]))
+        proposal = draft(self.drafter, view, None)
+        verdict = verify(self.target, view, proposal, lossless_verify)
+        host, num_accepted, num_draft = read_step(proposal, verdict)
+        failed = {b for b in range(width) if active[b] and num_accepted[b] < 0}
+        if failed:  # a failed row commits nothing and leaves; the others go on
+            active = [live and b not in failed for b, live in enumerate(active)]
+            view.active.copy_(torch.tensor(active))
+        commit(self.target, self.drafter, view, verdict)
+        self.metrics.record_step(StepOutcome.of(num_accepted, num_draft, active))
+        for b, row in enumerate(rows):
+            if row is None:
+                continue
+            if b in failed:
+                self.end(row, FAILED, message=_status_message(num_accepted[b], b))
+                continue
+            row.steps += 1
+            self._emit(row, apply_stops(row.state, host[b][2: 3 + num_accepted[b]], row.request.stop))
+
+    # ------------------------------------------------------------------ helpers
+    def _emit(self, row: Row, tokens: List[int]) -> None:
+        self.metrics.record_tokens(len(tokens))
+        if row.state.finished:
+            self.end(row, row.state.finish_reason, tokens=tokens)
+        elif tokens:
+            self._send(row, RowEvent(tokens))
+
+    def _send(self, row: Row, event: RowEvent) -> None:
+        try:
+            row.sink(event)
+        except Exception:  # a client's sink must not stop the other rows
+            log.exception("specdec serve: delivering an event of request %s failed", row.request.request_id)
+
+    def _set_filter(self, slot: int, request: GenerationRequest) -> None:
+        sampling, meta = request.sampling, self.meta
+        meta.temperature[slot] = float(sampling.temperature)
+        meta.top_k[slot] = int(sampling.top_k)
+        meta.top_p[slot] = float(sampling.top_p)
+        meta.seed[slot] = int(request.seed)
+        meta.row_sampling[slot] = sampling
+
+    def _release(self, row: Row) -> None:
+        """Free the row's slot in the runner and the drafter, give its budget back, clear its buffers."""
+        for part in (self.target, self.drafter):
+            if part is None:
+                continue
+            try:
+                part.free_rows([row.slot])
+            except ValueError:  # the slot never started there (its prefill failed part-way)
+                log.debug("specdec serve: slot %d was not in use in %s", row.slot, type(part).__name__)
+        self.budget.release(row.units)
+        self.rows[row.slot] = None
+        self._clear_slots([row.slot])
+
+    def _clear_slots(self, slots: Sequence[int]) -> None:
+        """Free slots as frozen one-token rows: the model drafter re-feeds the token and rolls it back, the
+        target forwards it and commits nothing (a length of 0 would make the drafter's rollback negative)."""
+        meta = self.meta
+        index = torch.tensor(list(slots), dtype=torch.int64, device=meta.device)
+        meta.token_buffer[index, 0] = FREE_SLOT_TOKEN
+        meta.seq_lens[index] = 1
+        meta.prompt_lens[index] = 0
+        meta.active[index] = False
+        meta.temperature[index] = 0.0
+        meta.top_k[index] = 0
+        meta.top_p[index] = 1.0
+        meta.seed[index] = 0
+        for slot in slots:
+            meta.row_sampling[slot] = GREEDY
+
+
+def _status_message(code: int, slot: int) -> str:
+    detail = ROW_STATUS_MESSAGES.get(code, f"row {{row}} failed with status {code}").format(row=slot)
+    return f"the decode step failed for this request ({detail}); other requests are unaffected"

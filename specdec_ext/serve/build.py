@@ -1,0 +1,108 @@
+"""build_engine: the target's runner, the drafter and the batcher for a pair, sized for the server's slots.
+
+The runners and the draft model's compute dtype are chosen by the same rules as generate()'s
+(plan.make_plan); the server then differs in three ways: the draft length is a fixed k (adaptive k
+follows measured times and the batch, so a seeded request would not reproduce, and each row's Philox
+counters assume a fixed k), the steps run eagerly (no CUDA graphs: see batcher.py), and the caches are
+sized for ``max_rows`` slots of ``max_seq_len`` positions (the paged pool for ``cache_tokens`` if given).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import List, Optional
+
+from ..build import build_drafter
+from ..generate import _eos_ids  # generate()'s EOS rule, so that a response ends where generate() would
+from ..models import Models
+from ..plan import FIXED_K, make_plan, required_cache_len
+from ..runners import PagedModelRunner, make_runner
+from ..runners.paged import DEFAULT_PAGE_SIZE
+from ..sampling import SamplingParams
+from . import DEFAULT_MAX_QUEUE, DEFAULT_MAX_ROWS
+from .batcher import ContinuousBatcher
+from .engine import DEFAULT_MAX_PREFILL_TOKENS, Engine
+from .metrics import ServeMetrics
+
+FALLBACK_MAX_SEQ_LEN = 2048  # a row's positions when the models do not say (max_position_embeddings)
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """The server's knobs (``specdec serve --help`` explains each)."""
+
+    max_rows: int = DEFAULT_MAX_ROWS  # slots: the most rows that decode at once
+    max_queue: int = DEFAULT_MAX_QUEUE  # requests that may wait for a slot (then 429)
+    k: Optional[int] = None  # draft tokens per step (None: plan.FIXED_K)
+    max_seq_len: Optional[int] = None  # positions per row (default: the models' max_position_embeddings)
+    cache_tokens: Optional[int] = None  # paged runner: positions in the target's page pool (default: every slot full)
+    runner: str = "auto"  # as generate()'s runner=
+    max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS
+
+    @property
+    def draft_length(self) -> int:
+        return FIXED_K if self.k is None else self.k
+
+    def validate(self) -> None:
+        for name in ("max_rows", "draft_length", "max_prefill_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if isinstance(self.max_queue, bool) or not isinstance(self.max_queue, int) or self.max_queue < 0:
+            raise ValueError(f"max_queue must be an int >= 0, got {self.max_queue!r}")
+        for name in ("max_seq_len", "cache_tokens"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
+
+
+def build_engine(models: Models, options: EngineOptions = EngineOptions()) -> Engine:
+    """An Engine (not started) over ``models``: a draft model, "ngram" or no drafter ("none")."""
+    options.validate()
+    if models.drafter == "heads":
+        raise ValueError("specdec serve runs chain drafters (a draft model or ngram) or none: the heads drafter "
+                         "proposes trees, which continuous batching does not run")
+    seq_len = options.max_seq_len or _model_positions(models) or FALLBACK_MAX_SEQ_LEN
+    slots = 0 if models.drafter == "none" else options.draft_length
+    # make_plan sizes the cache from a prompt and max_new_tokens: ask for exactly seq_len positions
+    room = seq_len - required_cache_len(1, 0, slots)
+    if room < 0:
+        raise ValueError(f"max_seq_len={seq_len} leaves no room for a token with {slots} draft slots "
+                         f"(a row needs {required_cache_len(1, 1, slots)} positions for a one-token prompt)")
+    plan = make_plan(models.target, models.draft, drafter=models.drafter, prompt_lengths=[1], max_new_tokens=room,
+                     k=None if models.drafter == "none" else options.draft_length, runner=options.runner,
+                     sampling=SamplingParams(), seeded=True, max_seq_len=seq_len)
+    plan = dataclasses.replace(plan, cuda_graphs=False)  # eager steps: rows join and leave a shared pool
+    target = _target_runner(models, plan.target_runner, options, seq_len)
+    drafter = build_drafter(plan, models)
+    metrics = ServeMetrics(plan.slots)
+    batcher = ContinuousBatcher(target, drafter, max_rows=options.max_rows, slots=plan.slots, max_seq_len=seq_len,
+                                metrics=metrics)
+    engine = Engine(batcher, max_queue=options.max_queue, max_prefill_tokens=options.max_prefill_tokens)
+    engine.description = (f"target runner {plan.target_runner}, drafter {models.drafter}"
+                          + (f" (k={plan.slots}, draft runner {plan.draft_runner})" if plan.slots else "")
+                          + f"; {options.max_rows} rows of {seq_len} positions, queue {options.max_queue}; "
+                          + f"cache budget {batcher.budget.capacity} {batcher.budget.unit}; steps eager")
+    return engine
+
+
+def _target_runner(models: Models, kind: str, options: EngineOptions, seq_len: int):
+    if kind == "paged":
+        pages = None if options.cache_tokens is None else -(-options.cache_tokens // DEFAULT_PAGE_SIZE)
+        return PagedModelRunner(models.target, max_batch_size=options.max_rows, max_seq_len=seq_len, num_pages=pages)
+    if options.cache_tokens is not None:
+        raise ValueError(f"cache_tokens sizes the paged runner's page pool; the {kind} runner keeps max_seq_len "
+                         f"positions per row: use runner='paged' (--runner paged) or leave cache_tokens out")
+    return make_runner(kind, models.target, max_batch_size=options.max_rows, max_seq_len=seq_len)
+
+
+def _model_positions(models: Models) -> Optional[int]:
+    limits = [getattr(m.config, "max_position_embeddings", None) for m in (models.target, models.draft) if m is not None]
+    limits = [x for x in limits if x]
+    return min(limits) if limits else None
+
+
+
+def eos_token_ids(target, tokenizer) -> List[int]:
+    """The ids that end a row: generate()'s rule (the target's generation_config, else the tokenizer's)."""
+    return _eos_ids(None, target, tokenizer)

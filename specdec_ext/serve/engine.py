@@ -1,0 +1,262 @@
+"""Engine: a ContinuousBatcher in its own thread, fed from any thread.
+
+    submit(request, sink) -> RequestHandle   queue a request; RequestRejected when it cannot be taken
+                                             (too large for the cache, queue full, shutting down). Its
+                                             events go to ``sink``, called from the engine thread
+    handle.cancel()                          the row leaves at the next step boundary, its cache freed
+    begin_shutdown(grace_s)                  no new requests; queued ones are aborted now, running ones
+                                             get grace_s seconds to finish and are then aborted
+    stop()                                   abort what is left and end the thread
+
+The loop: take the cancellations; admit waiting requests that fit (free slots, the cache budget; first
+come first served: the head of the queue is never overtaken; at most ``max_prefill_tokens`` prompt
+tokens per admission, or one request); one decode step; wait on a condition while there is nothing to
+do. The HTTP server's event loop only calls submit / cancel, which hold a lock for microseconds: the
+decode loop never blocks it.
+
+An unexpected error inside a step fails the running requests (each gets the message), frees their
+rows and the engine goes on; if their rows cannot be freed, the engine refuses everything from then on
+(``failure``), and /health says so.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Deque, Dict, List, Optional
+
+from .batcher import Admission, ContinuousBatcher
+from .metrics import Gauge
+from .request import (ABORTED, CANCELLED, FAILED, EventSink, GenerationRequest, QueueFullError, RequestRejected,
+                      RequestTooLargeError, RowEvent, ShuttingDownError)
+
+log = logging.getLogger("specdec_ext.serve")
+
+DEFAULT_MAX_PREFILL_TOKENS = 4096  # prompt tokens admitted per step (a burst of long prompts would stall decoding)
+MAX_RETRY_AFTER_S = 60
+IDLE_WAIT_S = 1.0  # the longest the loop sleeps without news (it is woken by submit / cancel / shutdown)
+
+NOT_STARTED, RUNNING, DRAINING, STOPPED, BROKEN = "not started", "running", "draining", "stopped", "broken"
+
+
+@dataclass
+class RequestHandle:
+    """A submitted request: its id, and the way to cancel it."""
+
+    request_id: str
+    engine: "Engine"
+
+    def cancel(self) -> None:
+        self.engine.cancel(self.request_id)
+
+
+class Engine:
+    """See the module docstring."""
+
+    def __init__(self, batcher: ContinuousBatcher, *, max_queue: int,
+                 max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS, clock: Callable[[], float] = time.perf_counter):
+        if max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+        self.batcher = batcher
+        self.metrics = batcher.metrics
+        self.max_queue, self.max_prefill_tokens = int(max_queue), int(max_prefill_tokens)
+        self.clock = clock
+        self._cond = threading.Condition()
+        self._waiting: Deque[Admission] = deque()
+        self._cancelled: set = set()
+        self._running = 0  # rows running after the last step (read by submit and the gauges)
+        self._state = NOT_STARTED
+        self._deadline = math.inf  # while draining: when the running rows are aborted
+        self.failure: Optional[str] = None
+        self.description = ""  # what runs, for the server's start-up line (build.build_engine)
+        self._thread: Optional[threading.Thread] = None
+
+    # ------------------------------------------------------------------ the server's side
+    @property
+    def state(self) -> str:
+        return self._state
+
+    def start(self) -> None:
+        with self._cond:
+            if self._thread is not None:
+                return
+            self._state = RUNNING
+            self._thread = threading.Thread(target=self._loop, name="specdec-engine", daemon=True)
+            self._thread.start()
+
+    def submit(self, request: GenerationRequest, sink: EventSink) -> RequestHandle:
+        """Queue ``request``; RequestRejected (with the HTTP status it maps to) when it cannot be taken."""
+        try:
+            self.batcher.budget.check(len(request.prompt), request.max_new_tokens)
+            with self._cond:
+                if self._state in (DRAINING, STOPPED):
+                    raise ShuttingDownError("the server is shutting down and takes no new requests")
+                if self._state == BROKEN:
+                    raise ShuttingDownError(f"the engine failed and takes no new requests: {self.failure}")
+                free_slots = self.batcher.max_rows - self._running
+                if len(self._waiting) >= self.max_queue + max(0, free_slots):
+                    raise QueueFullError(f"all {self.batcher.max_rows} rows are running and {len(self._waiting)} "
+                                         f"requests are queued (the most): retry later", self._retry_after())
+                self._waiting.append((request, sink, self.clock()))
+                self._cond.notify()
+        except RequestRejected as error:
+            reason = {RequestTooLargeError: "too_large", QueueFullError: "queue_full"}.get(type(error), "shutting_down")
+            self.metrics.record_rejected(reason)
+            raise
+        return RequestHandle(request.request_id, self)
+
+    def cancel(self, request_id: str) -> None:
+        """The request leaves: at once if it is still queued, at the next step boundary if it runs."""
+        with self._cond:
+            for entry in self._waiting:
+                if entry[0].request_id == request_id:
+                    self._waiting.remove(entry)
+                    self._end_waiting(entry, CANCELLED, None)
+                    return
+            self._cancelled.add(request_id)
+            self._cond.notify()
+
+    def begin_shutdown(self, grace_s: float) -> None:
+        """Take no new requests; abort the queued ones now and the running ones after ``grace_s`` seconds."""
+        with self._cond:
+            if self._state in (DRAINING, STOPPED):
+                return
+            self._state = DRAINING
+            self._deadline = self.clock() + max(0.0, grace_s)
+            self._abort_waiting("the server is shutting down: the request was not started")
+            self._cond.notify()
+
+    def stop(self, timeout_s: Optional[float] = None) -> None:
+        """Abort everything left and end the thread (waits for it up to ``timeout_s``)."""
+        with self._cond:
+            self._abort_waiting("the server stopped before the request was started")
+            self._state = STOPPED
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def idle(self) -> bool:
+        """Nothing queued and nothing running."""
+        with self._cond:
+            return not self._waiting and self._running == 0
+
+    def gauges(self) -> Dict[str, Gauge]:
+        """The engine's state now, for ServeMetrics.render."""
+        budget = self.batcher.budget
+        with self._cond:
+            queued, running = len(self._waiting), self._running
+        gauges = {
+            "queue_length": ("Requests waiting for a slot.", queued, {}),
+            "running_rows": ("Rows decoding now (each holds one slot of the target's and the draft's caches).",
+                             running, {}),
+            "max_rows": ("Slots: the most rows that run at once.", self.batcher.max_rows, {}),
+            "cache_budget_in_use": (f"Cache held by the running rows for their worst case, in {budget.unit}.",
+                                    budget.used, {"unit": budget.unit}),
+            "cache_budget_total": (f"Cache the running rows may hold, in {budget.unit}.", budget.capacity,
+                                   {"unit": budget.unit}),
+        }
+        if budget.kv is not None:
+            gauges["cache_pages_in_use"] = ("Pages of the target's KV pool that rows own now.", budget.pages_in_use, {})
+            gauges["cache_pages_total"] = ("Pages of the target's KV pool.", budget.pages_total, {})
+        return gauges
+
+    # ------------------------------------------------------------------ the engine thread
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._has_work():
+                    self._cond.wait(self._wait_s())
+                if self._state == STOPPED:
+                    break
+                cancelled, self._cancelled = self._cancelled, set()
+                drain_over = self._state == DRAINING and self.clock() >= self._deadline
+                admissions = [] if drain_over or self._state == BROKEN else self._take_admissions()
+            self._run_step(cancelled, drain_over, admissions)
+        self._safely(lambda: self.batcher.end_all(ABORTED, "the server stopped: generation was aborted"))
+        with self._cond:
+            self._running = len(self.batcher.running)
+
+    def _has_work(self) -> bool:
+        if self._state in (STOPPED, BROKEN):
+            return self._state == STOPPED  # a broken engine only waits to be stopped
+        return bool(self._cancelled or self.batcher.running or self._waiting)
+
+    def _wait_s(self) -> float:
+        if self._state == DRAINING:
+            return max(0.0, min(IDLE_WAIT_S, self._deadline - self.clock()))
+        return IDLE_WAIT_S
+
+    def _take_admissions(self) -> List[Admission]:
+        """Pop the waiting requests that fit now, head first (under the lock)."""
+        budget = self.batcher.budget
+        free_slots, free_units, tokens = self.batcher.free_slots, budget.capacity - budget.used, 0
+        taken: List[Admission] = []
+        while self._waiting and len(taken) < free_slots:
+            request = self._waiting[0][0]
+            units = budget.units(len(request.prompt), request.max_new_tokens)
+            if units > free_units or (taken and tokens + len(request.prompt) > self.max_prefill_tokens):
+                break
+            taken.append(self._waiting.popleft())
+            free_units -= units
+            tokens += len(request.prompt)
+        return taken
+
+    def _run_step(self, cancelled: set, drain_over: bool, admissions: List[Admission]) -> None:
+        batcher = self.batcher
+        try:
+            for row in batcher.running:
+                if row.request.request_id in cancelled:
+                    batcher.end(row, CANCELLED)
+            if drain_over:
+                batcher.end_all(ABORTED, "the server is shutting down: generation was aborted")
+            if admissions:
+                batcher.admit(admissions)
+            batcher.step()
+        except Exception as error:  # a bug or an exhausted device: fail these rows, keep serving
+            log.exception("specdec serve: a decode step failed")
+            message = f"the engine failed during a step ({type(error).__name__}: {error})"
+            started = {id(row.request) for row in batcher.running}
+            for request, sink, _ in admissions:  # admitted requests that never got a row
+                if id(request) not in started:
+                    self._notify(sink, RowEvent([], finished=True, finish_reason=FAILED, message=message))
+            if not self._safely(lambda: batcher.end_all(FAILED, message)):
+                with self._cond:
+                    self.failure = message
+                    self._state = BROKEN
+                    self._abort_waiting(message)
+        with self._cond:
+            self._running = len(batcher.running)
+
+    # ------------------------------------------------------------------ helpers
+    def _retry_after(self) -> int:
+        mean = self.metrics.mean_request_s or 1.0
+        waits = (len(self._waiting) + 1) * mean / self.batcher.max_rows
+        return int(min(MAX_RETRY_AFTER_S, max(1, math.ceil(waits))))
+
+    def _abort_waiting(self, message: str) -> None:
+        while self._waiting:
+            self._end_waiting(self._waiting.popleft(), ABORTED, message)
+
+    def _end_waiting(self, entry: Admission, reason: str, message: Optional[str]) -> None:
+        request, sink, submitted_at = entry
+        self._notify(sink, RowEvent([], finished=True, finish_reason=reason, message=message))
+        self.metrics.record_end(reason, len(request.prompt), 0, self.clock() - submitted_at, None, None)
+
+    @staticmethod
+    def _notify(sink: EventSink, event: RowEvent) -> None:
+        try:
+            sink(event)
+        except Exception:
+            log.exception("specdec serve: delivering an event failed")
+
+    @staticmethod
+    def _safely(action: Callable[[], None]) -> bool:
+        try:
+            action()
+            return True
+        except Exception:
+            log.exception("specdec serve: cleaning up after a failure failed")
+            return False
