@@ -306,3 +306,33 @@ def test_confidence_stopped_drafts_are_ragged_and_still_exact(pair, references):
     assert out.stats.reached[0] > out.stats.reached[3]  # some rows stopped drafting early
     with pytest.raises(ValueError, match="draft_confidence"):
         generate(PROMPTS, target, draft, draft_confidence=1.5)
+
+
+def test_concurrent_callers_in_threads_get_their_own_results(pair):
+    """Two threads decoding at once over paged runners (each paged forward's step is per thread) and
+    the lean runner: each gets what it gets alone."""
+    import threading
+
+    _, target, draft = pair
+    jobs = [dict(prompts=PROMPTS, k=3, runner="paged"), dict(prompts=PROMPTS[::-1], k=2, runner="paged"),
+            dict(prompts=PROMPTS[:1], k=4, runner="auto")]
+    alone = [generate(j["prompts"], target, draft, max_new_tokens=16, k=j["k"], runner=j["runner"]).token_ids
+             for j in jobs]
+    together = [None] * len(jobs)
+    errors = []
+
+    def run(i):
+        try:
+            j = jobs[i]
+            together[i] = generate(j["prompts"], target, draft, max_new_tokens=16, k=j["k"],
+                                   runner=j["runner"]).token_ids
+        except Exception as error:  # surfaced below: a thread's exception would otherwise vanish
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    assert together == alone

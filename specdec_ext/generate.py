@@ -124,7 +124,9 @@ def normalise_prompts(prompts, tokenizer) -> Tuple[List[List[int]], bool]:
     return out, is_text
 
 
-def _eos_ids(eos_token_id, target_model, tokenizer) -> List[int]:
+def eos_token_ids_of(eos_token_id, target_model, tokenizer) -> List[int]:
+    """generate()'s ``eos_token_id`` rule: False -> none; None -> the target's generation_config EOS (else the
+    tokenizer's); an id or a list of ids as given. (The server ends its responses by the same rule.)"""
     if eos_token_id is False:
         return []
     if eos_token_id is None:
@@ -331,7 +333,7 @@ def _run(models: Models, prompts, *, max_new_tokens: int, k=None, temperature: f
     else:
         target_runner, drafter = build(plan, models)
         stop_criteria = StopCriteria(
-            max_new_tokens=max_new_tokens, eos_token_ids=_eos_ids(eos_token_id, models.target, tokenizer),
+            max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids_of(eos_token_id, models.target, tokenizer),
             stop_strings=stop_strings,
             decode_text=(lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer is not None else None)
         padded_prompts, padded_seeds, padded_rows = pad_batch(token_prompts, seeds, rows, plan.padded_batch_size)

@@ -294,3 +294,7 @@ class TreeModelDrafter(ModelDrafter):
     def checkpoint(self):
         """Trees are not probed (adaptive k is for chains)."""
         return None
+
+    def start_rows(self, rows, prompts, meta) -> None:
+        raise NotImplementedError("TreeModelDrafter does not support continuous batching (start_rows): a tree's "
+                                  "draft cache is per step, not per row")

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+import threading
 from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
@@ -75,10 +76,15 @@ class PagedStep:
         return self.windowed[window]
 
 
-class _Active:
-    """The paged step in flight (set by PagedCache.activate); None outside a paged forward."""
+class _ActiveStep(threading.local):
+    """The paged step in flight in this thread (set by PagedCache.activate); None outside a paged forward.
+    Per thread: two threads running paged forwards at once (a server's engine beside a generate() call)
+    each see their own step."""
 
     step: Optional[PagedStep] = None
+
+
+_Active = _ActiveStep()
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,

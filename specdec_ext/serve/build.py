@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 from ..build import build_drafter
-from ..generate import _eos_ids  # generate()'s EOS rule, so that a response ends where generate() would
+from ..generate import eos_token_ids_of  # generate()'s EOS rule, so that a response ends where generate() would
 from ..models import Models
 from ..plan import FIXED_K, make_plan, required_cache_len
 from ..runners import PagedModelRunner, make_runner
@@ -105,4 +105,4 @@ def _model_positions(models: Models) -> Optional[int]:
 
 def eos_token_ids(target, tokenizer) -> List[int]:
     """The ids that end a row: generate()'s rule (the target's generation_config, else the tokenizer's)."""
-    return _eos_ids(None, target, tokenizer)
+    return eos_token_ids_of(None, target, tokenizer)
