@@ -11,6 +11,8 @@
 #   4. tpot     benchmarks/bench_tpot.py --device cuda (eager vs graphs, plain vs speculative, 1B verify cost),
 #               then bench_tree_decode.py --device cuda (chains vs draft trees at N = 8, 16; into tpot.log)
 #   5. kernels  bench_sampling.py --quick, bench_tree.py (small), bench_kv.py --quick, all --device cuda
+#   6. tp       with two GPUs or more: bench_tp.py --tp 1,2 (tensor-parallel target, plain vs speculative;
+#               into tpot.log); skipped on one GPU
 #
 # Every phase runs under `timeout`, clamped to what is left of a total budget (GPU_CHECK_BUDGET, default
 # 510 s), so one hang cannot eat the lease; a phase whose prerequisite failed is skipped; the summary
@@ -138,6 +140,17 @@ else
   phase bench_sampling 60 bench_sampling.log "$PY" "$REPO/benchmarks/bench_sampling.py" --device cuda --quick
   phase bench_tree 45 bench_tree.log "$PY" "$REPO/benchmarks/bench_tree.py" --device cuda --nodes 8 32 --batch 1 16 --repeats 10
   phase bench_kv 60 bench_kv.log "$PY" "$REPO/benchmarks/bench_kv.py" --device cuda --quick
+fi
+
+# 6. tensor parallelism (a machine with two GPUs or more) ---------------------------------------------
+GPUS="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)"
+if [ "$BUILT" != "ok" ]; then
+  skip tp "build $BUILT"
+elif [ "${GPUS:-0}" -lt 2 ]; then
+  skip tp "${GPUS:-0} GPU(s): tensor parallelism needs 2"
+else
+  phase tp 120 tpot.log "$PY" "$REPO/benchmarks/bench_tp.py" --tp 1,2 --device cuda --dtype bfloat16 --repeats 2 \
+    --max-new-tokens 48
 fi
 
 # summary --------------------------------------------------------------------------------------------
