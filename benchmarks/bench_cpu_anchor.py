@@ -113,8 +113,13 @@ def run_llamacpp(binaries, gguf, text, new_tokens, threads, draft_max=None):
     else:
         cmd = [str(binaries["llama-speculative-simple"]), "-m", str(gguf["target"]), "-md", str(gguf["draft"]),
                "--spec-type", "draft-simple", "--spec-draft-n-max", str(draft_max), "-td", str(threads)] + common
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True)
-    log = out.stderr
+    for attempt in range(3):  # on a busy machine a run now and then ends without its timing lines
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        log = out.stderr
+        if out.returncode == 0 and ("eval time" in log if draft_max is None else "decoded" in log):
+            break
+    else:
+        raise RuntimeError(f"{cmd[0]} failed three times; its log ends:\n{log[-2000:]}")
     if draft_max is None:
         ms, runs = re.search(r"\seval time =\s+([\d.]+) ms /\s+(\d+) runs", log).groups()
         return int(runs), float(ms) / 1e3, 1.0, out.stdout

@@ -23,7 +23,11 @@ inline __mmask16 lanes_mask(int64_t remaining) {
   return remaining >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << remaining) - 1u);
 }
 
-constexpr int kPrefetchKeys = 8;  // cache rows fetched ahead: the keys and values stream from memory
+// Cache rows fetched ahead, every 64-byte line of them: a pass's weights evict the cache from L3, so
+// the keys and values stream from memory. Measured on the bundled target's shape (6 layers x 8 heads x
+// 251 keys, bf16): 0.09 ms from cache, 0.21 ms evicted (3 MB at about 25 GB/s), 0.22-0.26 ms with 8
+// rows of one line ahead.
+constexpr int kPrefetchKeys = 32;
 
 // scores[i] = (q . K[slot(i)]) * scale for i < n, four keys at a time (spare lanes repeat a key).
 // kChunks: the head's 16-float chunks when there are at most 8 of them (q then sits in registers),
@@ -44,9 +48,10 @@ inline void key_scores(const AttentionProblem& p, const float* q, int64_t base, 
     __m512 acc[4];
     for (int r = 0; r < 4; ++r) {
       const int64_t row = base + slot(i + r < n ? i + r : i) * D;
-      if (i + r + kPrefetchKeys < n)
-        _mm_prefetch(static_cast<const char*>(p.k_cache) + (base + slot(i + r + kPrefetchKeys) * D) * bytes,
-                     _MM_HINT_T0);
+      if (i + r + kPrefetchKeys < n) {
+        const char* ahead = static_cast<const char*>(p.k_cache) + (base + slot(i + r + kPrefetchKeys) * D) * bytes;
+        for (int64_t line = 0; line < D * bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+      }
       acc[r] = _mm512_setzero_ps();
       for (int c = 0; c < chunks; ++c) {
         const __m512 qc = kChunks > 0 ? qv[kChunks > 0 ? c : 0] : _mm512_maskz_loadu_ps(masks[c], q + 16 * c);
@@ -107,9 +112,10 @@ inline void attend_query(const AttentionProblem& p, int64_t b, int64_t t, int64_
     for (int64_t j = 0; j < n; ++j) {
       const __m512 pj = _mm512_set1_ps(scores[j]);
       const int64_t row = base + slot(j) * D + 16 * c0;
-      if (j + kPrefetchKeys < n)
-        _mm_prefetch(static_cast<const char*>(p.v_cache) + (base + slot(j + kPrefetchKeys) * D + 16 * c0) * bytes,
-                     _MM_HINT_T0);
+      if (j + kPrefetchKeys < n) {
+        const char* ahead = static_cast<const char*>(p.v_cache) + (base + slot(j + kPrefetchKeys) * D + 16 * c0) * bytes;
+        for (int64_t line = 0; line < 64 * bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+      }
       for (int c = 0; c < 4; ++c) acc[c] = _mm512_fmadd_ps(pj, load16<kCache>(p.v_cache, row + 16 * c, m4[c]), acc[c]);
     }
     const __m512 scale = _mm512_set1_ps(inv);
