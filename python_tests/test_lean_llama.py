@@ -134,15 +134,18 @@ def test_bundled_draft_fp32_and_bf16_computed_in_fp32():
                  max_seq_len=64, vocab=V) < TOL
 
 
-def test_bf16_model_dtype_is_close():
+@pytest.mark.parametrize("kernels", ["1", "0"])
+def test_bf16_model_dtype_is_close(kernels, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CPU_KERNELS", kernels)
     model = tiny("llama").to(torch.bfloat16)
     assert drive(model, steps=4) < 0.1  # bf16 rounding only
-    # on the CPU the cache and the attention are fp32 (torch's bf16 SDPA is slow for one query); the
-    # cached keys are the bf16 k exactly, and the rest computes in bf16
+    # the cached keys are the bf16 k exactly: in bf16 on the CPU kernels (their attention accumulates
+    # in fp32), in fp32 on the torch path (torch's bf16 SDPA is slow for one query)
     lean = LeanLlamaRunner(model, max_batch_size=1, max_seq_len=16)
-    assert lean.dtype == torch.bfloat16 and lean.k_cache.dtype == lean.v_cache.dtype == torch.float32
+    cache_dtype = torch.bfloat16 if kernels == "1" else torch.float32
+    assert lean.dtype == torch.bfloat16 and lean.k_cache.dtype == lean.v_cache.dtype == cache_dtype
     lean.start([[1, 2, 3]])
-    cached = lean.k_cache[:, 0, :, :3]  # [layers, kv_heads, 3, D]
+    cached = lean.k_cache[:, 0, :, :3].float()  # [layers, kv_heads, 3, D]
     assert torch.equal(cached, cached.to(torch.bfloat16).float())
 
 

@@ -22,6 +22,11 @@ lengths (source of truth); ``lengths`` returns them as a device tensor.
 Positions and the attention mask of a ragged or tree forward come from ``layout.step_layout``, as in
 the paged runner; when every row starts at the same position one shared [T, S] mask (or none) is used.
 
+On the CPU the forward runs on the CPU kernels instead (runners/lean_cpu.py: six fused ops per layer
+that read each weight once per pass near the memory bandwidth, an fp32 residual stream, the cache in
+the model's half precision, bit-for-bit batch invariance); ``SPECDEC_CPU_KERNELS=0`` keeps the torch
+forward below, and ``kernels_reason`` says why a runner does not use them.
+
 Supported: ``llama`` / ``mistral`` / ``qwen2`` model types with default RoPE, SiLU MLP, full attention
 (a sliding window is accepted only when it covers max_seq_len). ``unsupported_reason(model)`` says why
 not otherwise (the plan then picks the paged runner).
@@ -38,6 +43,7 @@ from .checks import (check_forward_inputs, check_row_counts, check_start_prompts
                      tensor_parallel_size,
                      text_config)
 from .layout import additive_mask, step_layout
+from .lean_cpu import CpuKernelForward, kernels_reason
 from .rows import RowsInUse
 from .trees import token_tree_inputs, tree_commit_plan
 
@@ -127,21 +133,28 @@ class LeanLlamaRunner:
         # compute_dtype None: the model's own weight tensors (no copies). Otherwise the weights are
         # cast once (a copy, e.g. fp32 for a bf16 draft on a CPU, where half-precision GEMVs are slow).
         self.dtype = compute_dtype or weight_dtype
-        cast = (lambda w: w) if self.dtype == weight_dtype else (lambda w: _cast(w, self.dtype))
-        self.embed = cast(base.embed_tokens.weight)
-        self.device = self.embed.device
         self.num_heads = int(cfg.num_attention_heads)
         self.kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.num_heads)
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads)
         self.gqa = self.kv_heads != self.num_heads
         self.scale = self.head_dim ** -0.5
+        # On the CPU the forward runs on the kernels of lean_cpu.py (why not otherwise: kernels_reason),
+        # which read bf16/fp16 weights as they are even when computing in fp32: no fp32 copy then.
+        self.kernels_reason = kernels_reason(base.embed_tokens.weight.device, weight_dtype, self.dtype,
+                                             self.head_dim)
+        on_kernels = self.kernels_reason is None
+        same = self.dtype == weight_dtype or on_kernels
+        cast = (lambda w: w) if same else (lambda w: _cast(w, self.dtype))
+        self.embed = cast(base.embed_tokens.weight)
+        self.device = self.embed.device
         # The KV cache and the attention in fp32 for a half-precision model on the CPU: the cached
         # keys and values are the model-dtype k and v (exact in fp32), and attention accumulates in
         # fp32 as half-precision SDPA kernels do inside, but torch's CPU SDPA has a slow bf16 path
         # for a single query (360 us against 44 us in fp32 at 500 positions, 8 heads of 64, one
-        # thread: a third of a decode step of the bundled target on the edit workload).
+        # thread: a third of a decode step of the bundled target on the edit workload). The kernels'
+        # attention reads a half-precision cache itself (half the bytes of fp32) and accumulates in fp32.
         half_on_cpu = self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16)
-        self.attn_dtype = torch.float32 if half_on_cpu else self.dtype
+        self.attn_dtype = torch.float32 if half_on_cpu and not on_kernels else self.dtype
         self.vocab_size: int = output_vocab_size(model)
         lin = lambda m: (cast(m.weight), cast(m.bias))
         self.layers = []
@@ -163,7 +176,10 @@ class LeanLlamaRunner:
         self._tree = False                # whether the last forward was a tree
         self._in_use = RowsInUse(self.max_batch_size)  # continuous batching: start_rows / free_rows
         self._rows = torch.arange(self.max_batch_size, device=self.device)
+        self._kernels: Optional[CpuKernelForward] = None
         self._alloc(self.max_seq_len + CAPACITY_SLACK)
+        if on_kernels:
+            self._kernels = CpuKernelForward(self)
 
     # ------------------------------------------------------------------ storage
     def _alloc(self, capacity: int) -> None:
@@ -187,6 +203,8 @@ class LeanLlamaRunner:
         sin[:, :half] = -sin[:, :half]
         self._sin = sin
         self._arange = torch.arange(capacity, device=self.device)
+        if self._kernels is not None:
+            self._kernels.tables(capacity)
 
     # ------------------------------------------------------------------ state
     @property
@@ -220,6 +238,8 @@ class LeanLlamaRunner:
         S = max(start) + T
         if S > self.capacity:
             self._alloc(S + CAPACITY_SLACK)
+        if self._kernels is not None:
+            return self._kernels(ids, start, keep, tree, counts, cache_rows)
         uniform = tree is None and all(s == start[0] for s in start)
         # a slice keeps the cache a view; an index (rows joining a running batch) gathers a copy
         rows_of_cache = slice(0, B) if cache_rows is None else cache_rows

@@ -1,0 +1,325 @@
+// The CPU forward kernels (csrc/cpu/small_gemm.h, fused_linear.h, rope_cache.h, attention.h) against
+// double-precision references, on every instruction-set path this CPU runs (forced through
+// SPECDEC_CPU_ISA as the ops read it), odd shapes, 1 and 16 rows, fp32/bf16/fp16 weights and caches;
+// the 16-bit conversions against c10's; batch invariance; one op call through the dispatcher.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cpu/attention.h"
+#include "cpu/fused_linear.h"
+#include "cpu/isa.h"
+#include "cpu/numeric.h"
+#include "cpu/rope_cache.h"
+
+namespace {
+
+using namespace specdec::cpu;
+
+constexpr double kFp32Eps = 5.9604644775390625e-8;  // 2^-24
+
+// The paths this CPU runs, each forced through the environment as a test of the switch itself.
+std::vector<Isa> paths() {
+  std::vector<Isa> out;
+  for (Isa isa : {Isa::kPortable, Isa::kAvx2, Isa::kAvx512Bf16}) {
+    if (!isa_supported(isa)) continue;
+    setenv("SPECDEC_CPU_ISA", isa_name(isa), 1);
+    EXPECT_EQ(selected_isa(), isa);
+    out.push_back(isa);
+  }
+  unsetenv("SPECDEC_CPU_ISA");
+  return out;
+}
+
+std::vector<uint16_t> to_bits(const std::vector<float>& values, DType type) {
+  std::vector<uint16_t> out(values.size());
+  for (size_t i = 0; i < values.size(); ++i)
+    out[i] = type == DType::kBF16 ? float_to_bf16(values[i]) : float_to_fp16(values[i]);
+  return out;
+}
+
+struct Matrix {  // a weight in one dtype and its exact values as doubles
+  DType type;
+  int64_t rows, cols;
+  std::vector<float> f32;
+  std::vector<uint16_t> half;
+  std::vector<double> exact;
+
+  Matrix(DType t, int64_t r, int64_t c, std::mt19937& rng) : type(t), rows(r), cols(c) {
+    std::normal_distribution<float> normal(0.0f, 0.1f);
+    f32.resize(r * c);
+    for (float& v : f32) v = normal(rng);
+    if (t != DType::kF32) half = to_bits(f32, t);
+    exact.resize(r * c);
+    for (int64_t i = 0; i < r * c; ++i) exact[i] = t == DType::kF32 ? f32[i] : load_as_float(t, half.data(), i);
+  }
+  GemmWeight weight() const {
+    return {t_data(), type, rows, cols, cols};
+  }
+  const void* t_data() const { return type == DType::kF32 ? static_cast<const void*>(f32.data()) : half.data(); }
+};
+
+// fused_linear_range over every output tile of one weight; activations from x rounded as asked.
+std::vector<float> run_linear(Isa isa, const std::vector<float>& x, int64_t M, const Matrix& w, bool bf16,
+                              const float* norm, LinearEpilogue epilogue = LinearEpilogue::kStore,
+                              const Matrix* up = nullptr, std::vector<float> init = {}) {
+  const int64_t K = w.cols;
+  std::vector<float> a32(M * K);
+  std::vector<uint16_t> a16(M * K);
+  const bool dot = bf16 && isa == Isa::kAvx512Bf16;
+  prepare_activations(x.data(), K, M, K, norm, 1e-5f, bf16, a32.data(), K, dot ? a16.data() : nullptr, K);
+  const GemmActivations a{a32.data(), K, dot ? a16.data() : nullptr, K};
+  std::vector<float> out = init.empty() ? std::vector<float>(M * w.rows, NAN) : init;
+  GemmWeight ws[2] = {w.weight(), up ? up->weight() : w.weight()};
+  LinearOutput os[2] = {{out.data(), w.rows, nullptr}, {nullptr, 0, nullptr}};
+  const int count = epilogue == LinearEpilogue::kSwiGLU ? 2 : 1;
+  fused_linear_range(isa, a, M, epilogue, ws, os, count, 0, fused_linear_num_tiles(epilogue, ws, count));
+  return out;
+}
+
+double reference_activation(const std::vector<float>& x, int64_t m, int64_t k, int64_t K, bool bf16) {
+  const float v = x[m * K + k];
+  return bf16 ? round_to_bf16(v) : v;
+}
+
+TEST(LeanForwardKernels, ConversionsMatchC10) {
+  std::mt19937 rng(1);
+  std::uniform_int_distribution<uint32_t> bits;
+  std::vector<float> values = {0.0f, -0.0f, 1.0f, 65504.0f, 65519.0f, 65520.0f, 1e-8f, 6.1e-5f, 5.96e-8f,
+                               2.98e-8f, 3.0e-8f, -7.5e-6f, 3.3895e38f, INFINITY, -INFINITY};
+  for (int i = 0; i < 200000; ++i) {
+    const float f = bits_to_float(bits(rng));
+    if (!std::isnan(f)) values.push_back(f);
+  }
+  for (float f : values) {
+    EXPECT_EQ(float_to_bf16(f), c10::BFloat16(f).x) << f;
+    EXPECT_EQ(float_to_fp16(f), c10::Half(f).x) << f;
+    EXPECT_EQ(bf16_to_float(float_to_bf16(f)), static_cast<float>(c10::BFloat16(f))) << f;
+    EXPECT_EQ(fp16_to_float(float_to_fp16(f)), static_cast<float>(c10::Half(f))) << f;
+  }
+  EXPECT_TRUE(std::isnan(bf16_to_float(float_to_bf16(NAN))));
+  EXPECT_TRUE(std::isnan(fp16_to_float(float_to_fp16(NAN))));
+  for (uint32_t h = 0; h < 0x10000; ++h) {  // every fp16 widens exactly
+    c10::Half half;
+    half.x = static_cast<uint16_t>(h);
+    const float expected = static_cast<float>(half);
+    if (!std::isnan(expected)) EXPECT_EQ(fp16_to_float(static_cast<uint16_t>(h)), expected) << h;
+  }
+}
+
+TEST(LeanForwardKernels, GemmMatchesDoubleReferenceOnEveryPath) {
+  struct Shape {
+    int64_t M, K, N;
+  };
+  const Shape shapes[] = {{1, 16, 4}, {1, 77, 33}, {16, 77, 33}, {16, 31, 5}, {5, 512, 130}, {3, 1280, 17},
+                          {9, 64, 64}};
+  std::mt19937 rng(2);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  for (Isa isa : paths()) {
+    for (const Shape& s : shapes) {
+      for (DType type : {DType::kF32, DType::kBF16, DType::kF16}) {
+        const Matrix w(type, s.N, s.K, rng);
+        std::vector<float> x(s.M * s.K);
+        for (float& v : x) v = normal(rng);
+        for (bool bf16 : {false, true}) {
+          if (bf16 && type != DType::kBF16) continue;
+          const std::vector<float> out = run_linear(isa, x, s.M, w, bf16, nullptr);
+          for (int64_t m = 0; m < s.M; ++m)
+            for (int64_t n = 0; n < s.N; ++n) {
+              double expected = 0.0, magnitude = 0.0;
+              for (int64_t k = 0; k < s.K; ++k) {
+                const double term = reference_activation(x, m, k, s.K, bf16) * w.exact[n * s.K + k];
+                expected += term;
+                magnitude += std::fabs(term);
+              }
+              ASSERT_NEAR(out[m * s.N + n], expected, 4.0 * s.K * kFp32Eps * magnitude + 1e-30)
+                  << isa_name(isa) << " M=" << s.M << " K=" << s.K << " N=" << s.N << " m=" << m << " n=" << n;
+            }
+        }
+      }
+    }
+  }
+}
+
+TEST(LeanForwardKernels, RowsAreBatchInvariant) {
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const int64_t K = 83, N = 37;
+  std::vector<float> x(16 * K), norm(K);
+  for (float& v : x) v = normal(rng);
+  for (float& v : norm) v = 1.0f + 0.1f * normal(rng);
+  for (Isa isa : paths()) {
+    for (DType type : {DType::kF32, DType::kBF16, DType::kF16}) {
+      const Matrix w(type, N, K, rng);
+      const bool bf16 = type == DType::kBF16;
+      const std::vector<float> all = run_linear(isa, x, 16, w, bf16, norm.data());
+      for (int64_t M : {1, 3, 4, 5, 9}) {
+        const std::vector<float> part(x.begin(), x.begin() + M * K);
+        const std::vector<float> out = run_linear(isa, part, M, w, bf16, norm.data());
+        for (int64_t i = 0; i < M * N; ++i) ASSERT_EQ(out[i], all[i]) << isa_name(isa) << " M=" << M << " i=" << i;
+      }
+    }
+  }
+}
+
+TEST(LeanForwardKernels, ResidualAddAndSwiGLU) {
+  std::mt19937 rng(4);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const int64_t M = 6, K = 45, N = 23;
+  std::vector<float> x(M * K), residual(M * N);
+  for (float& v : x) v = normal(rng);
+  for (float& v : residual) v = normal(rng);
+  for (Isa isa : paths()) {
+    const Matrix gate(DType::kBF16, N, K, rng), up(DType::kBF16, N, K, rng);
+    const std::vector<float> added = run_linear(isa, x, M, gate, false, nullptr, LinearEpilogue::kAdd, nullptr, residual);
+    const std::vector<float> gated = run_linear(isa, x, M, gate, false, nullptr, LinearEpilogue::kSwiGLU, &up);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < N; ++n) {
+        double g = 0.0, u = 0.0, mag = 0.0;
+        for (int64_t k = 0; k < K; ++k) {
+          g += x[m * K + k] * gate.exact[n * K + k];
+          u += x[m * K + k] * up.exact[n * K + k];
+          mag += std::fabs(x[m * K + k]) * (std::fabs(gate.exact[n * K + k]) + std::fabs(up.exact[n * K + k]));
+        }
+        const double tol = 4.0 * K * kFp32Eps * mag * 4 + 1e-6;
+        EXPECT_NEAR(added[m * N + n], residual[m * N + n] + g, tol) << isa_name(isa);
+        EXPECT_NEAR(gated[m * N + n], g / (1.0 + std::exp(-g)) * u, tol) << isa_name(isa);
+      }
+  }
+}
+
+TEST(LeanForwardKernels, RopeAndCacheWrite) {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const int64_t M = 5, H = 6, Hk = 3, D = 18, P = 20, capacity = 8, half = D / 2;
+  std::vector<float> q(M * H * D), k(M * Hk * D), v(M * Hk * D), cos(P * half), sin(P * half);
+  for (float& x : q) x = normal(rng);
+  for (float& x : k) x = normal(rng);
+  for (float& x : v) x = normal(rng);
+  for (int64_t p = 0; p < P; ++p)
+    for (int64_t i = 0; i < half; ++i) {
+      const double angle = p * std::pow(10000.0, -2.0 * i / D);
+      cos[p * half + i] = static_cast<float>(std::cos(angle));
+      sin[p * half + i] = static_cast<float>(std::sin(angle));
+    }
+  const std::vector<int64_t> positions = {0, 19, 3, 7, 7}, rows = {0, 1, 1, 0, 1}, slots = {2, 0, 7, 5, 3};
+  const std::vector<float> q0 = q;
+  std::vector<uint16_t> kc(2 * Hk * capacity * D), vc(kc.size());
+  RopeCacheProblem p{q.data(), H * D, k.data(), Hk * D, v.data(), Hk * D, H, Hk, D, cos.data(), sin.data(),
+                     positions.data(), rows.data(), slots.data(), kc.data(), vc.data(), DType::kBF16, capacity};
+  rope_cache_rows(p, 0, M);
+  auto rotated = [&](const std::vector<float>& x, int64_t heads, int64_t m, int64_t h, int64_t i) {
+    const double c = cos[positions[m] * half + i % half], s = sin[positions[m] * half + i % half];
+    const double x1 = x[(m * heads + h) * D + i % half], x2 = x[(m * heads + h) * D + i % half + half];
+    return i < half ? x1 * c - x2 * s : x2 * c + x1 * s;
+  };
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t i = 0; i < D; ++i) EXPECT_NEAR(q[(m * H + h) * D + i], rotated(q0, H, m, h, i), 1e-6);
+    for (int64_t g = 0; g < Hk; ++g)
+      for (int64_t i = 0; i < D; ++i) {
+        const int64_t at = ((rows[m] * Hk + g) * capacity + slots[m]) * D + i;
+        const double expected = rotated(k, Hk, m, g, i);
+        EXPECT_NEAR(bf16_to_float(kc[at]), expected, std::fabs(expected) * 0.0040 + 1e-7);
+        EXPECT_EQ(vc[at], float_to_bf16(v[(m * Hk + g) * D + i]));
+      }
+  }
+}
+
+// softmax(scale q K^T) V over the prefix and the visible block keys, in double.
+void reference_attention(const AttentionProblem& p, const std::vector<float>& kc, const std::vector<float>& vc,
+                         std::vector<double>& out) {
+  const int64_t D = p.head_dim;
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t t = 0; t < p.tokens; ++t)
+      for (int64_t h = 0; h < p.heads; ++h) {
+        std::vector<int64_t> keys(p.tokens);
+        const int64_t n = attention_keys(p, b, t, keys.data());
+        const int64_t g = h / (p.heads / p.kv_heads);
+        std::vector<double> s(n);
+        double top = -INFINITY, total = 0.0;
+        auto slot = [&](int64_t i) { return i < p.start[b] ? i : keys[i - p.start[b]]; };
+        for (int64_t i = 0; i < n; ++i) {
+          s[i] = 0.0;
+          for (int64_t d = 0; d < D; ++d)
+            s[i] += p.q[((b * p.tokens + t) * p.heads + h) * D + d] *
+                    kc[((b * p.kv_heads + g) * p.capacity + slot(i)) * D + d];
+          s[i] *= p.scale;
+          top = std::max(top, s[i]);
+        }
+        for (int64_t i = 0; i < n; ++i) total += (s[i] = std::exp(s[i] - top));
+        for (int64_t d = 0; d < D; ++d) {
+          double acc = 0.0;
+          for (int64_t i = 0; i < n; ++i) acc += s[i] * vc[((b * p.kv_heads + g) * p.capacity + slot(i)) * D + d];
+          out[((b * p.tokens + t) * p.heads + h) * D + d] = acc / total;
+        }
+      }
+}
+
+TEST(LeanForwardKernels, AttentionMatchesDoubleReferenceChainsAndTrees) {
+  std::mt19937 rng(6);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (int64_t D : {64, 80, 24, 160}) {
+    const int64_t B = 2, T = 5, H = 4, Hk = 2, capacity = 40;
+    std::vector<float> q(B * T * H * D), kc(B * Hk * capacity * D), vc(kc.size());
+    for (float& x : q) x = normal(rng);
+    for (float& x : kc) x = normal(rng);
+    for (float& x : vc) x = normal(rng);
+    // a tree per row: token t's parent is an earlier token
+    std::vector<uint8_t> visible(B * T * T, 0);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < T; ++t) {
+        visible[(b * T + t) * T + t] = 1;
+        if (t == 0) continue;
+        const int64_t parent = std::uniform_int_distribution<int64_t>(0, t - 1)(rng);
+        for (int64_t j = 0; j < T; ++j) visible[(b * T + t) * T + j] |= visible[(b * T + parent) * T + j];
+      }
+    const std::vector<int64_t> start = {0, 31};
+    for (const uint8_t* mask : {static_cast<const uint8_t*>(nullptr), static_cast<const uint8_t*>(visible.data())}) {
+      std::vector<float> out(q.size());
+      AttentionProblem p{q.data(), kc.data(), vc.data(), DType::kF32, start.data(), mask, B, T, H, Hk, D,
+                         capacity, 0.125f, out.data()};
+      std::vector<double> expected(q.size());
+      reference_attention(p, kc, vc, expected);
+      for (Isa isa : paths()) {
+        std::vector<float> scratch(capacity);
+        std::vector<int64_t> keys(T);
+        cache_attention_range(isa, p, 0, B * T * H, scratch.data(), keys.data());
+        for (size_t i = 0; i < out.size(); ++i)
+          ASSERT_NEAR(out[i], expected[i], 2e-5) << isa_name(isa) << " D=" << D << " tree=" << (mask != nullptr);
+      }
+    }
+  }
+}
+
+TEST(LeanForwardKernels, ForcingAnUnknownPathThrows) {
+  setenv("SPECDEC_CPU_ISA", "sse9", 1);
+  EXPECT_THROW(selected_isa(), std::invalid_argument);
+  unsetenv("SPECDEC_CPU_ISA");
+  EXPECT_EQ(selected_isa(), best_isa());
+}
+
+TEST(LeanForwardOps, FusedLinearThroughTheDispatcher) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("specdec_ext::fused_linear", "")
+                       .typed<void(const at::Tensor&, const std::optional<at::Tensor>&, double, at::TensorList,
+                                   const c10::List<std::optional<at::Tensor>>&, const std::string&, bool,
+                                   at::TensorList)>();
+  torch::manual_seed(0);
+  const at::Tensor x = torch::randn({3, 40});
+  const at::Tensor w = torch::randn({10, 40}).to(torch::kBFloat16);
+  at::Tensor out = torch::empty({3, 10});
+  c10::List<std::optional<at::Tensor>> biases;
+  const std::string store = "store";
+  op.call(x, std::nullopt, 0.0, {w}, biases, store, true, {out});
+  const at::Tensor expected = torch::matmul(x.to(torch::kBFloat16).to(torch::kFloat), w.to(torch::kFloat).t());
+  EXPECT_TRUE(torch::allclose(out, expected, 1e-5, 1e-5));
+  EXPECT_THROW(op.call(x, std::nullopt, 0.0, {w.to(torch::kFloat)}, biases, store, true, {out}), c10::Error);
+}
+
+}  // namespace

@@ -1,0 +1,60 @@
+// What the small-M GEMM kernels (gemm_portable.h, gemm_avx2.h, gemm_avx512.h) read and write.
+//
+// out[m, n] = sum_k a[m, k] * w[n, k] for a tile of up to kTileM rows and kTileN output features,
+// with w in its natural [N, K] row-major layout (the HF weight itself: no repacking, no copy). Every
+// weight row of a tile is streamed once while all the tile's activation rows, which sit in L1, are
+// multiplied with it; looping over row blocks inside an output tile keeps the weights read from
+// memory once per pass whatever the number of rows.
+//
+// Batch invariance: out[m, n] is computed by the same instructions in the same order whatever M, the
+// row block m falls in and the thread that runs it (accumulation over k in fixed steps, then a fixed
+// reduction tree per accumulator), so a row's result does not depend on what else is in the pass. A
+// verification pass therefore gives bit for bit the logits a one-token pass would: speculative greedy
+// decoding reproduces plain greedy decoding exactly on every path (each path on its own; the paths
+// differ from one another in rounding).
+#pragma once
+#include <cstdint>
+
+#include "numeric.h"
+
+namespace specdec::cpu {
+
+constexpr int kTileN = 4;  // output features per tile, on every path (the threads split tiles)
+
+// The SIMD tiles prefetch the weight rows this many tiles ahead: the hardware prefetchers alone left
+// a one-row pass at 27 GB/s where this reaches 35-38 (this VM's copy bandwidth), and at 4-9 rows the
+// stalls on the first row block had cost 1.7-2x.
+constexpr int kPrefetchTiles = 2;
+
+// The activations A [M, K] as the kernels read them. f32 holds the values every path multiplies
+// (already rounded to bf16 when the products are bf16 x bf16); bf16 holds the same values as bf16
+// bits for the AVX512-BF16 dot product, or is null when the products are fp32.
+struct GemmActivations {
+  const float* f32;
+  int64_t ld_f32;
+  const uint16_t* bf16;
+  int64_t ld_bf16;
+};
+
+// A weight W [rows, cols] row-major with row stride ld, of dtype type (fp32, bf16 or fp16).
+struct GemmWeight {
+  const void* data;
+  DType type;
+  int64_t rows, cols, ld;
+
+  const void* row(int64_t n) const {
+    const int64_t bytes = type == DType::kF32 ? 4 : 2;
+    return static_cast<const char*>(data) + n * ld * bytes;
+  }
+};
+
+// Sum of 2^p lanes by folding halves (lane l += lane l + w for w = n/2, n/4, ..., 1): the tree the
+// SIMD reductions use, so that a value does not depend on how its lanes were produced.
+template <int kLanesP2>
+inline float fold_sum(float* lanes) {
+  for (int width = kLanesP2 / 2; width > 0; width /= 2)
+    for (int l = 0; l < width; ++l) lanes[l] += lanes[l + width];
+  return lanes[0];
+}
+
+}  // namespace specdec::cpu

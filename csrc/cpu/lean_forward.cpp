@@ -1,0 +1,168 @@
+// CPU bodies of the lean-forward ops (contract in ../lean_forward.h): argument checks, the
+// instruction-set path, the threads; the arithmetic is in the torch-free kernel headers.
+#include <ATen/Parallel.h>
+#include <ATen/core/List.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "../lean_forward.h"
+#include "attention.h"
+#include "fused_linear.h"
+#include "isa.h"
+#include "rope_cache.h"
+
+namespace specdec::cpu {
+namespace {
+
+Isa isa_or_throw() {
+  try {
+    return selected_isa();
+  } catch (const std::exception& error) {
+    TORCH_CHECK(false, error.what());
+  }
+}
+
+DType dtype_of(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kBFloat16:
+      return DType::kBF16;
+    case at::kHalf:
+      return DType::kF16;
+    default:
+      return DType::kF32;
+  }
+}
+
+// Runs fn(begin, end) over [0, total) in chunks that the threads take in turn: a core slowed by a
+// neighbour (this code shares its machines) then costs its share, not the whole pass.
+template <typename Fn>
+void parallel_chunks(int64_t total, int64_t chunk, const Fn& fn) {
+  if (total <= 0) return;
+  const int64_t chunks = (total + chunk - 1) / chunk;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), chunks);
+  if (threads <= 1) return fn(0, total);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1))
+      fn(c * chunk, std::min(total, (c + 1) * chunk));
+  });
+}
+
+void fused_linear(const at::Tensor& x, const c10::optional<at::Tensor>& norm_weight, double norm_eps,
+                  at::TensorList weights, const c10::List<c10::optional<at::Tensor>>& biases,
+                  const std::string& epilogue, bool bf16_activations, at::TensorList outs) {
+  check_fused_linear(x, norm_weight, weights, biases, epilogue, bf16_activations, outs);
+  const Isa isa = isa_or_throw();
+  const int64_t M = x.size(0), K = x.size(1);
+  if (M == 0) return;
+  const int count = static_cast<int>(weights.size());
+  const LinearEpilogue mode = epilogue == "swiglu" ? LinearEpilogue::kSwiGLU
+                              : epilogue == "add"  ? LinearEpilogue::kAdd
+                                                   : LinearEpilogue::kStore;
+  // The activations, prepared once on this thread (rows are independent, so M does not matter).
+  thread_local std::vector<float> a32;
+  thread_local std::vector<uint16_t> a16;
+  a32.resize(M * K);
+  const bool dot_bf16 = bf16_activations && isa == Isa::kAvx512Bf16;
+  if (dot_bf16) a16.resize(M * K);
+  const at::Tensor norm32 = norm_weight ? norm_weight->to(at::kFloat).contiguous() : at::Tensor();
+  prepare_activations(x.data_ptr<float>(), K, M, K, norm_weight ? norm32.data_ptr<float>() : nullptr,
+                      static_cast<float>(norm_eps), bf16_activations, a32.data(), K, dot_bf16 ? a16.data() : nullptr,
+                      K);
+  const GemmActivations a{a32.data(), K, dot_bf16 ? a16.data() : nullptr, K};
+
+  GemmWeight w[kMaxGemmWeights + 1];
+  LinearOutput o[kMaxGemmWeights + 1];
+  std::vector<GemmWeight> many_w(count);
+  std::vector<LinearOutput> many_o(count);
+  std::vector<at::Tensor> bias32(count);  // biases in fp32, converted once per call (Qwen2's q, k, v)
+  GemmWeight* ws = count <= kMaxGemmWeights + 1 ? w : many_w.data();
+  LinearOutput* os = count <= kMaxGemmWeights + 1 ? o : many_o.data();
+  for (int i = 0; i < count; ++i) {
+    const at::Tensor& wi = weights[i];
+    ws[i] = {wi.data_ptr(), dtype_of(wi), wi.size(0), wi.size(1), wi.stride(0)};
+    const at::Tensor& out = outs[mode == LinearEpilogue::kSwiGLU ? 0 : i];
+    const bool has_bias = biases.size() > 0 && biases.get(i).has_value();
+    if (has_bias) bias32[i] = biases.get(i)->to(at::kFloat).contiguous();
+    os[i] = {out.data_ptr<float>(), out.size(1), has_bias ? bias32[i].data_ptr<float>() : nullptr};
+  }
+  const int64_t total = fused_linear_num_tiles(mode, ws, count);
+  // 16 tiles = 64 weight rows per chunk: long enough streams for the prefetchers, short enough to balance.
+  parallel_chunks(total, 16, [&](int64_t begin, int64_t end) {
+    fused_linear_range(isa, a, M, mode, ws, os, count, begin, end);
+  });
+}
+
+void check_index_range(const char* name, const at::Tensor& t, int64_t limit, const char* what) {
+  const int64_t* values = t.data_ptr<int64_t>();
+  for (int64_t i = 0; i < t.numel(); ++i)
+    TORCH_CHECK(values[i] >= 0 && values[i] < limit, "rope_cache_write: ", name, "[", i, "] = ", values[i],
+                " is outside [0, ", limit, ") (", what, ")");
+}
+
+void rope_cache_write(at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
+                      const at::Tensor& sin, const at::Tensor& positions, const at::Tensor& cache_rows,
+                      const at::Tensor& cache_positions, at::Tensor& k_cache, at::Tensor& v_cache) {
+  check_rope_cache_write(q, k, v, cos, sin, positions, cache_rows, cache_positions, k_cache, v_cache);
+  check_index_range("positions", positions, cos.size(0), "the rows of cos");
+  check_index_range("cache_rows", cache_rows, k_cache.size(0), "k_cache dimension 0");
+  check_index_range("cache_positions", cache_positions, k_cache.size(2), "k_cache dimension 2");
+  const int64_t M = q.size(0);
+  if (M == 0) return;
+  const RopeCacheProblem p{q.data_ptr<float>(), q.stride(0), k.data_ptr<float>(), k.stride(0),
+                           v.data_ptr<float>(), v.stride(0), q.size(1), k_cache.size(1), k_cache.size(3),
+                           cos.data_ptr<float>(), sin.data_ptr<float>(), positions.data_ptr<int64_t>(),
+                           cache_rows.data_ptr<int64_t>(), cache_positions.data_ptr<int64_t>(),
+                           k_cache.data_ptr(), v_cache.data_ptr(), dtype_of(k_cache), k_cache.size(2)};
+  // A few rows of a decode pass are not worth waking a thread for; a prefill's hundreds are.
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) { rope_cache_rows(p, begin, end); });
+}
+
+void cache_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& start, const c10::optional<at::Tensor>& visible, double scale,
+                     at::Tensor& out) {
+  check_cache_attention(q, k_cache, v_cache, start, visible, out);
+  const Isa isa = isa_or_throw();
+  const int64_t B = q.size(0), T = q.size(1), H = q.size(2);
+  const int64_t capacity = k_cache.size(2);
+  const int64_t* starts = start.data_ptr<int64_t>();
+  int64_t longest = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(starts[b] >= 0 && starts[b] + T <= capacity, "cache_attention: start[", b, "] = ", starts[b],
+                " must be in [0, capacity - T] = [0, ", capacity - T, "] (the block's T = ", T,
+                " tokens sit at slots start .. start + T - 1)");
+    longest = std::max(longest, starts[b]);
+  }
+  if (q.numel() == 0) return;
+  const AttentionProblem p{q.data_ptr<float>(), k_cache.data_ptr(), v_cache.data_ptr(), dtype_of(k_cache),
+                           starts, visible ? reinterpret_cast<const uint8_t*>(visible->data_ptr<bool>()) : nullptr,
+                           B, T, H, k_cache.size(1), q.size(3), capacity, static_cast<float>(scale),
+                           out.data_ptr<float>()};
+  parallel_chunks(B * T * H, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> scratch;
+    thread_local std::vector<int64_t> keys;
+    scratch.resize(longest + T);
+    keys.resize(T);
+    cache_attention_range(isa, p, begin, end, scratch.data(), keys.data());
+  });
+}
+
+std::string cpu_isa() { return isa_name(isa_or_throw()); }
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(specdec_ext, CPU, m) {
+  m.impl("fused_linear", &fused_linear);
+  m.impl("rope_cache_write", &rope_cache_write);
+  m.impl("cache_attention", &cache_attention);
+}
+
+TORCH_LIBRARY_IMPL(specdec_ext, CompositeExplicitAutograd, m) { m.impl("cpu_isa", &cpu_isa); }
+
+}  // namespace specdec::cpu

@@ -1,0 +1,93 @@
+// The small-M GEMM driver: prepares the activations once per call (optional RMSNorm, optional
+// rounding to bf16) and runs one instruction-set path's tiles over a range of output tiles, handing
+// each finished block to an epilogue. No torch: threads and tensors are the caller's (lean_forward.cpp).
+#pragma once
+#include <cmath>
+#include <cstdint>
+
+#include "gemm_avx2.h"
+#include "gemm_avx512.h"
+#include "gemm_portable.h"
+#include "gemm_types.h"
+#include "isa.h"
+
+namespace specdec::cpu {
+
+// A[m, :] = x[m, :] (fp32), optionally RMS-normalised and scaled, a = x * rsqrt(mean(x^2) + eps) * g
+// (g fp32), optionally rounded to bf16 (a32 then holds the rounded values; a16, when given, the same
+// as bf16 bits). Rows are independent of each other (batch invariance). Branch-free loops: they
+// vectorise, which matters when a call's rows outnumber its weight rows' work (the pass's head).
+inline void prepare_activations(const float* x, int64_t ldx, int64_t M, int64_t K, const float* norm_weight,
+                                float eps, bool round_bf16, float* a32, int64_t lda32, uint16_t* a16,
+                                int64_t lda16) {
+  constexpr int kLanes = 16;
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = x + m * ldx;
+    float* out = a32 + m * lda32;
+    if (norm_weight != nullptr) {
+      float lanes[kLanes] = {};
+      int64_t k = 0;
+      for (; k + kLanes <= K; k += kLanes)
+        for (int l = 0; l < kLanes; ++l) lanes[l] += row[k + l] * row[k + l];
+      for (int l = 0; k + l < K; ++l) lanes[l] += row[k + l] * row[k + l];
+      const float mean = fold_sum<kLanes>(lanes) / static_cast<float>(K);
+      const float scale = 1.0f / std::sqrt(mean + eps);
+      for (k = 0; k < K; ++k) out[k] = row[k] * scale * norm_weight[k];
+    } else {
+      for (int64_t k = 0; k < K; ++k) out[k] = row[k];
+    }
+    if (!round_bf16) continue;
+    uint16_t* bits = a16 != nullptr ? a16 + m * lda16 : nullptr;
+    for (int64_t k = 0; k < K; ++k) {
+      const uint32_t u = float_to_bits(out[k]);
+      const uint32_t nearest = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+      const uint32_t h = (u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : nearest;  // NaN stays NaN
+      out[k] = bits_to_float(h << 16);
+      if (bits != nullptr) bits[k] = static_cast<uint16_t>(h);
+    }
+  }
+}
+
+using TileFn = void (*)(const GemmActivations&, int64_t, int, const GemmWeight&, int64_t, int, float*);
+
+struct TilePath {
+  TileFn tile;
+  int tile_m;
+};
+
+inline TilePath tile_path(Isa isa) {
+#if SPECDEC_HAVE_X86_PATHS
+  if (isa == Isa::kAvx512Bf16) return {&avx512::gemm_tile, avx512::kTileM};
+  if (isa == Isa::kAvx2) return {&avx2::gemm_tile, avx2::kTileM};
+#endif
+  (void)isa;
+  return {&portable::gemm_tile, portable::kTileM};
+}
+
+constexpr int kMaxGemmWeights = 2;
+constexpr int kMaxTileM = 4;
+
+inline int64_t num_tiles(int64_t rows) { return (rows + kTileN - 1) / kTileN; }
+
+// For every output tile t in [tile_begin, tile_end) (features t*kTileN ..) and every row block:
+// tiles[i][m * kTileN + j] = sum_k A[m0 + m, k] * weights[i][n0 + j, k] for the `count` weights
+// (which share their shapes, e.g. the gate and up projections), then epilogue(m0, mb, n0, nt, tiles).
+template <typename Epilogue>
+inline void gemm_tiles(Isa isa, const GemmActivations& a, int64_t M, const GemmWeight* weights, int count,
+                       int64_t tile_begin, int64_t tile_end, Epilogue&& epilogue) {
+  const TilePath path = tile_path(isa);
+  float buffers[kMaxGemmWeights][kMaxTileM * kTileN];
+  const float* tiles[kMaxGemmWeights] = {buffers[0], buffers[1]};
+  const int64_t N = weights[0].rows;
+  for (int64_t t = tile_begin; t < tile_end; ++t) {
+    const int64_t n0 = t * kTileN;
+    const int nt = static_cast<int>(N - n0 < kTileN ? N - n0 : kTileN);
+    for (int64_t m0 = 0; m0 < M; m0 += path.tile_m) {
+      const int mb = static_cast<int>(M - m0 < path.tile_m ? M - m0 : path.tile_m);
+      for (int i = 0; i < count; ++i) path.tile(a, m0, mb, weights[i], n0, nt, buffers[i]);
+      epilogue(m0, mb, n0, nt, tiles);
+    }
+  }
+}
+
+}  // namespace specdec::cpu

@@ -1,0 +1,197 @@
+// Contract of the lean-forward family: the CPU decoder-layer ops the lean runner (runners/lean.py)
+// composes a Llama-family forward from. CPU only; the kernels are csrc/cpu/{small_gemm,fused_linear,
+// rope_cache,attention}.h, run on the instruction-set path of csrc/cpu/isa.h (SPECDEC_CPU_ISA).
+//
+// fused_linear: the projections of a layer, each weight read once for all M rows of the pass.
+//   x            [M, K] fp32 contiguous: the rows (the residual stream, or an attention / MLP output)
+//   norm_weight  [K] fp32/bf16/fp16 or None: A = RMSNorm(x) * norm_weight (eps norm_eps), else A = x
+//   weights      W_i [N_i, K], one dtype for all: fp32, bf16 or fp16, contiguous
+//   biases       [] or one entry per weight: None or [N_i] fp32/bf16/fp16
+//   epilogue     "store": outs[i] = A W_i^T + b_i; "add": outs[i] += A W_i^T + b_i;
+//                "swiglu": two weights (gate, up) of one shape, one output: silu(A Wg^T + bg) * (A Wu^T + bu)
+//   bf16_activations  round A to bf16 before the products (a bf16 model's activations; bf16 weights only)
+//   outs         [M, N_i] fp32 contiguous (written, or accumulated into)
+//
+// rope_cache_write: rotary embedding of q (in place) and k, and the write of k and v into the cache.
+//   q [M, H, D], k and v [M, Hk, D] fp32, each with contiguous heads (any row stride); D even, <= 512
+//   cos, sin [P, D/2] fp32 contiguous: the tables of rotary positions 0 .. P-1
+//   positions, cache_rows, cache_positions [M] int64: the rotary position (< P), the cache row and
+//                the cache slot (< capacity) of each token
+//   k_cache, v_cache [Bc, Hk, capacity, D] fp32/bf16/fp16 contiguous, one dtype (values rounded to it)
+//
+// cache_attention: a block of T queries per row over the cache (see csrc/cpu/attention.h).
+//   q [B, T, H, D] fp32 contiguous; H a multiple of Hk; D <= 512
+//   k_cache, v_cache [Bc, Hk, capacity, D] as above, Bc >= B (row b reads cache row b)
+//   start [B] int64: the block's first slot, start[b] + T <= capacity
+//   visible [B, T, T] bool or None: which block tokens each query sees (None: causal, j <= t)
+//   out [B, T, H, D] fp32 contiguous
+#pragma once
+#include <ATen/core/Tensor.h>
+#include <ATen/core/List.h>
+
+#include <string>
+
+#include "checks.h"
+
+namespace specdec {
+
+constexpr int64_t kMaxHeadDim = 512;
+
+inline void check_float_vector(const char* op, const char* name, const at::Tensor& t, int64_t size,
+                               const at::Tensor& reference, const char* what) {
+  check_rank(op, name, t, 1, "[N]");
+  check_size(op, name, t, 0, size, what);
+  check_dtype(op, name, t, {at::kFloat, at::kBFloat16, at::kHalf});
+  check_same_device(op, name, t, reference, "x");
+  check_contiguous(op, name, t);
+}
+
+inline void check_fused_linear(const at::Tensor& x, const c10::optional<at::Tensor>& norm_weight,
+                               const at::TensorList weights, const c10::List<c10::optional<at::Tensor>>& biases,
+                               const std::string& epilogue, bool bf16_activations, const at::TensorList outs) {
+  constexpr const char* op = "fused_linear";
+  check_rank(op, "x", x, 2, "[M, K]");
+  check_dtype(op, "x", x, {at::kFloat});
+  check_contiguous(op, "x", x);
+  const int64_t M = x.size(0), K = x.size(1);
+  if (norm_weight.has_value()) check_float_vector(op, "norm_weight", *norm_weight, K, x, "K (x dimension 1)");
+  TORCH_CHECK(epilogue == "store" || epilogue == "add" || epilogue == "swiglu", op,
+              ": epilogue must be \"store\", \"add\" or \"swiglu\", got \"", epilogue, "\"");
+  TORCH_CHECK(!weights.empty(), op, ": weights must hold at least one weight");
+  const bool swiglu = epilogue == "swiglu";
+  TORCH_CHECK(!swiglu || weights.size() == 2, op, ": epilogue \"swiglu\" takes two weights (gate, up), got ",
+              weights.size());
+  TORCH_CHECK(outs.size() == (swiglu ? 1 : weights.size()), op, ": outs must hold ", swiglu ? 1 : weights.size(),
+              " tensor(s) (", swiglu ? "the gated product" : "one per weight", "), got ", outs.size());
+  TORCH_CHECK(biases.size() == 0 || biases.size() == weights.size(), op,
+              ": biases must be empty or hold one entry (a tensor or None) per weight, got ", biases.size(),
+              " for ", weights.size(), " weights");
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const at::Tensor& w = weights[i];
+    const std::string name = "weights[" + std::to_string(i) + "]";
+    check_rank(op, name.c_str(), w, 2, "[N, K]");
+    check_size(op, name.c_str(), w, 1, K, "K (x dimension 1)");
+    check_dtype(op, name.c_str(), w, {at::kFloat, at::kBFloat16, at::kHalf});
+    TORCH_CHECK(w.scalar_type() == weights[0].scalar_type(), op, ": every weight must have the dtype of weights[0] (",
+                weights[0].scalar_type(), "), ", name, " is ", w.scalar_type());
+    check_same_device(op, name.c_str(), w, x, "x");
+    check_contiguous(op, name.c_str(), w);
+    if (swiglu) check_size(op, name.c_str(), w, 0, weights[0].size(0), "N (weights[0] dimension 0)");
+    if (biases.size() > 0 && biases.get(i).has_value()) {
+      const std::string bname = "biases[" + std::to_string(i) + "]";
+      check_float_vector(op, bname.c_str(), *biases.get(i), w.size(0), x, "N (the weight's dimension 0)");
+    }
+  }
+  TORCH_CHECK(!bf16_activations || weights[0].scalar_type() == at::kBFloat16, op,
+              ": bf16_activations needs bf16 weights, got ", weights[0].scalar_type());
+  for (size_t i = 0; i < outs.size(); ++i) {
+    const at::Tensor& o = outs[i];
+    const std::string name = "outs[" + std::to_string(i) + "]";
+    check_rank(op, name.c_str(), o, 2, "[M, N]");
+    check_size(op, name.c_str(), o, 0, M, "M (x dimension 0)");
+    check_size(op, name.c_str(), o, 1, weights[i].size(0), "N (the weight's dimension 0)");
+    check_dtype(op, name.c_str(), o, {at::kFloat});
+    check_same_device(op, name.c_str(), o, x, "x");
+    check_contiguous(op, name.c_str(), o);
+    TORCH_CHECK(!o.is_same(x), op, ": ", name, " must not be x");
+  }
+}
+
+inline void check_kv_cache_pair(const char* op, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                const at::Tensor& reference, const char* reference_name) {
+  check_rank(op, "k_cache", k_cache, 4, "[Bc, Hk, capacity, D]");
+  check_dtype(op, "k_cache", k_cache, {at::kFloat, at::kBFloat16, at::kHalf});
+  check_contiguous(op, "k_cache", k_cache);
+  check_same_device(op, "k_cache", k_cache, reference, reference_name);
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), op, ": v_cache must have the shape of k_cache ",
+              shape_str(k_cache.sizes()), ", got ", shape_str(v_cache.sizes()));
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), op, ": v_cache must have the dtype of k_cache (",
+              k_cache.scalar_type(), "), got ", v_cache.scalar_type());
+  check_contiguous(op, "v_cache", v_cache);
+  check_same_device(op, "v_cache", v_cache, reference, reference_name);
+}
+
+inline void check_heads(const char* op, const char* name, const at::Tensor& t, int64_t rows, int64_t heads,
+                        int64_t head_dim) {
+  check_rank(op, name, t, 3, "[M, heads, D]");
+  check_size(op, name, t, 0, rows, "M (q dimension 0)");
+  if (heads >= 0) check_size(op, name, t, 1, heads, "Hk (k_cache dimension 1)");
+  check_size(op, name, t, 2, head_dim, "D (k_cache dimension 3)");
+  check_dtype(op, name, t, {at::kFloat});
+  TORCH_CHECK(t.stride(2) == 1 && t.stride(1) == head_dim, op, ": ", name,
+              " must have contiguous heads (strides [*, D, 1]), got strides ", shape_str(t.strides()));
+}
+
+inline void check_index_vector(const char* op, const char* name, const at::Tensor& t, int64_t rows,
+                               const at::Tensor& reference) {
+  check_rank(op, name, t, 1, "[M]");
+  check_size(op, name, t, 0, rows, "M (q dimension 0)");
+  check_dtype(op, name, t, {at::kLong});
+  check_same_device(op, name, t, reference, "q");
+  check_contiguous(op, name, t);
+}
+
+inline void check_rope_cache_write(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                   const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
+                                   const at::Tensor& cache_rows, const at::Tensor& cache_positions,
+                                   const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  constexpr const char* op = "rope_cache_write";
+  check_kv_cache_pair(op, k_cache, v_cache, q, "q");
+  const int64_t kv_heads = k_cache.size(1), D = k_cache.size(3);
+  TORCH_CHECK(D % 2 == 0 && D <= kMaxHeadDim, op, ": the head dimension must be even and at most ", kMaxHeadDim,
+              ", got ", D);
+  check_rank(op, "q", q, 3, "[M, H, D]");
+  const int64_t M = q.size(0);
+  check_heads(op, "q", q, M, -1, D);
+  check_heads(op, "k", k, M, kv_heads, D);
+  check_heads(op, "v", v, M, kv_heads, D);
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"cos", cos}, {"sin", sin}}) {
+    check_rank(op, name, t, 2, "[P, D/2]");
+    check_size(op, name, t, 1, D / 2, "D/2");
+    check_dtype(op, name, t, {at::kFloat});
+    check_same_device(op, name, t, q, "q");
+    check_contiguous(op, name, t);
+  }
+  TORCH_CHECK(sin.size(0) == cos.size(0), op, ": sin must have the shape of cos ", shape_str(cos.sizes()),
+              ", got ", shape_str(sin.sizes()));
+  check_index_vector(op, "positions", positions, M, q);
+  check_index_vector(op, "cache_rows", cache_rows, M, q);
+  check_index_vector(op, "cache_positions", cache_positions, M, q);
+}
+
+inline void check_cache_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& start, const c10::optional<at::Tensor>& visible,
+                                  const at::Tensor& out) {
+  constexpr const char* op = "cache_attention";
+  check_rank(op, "q", q, 4, "[B, T, H, D]");
+  check_dtype(op, "q", q, {at::kFloat});
+  check_contiguous(op, "q", q);
+  check_kv_cache_pair(op, k_cache, v_cache, q, "q");
+  const int64_t B = q.size(0), T = q.size(1), H = q.size(2), D = q.size(3);
+  check_size(op, "q", q, 3, k_cache.size(3), "D (k_cache dimension 3)");
+  TORCH_CHECK(D <= kMaxHeadDim, op, ": the head dimension must be at most ", kMaxHeadDim, ", got ", D);
+  TORCH_CHECK(k_cache.size(1) > 0 && H % k_cache.size(1) == 0, op, ": the query heads (", H,
+              ") must be a multiple of the kv heads (", k_cache.size(1), ")");
+  TORCH_CHECK(k_cache.size(0) >= B, op, ": k_cache holds ", k_cache.size(0), " rows but q has B = ", B);
+  check_rank(op, "start", start, 1, "[B]");
+  check_size(op, "start", start, 0, B, "B (q dimension 0)");
+  check_dtype(op, "start", start, {at::kLong});
+  check_same_device(op, "start", start, q, "q");
+  check_contiguous(op, "start", start);
+  if (visible.has_value()) {
+    check_rank(op, "visible", *visible, 3, "[B, T, T]");
+    check_size(op, "visible", *visible, 0, B, "B (q dimension 0)");
+    check_size(op, "visible", *visible, 1, T, "T (q dimension 1)");
+    check_size(op, "visible", *visible, 2, T, "T (q dimension 1)");
+    check_dtype(op, "visible", *visible, {at::kBool});
+    check_same_device(op, "visible", *visible, q, "q");
+    check_contiguous(op, "visible", *visible);
+  }
+  TORCH_CHECK(out.sizes() == q.sizes(), op, ": out must have the shape of q ", shape_str(q.sizes()), ", got ",
+              shape_str(out.sizes()));
+  check_dtype(op, "out", out, {at::kFloat});
+  check_same_device(op, "out", out, q, "q");
+  check_contiguous(op, "out", out);
+}
+
+}  // namespace specdec

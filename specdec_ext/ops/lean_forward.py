@@ -1,0 +1,195 @@
+"""The lean runner's CPU forward ops: fused_linear, rope_cache_write, cache_attention, cpu_isa (typed
+wrappers and fake kernels).
+
+CPU only. The kernels (csrc/cpu/small_gemm.h, fused_linear.h, rope_cache.h, attention.h) read each
+weight once per call for all the rows of a pass, accumulate in fp32 and give every row the same
+result whatever else is in the pass (batch invariance: a verification pass reproduces a one-token
+pass bit for bit). ``SPECDEC_CPU_ISA=avx512bf16|avx2|portable`` forces an instruction-set path (read
+at every call); ``cpu_isa()`` says which one a call takes now. The contract is csrc/lean_forward.h.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from .. import _C  # noqa: F401  (loads the library: registers torch.ops.specdec_ext)
+
+EPILOGUES = ("store", "add", "swiglu")
+
+
+def fused_linear(
+    x: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    outs: Sequence[torch.Tensor],
+    *,
+    biases: Optional[Sequence[Optional[torch.Tensor]]] = None,
+    norm_weight: Optional[torch.Tensor] = None,
+    norm_eps: float = 1e-6,
+    epilogue: str = "store",
+    bf16_activations: bool = False,
+) -> Sequence[torch.Tensor]:
+    """Projections of the rows ``x`` by one or more weights, each weight read once for all rows.
+
+    ``A = RMSNorm(x) * norm_weight`` (when ``norm_weight`` is given, else ``A = x``), rounded to bf16
+    when ``bf16_activations``; then per epilogue: ``"store"``: ``outs[i] = A W_i^T + b_i``;
+    ``"add"``: ``outs[i] += A W_i^T + b_i``; ``"swiglu"`` (weights = (gate, up), one output):
+    ``outs[0] = silu(A Wg^T + bg) * (A Wu^T + bu)``. Products accumulate in fp32.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        The rows of the pass, fp32 contiguous.
+        Shape: [M, K]
+    weights : sequence of torch.Tensor
+        W_i, one dtype for all (fp32, bf16 or fp16), contiguous; two of one shape for "swiglu".
+        Shape: [N_i, K]
+    outs : sequence of torch.Tensor
+        fp32 contiguous outputs, one per weight (one for "swiglu"); written or accumulated into.
+        Shape: [M, N_i]
+    biases : sequence of (torch.Tensor or None), optional
+        One entry per weight (fp32, bf16 or fp16), or None for no biases.
+        Shape: [N_i]
+    norm_weight : torch.Tensor, optional
+        RMSNorm scale (fp32, bf16 or fp16).
+        Shape: [K]
+    norm_eps : float
+        RMSNorm epsilon.
+    epilogue : str
+        "store", "add" or "swiglu".
+    bf16_activations : bool
+        Round A to bf16 before the products (a bf16 model's activations; bf16 weights only).
+
+    Returns
+    -------
+    sequence of torch.Tensor
+        ``outs``.
+        Shape: [M, N_i]
+    """
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"fused_linear: epilogue must be one of {EPILOGUES}, got {epilogue!r}")
+    torch.ops.specdec_ext.fused_linear(x, norm_weight, float(norm_eps), list(weights),
+                                       [] if biases is None else list(biases), epilogue, bool(bf16_activations),
+                                       list(outs))
+    return outs
+
+
+def rope_cache_write(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    cache_rows: torch.Tensor,
+    cache_positions: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> torch.Tensor:
+    """Rotary embedding of q (in place) and k, and the write of k and v into a contiguous cache.
+
+    HF's default RoPE over the halves x1, x2 of each head: ``x1' = x1 c - x2 s``,
+    ``x2' = x2 c + x1 s`` with ``c = cos[positions[m]]``, ``s = sin[positions[m]]``, in fp32; then
+    ``k_cache[cache_rows[m], :, cache_positions[m]] = k'[m]`` and likewise v (rounded to the cache's dtype).
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        Queries, fp32 with contiguous heads; rotated in place.
+        Shape: [M, H, D]
+    k, v : torch.Tensor
+        Keys and values, fp32 with contiguous heads (k is not modified).
+        Shape: [M, Hk, D]
+    cos, sin : torch.Tensor
+        fp32 tables of rotary positions 0 .. P-1 (attention scaling folded in).
+        Shape: [P, D/2]
+    positions : torch.Tensor
+        Rotary position of each row, int64 in [0, P).
+        Shape: [M]
+    cache_rows, cache_positions : torch.Tensor
+        Cache row and slot of each row, int64.
+        Shape: [M]
+    k_cache, v_cache : torch.Tensor
+        One layer's cache (fp32, bf16 or fp16), written in place.
+        Shape: [Bc, Hk, capacity, D]
+
+    Returns
+    -------
+    torch.Tensor
+        ``q``, rotated.
+        Shape: [M, H, D]
+    """
+    torch.ops.specdec_ext.rope_cache_write(q, k, v, cos, sin, positions, cache_rows, cache_positions, k_cache,
+                                           v_cache)
+    return q
+
+
+def cache_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    start: torch.Tensor,
+    scale: float,
+    *,
+    visible: Optional[torch.Tensor] = None,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Attention of a block of T queries per row over the row's cache.
+
+    Row b's block sits at cache slots ``start[b] .. start[b] + T - 1``; query (b, t) attends to the
+    prefix (slots < start[b]) and the block tokens j with ``j <= t`` (``visible`` None: a chain) or
+    ``visible[b, t, j]`` (a tree): ``softmax(scale * q K^T) V`` in fp32, keys in slot order.
+    Head h reads kv head ``h // (H // Hk)``; row b reads cache row b.
+
+    Parameters
+    ----------
+    q : torch.Tensor
+        Queries (rotated), fp32 contiguous.
+        Shape: [B, T, H, D]
+    k_cache, v_cache : torch.Tensor
+        One layer's cache (fp32, bf16 or fp16), Bc >= B.
+        Shape: [Bc, Hk, capacity, D]
+    start : torch.Tensor
+        First slot of each row's block, int64; start[b] + T <= capacity.
+        Shape: [B]
+    scale : float
+        Score scale (head_dim ** -0.5 for Llama).
+    visible : torch.Tensor, optional
+        Which block tokens each query sees, bool (None: causal).
+        Shape: [B, T, T]
+    out : torch.Tensor, optional
+        fp32 contiguous output (allocated when None).
+        Shape: [B, T, H, D]
+
+    Returns
+    -------
+    torch.Tensor
+        The attention output, fp32.
+        Shape: [B, T, H, D]
+    """
+    if out is None:
+        out = torch.empty_like(q)
+    torch.ops.specdec_ext.cache_attention(q, k_cache, v_cache, start, visible, float(scale), out)
+    return out
+
+
+def cpu_isa() -> str:
+    """The instruction-set path the CPU forward kernels take now: ``"avx512bf16"``, ``"avx2"`` or
+    ``"portable"`` (``SPECDEC_CPU_ISA`` when set, else the best this CPU runs)."""
+    return torch.ops.specdec_ext.cpu_isa()
+
+
+# Fake kernels: the three ops write their outputs in place and return nothing.
+@torch.library.register_fake("specdec_ext::fused_linear")
+def _fused_linear_fake(x, norm_weight, norm_eps, weights, biases, epilogue, bf16_activations, outs):
+    return None
+
+
+@torch.library.register_fake("specdec_ext::rope_cache_write")
+def _rope_cache_write_fake(q, k, v, cos, sin, positions, cache_rows, cache_positions, k_cache, v_cache):
+    return None
+
+
+@torch.library.register_fake("specdec_ext::cache_attention")
+def _cache_attention_fake(q, k_cache, v_cache, start, visible, scale, out):
+    return None

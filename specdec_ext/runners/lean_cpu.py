@@ -1,0 +1,132 @@
+"""The lean runner's forward on the CPU kernels (specdec_ext.ops.lean_forward, csrc/cpu): what
+``LeanLlamaRunner`` runs on the CPU unless ``SPECDEC_CPU_KERNELS=0``.
+
+Why: torch's CPU bf16 linear streams a small model's weights at about 8 GB/s, a third of this
+class of machine's memory bandwidth, and a decoder layer costs some 30 torch calls of a few
+microseconds each; here each weight is read once per pass for all its rows near the bandwidth
+(BENCHMARKS.md, issue 18) and a layer is six calls: RMSNorm + q/k/v, rotary + cache write, attention
+over the cache, o_proj + residual, RMSNorm + gate/up + SwiGLU, down_proj + residual.
+
+Numerics: the residual stream, the projections' outputs and attention are fp32; the activations that
+enter a projection are rounded to bf16 for a bf16 model computed in its own dtype (as HF's bf16 forward
+rounds them; the products are exact, the sums fp32), left in fp32 otherwise (an fp32 model, a bf16 or
+fp16 model computed in fp32: its weights are read as they are and widened exactly, no fp32 copy). The
+cache holds the model-dtype keys and values (bf16 or fp16, fp32 when computing in fp32). Every kernel
+gives a row the same result whatever else is in the pass, so a chain or tree verification pass
+reproduces one-token passes bit for bit: greedy speculative decoding equals greedy plain decoding.
+"""
+from __future__ import annotations
+
+import os
+from typing import List, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .. import ops as _ops  # noqa: F401  (registers the fake kernels beside the ops)
+
+__all__ = ["kernels_reason", "CpuKernelForward", "WEIGHT_DTYPES"]
+
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_HEAD_DIM = 512  # csrc/lean_forward.h
+
+
+def kernels_reason(device: torch.device, weight_dtype: torch.dtype, compute_dtype: torch.dtype,
+                   head_dim: int) -> Optional[str]:
+    """None when the lean runner's forward runs on the CPU kernels; else why not (a short sentence)."""
+    if device.type != "cpu":
+        return f"the model is on {device.type}, the kernels are CPU only"
+    if os.environ.get("SPECDEC_CPU_KERNELS", "1") == "0":
+        return "SPECDEC_CPU_KERNELS=0"
+    if weight_dtype not in WEIGHT_DTYPES:
+        return f"weights in {weight_dtype}"
+    if compute_dtype not in (torch.float32, weight_dtype):
+        return f"compute dtype {compute_dtype} for {weight_dtype} weights"
+    if head_dim % 2 or head_dim > MAX_HEAD_DIM:
+        return f"head_dim {head_dim} (the kernels take an even head_dim up to {MAX_HEAD_DIM})"
+    return None
+
+
+def _f32(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    # norms and biases in fp32 once, so that the op never converts them per call
+    return None if t is None else t.detach().float().contiguous()
+
+
+def _biases(*biases) -> List[Optional[torch.Tensor]]:
+    return [] if all(b is None for b in biases) else [_f32(b) for b in biases]
+
+
+class CpuKernelForward:
+    """The forward of a ``LeanLlamaRunner`` on the CPU kernels; reads the runner's weights and cache."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        # bf16 activations for a bf16 model computed in bf16 (VDPBF16PS where the CPU has it)
+        self.bf16 = runner.dtype == torch.bfloat16 and runner.embed.dtype == torch.bfloat16
+        self.layers = [(_f32(w_in), eps_in, [wq, wk, wv], _biases(bq, bk, bv), wo, _biases(bo), _f32(w_post),
+                        eps_post, [wg, wu], _biases(bg, bu), wd, _biases(bd))
+                       for (w_in, eps_in, (wq, bq), (wk, bk), (wv, bv), (wo, bo), w_post, eps_post,
+                            (wg, bg), (wu, bu), (wd, bd)) in runner.layers]
+        self.norm_weight = _f32(runner.norm_weight)
+        self.head_bias = _biases(runner.head_bias)
+        self._linear = torch.ops.specdec_ext.fused_linear.default  # bound once: 37 calls per forward
+        self._rope = torch.ops.specdec_ext.rope_cache_write.default
+        self._attention = torch.ops.specdec_ext.cache_attention.default
+        self.tables(runner.capacity)
+
+    def tables(self, capacity: int) -> None:
+        """fp32 rotary tables [capacity, D/2] as HF's rotary embedding computes them (fp32)."""
+        r = self.runner
+        freqs = torch.arange(capacity, dtype=torch.float32)[:, None] * r._inv_freq.cpu()
+        self.cos = (freqs.cos() * r._rope_scaling).contiguous()
+        self.sin = (freqs.sin() * r._rope_scaling).contiguous()
+
+    def __call__(self, ids: torch.Tensor, start: Sequence[int], keep: Optional[torch.Tensor],
+                 tree: Optional[tuple], counts: Optional[Sequence[int]],
+                 cache_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """LeanLlamaRunner._model's contract: ids [B, T] at slots start[b] + t (positions start[b] + t, or
+        start[b] + depth for a tree, seeing the ancestors) of cache rows cache_rows [B] (None: 0..B-1,
+        else rows joining a running batch); fp32 logits [B, T, V] or [B, V] at keep."""
+        r = self.runner
+        B, T = ids.shape
+        M = B * T
+        H, Hk, D = r.num_heads, r.kv_heads, r.head_dim
+        begin = torch.tensor(start, dtype=torch.int64)
+        offsets = torch.arange(T, dtype=torch.int64)
+        slots = (begin[:, None] + offsets).reshape(M)
+        if tree is None:
+            positions, visible = slots, None
+        else:
+            ancestors, depth = tree
+            positions = (begin[:, None] + depth.to(torch.int64)).reshape(M)
+            visible = ancestors.contiguous()
+        cache_row = torch.arange(B, dtype=torch.int64) if cache_rows is None else cache_rows.to("cpu", torch.int64)
+        rows = cache_row.repeat_interleave(T)
+        x = F.embedding(ids.reshape(M), r.embed).float()  # [M, d], the residual stream
+        q = torch.empty((M, H * D))
+        k = torch.empty((M, Hk * D))
+        v = torch.empty((M, Hk * D))
+        attended = torch.empty((B, T, H, D))
+        act = torch.empty((M, self.layers[0][8][0].shape[0]))
+        bf16 = self.bf16
+        for l, (w_in, eps_in, wqkv, bqkv, wo, bo, w_post, eps_post, wgu, bgu, wd, bd) in enumerate(self.layers):
+            kc, vc = r.k_cache[l], r.v_cache[l]
+            self._linear(x, w_in, eps_in, wqkv, bqkv, "store", bf16, [q, k, v])
+            self._rope(q.view(M, H, D), k.view(M, Hk, D), v.view(M, Hk, D), self.cos, self.sin, positions, rows,
+                       slots, kc, vc)
+            if cache_rows is not None:  # the attention reads batch row b from cache row b: gather the joining rows
+                kc, vc = kc.index_select(0, cache_row), vc.index_select(0, cache_row)
+            self._attention(q.view(B, T, H, D), kc, vc, begin, visible, r.scale, attended)
+            self._linear(attended.view(M, H * D), None, 0.0, [wo], bo, "add", bf16, [x])
+            self._linear(x, w_post, eps_post, wgu, bgu, "swiglu", bf16, [act])
+            self._linear(act, None, 0.0, [wd], bd, "add", bf16, [x])
+        if keep is not None:
+            x = x.view(B, T, -1)[torch.arange(B), keep]  # [B, d]
+        head = r.model.lm_head
+        if head._forward_pre_hooks or head._forward_hooks:  # e.g. heads on the target read its input
+            h = F.rms_norm(x, self.norm_weight.shape, self.norm_weight, r.norm_eps)
+            return head((h if keep is not None else h.view(B, T, -1)).to(head.weight.dtype)).float()
+        else:
+            logits = torch.empty((x.shape[0], r.head_weight.shape[0]))
+            self._linear(x, self.norm_weight, r.norm_eps, [r.head_weight], self.head_bias, "store", bf16, [logits])
+        return logits if keep is not None else logits.view(B, T, -1)
