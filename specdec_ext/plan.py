@@ -17,8 +17,8 @@ The rules, in the order ``make_plan`` applies them:
    eagerly): those get ``FIXED_K``. A tree's size is its node count N' (``tree_num_nodes``).
 3. runners: runner="auto" takes the lean runner (runners/lean.py) for a model it supports, except
    where CUDA graphs are available (the paged runner's static-shapes mode is what they capture), and
-   the paged runner otherwise; a bf16/fp16 draft on the CPU computes in fp32 (half-precision GEMVs are
-   slow there). An explicit "lean", "paged" or "recompute" is taken as asked (or refused with why).
+   the paged runner otherwise; a bf16/fp16 draft on the CPU computes in fp32 (the CPU kernels read its
+   half-precision weights as they are and widen them exactly). An explicit "lean", "paged" or "recompute" is taken as asked (or refused with why).
 4. CUDA graphs: on only for a chain of fixed k on a CUDA device (SPECDEC_CUDA_GRAPHS not 0) with the
    paged runner for the target and no drafter or a draft model on the paged runner; the batch is then
    padded to a bucket (``BUCKETS``) with frozen rows.
@@ -167,7 +167,7 @@ def make_plan(target_model, draft_model, *, drafter: str, prompt_lengths: Sequen
         weights = next(draft_model.parameters()).dtype
         if draft_runner == "lean" and device.type == "cpu" and weights in (torch.bfloat16, torch.float16):
             draft_dtype = torch.float32
-            why += f"; {weights} weights computed in fp32 (half-precision GEMVs are slow on the CPU)"
+            why += f"; {weights} weights computed in fp32 (the CPU kernels widen them exactly as they stream them)"
         reasons.append(("draft runner", f"{draft_runner}: {why}"))
     # 4. CUDA graphs
     graphs, why = _graphs(graphs_ok, graphs_reason, drafter, tree, controller, target_runner, draft_runner)

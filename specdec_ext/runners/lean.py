@@ -130,8 +130,9 @@ class LeanLlamaRunner:
         cfg = text_config(model.config)
         base = model.model
         weight_dtype = base.embed_tokens.weight.dtype
-        # compute_dtype None: the model's own weight tensors (no copies). Otherwise the weights are
-        # cast once (a copy, e.g. fp32 for a bf16 draft on a CPU, where half-precision GEMVs are slow).
+        # compute_dtype None: the model's own weight tensors (no copies). Otherwise, on the torch path,
+        # the weights are cast once (a copy: torch's half-precision GEMVs are slow on a CPU); the CPU
+        # kernels read them as they are.
         self.dtype = compute_dtype or weight_dtype
         self.num_heads = int(cfg.num_attention_heads)
         self.kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.num_heads)
