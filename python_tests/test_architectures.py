@@ -16,16 +16,12 @@ import transformers
 import specdec_ext
 from architectures import SKIPPED, causal_lm_types, check_architecture, noisy_copy, tiny_model
 from sampling_stats import chi_square_p, exact_joint
-from test_generate_utils import one_thread
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROW = re.compile(r"^\| `([^`]+)` \| (\w+) \|", re.M)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest.py: one CPU thread per module
 
 
 def documented():

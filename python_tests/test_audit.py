@@ -6,15 +6,12 @@ import pytest
 from specdec_ext import audit
 from specdec_ext.audit import two_sample_chi_square, total_variation
 from test_generate_sampling import TINY_VOCAB, residual_from_p_verifier
-from test_generate_utils import one_thread, tiny_model
+from test_generate_utils import tiny_model
 
 PROMPTS = [[1, 4, 2, 6], [3, 3, 5]]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest.py: one CPU thread per module
 
 
 @pytest.fixture(scope="module")

@@ -81,3 +81,17 @@ def test_importing_into_another_torch_fails_with_the_fix():
     assert f"torch version: built with {_C.torch_version}, running 9.9.9+fake" in out
     assert "Rebuild it against this torch" in out
     assert out.rstrip().endswith("not loaded")
+
+
+def test_every_op_has_a_cpu_kernel_and_the_cpu_only_list_is_registered():
+    from specdec_ext.ops import CPU_ONLY_OPS
+    ops = sorted(name for name in torch._C._dispatch_get_all_op_names() if name.startswith("specdec_ext::"))
+    assert {f"specdec_ext::{name}" for name in CPU_ONLY_OPS} <= set(ops)
+    # cpu_isa takes no tensor, so its one kernel is CompositeExplicitAutograd (it answers on any build)
+    no_cpu = [op for op in ops if not torch._C._dispatch_has_kernel_for_dispatch_key(op, "CPU")
+              and not torch._C._dispatch_has_kernel_for_dispatch_key(op, "CompositeExplicitAutograd")]
+    assert no_cpu == []
+    # the CUDA side of this list is asserted by tools/cuda_compile_check.sh on the CUDA build
+    if _C.built_with_cuda:
+        cuda_missing = {op for op in ops if not torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA")}
+        assert cuda_missing == {f"specdec_ext::{name}" for name in CPU_ONLY_OPS}

@@ -10,16 +10,13 @@ import sys
 import pytest
 
 from specdec_ext import cli, plots
-from test_generate_utils import CHAR_VOCAB, char_tokenizer, noisy_copy, one_thread, tiny_model
+from test_generate_utils import CHAR_VOCAB, char_tokenizer, noisy_copy, tiny_model
 from test_plots import FakeTerminal, missing_matplotlib, png_size  # noqa: F401 (a fixture)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest.py: one CPU thread per module
 
 
 @pytest.fixture(scope="module")

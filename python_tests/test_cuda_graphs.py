@@ -15,7 +15,6 @@ import logging
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
 from specdec_ext import cuda_graphs, generate, plan as plan_module
 from specdec_ext.cuda_graphs import StepGraph
@@ -26,60 +25,20 @@ from specdec_ext.plan import bucket_size, make_plan, required_cache_len
 from specdec_ext.runners import PagedModelRunner, make_runner
 from specdec_ext.sampling import SamplingParams
 from specdec_ext.stops import RowState
-from test_generate_utils import noisy_copy, one_thread, tiny_model
+from fake_graphs import FakeBackend, NoHostSync
+from test_generate_utils import noisy_copy, tiny_model
 
 PROMPTS = [[5, 6, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19], [20]]
 NEW = 12
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest.py: one CPU thread per module
 
 
 @pytest.fixture(scope="module")
 def pair():
     target = tiny_model("llama", hidden=48, layers=2, logit_scale=4.0)
     return target, noisy_copy(target, noise=0.3)
-
-
-class NoHostSync(TorchFunctionMode):
-    """Raises on the tensor calls that would read device values on the host (a sync, which a CUDA
-    graph capture refuses): what a captured step must never do."""
-
-    BANNED = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu", "nonzero",
-              "tensor", "as_tensor", "from_numpy"}  # the last three: host data copied in (baked in a graph)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if name in self.BANNED:
-            raise RuntimeError(f"host sync or host data inside a captured step: {name}")
-        return func(*args, **(kwargs or {}))
-
-
-class FakeBackend:
-    """Stands in for torch.cuda on the CPU: warm-up runs fn, capture records it WITHOUT running it (as
-    a real capture runs no kernel), replay runs the recorded fn under NoHostSync."""
-
-    def __init__(self, fail_capture: bool = False):
-        self.fail_capture = fail_capture
-        self.events = []
-
-    def warmup(self, fn):
-        self.events.append("warmup")
-        fn()
-
-    def capture(self, fn):
-        self.events.append("capture")
-        if self.fail_capture:
-            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
-        return fn
-
-    def replay(self, graph):
-        self.events.append("replay")
-        with NoHostSync():
-            graph()
 
 
 # ------------------------------------------------------------------------------ bucketing

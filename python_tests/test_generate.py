@@ -9,16 +9,13 @@ import specdec_ext
 from specdec_ext import VocabularyMismatchError, generate
 from specdec_ext.runners import PagedModelRunner, RecomputeRunner
 from specdec_ext.stats import expected_tokens_per_pass, predicted_speedup
-from test_generate_utils import ARCHS, CHAR_VOCAB, char_tokenizer, hf_greedy, noisy_copy, one_thread, tiny_model
+from test_generate_utils import ARCHS, CHAR_VOCAB, char_tokenizer, hf_greedy, noisy_copy, tiny_model
 
 PROMPTS = [[5, 6, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19], [20], [30, 31, 32, 33, 34]]
 NEW = 24
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest.py: one CPU thread per module
 
 
 @pytest.fixture(scope="module", params=ARCHS)

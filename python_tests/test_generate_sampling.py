@@ -15,7 +15,7 @@ from specdec_ext.decode import lossless_verify
 from specdec_ext.sampling import SamplingParams, filtered_probs, sample_inverse_cdf
 from specdec_ext import ops
 from sampling_stats import chi_square_p, exact_joint
-from test_generate_utils import noisy_copy, one_thread, tiny_model
+from test_generate_utils import noisy_copy, tiny_model
 
 TINY_VOCAB = 8
 POSITIONS = 3
@@ -25,10 +25,7 @@ PASS_P = 1e-4  # a correct sampler fails this with probability 1e-4 (the runs ar
 FAIL_P = 1e-8
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest.py: one CPU thread per module
 
 
 @pytest.fixture(scope="module")

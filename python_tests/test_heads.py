@@ -15,7 +15,7 @@ from specdec_ext import generate
 from specdec_ext.drafters.calibration import reset_calibrations
 from specdec_ext.drafters.heads_drafter import HeadsDrafter
 from specdec_ext.heads import HeadsMismatchError, MedusaHeads, lm_head_of, load_heads
-from test_generate_utils import check_eos_and_max_new_tokens, hf_greedy, one_thread, tiny_model
+from test_generate_utils import check_eos_and_max_new_tokens, hf_greedy, tiny_model
 from sampling_stats import chi_square_p, exact_joint
 from test_tree_decode import FAIL_P, PASS_P, POSITIONS, PROMPT, SAMPLES, TINY_VOCAB, python_tree_verifier
 
@@ -24,10 +24,7 @@ PROMPTS = [[5, 17, 3, 44, 9, 12, 61], [2, 30], [7, 7, 81, 13, 40]]  # ragged
 TREES = [(2, 3, 6), (3, 2, 5), (1, 3, 3)]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest.py: one CPU thread per module
 
 
 def random_heads(model, num_heads=3, scale=0.5, seed=0) -> MedusaHeads:

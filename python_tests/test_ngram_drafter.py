@@ -25,7 +25,7 @@ from specdec_ext.stats import GenerationStats
 from specdec_ext.stops import RowState, StopCriteria
 from sampling_stats import chi_square_p, exact_joint
 from test_generate_sampling import residual_from_p_verifier
-from test_generate_utils import hf_greedy, one_thread, tiny_model
+from test_generate_utils import hf_greedy, tiny_model
 
 
 # ------------------------------------------------------------------------------------ reference
@@ -257,10 +257,7 @@ def test_drafter_bad_arguments():
 
 
 # ------------------------------------------------------------------------------------ decode loop
-@pytest.fixture(scope="module", autouse=True)
-def _single_thread():
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest.py: one CPU thread per module
 
 
 def run_ngram(target, prompts, *, k, new, sampling=SamplingParams(), seeds=None, min_match=2,

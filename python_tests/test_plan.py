@@ -11,13 +11,10 @@ from specdec_ext import cli
 from specdec_ext.models import load_pair
 from specdec_ext.plan import FIXED_K, HEADS_TREE, make_plan
 from specdec_ext.sampling import SamplingParams
-from test_generate_utils import noisy_copy, one_thread, tiny_model
+from test_generate_utils import noisy_copy, tiny_model
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest.py: one CPU thread per module
 
 
 @pytest.fixture(scope="module")

@@ -14,17 +14,14 @@ from specdec_ext import plots
 from specdec_ext.bench.compare import REFERENCE, Measure, PlotPlace, bench_panel
 from specdec_ext.plots import BenchPanel, BenchPoint, PlotDependencyError
 from specdec_ext.progress import progress_bar, progress_wanted
-from test_generate_utils import noisy_copy, one_thread, tiny_model
+from test_generate_utils import noisy_copy, tiny_model
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 PNG_PALETTE = 3
 PROMPT = [1, 4, 2, 6, 3]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest.py: one CPU thread per module
 
 
 @pytest.fixture(scope="module")

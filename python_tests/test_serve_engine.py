@@ -18,16 +18,12 @@ from specdec_ext.serve.request import (ABORTED, CANCELLED, FAILED, GenerationReq
                                        RequestTooLargeError, ShuttingDownError)
 from specdec_ext.stops import StopCriteria
 from serve_utils import slow_target, tiny_pair, wait_until
-from test_generate_utils import one_thread
 
 K = 3
 EVENT_TIMEOUT_S = 60.0
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest.py: one CPU thread per module
 
 
 @pytest.fixture(scope="module")

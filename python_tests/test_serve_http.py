@@ -14,16 +14,13 @@ from fastapi.testclient import TestClient
 
 from specdec_ext import generate
 from serve_utils import MODEL_NAME, ServerThread, make_app, metrics, openai_client, tiny_pair, wait_until
-from test_generate_utils import char_tokenizer, one_thread
+from test_generate_utils import char_tokenizer
 
 K = 3
 PROMPTS = ["def fib(n):\n    return", "import os\nimport sys\n", "x = [1, 2, 3]\nprint(x", "class a:\n  def"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest.py: one CPU thread per module
 
 
 @pytest.fixture(scope="module")
@@ -195,6 +192,7 @@ def test_models_health_and_metrics(server, client):
     for position in ("1", "2", "3"):
         assert 0.0 <= after[("specdec_draft_acceptance_rate", (("position", position),))] <= 1.0
     assert after[("specdec_queue_length", ())] == 0 and after[("specdec_running_rows", ())] == 0
+    assert after[("specdec_cuda_graphs_captured", ())] == 0  # the CPU: eager steps
     assert after[("specdec_cache_budget_in_use", (("unit", "rows"),))] == 0
     assert grew("specdec_time_per_output_token_seconds_count") == 1
     assert after[("specdec_time_to_first_token_seconds_bucket", (("le", "+Inf"),))] >= 1

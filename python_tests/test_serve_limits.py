@@ -12,17 +12,13 @@ import pytest
 
 from specdec_ext.serve.engine import DRAINING
 from serve_utils import MODEL_NAME, ServerThread, make_app, metrics, openai_client, slow_target, tiny_pair, wait_until
-from test_generate_utils import one_thread
 
 K = 3
 SLOW_PASS_S = 0.02  # per target forward: a 100-token request takes well over a second
 LONG = dict(max_tokens=100, temperature=0, extra_body={"ignore_eos": True})
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest.py: one CPU thread per module
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from specdec_ext.drafters.tree_drafter import beam_widths, tree_num_nodes
 from specdec_ext.metadata import Verdict
 from specdec_ext.sampling import filtered_probs
 from sampling_stats import chi_square_p, exact_joint
-from test_generate_utils import check_eos_and_max_new_tokens, hf_greedy, noisy_copy, one_thread, tiny_model
+from test_generate_utils import check_eos_and_max_new_tokens, hf_greedy, noisy_copy, tiny_model
 
 NEW = 24
 PROMPTS = [[5, 17, 3, 44, 9, 12, 61], [2, 30], [7, 7, 81, 13, 40]]  # ragged
@@ -27,10 +27,7 @@ PASS_P = 1e-4
 FAIL_P = 1e-8
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    with one_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest.py: one CPU thread per module
 
 
 @pytest.fixture(scope="module")

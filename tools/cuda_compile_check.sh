@@ -2,7 +2,8 @@
 # The CUDA install as a user makes it, on a machine without a GPU: a venv with the CUDA 13 build of
 # torch (nvcc at /usr/local/cuda), then the plain `pip install .` README gives for a GPU machine (no
 # --no-build-isolation, no SPECDEC_FORCE_CUDA). The installed specdec_ext._C must be the CUDA build for
-# that torch (built for sm_90: no GPU is visible), with a CUDA kernel for every op. Then the same
+# that torch (built for sm_90: no GPU is visible), with a CUDA kernel for every op but
+# the CPU-only ones (specdec_ext.ops.CPU_ONLY_OPS). Then the same
 # binary is imported under the CPU torch of .venv (when there) and must be refused, with the message.
 #   SPECDEC_CUDA_VENV (default .venv-cuda), SPECDEC_CPU_VENV (default .venv), MAX_JOBS (default 2)
 set -euo pipefail
@@ -33,12 +34,18 @@ assert "site-packages" in specdec_ext.__file__, "imported the source tree, not t
 assert _C.built_with_cuda, "pip install . gave a CPU-only extension in a CUDA torch environment"
 assert _C.torch_version == torch.__version__ and _C.torch_cuda_version == torch.version.cuda
 ops = sorted(name for name in torch._C._dispatch_get_all_op_names() if name.startswith("specdec_ext::"))
+from specdec_ext.ops import CPU_ONLY_OPS
+cpu_only = sorted(f"specdec_ext::{name}" for name in CPU_ONLY_OPS)
 missing = [op for op in ops if not torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA")]
 for op in ops:
-    print(f"{op:34s} CUDA kernel: {'yes' if op not in missing else 'NO'}")
+    kind = "CPU only" if op in cpu_only else ("yes" if op not in missing else "NO")
+    print(f"{op:34s} CUDA kernel: {kind}")
 assert ops, "no specdec_ext ops registered"
-assert not missing, f"ops without a CUDA kernel: {missing}"
-print(f"CUDA install check passed: {len(ops)} ops with CUDA kernels (torch {torch.__version__})")
+assert set(cpu_only) <= set(ops), f"CPU_ONLY_OPS names ops that are not registered: {set(cpu_only) - set(ops)}"
+# Exact: a new op without its CUDA kernel fails, and so does a CPU-only op that gained one unlisted.
+assert missing == cpu_only, f"ops without a CUDA kernel: {missing}; CPU-only by design: {cpu_only}"
+print(f"CUDA install check passed: {len(ops) - len(cpu_only)} ops with CUDA kernels, "
+      f"{len(cpu_only)} CPU-only (torch {torch.__version__})")
 PY
 )
 

@@ -15,14 +15,14 @@ dropped, missing ones are -inf (never proposed).
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
 from .. import ops
 from ..metadata import Proposal, SpecDecodeMetadata, Verdict
 from ..runners import ModelRunner
-from ..sampling import SamplingParams, filtered_probs, sample_inverse_cdf
+from ..sampling import filtered_probs, filtered_probs_per_row, sample_inverse_cdf
 from . import Drafter
 
 MAX_DRAFT_FEED = 2  # committed tokens a model drafter may not have seen: the bonus/recovered token and,
@@ -177,6 +177,18 @@ class ModelDrafter(Drafter):
         valid = torch.minimum(seq_old + accepted, meta.seq_lens - 1)  # [B]
         self.runner.truncate(valid)
 
+    # ------------------------------------------------------------------ device steps (serve/batcher.py)
+    def reserve_step(self, width: int) -> None:
+        """Continuous batching under CUDA graphs: the draft runner gets the pages one step can write (the
+        unseen tokens and k - 1 drafts per row) and runs the step on the device over rows 0..width-1
+        (runners/paged.py ``reserve_step``); ``sync_host`` ends it."""
+        if not hasattr(self.runner, "reserve_step"):
+            raise ValueError(f"device steps need the paged draft runner, not {type(self.runner).__name__}")
+        self.runner.reserve_step(width, MAX_DRAFT_FEED + self.slots - 1)
+
+    def sync_host(self) -> None:
+        self.runner.sync_host()
+
     def checkpoint(self):
         """Undo for the cost probes: the draft cache back to its current lengths."""
         lengths = self.runner.lengths.clone()  # [B]
@@ -190,23 +202,9 @@ class ModelDrafter(Drafter):
 
 def draft_probs(logits: torch.Tensor, meta: SpecDecodeMetadata) -> torch.Tensor:
     """The draft's filtered q [B, V] from its logits [B, V]: the loop's filter, or each row's own
-    (``meta.row_sampling``, continuous batching). A greedy row's q is one-hot at its argmax, which is
-    what the verifier assumes of a greedy draft."""
+    (``meta.row_sampling``, continuous batching: read from the per-row tensors, as the verifier does). A
+    greedy row's q is one-hot at its argmax, which is what the verifier assumes of a greedy draft."""
     if meta.row_sampling is None:
         return filtered_probs(logits, meta.sampling)
-    return filtered_probs_by_row(logits, meta.row_sampling)
-
-
-def filtered_probs_by_row(logits: torch.Tensor, filters: Sequence[SamplingParams]) -> torch.Tensor:
-    """``sampling.filtered_probs`` with row b's own filter ``filters[b]``: one call per distinct filter,
-    so that each row gets exactly the q it would get in a batch of its own. logits [B, V] -> [B, V] fp32."""
-    groups: Dict[SamplingParams, List[int]] = {}
-    for row, params in enumerate(filters):
-        groups.setdefault(params, []).append(row)
-    if len(groups) == 1:
-        return filtered_probs(logits, filters[0])
-    q = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)  # [B, V]
-    for params, rows in groups.items():
-        index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-        q[index] = filtered_probs(logits[index], params)
-    return q
+    truncate = any(params.top_k > 0 or params.top_p < 1.0 for params in meta.row_sampling)
+    return filtered_probs_per_row(logits, meta.temperature, meta.top_k, meta.top_p, truncate=truncate)

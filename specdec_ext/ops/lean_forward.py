@@ -16,6 +16,9 @@ import torch
 from .. import _C  # noqa: F401  (loads the library: registers torch.ops.specdec_ext)
 
 EPILOGUES = ("store", "add", "swiglu")
+# The ops of this module: registered for CPU only (a CUDA build has no kernel for them, by design;
+# tools/cuda_compile_check.sh requires a CUDA kernel for every other op).
+CPU_ONLY_OPS = ("cache_attention", "cpu_isa", "fused_linear", "rope_cache_write")
 
 
 def fused_linear(

@@ -21,6 +21,12 @@ Two modes:
   max_seq_len) are the caller's there; a token that would land past a row's pages is not written.
   Anything that needs the host (a tree forward, ``commit_tree``) first copies the device lengths to
   the host allocator (``sync_host``) and continues in host mode until the next ``start``.
+* one device step at a time (``reserve_step``: continuous batching under CUDA graphs, serve/batcher.py):
+  the host gives every row in use the pages the next step can write (its length + the step's tokens)
+  and the following chain forwards / commits / truncates run as in static-shapes mode, over a fixed
+  batch width and every page slot of a row (free pages read as -1 and write nowhere); ``sync_host``
+  ends the step (one read of the lengths; the pages past them go back to the pool). Rows join and
+  leave between steps, in host mode.
 
 The model is switched to the ``"specdec_paged"`` attention implementation (which behaves as HF's
 sdpa outside a paged forward). The page pool is sized from the keys and values the model produces
@@ -102,13 +108,35 @@ class PagedModelRunner:
         return self.kv.lengths[: self._batch]
 
     def sync_host(self) -> None:
-        """Static-shapes mode: copy the device lengths to the host allocator (one device->host read)
-        and free the pages past them; the runner is in host mode afterwards, until the next ``start``."""
+        """Static-shapes mode or a ``reserve_step``: copy the device lengths to the host allocator (one
+        device->host read) and free the pages past them; the runner is in host mode afterwards (until the
+        next ``start`` in static-shapes mode, the next ``reserve_step`` otherwise), over the rows in use."""
         if not self._device_lengths:
             return
         self.kv.set_lengths(list(enumerate(int(n) for n in self.lengths.tolist())))
+        self._batch = self._in_use.width
         self._tentative = [0] * self._batch
         self._device_lengths = False
+
+    def reserve_step(self, width: int, tokens: int) -> None:
+        """Continuous batching under CUDA graphs: give every row in use pages for ``tokens`` more
+        positions (its host length + tokens, at most max_seq_len; a token past a row's pages is not
+        written, so the caller sizes its requests to fit, as serve/budget.py does), and run the next
+        chain forwards, commits and truncates on the device over rows 0..width-1 (rows not in use hold
+        nothing and commit nothing), until ``sync_host``. PoolFullError (nothing allocated) when the
+        pool cannot hold the pages."""
+        if self.static_shapes:
+            raise ValueError("reserve_step: the static-shapes mode already gives every row all its pages")
+        if not self._in_use.width <= width <= self.max_batch_size:
+            raise ValueError(f"reserve_step: width {width} must cover the rows in use (up to row "
+                             f"{self._in_use.width - 1}) and be at most max_batch_size={self.max_batch_size}")
+        if tokens < 1:
+            raise ValueError(f"reserve_step: tokens must be >= 1, got {tokens}")
+        self.sync_host()
+        lengths = self.kv.host_lengths()
+        self.kv.reserve([(row, min(lengths[row] + tokens, self.max_seq_len)) for row in self._in_use.rows])
+        self._batch = width
+        self._device_lengths = True
 
     # ------------------------------------------------------------------ core step
     def _run(self, input_ids: torch.Tensor, num_tokens: torch.Tensor, pages: int, *,
@@ -176,6 +204,7 @@ class PagedModelRunner:
             raise ValueError("start_rows: the static-shapes (CUDA-graph) mode gives every row all its pages; "
                              "continuous batching needs host mode (static_shapes=False)")
         check_start_prompts(prompts, self.max_batch_size, self.max_seq_len)
+        self.sync_host()
         rows = self._in_use.check_free("start_rows", rows, len(prompts))
         counts = [len(p) for p in prompts]
         self.kv.reserve(list(zip(rows, counts)))  # a free row owns no pages
@@ -194,6 +223,7 @@ class PagedModelRunner:
     def free_rows(self, rows: Sequence[int]) -> None:
         """Continuous batching: release ``rows`` and their pages at once; the batch shrinks to the
         highest row still in use."""
+        self.sync_host()
         rows = self._in_use.remove("free_rows", rows)
         self.kv.set_lengths([(row, 0) for row in rows])
         self._batch = self._in_use.width

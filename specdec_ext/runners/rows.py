@@ -23,6 +23,11 @@ class RowsInUse:
         """Rows a forward covers: one past the highest row in use (0 when none is)."""
         return max(self._used) + 1 if self._used else 0
 
+    @property
+    def rows(self) -> List[int]:
+        """The rows in use, ascending."""
+        return sorted(self._used)
+
     def __contains__(self, row: int) -> bool:
         return row in self._used
 

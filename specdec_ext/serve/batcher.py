@@ -14,8 +14,16 @@ on when it joined), and its own stop checks (stops.apply_stops with its StopCrit
 tokens are therefore those generate() gives it alone with the same k, up to the batch invariance of the
 floating-point kernels (a different batch can round a logit differently; only a near-tie could flip).
 
-The steps run eagerly, on CUDA too: the CUDA-graph mode of the paged runner gives every row all its
-pages up front (static shapes), which a shared pool with rows joining and leaving cannot do.
+CUDA graphs by batch-size bucket (``graphs=True``: the plan's rule, on a CUDA device with the paged
+runners and a draft model or no drafter). A step covers ``plan.bucket_size(width)`` rows (at most
+max_rows) instead of ``width``; the draft, verify and commit steps of each (bucket, filter) pair are
+captured once (decode.DecodeSteps) and replayed for the server's life; the filter part of the key is
+whether every row is greedy and whether any row truncates (top-k / top-p), the two host decisions a
+step makes. Pages cannot be handed out inside a graph, so before each replay the host gives every
+running row the pages the step can write (runners/paged.py ``reserve_step``: length + k + 1) and after
+it reads the lengths back (``sync_host``, the pages past them are freed); everything a step reads per
+row (filters, seeds, Philox offsets, active flags) sits in the metadata's device tensors. Eager steps
+(``graphs=False``) run the same step functions over ``width`` rows in the runners' host mode.
 
 No threads here: engine.py runs a batcher in its own thread and feeds it.
 """
@@ -24,14 +32,15 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from .._status import ROW_STATUS_MESSAGES
-from ..decode import FIRST_DECODE_STEP, commit, draft, lossless_verify, prefill_rows, read_step, verify
+from ..decode import FIRST_DECODE_STEP, DecodeSteps, lossless_verify, prefill_rows, read_step
 from ..drafters import Drafter
 from ..metadata import SpecDecodeMetadata
+from ..plan import bucket_size
 from ..runners import ModelRunner
 from ..sampling import SamplingParams
 from ..stats import StepOutcome
@@ -67,11 +76,19 @@ class ContinuousBatcher:
 
     def __init__(self, target: ModelRunner, drafter: Optional[Drafter], *, max_rows: int, slots: int,
                  max_seq_len: int, metrics: Optional[ServeMetrics] = None,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, graphs: bool = False, graph_backend=None):
         if drafter is not None and drafter.is_tree:
             raise ValueError(f"continuous batching runs chain drafters (a draft model, ngram) or none, not "
                              f"{type(drafter).__name__} (a tree)")
+        if graphs and not hasattr(target, "reserve_step"):
+            raise ValueError(f"CUDA graphs in continuous batching need the paged target runner, not "
+                             f"{type(target).__name__}")
+        if graphs and drafter is not None and not hasattr(drafter, "reserve_step"):
+            raise ValueError(f"CUDA graphs in continuous batching need a draft model or no drafter: "
+                             f"{type(drafter).__name__} proposes on the host")
         self.target, self.drafter = target, drafter
+        self.graphs, self.graph_backend = bool(graphs), graph_backend
+        self._steps: Dict[tuple, Tuple[SpecDecodeMetadata, DecodeSteps]] = {}  # step key -> (rows view, steps)
         self.max_rows, self.max_seq_len = int(max_rows), int(max_seq_len)
         self.budget = CacheBudget(target, max_rows=max_rows, slots=slots, max_seq_len=max_seq_len)
         self.metrics = metrics if metrics is not None else ServeMetrics(slots)
@@ -144,19 +161,30 @@ class ContinuousBatcher:
         if not running:
             return
         width = max(row.slot for row in running) + 1
+        if self.graphs:
+            width = min(bucket_size(width), self.max_rows)
         rows = self.rows[:width]
-        view = self.meta.rows(width)
+        view, steps = self._steps_for(width)
         active = [row is not None for row in rows]
         view.active.copy_(torch.tensor(active))
         view.set_row_steps(torch.tensor([row.steps if row is not None else 0 for row in rows]))
-        proposal = draft(self.drafter, view, None)
-        verdict = verify(self.target, view, proposal, lossless_verify)
+        if self.graphs:
+            self.target.reserve_step(width, self.meta.slots + 1)
+            if self.drafter is not None:
+                self.drafter.reserve_step(width)
+        steps.draft()
+        steps.verify()
+        proposal, verdict = steps.proposal, steps.verdict
         host, num_accepted, num_draft = read_step(proposal, verdict)
         failed = {b for b in range(width) if active[b] and num_accepted[b] < 0}
         if failed:  # a failed row commits nothing and leaves; the others go on
             active = [live and b not in failed for b, live in enumerate(active)]
             view.active.copy_(torch.tensor(active))
-        commit(self.target, self.drafter, view, verdict)
+        steps.commit()
+        if self.graphs:
+            self.target.sync_host()
+            if self.drafter is not None:
+                self.drafter.sync_host()
         self.metrics.record_step(StepOutcome.of(num_accepted, num_draft, active))
         for b, row in enumerate(rows):
             if row is None:
@@ -167,7 +195,27 @@ class ContinuousBatcher:
             row.steps += 1
             self._emit(row, apply_stops(row.state, host[b][2: 3 + num_accepted[b]], row.request.stop))
 
+    @property
+    def graphs_captured(self) -> int:
+        """Step graphs captured so far (0 without CUDA graphs); read from other threads (/metrics)."""
+        return sum(sum(steps.captured.values()) for _, steps in list(self._steps.values()))
+
     # ------------------------------------------------------------------ helpers
+    def _steps_for(self, width: int) -> Tuple[SpecDecodeMetadata, DecodeSteps]:
+        """The view of rows 0..width-1 and its step functions, made once per key: the width, and under
+        graphs the host decisions baked into a capture (all rows greedy, any row truncating)."""
+        sampling = self.meta.row_sampling[:width]
+        key: tuple = (width,)
+        if self.graphs:
+            key += (all(p.greedy for p in sampling), any(p.top_k > 0 or p.top_p < 1.0 for p in sampling))
+        if key not in self._steps:
+            view = self.meta.rows(width)
+            self._steps[key] = view, DecodeSteps(self.target, self.drafter, view, lossless_verify,
+                                                 graphs=self.graphs, backend=self.graph_backend)
+        view, steps = self._steps[key]
+        view.row_sampling = sampling  # the views share the tensors; the host filters are refreshed here
+        return view, steps
+
     def _emit(self, row: Row, tokens: List[int]) -> None:
         self.metrics.record_tokens(len(tokens))
         if row.state.finished:

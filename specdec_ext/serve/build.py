@@ -3,8 +3,10 @@
 The runners and the draft model's compute dtype are chosen by the same rules as generate()'s
 (plan.make_plan); the server then differs in three ways: the draft length is a fixed k (adaptive k
 follows measured times and the batch, so a seeded request would not reproduce, and each row's Philox
-counters assume a fixed k), the steps run eagerly (no CUDA graphs: see batcher.py), and the caches are
-sized for ``max_rows`` slots of ``max_seq_len`` positions (the paged pool for ``cache_tokens`` if given).
+counters assume a fixed k), the runners stay in host mode between steps (rows join and leave a shared
+page pool; where the plan turns CUDA graphs on, each step runs on the device by batch-size bucket: see
+batcher.py), and the caches are sized for ``max_rows`` slots of ``max_seq_len`` positions (the paged
+pool for ``cache_tokens`` if given).
 """
 from __future__ import annotations
 
@@ -72,17 +74,22 @@ def build_engine(models: Models, options: EngineOptions = EngineOptions()) -> En
     plan = make_plan(models.target, models.draft, drafter=models.drafter, prompt_lengths=[1], max_new_tokens=room,
                      k=None if models.drafter == "none" else options.draft_length, runner=options.runner,
                      sampling=SamplingParams(), seeded=True, max_seq_len=seq_len)
-    plan = dataclasses.replace(plan, cuda_graphs=False)  # eager steps: rows join and leave a shared pool
+    graphs = plan.cuda_graphs
+    # the runners are built in host mode (the static-shapes mode gives every row all its pages up front,
+    # which a shared pool cannot); the batcher runs each step on the device when graphs are on
+    plan = dataclasses.replace(plan, cuda_graphs=False)
     target = _target_runner(models, plan.target_runner, options, seq_len)
     drafter = build_drafter(plan, models)
     metrics = ServeMetrics(plan.slots)
     batcher = ContinuousBatcher(target, drafter, max_rows=options.max_rows, slots=plan.slots, max_seq_len=seq_len,
-                                metrics=metrics)
+                                metrics=metrics, graphs=graphs)
     engine = Engine(batcher, max_queue=options.max_queue, max_prefill_tokens=options.max_prefill_tokens)
     engine.description = (f"target runner {plan.target_runner}, drafter {models.drafter}"
                           + (f" (k={plan.slots}, draft runner {plan.draft_runner})" if plan.slots else "")
                           + f"; {options.max_rows} rows of {seq_len} positions, queue {options.max_queue}; "
-                          + f"cache budget {batcher.budget.capacity} {batcher.budget.unit}; steps eager")
+                          + f"cache budget {batcher.budget.capacity} {batcher.budget.unit}; "
+                          + ("steps in CUDA graphs by batch bucket" if graphs else
+                             f"steps eager ({dict(plan.reasons).get('cuda graphs', 'cuda graphs off')})"))
     return engine
 
 

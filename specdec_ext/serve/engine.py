@@ -158,6 +158,9 @@ class Engine:
             "cache_budget_total": (f"Cache the running rows may hold, in {budget.unit}.", budget.capacity,
                                    {"unit": budget.unit}),
         }
+        gauges["cuda_graphs_captured"] = ("Decode step graphs captured (draft, verify, commit per batch bucket and "
+                                          "filter kind; 0 when the steps run eagerly).",
+                                          self.batcher.graphs_captured, {})
         if budget.kv is not None:
             gauges["cache_pages_in_use"] = ("Pages of the target's KV pool that rows own now.", budget.pages_in_use, {})
             gauges["cache_pages_total"] = ("Pages of the target's KV pool.", budget.pages_total, {})

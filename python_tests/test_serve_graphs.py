@@ -1,0 +1,178 @@
+"""CUDA graphs by batch-size bucket in continuous batching (serve/batcher.py ``graphs=True``, the paged
+runner's ``reserve_step``).
+
+On the CPU the graphs are the fake backend of fake_graphs.py: a capture records the step without running
+it, and every replay runs it under a guard that refuses host syncs and host data. Requests join and leave
+while others run, across buckets 1, 2, 4 and a capped 6; every request's tokens must equal those of the
+eager batcher (itself tested against generate() alone in test_serve_engine.py), each (bucket, filter)
+key is captured once and then only replayed, and every page goes back to the pools. On CUDA (skipped
+elsewhere) the same run with real graphs.
+"""
+from __future__ import annotations
+
+from typing import Dict, List
+
+import pytest
+import torch
+
+from specdec_ext.drafters import ModelDrafter, NgramDrafter
+from specdec_ext.runners import PagedModelRunner, PoolFullError, make_runner
+from specdec_ext.runners.checks import output_vocab_size
+from specdec_ext.sampling import SamplingParams
+from specdec_ext.serve.batcher import ContinuousBatcher
+from specdec_ext.serve.request import GenerationRequest
+from specdec_ext.stops import StopCriteria
+from fake_graphs import FakeBackend
+from serve_utils import tiny_pair
+
+K = 3
+MAX_ROWS = 6  # buckets 1, 2, 4, then 8 capped at 6
+SEQ = 128
+
+
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest.py: one CPU thread per module
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_pair()
+
+
+def _batcher(pair, device, *, graphs: bool, backend=None, drafter: str = "model") -> ContinuousBatcher:
+    target, draft, _ = pair
+    target, draft = target.to(device), draft.to(device)
+    runner = PagedModelRunner(target, max_batch_size=MAX_ROWS, max_seq_len=SEQ)
+    model_drafter = None
+    if drafter == "model":
+        def draft_runner(*, max_batch_size, max_seq_len):
+            return PagedModelRunner(draft, max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+        model_drafter = ModelDrafter(draft, draft_runner, k=K, vocab_size=output_vocab_size(target))
+    return ContinuousBatcher(runner, model_drafter, max_rows=MAX_ROWS, slots=K if drafter == "model" else 0,
+                             max_seq_len=SEQ, graphs=graphs, graph_backend=backend)
+
+
+PROMPTS = [[5, 6, 7, 8], [11, 12, 13], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37],
+           [40], [41, 42, 43, 44, 45, 46], [7, 7, 7, 7, 7], [30, 31, 32]]
+# (admitted before step, filter, max_new_tokens): greedy alone first, then sampled rows with and without
+# top-k / top-p, a slot freed and reused, five rows at once (bucket 8 capped at MAX_ROWS = 6)
+SCHEDULE = [(0, SamplingParams(), 40), (3, SamplingParams(), 30), (5, SamplingParams(0.9), 9),
+            (5, SamplingParams(0.8, 5, 0.9), 24), (8, SamplingParams(1.2, 0, 0.7), 20),
+            (8, SamplingParams(float("inf"), 4), 12), (16, SamplingParams(0.7), 10)]
+
+
+def _run(batcher: ContinuousBatcher, schedule=SCHEDULE) -> Dict[int, List[int]]:
+    """Admit the schedule's requests at their steps, step until every request has ended; tokens by request."""
+    tokens: Dict[int, List[int]] = {i: [] for i in range(len(schedule))}
+    ended: Dict[int, str] = {}
+
+    def sink_of(i):
+        def sink(event):
+            tokens[i].extend(event.tokens)
+            if event.finished:
+                ended[i] = event.finish_reason
+        return sink
+
+    step = 0
+    while len(ended) < len(schedule):
+        joining = [(GenerationRequest(list(PROMPTS[i]), params, 1000 + i, StopCriteria(max_new, [])), sink_of(i), 0.0)
+                   for i, (at, params, max_new) in enumerate(schedule) if at == step]
+        if joining:
+            batcher.admit(joining)
+        batcher.step()
+        step += 1
+        assert step < 200, "the batcher did not finish"
+    assert set(ended.values()) == {"length"}, ended
+    for i, (_, _, max_new) in enumerate(schedule):
+        assert len(tokens[i]) == max_new, (i, len(tokens[i]))
+    return tokens
+
+
+def _pools_are_free(batcher: ContinuousBatcher) -> None:
+    assert batcher.budget.used == 0 and not batcher.running
+    runners = [batcher.target] + ([batcher.drafter.runner] if batcher.drafter is not None else [])
+    for runner in runners:
+        assert runner.kv.num_free_pages == runner.kv.num_pages
+        assert runner.kv.host_lengths() == [0] * MAX_ROWS and runner.kv.lengths.tolist() == [0] * MAX_ROWS
+
+
+@pytest.mark.parametrize("drafter", ["model", "none"])
+def test_bucketed_graph_steps_give_the_eager_tokens(pair, drafter):
+    eager = _batcher(pair, "cpu", graphs=False, drafter=drafter)
+    expected = _run(eager)
+    _pools_are_free(eager)
+    assert eager.graphs_captured == 0
+
+    backend = FakeBackend()
+    graphs = _batcher(pair, "cpu", graphs=True, backend=backend, drafter=drafter)
+    assert _run(graphs) == expected
+    _pools_are_free(graphs)
+    widths = {key[0] for key in graphs._steps}
+    assert widths == {1, 2, 4, 6}, widths  # bucket_size(5) = 8, capped at max_rows
+    filters = {key[1:] for key in graphs._steps}
+    assert (True, False) in filters and (False, True) in filters  # all greedy; sampled with truncation
+    per_key = 3 if drafter == "model" else 2  # draft, verify, commit (no draft step without a drafter)
+    # each key was captured once (a key used only for its warm-up step has no capture yet)
+    assert backend.events.count("capture") == graphs.graphs_captured <= per_key * len(graphs._steps)
+    assert graphs.graphs_captured >= per_key * 3
+    assert backend.events.count("replay") > 4 * backend.events.count("capture")
+
+
+def test_rows_with_other_seeds_and_temperatures_replay_the_same_capture(pair):
+    """Rows with different seeds and filters of the same kind share one capture: the per-row values are
+    read from the metadata's tensors at every replay."""
+    schedule = [(0, SamplingParams(0.9), 16), (0, SamplingParams(1.1), 16), (2, SamplingParams(0.5), 12)]
+    eager = _run(_batcher(pair, "cpu", graphs=False), schedule)
+    backend = FakeBackend()
+    batcher = _batcher(pair, "cpu", graphs=True, backend=backend)
+    assert _run(batcher, schedule) == eager
+    assert {key[1:] for key in batcher._steps} == {(False, False)} and (4, False, False) in batcher._steps
+    assert backend.events.count("capture") == batcher.graphs_captured <= 3 * len(batcher._steps)
+    assert backend.events.count("replay") > backend.events.count("capture")  # replays after each capture
+
+
+def test_reserve_step_gives_pages_for_one_step_and_sync_host_takes_them_back(pair):
+    target = pair[0]
+    runner = PagedModelRunner(target, max_batch_size=4, max_seq_len=64, page_size=4)
+    runner.start_rows([0, 2], [[1, 2, 3], [4, 5, 6, 7, 8]])
+    assert runner.batch_size == 3
+    with pytest.raises(ValueError, match="width 2 must cover the rows in use"):
+        runner.reserve_step(2, 4)
+    with pytest.raises(ValueError, match="tokens must be >= 1"):
+        runner.reserve_step(4, 0)
+    runner.reserve_step(4, 4)  # row 0: 3 + 4 = 7 positions (2 pages), row 2: 9 (3 pages), rows 1, 3: none
+    assert [len(runner.kv.pages(r)) for r in range(4)] == [2, 0, 3, 0] and runner.batch_size == 4
+    ids = torch.tensor([[9, 9, 9, 9]] * 4)
+    runner.forward(ids, torch.tensor([4, 1, 4, 1]))
+    runner.commit(torch.tensor([2, 0, 4, 0]))
+    runner.sync_host()
+    assert runner.kv.host_lengths() == [5, 0, 9, 0] and runner.batch_size == 3
+    assert [len(runner.kv.pages(r)) for r in range(4)] == [2, 0, 3, 0]
+    runner.free_rows([2])
+    assert runner.batch_size == 1 and runner.kv.num_free_pages == runner.kv.num_pages - 2
+    full = PagedModelRunner(target, max_batch_size=2, max_seq_len=64, page_size=4, num_pages=3)
+    full.start_rows([0], [[1, 2, 3, 4, 5, 6, 7, 8]])
+    with pytest.raises(PoolFullError):
+        full.reserve_step(1, 8)
+    static = PagedModelRunner(target, max_batch_size=1, max_seq_len=16, static_shapes=True)
+    with pytest.raises(ValueError, match="already gives every row all its pages"):
+        static.reserve_step(1, 1)
+
+
+def test_graphs_are_refused_where_a_step_needs_the_host(pair):
+    target = pair[0]
+    lean = make_runner("lean", target, max_batch_size=2, max_seq_len=32)
+    with pytest.raises(ValueError, match="need the paged target runner"):
+        ContinuousBatcher(lean, None, max_rows=2, slots=0, max_seq_len=32, graphs=True)
+    paged = PagedModelRunner(target, max_batch_size=2, max_seq_len=32)
+    with pytest.raises(ValueError, match="NgramDrafter proposes on the host"):
+        ContinuousBatcher(paged, NgramDrafter(K), max_rows=2, slots=K, max_seq_len=32, graphs=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (real CUDA graphs)")
+@pytest.mark.parametrize("drafter", ["model", "none"])
+def test_real_cuda_graphs_give_the_eager_tokens(pair, drafter):
+    expected = _run(_batcher(pair, "cuda", graphs=False, drafter=drafter))
+    batcher = _batcher(pair, "cuda", graphs=True, drafter=drafter)
+    assert _run(batcher) == expected
+    assert batcher.graphs_captured > 0
+    _pools_are_free(batcher)
