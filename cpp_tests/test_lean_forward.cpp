@@ -248,14 +248,14 @@ void reference_attention(const AttentionProblem& p, const std::vector<float>& kc
           s[i] = 0.0;
           for (int64_t d = 0; d < D; ++d)
             s[i] += p.q[((b * p.tokens + t) * p.heads + h) * D + d] *
-                    kc[((b * p.kv_heads + g) * p.capacity + slot(i)) * D + d];
+                    kc[((p.cache_row(b) * p.kv_heads + g) * p.capacity + slot(i)) * D + d];
           s[i] *= p.scale;
           top = std::max(top, s[i]);
         }
         for (int64_t i = 0; i < n; ++i) total += (s[i] = std::exp(s[i] - top));
         for (int64_t d = 0; d < D; ++d) {
           double acc = 0.0;
-          for (int64_t i = 0; i < n; ++i) acc += s[i] * vc[((b * p.kv_heads + g) * p.capacity + slot(i)) * D + d];
+          for (int64_t i = 0; i < n; ++i) acc += s[i] * vc[((p.cache_row(b) * p.kv_heads + g) * p.capacity + slot(i)) * D + d];
           out[((b * p.tokens + t) * p.heads + h) * D + d] = acc / total;
         }
       }
@@ -280,18 +280,21 @@ TEST(LeanForwardKernels, AttentionMatchesDoubleReferenceChainsAndTrees) {
         for (int64_t j = 0; j < T; ++j) visible[(b * T + t) * T + j] |= visible[(b * T + parent) * T + j];
       }
     const std::vector<int64_t> start = {0, 31};
-    for (const uint8_t* mask : {static_cast<const uint8_t*>(nullptr), static_cast<const uint8_t*>(visible.data())}) {
+    const std::vector<int64_t> swapped = {1, 0};  // batch row b reads cache row 1 - b
+    for (const uint8_t* mask : {static_cast<const uint8_t*>(nullptr), static_cast<const uint8_t*>(visible.data())})
+    for (const int64_t* rows : {static_cast<const int64_t*>(nullptr), swapped.data()}) {
       std::vector<float> out(q.size());
       AttentionProblem p{q.data(), kc.data(), vc.data(), DType::kF32, start.data(), mask, B, T, H, Hk, D,
-                         capacity, 0.125f, out.data()};
+                         capacity, 0.125f, out.data(), rows};
       std::vector<double> expected(q.size());
       reference_attention(p, kc, vc, expected);
       for (Isa isa : paths()) {
-        std::vector<float> scratch(capacity);
-        std::vector<int64_t> keys(T);
-        cache_attention_range(isa, p, 0, B * T * H, scratch.data(), keys.data());
+        std::vector<float> scratch(attention_scratch_floats(capacity, T));
+        std::vector<int64_t> keys(attention_scratch_keys(T));
+        cache_attention_range(isa, p, 0, attention_num_tasks(p), scratch.data(), keys.data());
         for (size_t i = 0; i < out.size(); ++i)
-          ASSERT_NEAR(out[i], expected[i], 2e-5) << isa_name(isa) << " D=" << D << " tree=" << (mask != nullptr);
+          ASSERT_NEAR(out[i], expected[i], 2e-5) << isa_name(isa) << " D=" << D << " tree=" << (mask != nullptr)
+                                                 << " rows mapped=" << (rows != nullptr);
       }
     }
   }
@@ -320,6 +323,73 @@ TEST(LeanForwardOps, FusedLinearThroughTheDispatcher) {
   const at::Tensor expected = torch::matmul(x.to(torch::kBFloat16).to(torch::kFloat), w.to(torch::kFloat).t());
   EXPECT_TRUE(torch::allclose(out, expected, 1e-5, 1e-5));
   EXPECT_THROW(op.call(x, std::nullopt, 0.0, {w.to(torch::kFloat)}, biases, store, true, {out}), c10::Error);
+}
+
+TEST(LeanForwardOps, DecoderLayersThroughTheDispatcherIsThePerOpComposition) {
+  static auto layers = c10::Dispatcher::singleton()
+                           .findSchemaOrThrow("specdec_ext::decoder_layers", "")
+                           .typed<void(at::Tensor&, at::TensorList, const c10::List<std::optional<at::Tensor>>&,
+                                       at::ArrayRef<double>, bool, const at::Tensor&, const at::Tensor&,
+                                       const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&,
+                                       at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, double)>();
+  static auto linear = c10::Dispatcher::singleton()
+                           .findSchemaOrThrow("specdec_ext::fused_linear", "")
+                           .typed<void(const at::Tensor&, const std::optional<at::Tensor>&, double, at::TensorList,
+                                       const c10::List<std::optional<at::Tensor>>&, const std::string&, bool,
+                                       at::TensorList)>();
+  static auto rope = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("specdec_ext::rope_cache_write", "")
+                         .typed<void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                     at::Tensor&, at::Tensor&)>();
+  static auto attention = c10::Dispatcher::singleton()
+                              .findSchemaOrThrow("specdec_ext::cache_attention", "")
+                              .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                          const std::optional<at::Tensor>&, double, at::Tensor&)>();
+  torch::manual_seed(1);
+  const int64_t L = 2, d = 24, H = 4, Hk = 2, D = 6, I = 40, B = 2, T = 3, M = B * T, Bc = 3, capacity = 16;
+  std::vector<at::Tensor> weights;
+  for (int64_t l = 0; l < L; ++l)
+    for (auto shape : std::vector<std::vector<int64_t>>{{d}, {H * D, d}, {Hk * D, d}, {Hk * D, d}, {d, H * D}, {d},
+                                                        {I, d}, {I, d}, {d, I}})
+      weights.push_back(shape.size() == 1 ? torch::ones(shape) + 0.1 * torch::randn(shape)
+                                          : (0.2 * torch::randn(shape)).to(torch::kBFloat16));
+  const std::vector<double> eps(2 * L, 1e-6);
+  const at::Tensor x0 = torch::randn({M, d});
+  const at::Tensor positions = torch::tensor({4, 5, 6, 0, 1, 2}, torch::kLong);
+  const at::Tensor rows = torch::tensor({2, 2, 2, 0, 0, 0}, torch::kLong);
+  const at::Tensor start = torch::tensor({4, 0}, torch::kLong);
+  const at::Tensor freqs = torch::arange(capacity, torch::kFloat).unsqueeze(1) *
+                           torch::pow(10000.0, -torch::arange(0, D, 2, torch::kFloat) / D).unsqueeze(0);
+  const at::Tensor cos = freqs.cos().contiguous(), sin = freqs.sin().contiguous();
+  const at::Tensor kc0 = torch::randn({L, Bc, Hk, capacity, D}).to(torch::kBFloat16), vc0 = torch::randn_like(kc0);
+  c10::List<std::optional<at::Tensor>> none;
+
+  at::Tensor x = x0.clone(), kc = kc0.clone(), vc = vc0.clone();
+  layers.call(x, weights, none, eps, true, cos, sin, positions, rows, positions, kc, vc, start, std::nullopt, 0.4);
+
+  at::Tensor y = x0.clone(), kc2 = kc0.clone(), vc2 = vc0.clone();
+  at::Tensor q = torch::empty({M, H * D}), k = torch::empty({M, Hk * D}), v = torch::empty({M, Hk * D});
+  at::Tensor out = torch::empty({B, T, H, D}), act = torch::empty({M, I});
+  const at::Tensor row_of_batch = torch::tensor({2, 0}, torch::kLong);
+  for (int64_t l = 0; l < L; ++l) {
+    const at::Tensor* w = weights.data() + 9 * l;
+    linear.call(y, w[0], eps[2 * l], {w[1], w[2], w[3]}, none, "store", true, {q, k, v});
+    at::Tensor qh = q.view({M, H, D}), kl = kc2.select(0, l), vl = vc2.select(0, l);
+    rope.call(qh, k.view({M, Hk, D}), v.view({M, Hk, D}), cos, sin, positions, rows, positions, kl, vl);
+    attention.call(q.view({B, T, H, D}), kl.index_select(0, row_of_batch), vl.index_select(0, row_of_batch), start,
+                   std::nullopt, 0.4, out);
+    linear.call(out.view({M, H * D}), std::nullopt, 0.0, {w[4]}, none, "add", true, {y});
+    linear.call(y, w[5], eps[2 * l + 1], {w[6], w[7]}, none, "swiglu", true, {act});
+    linear.call(act, std::nullopt, 0.0, {w[8]}, none, "add", true, {y});
+  }
+  EXPECT_TRUE(torch::equal(x, y));
+  EXPECT_TRUE(torch::equal(kc, kc2));
+  EXPECT_TRUE(torch::equal(vc, vc2));
+  const std::vector<double> short_eps(1, 1e-6);
+  EXPECT_THROW(layers.call(x, weights, none, short_eps, true, cos, sin, positions, rows, positions, kc, vc, start,
+                           std::nullopt, 0.4),
+               c10::Error);
 }
 
 }  // namespace

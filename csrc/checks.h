@@ -27,13 +27,11 @@ inline void check_rank(const char* op, const char* name, const at::Tensor& t, in
 
 inline void check_dtype(const char* op, const char* name, const at::Tensor& t,
                         std::initializer_list<at::ScalarType> allowed) {
-  bool ok = false;
-  std::ostringstream names;
-  for (auto s : allowed) {
-    ok = ok || t.scalar_type() == s;
-    names << (names.tellp() > 0 ? " or " : "") << c10::toString(s);
-  }
-  TORCH_CHECK(ok, op, ": ", name, " must have dtype ", names.str(), ", got ", t.scalar_type());
+  for (auto s : allowed)
+    if (t.scalar_type() == s) return;
+  std::ostringstream names;  // only on failure: a stream per call costs more than a small kernel
+  for (auto s : allowed) names << (names.tellp() > 0 ? " or " : "") << c10::toString(s);
+  TORCH_CHECK(false, op, ": ", name, " must have dtype ", names.str(), ", got ", t.scalar_type());
 }
 
 inline void check_size(const char* op, const char* name, const at::Tensor& t, int64_t dim,

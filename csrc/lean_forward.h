@@ -25,6 +25,18 @@
 //   start [B] int64: the block's first slot, start[b] + T <= capacity
 //   visible [B, T, T] bool or None: which block tokens each query sees (None: causal, j <= t)
 //   out [B, T, H, D] fp32 contiguous
+//
+// decoder_layers: L Llama-family decoder layers in one call, each as the four projections, the rotary
+// + cache write and the attention above compose it (the same kernels, the same bits):
+//   x = x + o(attention(rope(q(n1(x)), k(n1(x))), v(n1(x))));  x = x + down(silu(gate(n2(x))) * up(n2(x)))
+//   x            [M, d] fp32 contiguous, M = B * T: the residual stream, updated in place
+//   weights      kLayerWeights per layer: input norm [d], q [H*D, d], k [Hk*D, d], v [Hk*D, d],
+//                o [d, H*D], post-attention norm [d], gate [I, d], up [I, d], down [d, I]
+//   biases       [] or kLayerBiases per layer (None or a vector): q, k, v, o, gate, up, down
+//   norm_eps     kLayerNormEps per layer: the input and the post-attention norms' epsilons
+//   cos, sin, positions, cache_positions as rope_cache_write; cache_rows [M]: one row per block of T
+//   k_cache, v_cache [L, Bc, Hk, capacity, D]; start, visible, scale as cache_attention (batch row b
+//                reads cache row cache_rows[b * T])
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <ATen/core/List.h>
@@ -36,6 +48,9 @@
 namespace specdec {
 
 constexpr int64_t kMaxHeadDim = 512;
+constexpr int64_t kLayerWeights = 9;  // decoder_layers: the weights of one layer, in the order above
+constexpr int64_t kLayerBiases = 7;
+constexpr int64_t kLayerNormEps = 2;
 
 inline void check_float_vector(const char* op, const char* name, const at::Tensor& t, int64_t size,
                                const at::Tensor& reference, const char* what) {
@@ -192,6 +207,59 @@ inline void check_cache_attention(const at::Tensor& q, const at::Tensor& k_cache
   check_dtype(op, "out", out, {at::kFloat});
   check_same_device(op, "out", out, q, "q");
   check_contiguous(op, "out", out);
+}
+
+// The shapes decoder_layers takes (the per-op checks run on each layer's pieces as well).
+struct DecoderLayersShape {
+  int64_t layers, batch, tokens, heads, kv_heads, head_dim, intermediate;
+};
+
+inline DecoderLayersShape check_decoder_layers(const at::Tensor& x, const at::TensorList weights,
+                                               const c10::List<c10::optional<at::Tensor>>& biases,
+                                               c10::ArrayRef<double> norm_eps, const at::Tensor& cache_rows,
+                                               const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                               const at::Tensor& start) {
+  constexpr const char* op = "decoder_layers";
+  check_rank(op, "x", x, 2, "[M, d]");
+  check_dtype(op, "x", x, {at::kFloat});
+  check_contiguous(op, "x", x);
+  const int64_t n = static_cast<int64_t>(weights.size());
+  TORCH_CHECK(n > 0 && n % kLayerWeights == 0, op, ": weights must hold ", kLayerWeights,
+              " tensors per layer (input norm, q, k, v, o, post norm, gate, up, down), got ", n);
+  const int64_t L = n / kLayerWeights;
+  TORCH_CHECK(biases.size() == 0 || static_cast<int64_t>(biases.size()) == kLayerBiases * L, op,
+              ": biases must be empty or hold ", kLayerBiases, " entries per layer (q, k, v, o, gate, up, down): ",
+              kLayerBiases * L, " for ", L, " layers, got ", biases.size());
+  TORCH_CHECK(static_cast<int64_t>(norm_eps.size()) == kLayerNormEps * L, op, ": norm_eps must hold ",
+              kLayerNormEps, " values per layer: ", kLayerNormEps * L, " for ", L, " layers, got ", norm_eps.size());
+  check_rank(op, "k_cache", k_cache, 5, "[L, Bc, Hk, capacity, D]");
+  check_size(op, "k_cache", k_cache, 0, L, "the layers in weights");
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), op, ": v_cache must have the shape of k_cache ",
+              shape_str(k_cache.sizes()), ", got ", shape_str(v_cache.sizes()));
+  const int64_t Hk = k_cache.size(2), D = k_cache.size(4);
+  const at::Tensor& wq = weights[1];
+  check_rank(op, "weights[1] (q)", wq, 2, "[H*D, d]");
+  TORCH_CHECK(D > 0 && wq.size(0) % D == 0, op, ": the q weight's ", wq.size(0),
+              " rows must be a multiple of the head dimension ", D, " (k_cache dimension 4)");
+  const int64_t H = wq.size(0) / D;
+  check_rank(op, "weights[6] (gate)", weights[6], 2, "[I, d]");
+  check_rank(op, "start", start, 1, "[B]");
+  check_dtype(op, "start", start, {at::kLong});
+  check_contiguous(op, "start", start);
+  const int64_t M = x.size(0), B = start.size(0);
+  TORCH_CHECK(B > 0 && M % B == 0, op, ": x has ", M, " rows, not a whole number of blocks for the ", B,
+              " rows of start");
+  const int64_t T = M / B;
+  check_rank(op, "cache_rows", cache_rows, 1, "[M]");
+  check_size(op, "cache_rows", cache_rows, 0, M, "M (x dimension 0)");
+  check_dtype(op, "cache_rows", cache_rows, {at::kLong});
+  check_contiguous(op, "cache_rows", cache_rows);
+  const int64_t* rows = cache_rows.data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; ++m)
+    TORCH_CHECK(rows[m] == rows[(m / T) * T], op, ": cache_rows[", m, "] = ", rows[m], " differs from its block's "
+                "first token (cache_rows[", (m / T) * T, "] = ", rows[(m / T) * T], "): a block of T = ", T,
+                " tokens belongs to one cache row");
+  return {L, B, T, H, Hk, D, weights[6].size(0)};
 }
 
 }  // namespace specdec

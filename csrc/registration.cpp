@@ -23,13 +23,17 @@ TORCH_LIBRARY(specdec_ext, m) {
   // Per row, move positions src_positions[b, j] to dst_start[b] + j through block_tables.
   m.def("kv_compact(Tensor(a!) kv_cache, Tensor block_tables, Tensor src_positions, Tensor dst_start) -> ()");
   // The lean runner's CPU forward (csrc/lean_forward.h): projections with a fused RMSNorm / residual /
-  // SwiGLU epilogue, rotary embedding + cache write, attention of a short query block over the cache.
+  // SwiGLU epilogue, rotary embedding + cache write, attention of a short query block over the cache,
+  // and whole decoder layers composed of them in one call.
   m.def("fused_linear(Tensor x, Tensor? norm_weight, float norm_eps, Tensor[] weights, Tensor?[] biases, "
         "str epilogue, bool bf16_activations, Tensor(a!)[] outs) -> ()");
   m.def("rope_cache_write(Tensor(a!) q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor positions, "
         "Tensor cache_rows, Tensor cache_positions, Tensor(b!) k_cache, Tensor(c!) v_cache) -> ()");
   m.def("cache_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor start, Tensor? visible, float scale, "
         "Tensor(a!) out) -> ()");
+  m.def("decoder_layers(Tensor(a!) x, Tensor[] weights, Tensor?[] biases, float[] norm_eps, bool bf16_activations, "
+        "Tensor cos, Tensor sin, Tensor positions, Tensor cache_rows, Tensor cache_positions, Tensor(b!) k_cache, "
+        "Tensor(c!) v_cache, Tensor start, Tensor? visible, float scale) -> ()");
   // The instruction-set path the CPU forward kernels take now (SPECDEC_CPU_ISA or the best available).
   m.def("cpu_isa() -> str");
 }

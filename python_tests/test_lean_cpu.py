@@ -10,7 +10,7 @@ import torch
 from specdec_ext import generate, ops, plain_generate
 from specdec_ext.runners import LeanLlamaRunner
 from specdec_ext.runners.lean_cpu import kernels_reason
-from test_lean_forward_ops import ISAS
+from lean_forward_cases import ISAS
 from test_lean_llama import TOL, _one_thread, drive, tiny  # noqa: F401  (_one_thread: an autouse fixture)
 
 ARCHS = ["llama", "qwen2", "mistral", "llama_bias"]

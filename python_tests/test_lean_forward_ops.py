@@ -10,33 +10,11 @@ import torch
 import torch.nn.functional as F
 
 from specdec_ext import ops
+from lean_forward_cases import ISAS, isa, random_trees  # noqa: F401 (isa: a fixture)
 from reference_lean_forward import FP32_EPS, cache_attention as ref_attention, fused_linear as ref_linear
 from reference_lean_forward import rope as ref_rope, round_bf16, to_f64
 
-ALL_ISAS = ["portable", "avx2", "avx512bf16"]  # each includes the one before it
-
-
-def _supported():
-    import os
-
-    saved = os.environ.pop("SPECDEC_CPU_ISA", None)
-    try:
-        best = ops.cpu_isa()
-    finally:
-        if saved is not None:
-            os.environ["SPECDEC_CPU_ISA"] = saved
-    return ALL_ISAS[: ALL_ISAS.index(best) + 1]
-
-
-ISAS = _supported()
 WEIGHT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-@pytest.fixture(params=ISAS)
-def isa(request, monkeypatch):
-    monkeypatch.setenv("SPECDEC_CPU_ISA", request.param)
-    assert ops.cpu_isa() == request.param
-    return request.param
 
 
 def _weights(rng, shapes, dtype):
@@ -292,14 +270,8 @@ def _attention_case(rng, B, T, H, Hk, D, dtype, tree=False, capacity=48):
     vc = torch.tensor(rng.standard_normal((B + 1, Hk, capacity, D)), dtype=torch.float32).to(dtype)
     start = torch.tensor(rng.integers(0, capacity - T + 1, B), dtype=torch.int64)
     visible = None
-    if tree:  # random topological trees: token 0 the root, each later token a child of an earlier one
-        visible = torch.zeros((B, T, T), dtype=torch.bool)
-        for b in range(B):
-            for t in range(T):
-                visible[b, t, t] = True
-                if t:
-                    parent = int(rng.integers(0, t))
-                    visible[b, t] |= visible[b, parent]
+    if tree:
+        visible, _ = random_trees(rng, B, T)
     return q, kc, vc, start, visible
 
 

@@ -41,8 +41,8 @@ SPECDEC_END_TARGET
 
 namespace specdec::cpu {
 
-// Queries [begin, end) of the B * T * H (row, token, head) tasks, on one path. scratch holds at least
-// max(start) + T floats and keys T entries.
+// Tasks [begin, end) of the attention_num_tasks(p) (row, head, token block) tasks, on one path. scratch
+// holds attention_scratch_floats(max(start), T) floats and keys attention_scratch_keys(T) entries.
 inline void cache_attention_range(Isa isa, const AttentionProblem& p, int64_t begin, int64_t end, float* scratch,
                                   int64_t* keys) {
 #if SPECDEC_HAVE_X86_PATHS

@@ -3,6 +3,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <atomic>
@@ -54,11 +55,12 @@ void parallel_chunks(int64_t total, int64_t chunk, const Fn& fn) {
   });
 }
 
-void fused_linear(const at::Tensor& x, const c10::optional<at::Tensor>& norm_weight, double norm_eps,
-                  at::TensorList weights, const c10::List<c10::optional<at::Tensor>>& biases,
-                  const std::string& epilogue, bool bf16_activations, at::TensorList outs) {
+// The ops' bodies take the instruction-set path from their caller: an op reads SPECDEC_CPU_ISA once
+// per call (getenv at every kernel of decoder_layers cost more than a small kernel).
+void linear_on(Isa isa, const at::Tensor& x, const c10::optional<at::Tensor>& norm_weight, double norm_eps,
+               at::TensorList weights, const c10::List<c10::optional<at::Tensor>>& biases, const std::string& epilogue,
+               bool bf16_activations, at::TensorList outs) {
   check_fused_linear(x, norm_weight, weights, biases, epilogue, bf16_activations, outs);
-  const Isa isa = isa_or_throw();
   const int64_t M = x.size(0), K = x.size(1);
   if (M == 0) return;
   const int count = static_cast<int>(weights.size());
@@ -79,11 +81,12 @@ void fused_linear(const at::Tensor& x, const c10::optional<at::Tensor>& norm_wei
 
   GemmWeight w[kMaxGemmWeights + 1];
   LinearOutput o[kMaxGemmWeights + 1];
-  std::vector<GemmWeight> many_w(count);
-  std::vector<LinearOutput> many_o(count);
-  std::vector<at::Tensor> bias32(count);  // biases in fp32, converted once per call (Qwen2's q, k, v)
-  GemmWeight* ws = count <= kMaxGemmWeights + 1 ? w : many_w.data();
-  LinearOutput* os = count <= kMaxGemmWeights + 1 ? o : many_o.data();
+  const bool many = count > kMaxGemmWeights + 1;  // (heap vectors only then: they cost at small shapes)
+  std::vector<GemmWeight> many_w(many ? count : 0);
+  std::vector<LinearOutput> many_o(many ? count : 0);
+  std::vector<at::Tensor> bias32(biases.size() > 0 ? count : 0);  // biases in fp32, converted once per call
+  GemmWeight* ws = many ? many_w.data() : w;
+  LinearOutput* os = many ? many_o.data() : o;
   for (int i = 0; i < count; ++i) {
     const at::Tensor& wi = weights[i];
     ws[i] = {wi.data_ptr(), dtype_of(wi), wi.size(0), wi.size(1), wi.stride(0)};
@@ -99,10 +102,17 @@ void fused_linear(const at::Tensor& x, const c10::optional<at::Tensor>& norm_wei
   });
 }
 
-void check_index_range(const char* name, const at::Tensor& t, int64_t limit, const char* what) {
+void fused_linear(const at::Tensor& x, const c10::optional<at::Tensor>& norm_weight, double norm_eps,
+                  at::TensorList weights, const c10::List<c10::optional<at::Tensor>>& biases,
+                  const std::string& epilogue, bool bf16_activations, at::TensorList outs) {
+  linear_on(isa_or_throw(), x, norm_weight, norm_eps, weights, biases, epilogue, bf16_activations, outs);
+}
+
+void check_index_range(const char* name, const at::Tensor& t, int64_t limit, const char* what,
+                       const char* op = "rope_cache_write") {
   const int64_t* values = t.data_ptr<int64_t>();
   for (int64_t i = 0; i < t.numel(); ++i)
-    TORCH_CHECK(values[i] >= 0 && values[i] < limit, "rope_cache_write: ", name, "[", i, "] = ", values[i],
+    TORCH_CHECK(values[i] >= 0 && values[i] < limit, op, ": ", name, "[", i, "] = ", values[i],
                 " is outside [0, ", limit, ") (", what, ")");
 }
 
@@ -124,11 +134,11 @@ void rope_cache_write(at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) { rope_cache_rows(p, begin, end); });
 }
 
-void cache_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                     const at::Tensor& start, const c10::optional<at::Tensor>& visible, double scale,
-                     at::Tensor& out) {
+// cache_attention's body; rows: the cache row of each batch row, or null (row b).
+void attend(Isa isa, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+            const at::Tensor& start, const c10::optional<at::Tensor>& visible, double scale, at::Tensor& out,
+            const int64_t* rows) {
   check_cache_attention(q, k_cache, v_cache, start, visible, out);
-  const Isa isa = isa_or_throw();
   const int64_t B = q.size(0), T = q.size(1), H = q.size(2);
   const int64_t capacity = k_cache.size(2);
   const int64_t* starts = start.data_ptr<int64_t>();
@@ -137,20 +147,83 @@ void cache_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
     TORCH_CHECK(starts[b] >= 0 && starts[b] + T <= capacity, "cache_attention: start[", b, "] = ", starts[b],
                 " must be in [0, capacity - T] = [0, ", capacity - T, "] (the block's T = ", T,
                 " tokens sit at slots start .. start + T - 1)");
+    TORCH_CHECK(rows == nullptr || (rows[b] >= 0 && rows[b] < k_cache.size(0)), "cache_attention: the cache row of "
+                "batch row ", b, " is ", rows == nullptr ? b : rows[b], ", outside [0, ", k_cache.size(0), ")");
     longest = std::max(longest, starts[b]);
   }
   if (q.numel() == 0) return;
   const AttentionProblem p{q.data_ptr<float>(), k_cache.data_ptr(), v_cache.data_ptr(), dtype_of(k_cache),
                            starts, visible ? reinterpret_cast<const uint8_t*>(visible->data_ptr<bool>()) : nullptr,
                            B, T, H, k_cache.size(1), q.size(3), capacity, static_cast<float>(scale),
-                           out.data_ptr<float>()};
-  parallel_chunks(B * T * H, 1, [&](int64_t begin, int64_t end) {
+                           out.data_ptr<float>(), rows};
+  parallel_chunks(attention_num_tasks(p), 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> scratch;
     thread_local std::vector<int64_t> keys;
-    scratch.resize(longest + T);
-    keys.resize(T);
+    scratch.resize(attention_scratch_floats(longest, T));
+    keys.resize(attention_scratch_keys(T));
     cache_attention_range(isa, p, begin, end, scratch.data(), keys.data());
   });
+}
+
+void cache_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& start, const c10::optional<at::Tensor>& visible, double scale,
+                     at::Tensor& out) {
+  attend(isa_or_throw(), q, k_cache, v_cache, start, visible, scale, out, nullptr);
+}
+
+// Biases first .. first + count - 1 of a layer (an empty list when the model has none).
+c10::List<c10::optional<at::Tensor>> bias_slice(const c10::List<c10::optional<at::Tensor>>& biases, int64_t first,
+                                                int64_t count) {
+  c10::List<c10::optional<at::Tensor>> out;
+  if (biases.size() == 0) return out;
+  for (int64_t i = 0; i < count; ++i) out.push_back(biases.get(first + i));
+  return out;
+}
+
+// One call for the whole stack: the per-op Python dispatch (some 5 us a call, 37 calls a pass for a
+// 6-layer model) cost more than a draft model's kernels.
+void decoder_layers(at::Tensor& x, at::TensorList weights, const c10::List<c10::optional<at::Tensor>>& biases,
+                    at::ArrayRef<double> norm_eps, bool bf16_activations, const at::Tensor& cos, const at::Tensor& sin,
+                    const at::Tensor& positions, const at::Tensor& cache_rows, const at::Tensor& cache_positions,
+                    at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& start,
+                    const c10::optional<at::Tensor>& visible, double scale) {
+  const DecoderLayersShape s = check_decoder_layers(x, weights, biases, norm_eps, cache_rows, k_cache, v_cache, start);
+  const int64_t M = x.size(0), HD = s.heads * s.head_dim, HkD = s.kv_heads * s.head_dim;
+  const auto f32 = x.options();
+  at::Tensor q = at::empty({M, HD}, f32), k = at::empty({M, HkD}, f32), v = at::empty({M, HkD}, f32);
+  at::Tensor attended = at::empty({M, HD}, f32), act = at::empty({M, s.intermediate}, f32);
+  at::Tensor q_heads = q.view({M, s.heads, s.head_dim});
+  const at::Tensor k_heads = k.view({M, s.kv_heads, s.head_dim}), v_heads = v.view({M, s.kv_heads, s.head_dim});
+  const at::Tensor q_blocks = q.view({s.batch, s.tokens, s.heads, s.head_dim});
+  at::Tensor attended_blocks = attended.view({s.batch, s.tokens, s.heads, s.head_dim});
+  // Every index checked before the first layer writes anything (the per-op checks repeat them per layer).
+  constexpr const char* op = "decoder_layers";
+  check_index_vector(op, "positions", positions, M, x);
+  check_index_vector(op, "cache_positions", cache_positions, M, x);
+  check_index_range("positions", positions, cos.size(0), "the rows of cos", op);
+  check_index_range("cache_rows", cache_rows, k_cache.size(1), "k_cache dimension 1", op);
+  check_index_range("cache_positions", cache_positions, k_cache.size(3), "k_cache dimension 3", op);
+  const int64_t* starts = start.data_ptr<int64_t>();
+  for (int64_t b = 0; b < s.batch; ++b)
+    TORCH_CHECK(starts[b] >= 0 && starts[b] + s.tokens <= k_cache.size(3), op, ": start[", b, "] = ", starts[b],
+                " must be in [0, capacity - T] = [0, ", k_cache.size(3) - s.tokens, "]");
+  std::vector<int64_t> rows(s.batch);
+  for (int64_t b = 0; b < s.batch; ++b) rows[b] = cache_rows.data_ptr<int64_t>()[b * s.tokens];
+  const std::string store = "store", add = "add", swiglu = "swiglu";
+  const Isa isa = isa_or_throw();
+  for (int64_t l = 0; l < s.layers; ++l) {
+    const at::Tensor* w = weights.data() + l * kLayerWeights;
+    const int64_t b0 = l * kLayerBiases;
+    at::Tensor k_layer = k_cache.select(0, l), v_layer = v_cache.select(0, l);
+    linear_on(isa, x, w[0], norm_eps[l * kLayerNormEps], {w[1], w[2], w[3]}, bias_slice(biases, b0, 3), store,
+                 bf16_activations, {q, k, v});
+    rope_cache_write(q_heads, k_heads, v_heads, cos, sin, positions, cache_rows, cache_positions, k_layer, v_layer);
+    attend(isa, q_blocks, k_layer, v_layer, start, visible, scale, attended_blocks, rows.data());
+    linear_on(isa, attended, c10::nullopt, 0.0, {w[4]}, bias_slice(biases, b0 + 3, 1), add, bf16_activations, {x});
+    linear_on(isa, x, w[5], norm_eps[l * kLayerNormEps + 1], {w[6], w[7]}, bias_slice(biases, b0 + 4, 2), swiglu,
+                 bf16_activations, {act});
+    linear_on(isa, act, c10::nullopt, 0.0, {w[8]}, bias_slice(biases, b0 + 6, 1), add, bf16_activations, {x});
+  }
 }
 
 std::string cpu_isa() { return isa_name(isa_or_throw()); }
@@ -161,6 +234,7 @@ TORCH_LIBRARY_IMPL(specdec_ext, CPU, m) {
   m.impl("fused_linear", &fused_linear);
   m.impl("rope_cache_write", &rope_cache_write);
   m.impl("cache_attention", &cache_attention);
+  m.impl("decoder_layers", &decoder_layers);
 }
 
 TORCH_LIBRARY_IMPL(specdec_ext, CompositeExplicitAutograd, m) { m.impl("cpu_isa", &cpu_isa); }

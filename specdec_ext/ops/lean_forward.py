@@ -1,5 +1,5 @@
-"""The lean runner's CPU forward ops: fused_linear, rope_cache_write, cache_attention, cpu_isa (typed
-wrappers and fake kernels).
+"""The lean runner's CPU forward ops: fused_linear, rope_cache_write, cache_attention, decoder_layers,
+cpu_isa (typed wrappers and fake kernels).
 
 CPU only. The kernels (csrc/cpu/small_gemm.h, fused_linear.h, rope_cache.h, attention.h) read each
 weight once per call for all the rows of a pass, accumulate in fp32 and give every row the same
@@ -18,7 +18,10 @@ from .. import _C  # noqa: F401  (loads the library: registers torch.ops.specdec
 EPILOGUES = ("store", "add", "swiglu")
 # The ops of this module: registered for CPU only (a CUDA build has no kernel for them, by design;
 # tools/cuda_compile_check.sh requires a CUDA kernel for every other op).
-CPU_ONLY_OPS = ("cache_attention", "cpu_isa", "fused_linear", "rope_cache_write")
+CPU_ONLY_OPS = ("cache_attention", "cpu_isa", "decoder_layers", "fused_linear", "rope_cache_write")
+LAYER_WEIGHTS = ("input_norm", "q", "k", "v", "o", "post_attention_norm", "gate", "up", "down")  # per layer, in order
+LAYER_BIASES = ("q", "k", "v", "o", "gate", "up", "down")
+LAYER_NORM_EPS = ("input_norm", "post_attention_norm")
 
 
 def fused_linear(
@@ -176,13 +179,85 @@ def cache_attention(
     return out
 
 
+def decoder_layers(
+    x: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    norm_eps: Sequence[float],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    cache_rows: torch.Tensor,
+    cache_positions: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    start: torch.Tensor,
+    scale: float,
+    *,
+    biases: Optional[Sequence[Optional[torch.Tensor]]] = None,
+    visible: Optional[torch.Tensor] = None,
+    bf16_activations: bool = False,
+) -> torch.Tensor:
+    """L Llama-family decoder layers in one call: per layer, what ``fused_linear`` (RMSNorm + q, k, v),
+    ``rope_cache_write``, ``cache_attention``, ``fused_linear`` (o + residual), ``fused_linear``
+    (RMSNorm + gate, up, SwiGLU) and ``fused_linear`` (down + residual) give, bit for bit, without a
+    Python call per op.
+
+    Parameters
+    ----------
+    x : torch.Tensor
+        The residual stream of the B blocks of T tokens (M = B * T), fp32 contiguous; updated in place.
+        Shape: [M, d]
+    weights : sequence of torch.Tensor
+        ``LAYER_WEIGHTS`` per layer: input norm, q, k, v, o, post-attention norm, gate, up, down.
+        Shape: [d], [H*D, d], [Hk*D, d], [Hk*D, d], [d, H*D], [d], [I, d], [I, d], [d, I]
+    norm_eps : sequence of float
+        ``LAYER_NORM_EPS`` per layer: the input and post-attention norms' epsilons.
+    cos, sin : torch.Tensor
+        As ``rope_cache_write``.
+        Shape: [P, D/2]
+    positions, cache_positions : torch.Tensor
+        Rotary position and cache slot of each token, int64.
+        Shape: [M]
+    cache_rows : torch.Tensor
+        Cache row of each token, int64; the T tokens of a block share one (batch row b reads cache row
+        cache_rows[b * T]).
+        Shape: [M]
+    k_cache, v_cache : torch.Tensor
+        Every layer's cache (fp32, bf16 or fp16), written in place.
+        Shape: [L, Bc, Hk, capacity, D]
+    start : torch.Tensor
+        First slot of each block, int64, as ``cache_attention``.
+        Shape: [B]
+    scale : float
+        Attention score scale.
+    biases : sequence of (torch.Tensor or None), optional
+        ``LAYER_BIASES`` per layer (q, k, v, o, gate, up, down), or None for a model without biases.
+        Shape: [N_i]
+    visible : torch.Tensor, optional
+        A tree's visibility, as ``cache_attention`` (None: causal).
+        Shape: [B, T, T]
+    bf16_activations : bool
+        As ``fused_linear``.
+
+    Returns
+    -------
+    torch.Tensor
+        ``x``, after the layers.
+        Shape: [M, d]
+    """
+    torch.ops.specdec_ext.decoder_layers(x, list(weights), [] if biases is None else list(biases),
+                                         [float(e) for e in norm_eps], bool(bf16_activations), cos, sin, positions,
+                                         cache_rows, cache_positions, k_cache, v_cache, start, visible, float(scale))
+    return x
+
+
 def cpu_isa() -> str:
     """The instruction-set path the CPU forward kernels take now: ``"avx512bf16"``, ``"avx2"`` or
     ``"portable"`` (``SPECDEC_CPU_ISA`` when set, else the best this CPU runs)."""
     return torch.ops.specdec_ext.cpu_isa()
 
 
-# Fake kernels: the three ops write their outputs in place and return nothing.
+# Fake kernels: the ops write their outputs in place and return nothing.
 @torch.library.register_fake("specdec_ext::fused_linear")
 def _fused_linear_fake(x, norm_weight, norm_eps, weights, biases, epilogue, bf16_activations, outs):
     return None
@@ -195,4 +270,10 @@ def _rope_cache_write_fake(q, k, v, cos, sin, positions, cache_rows, cache_posit
 
 @torch.library.register_fake("specdec_ext::cache_attention")
 def _cache_attention_fake(q, k_cache, v_cache, start, visible, scale, out):
+    return None
+
+
+@torch.library.register_fake("specdec_ext::decoder_layers")
+def _decoder_layers_fake(x, weights, biases, norm_eps, bf16_activations, cos, sin, positions, cache_rows,
+                         cache_positions, k_cache, v_cache, start, visible, scale):
     return None

@@ -4,8 +4,9 @@
 Why: torch's CPU bf16 linear streams a small model's weights at about 8 GB/s, a third of this
 class of machine's memory bandwidth, and a decoder layer costs some 30 torch calls of a few
 microseconds each; here each weight is read once per pass for all its rows near the bandwidth
-(BENCHMARKS.md, issue 18) and a layer is six calls: RMSNorm + q/k/v, rotary + cache write, attention
-over the cache, o_proj + residual, RMSNorm + gate/up + SwiGLU, down_proj + residual.
+(BENCHMARKS.md, issue 18), a layer is six kernels (RMSNorm + q/k/v, rotary + cache write, attention
+over the cache, o_proj + residual, RMSNorm + gate/up + SwiGLU, down_proj + residual) and the whole
+stack one op call (``ops.decoder_layers``), then the final norm + head.
 
 Numerics: the residual stream, the projections' outputs and attention are fp32; the activations that
 enter a projection are rounded to bf16 for a bf16 model computed in its own dtype (as HF's bf16 forward
@@ -63,15 +64,20 @@ class CpuKernelForward:
         self.runner = runner
         # bf16 activations for a bf16 model computed in bf16 (VDPBF16PS where the CPU has it)
         self.bf16 = runner.dtype == torch.bfloat16 and runner.embed.dtype == torch.bfloat16
-        self.layers = [(_f32(w_in), eps_in, [wq, wk, wv], _biases(bq, bk, bv), wo, _biases(bo), _f32(w_post),
-                        eps_post, [wg, wu], _biases(bg, bu), wd, _biases(bd))
-                       for (w_in, eps_in, (wq, bq), (wk, bk), (wv, bv), (wo, bo), w_post, eps_post,
-                            (wg, bg), (wu, bu), (wd, bd)) in runner.layers]
+        # decoder_layers' flat lists (ops.LAYER_WEIGHTS / LAYER_BIASES / LAYER_NORM_EPS per layer)
+        self.weights: List[torch.Tensor] = []
+        biases: List[Optional[torch.Tensor]] = []
+        self.norm_eps: List[float] = []
+        for (w_in, eps_in, (wq, bq), (wk, bk), (wv, bv), (wo, bo), w_post, eps_post, (wg, bg), (wu, bu),
+             (wd, bd)) in runner.layers:
+            self.weights += [_f32(w_in), wq, wk, wv, wo, _f32(w_post), wg, wu, wd]
+            biases += [bq, bk, bv, bo, bg, bu, bd]
+            self.norm_eps += [eps_in, eps_post]
+        self.biases = _biases(*biases)
         self.norm_weight = _f32(runner.norm_weight)
         self.head_bias = _biases(runner.head_bias)
-        self._linear = torch.ops.specdec_ext.fused_linear.default  # bound once: 37 calls per forward
-        self._rope = torch.ops.specdec_ext.rope_cache_write.default
-        self._attention = torch.ops.specdec_ext.cache_attention.default
+        self._layers = torch.ops.specdec_ext.decoder_layers.default  # bound once
+        self._linear = torch.ops.specdec_ext.fused_linear.default
         self.tables(runner.capacity)
 
     def tables(self, capacity: int) -> None:
@@ -90,10 +96,8 @@ class CpuKernelForward:
         r = self.runner
         B, T = ids.shape
         M = B * T
-        H, Hk, D = r.num_heads, r.kv_heads, r.head_dim
         begin = torch.tensor(start, dtype=torch.int64)
-        offsets = torch.arange(T, dtype=torch.int64)
-        slots = (begin[:, None] + offsets).reshape(M)
+        slots = (begin[:, None] + torch.arange(T, dtype=torch.int64)).reshape(M)
         if tree is None:
             positions, visible = slots, None
         else:
@@ -101,25 +105,9 @@ class CpuKernelForward:
             positions = (begin[:, None] + depth.to(torch.int64)).reshape(M)
             visible = ancestors.contiguous()
         cache_row = torch.arange(B, dtype=torch.int64) if cache_rows is None else cache_rows.to("cpu", torch.int64)
-        rows = cache_row.repeat_interleave(T)
         x = F.embedding(ids.reshape(M), r.embed).float()  # [M, d], the residual stream
-        q = torch.empty((M, H * D))
-        k = torch.empty((M, Hk * D))
-        v = torch.empty((M, Hk * D))
-        attended = torch.empty((B, T, H, D))
-        act = torch.empty((M, self.layers[0][8][0].shape[0]))
-        bf16 = self.bf16
-        for l, (w_in, eps_in, wqkv, bqkv, wo, bo, w_post, eps_post, wgu, bgu, wd, bd) in enumerate(self.layers):
-            kc, vc = r.k_cache[l], r.v_cache[l]
-            self._linear(x, w_in, eps_in, wqkv, bqkv, "store", bf16, [q, k, v])
-            self._rope(q.view(M, H, D), k.view(M, Hk, D), v.view(M, Hk, D), self.cos, self.sin, positions, rows,
-                       slots, kc, vc)
-            if cache_rows is not None:  # the attention reads batch row b from cache row b: gather the joining rows
-                kc, vc = kc.index_select(0, cache_row), vc.index_select(0, cache_row)
-            self._attention(q.view(B, T, H, D), kc, vc, begin, visible, r.scale, attended)
-            self._linear(attended.view(M, H * D), None, 0.0, [wo], bo, "add", bf16, [x])
-            self._linear(x, w_post, eps_post, wgu, bgu, "swiglu", bf16, [act])
-            self._linear(act, None, 0.0, [wd], bd, "add", bf16, [x])
+        self._layers(x, self.weights, self.biases, self.norm_eps, self.bf16, self.cos, self.sin, positions,
+                     cache_row.repeat_interleave(T), slots, r.k_cache, r.v_cache, begin, visible, r.scale)
         if keep is not None:
             x = x.view(B, T, -1)[torch.arange(B), keep]  # [B, d]
         head = r.model.lm_head
@@ -128,5 +116,5 @@ class CpuKernelForward:
             return head((h if keep is not None else h.view(B, T, -1)).to(head.weight.dtype)).float()
         else:
             logits = torch.empty((x.shape[0], r.head_weight.shape[0]))
-            self._linear(x, self.norm_weight, r.norm_eps, [r.head_weight], self.head_bias, "store", bf16, [logits])
+            self._linear(x, self.norm_weight, r.norm_eps, [r.head_weight], self.head_bias, "store", self.bf16, [logits])
         return logits if keep is not None else logits.view(B, T, -1)
