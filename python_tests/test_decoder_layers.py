@@ -81,8 +81,8 @@ def _by_ops(s, c, bf16):
 
 def _fused(s, c, bf16):
     x, kc, vc = c["x"].clone(), c["kc"].clone(), c["vc"].clone()
-    ops.decoder_layers(x, s["weights"], s["eps"], c["cos"], c["sin"], c["positions"], c["cache_rows"], c["slots"],
-                       kc, vc, c["start"], s["D"] ** -0.5, biases=s["biases"], visible=c["visible"],
+    ops.decoder_layers(x, s["weights"], s["eps"], kc, vc, c["start"], c["positions"], c["cache_rows"], c["slots"],
+                       c["cos"], c["sin"], s["D"] ** -0.5, biases=s["biases"], visible=c["visible"],
                        bf16_activations=bf16)
     return x, kc, vc
 

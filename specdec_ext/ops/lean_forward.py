@@ -183,14 +183,14 @@ def decoder_layers(
     x: torch.Tensor,
     weights: Sequence[torch.Tensor],
     norm_eps: Sequence[float],
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    positions: torch.Tensor,
-    cache_rows: torch.Tensor,
-    cache_positions: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     start: torch.Tensor,
+    positions: torch.Tensor,
+    cache_rows: torch.Tensor,
+    cache_positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
     scale: float,
     *,
     biases: Optional[Sequence[Optional[torch.Tensor]]] = None,
@@ -212,9 +212,12 @@ def decoder_layers(
         Shape: [d], [H*D, d], [Hk*D, d], [Hk*D, d], [d, H*D], [d], [I, d], [I, d], [d, I]
     norm_eps : sequence of float
         ``LAYER_NORM_EPS`` per layer: the input and post-attention norms' epsilons.
-    cos, sin : torch.Tensor
-        As ``rope_cache_write``.
-        Shape: [P, D/2]
+    k_cache, v_cache : torch.Tensor
+        Every layer's cache (fp32, bf16 or fp16), written in place.
+        Shape: [L, Bc, Hk, capacity, D]
+    start : torch.Tensor
+        First slot of each block, int64, as ``cache_attention``.
+        Shape: [B]
     positions, cache_positions : torch.Tensor
         Rotary position and cache slot of each token, int64.
         Shape: [M]
@@ -222,12 +225,9 @@ def decoder_layers(
         Cache row of each token, int64; the T tokens of a block share one (batch row b reads cache row
         cache_rows[b * T]).
         Shape: [M]
-    k_cache, v_cache : torch.Tensor
-        Every layer's cache (fp32, bf16 or fp16), written in place.
-        Shape: [L, Bc, Hk, capacity, D]
-    start : torch.Tensor
-        First slot of each block, int64, as ``cache_attention``.
-        Shape: [B]
+    cos, sin : torch.Tensor
+        As ``rope_cache_write``.
+        Shape: [P, D/2]
     scale : float
         Attention score scale.
     biases : sequence of (torch.Tensor or None), optional
