@@ -7,11 +7,12 @@ KV heads, a 128-token vocabulary, windows of 8 positions) so each model builds i
 """
 from __future__ import annotations
 
-import copy
 import warnings
 from typing import Dict, List
 
 import torch
+
+from test_generate_utils import noisy_copy  # noqa: F401 (test_architectures.py imports it from here)
 
 VOCAB = 128
 WINDOW = 8  # sliding windows shorter than the test contexts (prompts of 13-20 tokens + 20 new)
@@ -121,17 +122,6 @@ def tiny_model(model_type: str, seed: int = 0, logit_scale: float = 4.0, vocab: 
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = None
     return model
-
-
-def noisy_copy(model, noise: float = 0.2, seed: int = 1):
-    """A draft of the same architecture that agrees with the target often but not always."""
-    torch.manual_seed(seed)
-    draft = copy.deepcopy(model)
-    with torch.no_grad():
-        for p in draft.parameters():
-            if p.dim() > 1:
-                p.add_(noise * p.std() * torch.randn_like(p))
-    return draft.eval()
 
 
 PROMPTS = [[5, 17, 3, 44, 9, 12, 61, 7, 30, 2, 11, 90, 14],

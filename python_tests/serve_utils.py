@@ -40,8 +40,16 @@ def make_app(target, draft, tokenizer, **options):
     return app, engine
 
 
-__all__ = ["MODEL_NAME", "CHAT_TEMPLATE", "ServerThread", "tiny_pair", "make_app", "openai_client", "metrics",
+__all__ = ["MODEL_NAME", "CHAT_TEMPLATE", "ServerThread", "tiny_pair", "make_app", "serve_app", "openai_client", "metrics",
            "wait_until", "slow_target"]
+
+
+def serve_app(pair, **options):
+    """A running server over the pair (a generator for a module fixture: yields it, then stops it)."""
+    app, engine = make_app(*pair, **options)
+    server = ServerThread(app, engine, grace_s=5.0).start()
+    yield server
+    server.stop()
 
 
 def openai_client(server: ServerThread, **kwargs):

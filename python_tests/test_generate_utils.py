@@ -47,7 +47,7 @@ def tiny_model(arch: str = "llama", *, vocab: int = 96, hidden: int = 32, layers
     return model.eval()
 
 
-def noisy_copy(model, noise: float, seed: int = 1):
+def noisy_copy(model, noise: float = 0.2, seed: int = 1):
     """A draft that agrees with the target often but not always: weights + noise * std * N(0, 1)."""
     torch.manual_seed(seed)
     draft = copy.deepcopy(model)

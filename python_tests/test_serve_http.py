@@ -13,7 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from specdec_ext import generate
-from serve_utils import MODEL_NAME, ServerThread, make_app, metrics, openai_client, tiny_pair, wait_until
+from serve_utils import MODEL_NAME, make_app, metrics, openai_client, serve_app, tiny_pair, wait_until
 from test_generate_utils import char_tokenizer
 
 K = 3
@@ -30,10 +30,7 @@ def pair():
 
 @pytest.fixture(scope="module")
 def server(pair):
-    app, engine = make_app(*pair, max_rows=16, k=K, max_seq_len=256)
-    server = ServerThread(app, engine, grace_s=5.0).start()
-    yield server
-    server.stop()
+    yield from serve_app(pair, max_rows=16, k=K, max_seq_len=256)
 
 
 @pytest.fixture(scope="module")

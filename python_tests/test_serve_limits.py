@@ -11,7 +11,8 @@ import openai
 import pytest
 
 from specdec_ext.serve.engine import DRAINING
-from serve_utils import MODEL_NAME, ServerThread, make_app, metrics, openai_client, slow_target, tiny_pair, wait_until
+from serve_utils import (MODEL_NAME, ServerThread, make_app, metrics, openai_client, serve_app, slow_target, tiny_pair,
+                         wait_until)
 
 K = 3
 SLOW_PASS_S = 0.02  # per target forward: a 100-token request takes well over a second
@@ -32,10 +33,7 @@ def pair():
 def server(pair):
     # 2 rows, 1 queue place; a pool of 18 pages of 16 (2 kept for drafts): two 100-token rows fit, a
     # 300-position request fits a 512-position row but not the pool
-    app, engine = make_app(*pair, runner="paged", max_rows=2, max_queue=1, k=K, max_seq_len=512, cache_tokens=288)
-    server = ServerThread(app, engine, grace_s=5.0).start()
-    yield server
-    server.stop()
+    yield from serve_app(pair, runner="paged", max_rows=2, max_queue=1, k=K, max_seq_len=512, cache_tokens=288)
 
 
 @pytest.fixture(scope="module")
