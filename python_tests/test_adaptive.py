@@ -493,6 +493,39 @@ def tiny_pair():
     return target, noisy_copy(target, 0.2)
 
 
+def test_the_model_drafter_after_many_skipped_steps_feeds_committed_tokens_only(tiny_pair):
+    """A frozen long row and an active short one: after 22 skipped steps the feed is 24 columns wide,
+    past the long row's tokens into the buffer's scratch column (-1 here); it used to reach the
+    embedding. The proposals equal those of a drafter prefilled with the committed tokens."""
+    from specdec_ext.decode import prefill
+    from specdec_ext.drafters import ModelDrafter
+    from specdec_ext.metadata import SpecDecodeMetadata
+    from specdec_ext.plan import required_cache_len
+    from specdec_ext.runners import make_runner
+    from specdec_ext.sampling import SamplingParams
+    target_model, draft_model = tiny_pair
+    prompts = [list(range(1, 21)), [9, 8, 7]]
+    S = required_cache_len(20, 8, 6)
+    target = make_runner("lean", target_model, max_batch_size=2, max_seq_len=S)
+    factory = lambda **kw: make_runner("lean", draft_model, **kw)  # noqa: E731
+    skipping = ModelDrafter(draft_model, factory, k=6, vocab_size=64)
+    meta = SpecDecodeMetadata.allocate(batch_size=2, slots=6, max_seq_len=S, sampling=SamplingParams(),
+                                       seeds=torch.zeros(2, dtype=torch.int64))
+    prefill(target, skipping, prompts, meta)
+    meta.token_buffer[:, -1] = -1  # the scratch column: the commit's masked-out writes
+    for step in range(22):  # adaptive k skips the drafter; the target emits one token for row 1 per step
+        skipping.skip(meta)
+        meta.token_buffer[1, meta.seq_lens[1]] = 10 + step % 40
+        meta.seq_lens[1] += 1
+    assert skipping.runner.lengths.tolist()[0] + 2 + 22 > S - 1  # the feed's columns pass the buffer's end
+    proposed = skipping.propose(meta).token_ids.clone()
+    assert skipping.runner.lengths.tolist() == (meta.seq_lens + 5).tolist()
+    fresh = ModelDrafter(draft_model, factory, k=6, vocab_size=64)
+    lengths = meta.seq_lens.tolist()
+    fresh.prefill([meta.token_buffer[b, : lengths[b] - 1].tolist() for b in range(2)], meta)
+    assert torch.equal(fresh.propose(meta).token_ids, proposed)
+
+
 @pytest.mark.parametrize("controller_kind", ["auto", "random"])
 def test_greedy_through_adaptive_k_equals_the_target_greedy(tiny_pair, controller_kind):
     from specdec_ext import generate

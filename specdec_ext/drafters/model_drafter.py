@@ -102,14 +102,15 @@ class ModelDrafter(Drafter):
 
     def _feed_unseen(self, meta: SpecDecodeMetadata) -> torch.Tensor:
         """Feed the committed tokens not yet in the draft cache; logits at the last one [B, V_d]."""
-        S = meta.token_buffer.shape[1]
         seen = self.runner.lengths.to(meta.device)  # [B]
         num_feed = meta.seq_lens - seen  # [B], 1..MAX_DRAFT_FEED (+ skipped steps)
         columns = self._feed_columns
         if self._skipped:  # adaptive k skipped the drafter: each skipped step committed <= 1 token per row
             columns = torch.arange(MAX_DRAFT_FEED + self._skipped, dtype=torch.int64, device=columns.device)
             self._skipped = 0
-        positions = (seen[:, None] + columns).clamp(max=S - 1)  # [B, W]
+        # padding columns repeat the last committed token: past it the buffer holds no token ids (its
+        # scratch column takes the commit's masked-out writes), which a row reaches after enough skips
+        positions = torch.minimum(seen[:, None] + columns, (meta.seq_lens - 1)[:, None])  # [B, W]
         feed = torch.gather(meta.token_buffer, 1, positions)  # [B, W]
         logits = self.runner.forward(feed, num_feed)  # [B, W, V_d]
         self.runner.commit(num_feed)
