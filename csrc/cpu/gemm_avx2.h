@@ -68,7 +68,7 @@ inline void tile_fixed(const GemmActivations& a, int64_t m0, const GemmWeight& w
     __m256 wv[kTileN];
     for (int j = 0; j < kTileN; ++j) wv[j] = load8<kW>(rows[j], k);
     for (int j = 0; j < kTileN; ++j)
-      _mm_prefetch(static_cast<const char*>(rows[j]) + k * bytes + ahead, _MM_HINT_T0);
+      prefetch_weights(static_cast<const char*>(rows[j]) + k * bytes + ahead);
     for (int m = 0; m < MB; ++m) {
       const __m256 av = _mm256_loadu_ps(act[m] + k);
       for (int j = 0; j < kTileN; ++j) acc[m][j] = _mm256_fmadd_ps(av, wv[j], acc[m][j]);

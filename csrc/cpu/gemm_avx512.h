@@ -71,7 +71,7 @@ inline void tile_f32(const GemmActivations& a, int64_t m0, const GemmWeight& w, 
     __m512 wv[kTileN];
     for (int j = 0; j < kTileN; ++j) wv[j] = load16<kW>(rows[j], k, mask);
     for (int j = 0; j < kTileN; ++j)
-      _mm_prefetch(static_cast<const char*>(rows[j]) + k * (kW == DType::kF32 ? 4 : 2) + ahead, _MM_HINT_T0);
+      prefetch_weights(static_cast<const char*>(rows[j]) + k * (kW == DType::kF32 ? 4 : 2) + ahead);
     for (int m = 0; m < MB; ++m) {
       const __m512 av = _mm512_maskz_loadu_ps(mask, act[m] + k);
       for (int j = 0; j < kTileN; ++j) acc[m][j] = _mm512_fmadd_ps(av, wv[j], acc[m][j]);
@@ -96,7 +96,7 @@ inline void tile_bf16(const GemmActivations& a, int64_t m0, const GemmWeight& w,
   for (; k + 32 <= K; k += 32) {
     __m512bh wv[kTileN];
     for (int j = 0; j < kTileN; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(rows[j] + k);
-    for (int j = 0; j < kTileN; ++j) _mm_prefetch(reinterpret_cast<const char*>(rows[j] + k + ahead), _MM_HINT_T0);
+    for (int j = 0; j < kTileN; ++j) prefetch_weights(rows[j] + k + ahead);
     for (int m = 0; m < MB; ++m) {
       const __m512bh av = (__m512bh)_mm512_loadu_si512(act[m] + k);
       for (int j = 0; j < kTileN; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], av, wv[j]);
