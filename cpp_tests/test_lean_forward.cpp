@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cpu/attention.h"
@@ -307,17 +308,52 @@ TEST(LeanForwardKernels, ForcingAnUnknownPathThrows) {
   EXPECT_EQ(selected_isa(), best_isa());
 }
 
-TEST(LeanForwardOps, FusedLinearThroughTheDispatcher) {
+// The ops through the dispatcher, as a torch user calls them (typed once).
+using Biases = c10::List<std::optional<at::Tensor>>;
+
+auto& fused_linear_op() {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("specdec_ext::fused_linear", "")
                        .typed<void(const at::Tensor&, const std::optional<at::Tensor>&, double, at::TensorList,
-                                   const c10::List<std::optional<at::Tensor>>&, const std::string&, bool,
-                                   at::TensorList)>();
+                                   const Biases&, const std::string&, bool, at::TensorList)>();
+  return op;
+}
+
+auto& decoder_layers_op() {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("specdec_ext::decoder_layers", "")
+                       .typed<void(at::Tensor&, at::TensorList, const Biases&, at::ArrayRef<double>, bool,
+                                   const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                   const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&,
+                                   const std::optional<at::Tensor>&, double)>();
+  return op;
+}
+
+// decoder_layers' weights for L layers: fp32 norms near 1, bf16 projections.
+std::vector<at::Tensor> layer_weights(int64_t L, int64_t d, int64_t H, int64_t Hk, int64_t D, int64_t I) {
+  std::vector<at::Tensor> weights;
+  for (int64_t l = 0; l < L; ++l)
+    for (auto shape : std::vector<std::vector<int64_t>>{{d}, {H * D, d}, {Hk * D, d}, {Hk * D, d}, {d, H * D}, {d},
+                                                        {I, d}, {I, d}, {d, I}})
+      weights.push_back(shape.size() == 1 ? torch::ones(shape) + 0.1 * torch::randn(shape)
+                                          : (0.2 * torch::randn(shape)).to(torch::kBFloat16));
+  return weights;
+}
+
+// Rotary tables [capacity, D/2] (cos, sin).
+std::pair<at::Tensor, at::Tensor> rope_tables(int64_t capacity, int64_t D) {
+  const at::Tensor freqs = torch::arange(capacity, torch::kFloat).unsqueeze(1) *
+                           torch::pow(10000.0, -torch::arange(0, D, 2, torch::kFloat) / D).unsqueeze(0);
+  return {freqs.cos().contiguous(), freqs.sin().contiguous()};
+}
+
+TEST(LeanForwardOps, FusedLinearThroughTheDispatcher) {
+  auto& op = fused_linear_op();
   torch::manual_seed(0);
   const at::Tensor x = torch::randn({3, 40});
   const at::Tensor w = torch::randn({10, 40}).to(torch::kBFloat16);
   at::Tensor out = torch::empty({3, 10});
-  c10::List<std::optional<at::Tensor>> biases;
+  Biases biases;
   const std::string store = "store";
   op.call(x, std::nullopt, 0.0, {w}, biases, store, true, {out});
   const at::Tensor expected = torch::matmul(x.to(torch::kBFloat16).to(torch::kFloat), w.to(torch::kFloat).t());
@@ -326,17 +362,8 @@ TEST(LeanForwardOps, FusedLinearThroughTheDispatcher) {
 }
 
 TEST(LeanForwardOps, DecoderLayersThroughTheDispatcherIsThePerOpComposition) {
-  static auto layers = c10::Dispatcher::singleton()
-                           .findSchemaOrThrow("specdec_ext::decoder_layers", "")
-                           .typed<void(at::Tensor&, at::TensorList, const c10::List<std::optional<at::Tensor>>&,
-                                       at::ArrayRef<double>, bool, const at::Tensor&, const at::Tensor&,
-                                       const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&,
-                                       at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, double)>();
-  static auto linear = c10::Dispatcher::singleton()
-                           .findSchemaOrThrow("specdec_ext::fused_linear", "")
-                           .typed<void(const at::Tensor&, const std::optional<at::Tensor>&, double, at::TensorList,
-                                       const c10::List<std::optional<at::Tensor>>&, const std::string&, bool,
-                                       at::TensorList)>();
+  auto& layers = decoder_layers_op();
+  auto& linear = fused_linear_op();
   static auto rope = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("specdec_ext::rope_cache_write", "")
                          .typed<void(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -348,22 +375,15 @@ TEST(LeanForwardOps, DecoderLayersThroughTheDispatcherIsThePerOpComposition) {
                                           const std::optional<at::Tensor>&, double, at::Tensor&)>();
   torch::manual_seed(1);
   const int64_t L = 2, d = 24, H = 4, Hk = 2, D = 6, I = 40, B = 2, T = 3, M = B * T, Bc = 3, capacity = 16;
-  std::vector<at::Tensor> weights;
-  for (int64_t l = 0; l < L; ++l)
-    for (auto shape : std::vector<std::vector<int64_t>>{{d}, {H * D, d}, {Hk * D, d}, {Hk * D, d}, {d, H * D}, {d},
-                                                        {I, d}, {I, d}, {d, I}})
-      weights.push_back(shape.size() == 1 ? torch::ones(shape) + 0.1 * torch::randn(shape)
-                                          : (0.2 * torch::randn(shape)).to(torch::kBFloat16));
+  const std::vector<at::Tensor> weights = layer_weights(L, d, H, Hk, D, I);
   const std::vector<double> eps(2 * L, 1e-6);
   const at::Tensor x0 = torch::randn({M, d});
   const at::Tensor positions = torch::tensor({4, 5, 6, 0, 1, 2}, torch::kLong);
   const at::Tensor rows = torch::tensor({2, 2, 2, 0, 0, 0}, torch::kLong);
   const at::Tensor start = torch::tensor({4, 0}, torch::kLong);
-  const at::Tensor freqs = torch::arange(capacity, torch::kFloat).unsqueeze(1) *
-                           torch::pow(10000.0, -torch::arange(0, D, 2, torch::kFloat) / D).unsqueeze(0);
-  const at::Tensor cos = freqs.cos().contiguous(), sin = freqs.sin().contiguous();
+  const auto [cos, sin] = rope_tables(capacity, D);
   const at::Tensor kc0 = torch::randn({L, Bc, Hk, capacity, D}).to(torch::kBFloat16), vc0 = torch::randn_like(kc0);
-  c10::List<std::optional<at::Tensor>> none;
+  Biases none;
 
   at::Tensor x = x0.clone(), kc = kc0.clone(), vc = vc0.clone();
   layers.call(x, weights, none, eps, true, cos, sin, positions, rows, positions, kc, vc, start, std::nullopt, 0.4);
@@ -390,6 +410,58 @@ TEST(LeanForwardOps, DecoderLayersThroughTheDispatcherIsThePerOpComposition) {
   EXPECT_THROW(layers.call(x, weights, none, short_eps, true, cos, sin, positions, rows, positions, kc, vc, start,
                            std::nullopt, 0.4),
                c10::Error);
+}
+
+TEST(LeanForwardOps, GreedyChainThroughTheDispatcherIsTheStepLoop) {
+  static auto chain = c10::Dispatcher::singleton()
+                          .findSchemaOrThrow("specdec_ext::greedy_chain", "")
+                          .typed<void(at::Tensor&, int64_t, const at::Tensor&, at::TensorList,
+                                      const Biases&, at::ArrayRef<double>, bool,
+                                      const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&,
+                                      at::Tensor&, const at::Tensor&, double, const at::Tensor&, double,
+                                      const at::Tensor&, const std::optional<at::Tensor>&, int64_t)>();
+  auto& layers = decoder_layers_op();
+  auto& linear = fused_linear_op();
+  torch::manual_seed(2);
+  const int64_t L = 2, d = 24, H = 4, Hk = 2, D = 6, I = 40, V = 50, B = 2, n = 5, steps = 4, capacity = 16;
+  const std::vector<at::Tensor> weights = layer_weights(L, d, H, Hk, D, I);
+  const std::vector<double> eps(2 * L, 1e-6);
+  const at::Tensor embed = torch::randn({V, d}).to(torch::kBFloat16), head = torch::randn({V, d}).to(torch::kBFloat16);
+  const at::Tensor norm = torch::ones({d}) + 0.1 * torch::randn({d}), head_bias = torch::randn({V});
+  const auto [cos, sin] = rope_tables(capacity, D);
+  const at::Tensor kc0 = torch::randn({L, B, Hk, capacity, D}).to(torch::kBFloat16), vc0 = torch::randn_like(kc0);
+  const at::Tensor rows = torch::tensor({1, 0}, torch::kLong), start = torch::tensor({7, 2}, torch::kLong);
+  const int64_t limit = V - 9;
+  Biases none;
+
+  at::Tensor tokens = torch::zeros({B, n}, torch::kLong), kc = kc0.clone(), vc = vc0.clone();
+  tokens.select(1, 0).copy_(torch::tensor({4, 31}, torch::kLong));
+  chain.call(tokens, steps, embed, weights, none, eps, true, cos, sin, rows, kc, vc, start, 0.4, norm, 1e-6, head,
+             head_bias, limit);
+
+  at::Tensor expected = torch::zeros({B, n}, torch::kLong), kc2 = kc0.clone(), vc2 = vc0.clone();
+  expected.select(1, 0).copy_(tokens.select(1, 0));
+  at::Tensor logits = torch::empty({B, V});
+  for (int64_t i = 1; i < steps; ++i) {
+    at::Tensor x = embed.index_select(0, expected.select(1, i - 1)).to(torch::kFloat).contiguous();
+    const at::Tensor slots = start + (i - 1);
+    layers.call(x, weights, none, eps, true, cos, sin, slots, rows, slots, kc2, vc2, slots, std::nullopt, 0.4);
+    linear.call(x, norm, 1e-6, {head}, Biases({head_bias}), "store", true, {logits});
+    expected.select(1, i).copy_(logits.slice(1, 0, limit).argmax(1));
+  }
+  EXPECT_TRUE(torch::equal(tokens, expected));
+  EXPECT_TRUE(torch::equal(kc, kc2));
+  EXPECT_TRUE(torch::equal(vc, vc2));
+  EXPECT_THROW(chain.call(tokens, n + 1, embed, weights, none, eps, true, cos, sin, rows, kc, vc, start, 0.4, norm,
+                          1e-6, head, head_bias, limit),
+               c10::Error);
+  // three slots from capacity - 2: refused before the first step writes its slot
+  const at::Tensor late = torch::tensor({capacity - 2, int64_t{0}}, torch::kLong);
+  const at::Tensor kc_before = kc.clone();
+  EXPECT_THROW(chain.call(tokens, steps, embed, weights, none, eps, true, cos, sin, rows, kc, vc, late, 0.4, norm,
+                          1e-6, head, head_bias, limit),
+               c10::Error);
+  EXPECT_TRUE(torch::equal(kc, kc_before));
 }
 
 }  // namespace

@@ -37,6 +37,17 @@
 //   cos, sin, positions, cache_positions as rope_cache_write; cache_rows [M]: one row per block of T
 //   k_cache, v_cache [L, Bc, Hk, capacity, D]; start, visible, scale as cache_attention (batch row b
 //                reads cache row cache_rows[b * T])
+//
+// greedy_chain: a greedy draft of `steps` tokens per row in one call, each step the one-token pass
+// (embedding, decoder_layers, final RMSNorm + head) and its argmax, as separate calls give it, bit for bit:
+//   tokens       [B, n] int64 contiguous, steps <= n: tokens[:, 0] given; for i = 1 .. steps - 1, token
+//                tokens[:, i - 1] is fed at slot start[b] + i - 1 (its rotary position too) and
+//                tokens[:, i] = argmax of its logits[:vocab_limit] (the lowest index on ties, a NaN first)
+//   embed        [V_in, d] fp32/bf16/fp16 contiguous: the input embedding (tokens < V_in)
+//   weights, biases, norm_eps, bf16_activations, cos, sin, k_cache, v_cache, scale as decoder_layers
+//   cache_rows, start [B] int64: each row's cache row and first slot (start[b] + steps - 1 <= capacity)
+//   norm_weight  [d]; final_norm_eps; head_weight [V_out, d], head_bias [V_out] or None: the logits
+//   vocab_limit  1 .. V_out: the logits the argmax reads (a target's smaller vocabulary)
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <ATen/core/List.h>
@@ -260,6 +271,51 @@ inline DecoderLayersShape check_decoder_layers(const at::Tensor& x, const at::Te
                 "first token (cache_rows[", (m / T) * T, "] = ", rows[(m / T) * T], "): a block of T = ", T,
                 " tokens belongs to one cache row");
   return {L, B, T, H, Hk, D, weights[6].size(0)};
+}
+
+// The shapes greedy_chain takes beyond decoder_layers' (which checks the layers at every step).
+inline void check_greedy_chain(const at::Tensor& tokens, int64_t steps, const at::Tensor& embed,
+                               const at::Tensor& cache_rows, const at::Tensor& start, const at::Tensor& k_cache,
+                               const at::Tensor& norm_weight,
+                               const at::Tensor& head_weight, const c10::optional<at::Tensor>& head_bias,
+                               int64_t vocab_limit) {
+  constexpr const char* op = "greedy_chain";
+  check_rank(op, "tokens", tokens, 2, "[B, n]");
+  check_dtype(op, "tokens", tokens, {at::kLong});
+  check_contiguous(op, "tokens", tokens);
+  const int64_t B = tokens.size(0), n = tokens.size(1);
+  TORCH_CHECK(B > 0 && n > 0, op, ": tokens must hold at least one row and one column, got ", shape_str(tokens.sizes()));
+  TORCH_CHECK(steps >= 1 && steps <= n, op, ": steps must be in [1, n] = [1, ", n, "], got ", steps);
+  check_rank(op, "embed", embed, 2, "[V_in, d]");
+  check_dtype(op, "embed", embed, {at::kFloat, at::kBFloat16, at::kHalf});
+  check_contiguous(op, "embed", embed);
+  check_same_device(op, "embed", embed, tokens, "tokens");
+  const int64_t d = embed.size(1);
+  for (const char* name : {"cache_rows", "start"}) {
+    const at::Tensor& t = name[0] == 'c' ? cache_rows : start;
+    check_rank(op, name, t, 1, "[B]");
+    check_size(op, name, t, 0, B, "B (tokens dimension 0)");
+    check_dtype(op, name, t, {at::kLong});
+    check_contiguous(op, name, t);
+  }
+  check_float_vector(op, "norm_weight", norm_weight, d, embed, "d (embed dimension 1)");
+  check_rank(op, "head_weight", head_weight, 2, "[V_out, d]");
+  check_size(op, "head_weight", head_weight, 1, d, "d (embed dimension 1)");
+  const int64_t V = head_weight.size(0);
+  if (head_bias.has_value()) check_float_vector(op, "head_bias", *head_bias, V, embed, "V_out (head_weight dimension 0)");
+  TORCH_CHECK(vocab_limit >= 1 && vocab_limit <= V, op, ": vocab_limit must be in [1, V_out] = [1, ", V, "], got ",
+              vocab_limit);
+  // Every slot of the chain checked up front: decoder_layers checks each step's, after earlier steps wrote.
+  check_rank(op, "k_cache", k_cache, 5, "[L, Bc, Hk, capacity, D]");
+  const int64_t* first = start.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(first[b] >= 0 && first[b] + steps - 1 <= k_cache.size(3), op, ": start[", b, "] = ", first[b],
+                " must be in [0, capacity - (steps - 1)] = [0, ", k_cache.size(3) - steps + 1, "] (the chain feeds ",
+                steps - 1, " tokens from slot start)");
+  const int64_t* given = tokens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(given[b * n] >= 0 && given[b * n] < embed.size(0), op, ": tokens[", b, ", 0] = ", given[b * n],
+                " is outside the embedding's [0, ", embed.size(0), ")");
 }
 
 }  // namespace specdec

@@ -24,7 +24,7 @@ TORCH_LIBRARY(specdec_ext, m) {
   m.def("kv_compact(Tensor(a!) kv_cache, Tensor block_tables, Tensor src_positions, Tensor dst_start) -> ()");
   // The lean runner's CPU forward (csrc/lean_forward.h): projections with a fused RMSNorm / residual /
   // SwiGLU epilogue, rotary embedding + cache write, attention of a short query block over the cache,
-  // and whole decoder layers composed of them in one call.
+  // whole decoder layers composed of them in one call, and a greedy draft chain of such passes.
   m.def("fused_linear(Tensor x, Tensor? norm_weight, float norm_eps, Tensor[] weights, Tensor?[] biases, "
         "str epilogue, bool bf16_activations, Tensor(a!)[] outs) -> ()");
   m.def("rope_cache_write(Tensor(a!) q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor positions, "
@@ -34,6 +34,10 @@ TORCH_LIBRARY(specdec_ext, m) {
   m.def("decoder_layers(Tensor(a!) x, Tensor[] weights, Tensor?[] biases, float[] norm_eps, bool bf16_activations, "
         "Tensor cos, Tensor sin, Tensor positions, Tensor cache_rows, Tensor cache_positions, Tensor(b!) k_cache, "
         "Tensor(c!) v_cache, Tensor start, Tensor? visible, float scale) -> ()");
+  m.def("greedy_chain(Tensor(a!) tokens, int steps, Tensor embed, Tensor[] weights, Tensor?[] biases, "
+        "float[] norm_eps, bool bf16_activations, Tensor cos, Tensor sin, Tensor cache_rows, Tensor(b!) k_cache, "
+        "Tensor(c!) v_cache, Tensor start, float scale, Tensor norm_weight, float final_norm_eps, "
+        "Tensor head_weight, Tensor? head_bias, int vocab_limit) -> ()");
   // The instruction-set path the CPU forward kernels take now (SPECDEC_CPU_ISA or the best available).
   m.def("cpu_isa() -> str");
 }

@@ -393,7 +393,14 @@ def test_the_model_drafter_probe_times_draft_steps_and_leaves_the_cache_as_it_wa
         clock.t += V1
         return forward(*args, **kwargs)
 
+    chain = drafter.runner.greedy_chain
+
+    def timed_chain(tokens, steps, **kwargs):  # ... and so does each token of a greedy chain past the first
+        clock.t += (steps - 1) * V1
+        return chain(tokens, steps, **kwargs)
+
     drafter.runner.forward = timed_forward
+    drafter.runner.greedy_chain = timed_chain
     verify_times, times = probe_costs(target, drafter, meta, ProbeRequest((), (1, 3, 6)), clock, 3)
     assert verify_times == {}
     assert times == pytest.approx({1: V1, 3: 3 * V1, 6: 6 * V1})  # the feed pass, then one per token

@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -42,11 +43,16 @@ DType dtype_of(const at::Tensor& t) {
 
 // Runs fn(begin, end) over [0, total) in chunks that the threads take in turn: a core slowed by a
 // neighbour (this code shares its machines) then costs its share, not the whole pass.
+// A call whose work (the bytes it reads times the rows that use them) is under kParallelMinWork runs
+// on the calling thread: waking the others costs more than they would save (a draft model's
+// one-token projections and attention at a few hundred positions).
+constexpr int64_t kParallelMinWork = 256 << 10;
+
 template <typename Fn>
-void parallel_chunks(int64_t total, int64_t chunk, const Fn& fn) {
+void parallel_chunks(int64_t total, int64_t chunk, int64_t work, const Fn& fn) {
   if (total <= 0) return;
   const int64_t chunks = (total + chunk - 1) / chunk;
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), chunks);
+  const int64_t threads = work < kParallelMinWork ? 1 : std::min<int64_t>(at::get_num_threads(), chunks);
   if (threads <= 1) return fn(0, total);
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
@@ -97,7 +103,9 @@ void linear_on(Isa isa, const at::Tensor& x, const c10::optional<at::Tensor>& no
   }
   const int64_t total = fused_linear_num_tiles(mode, ws, count);
   // 16 tiles = 64 weight rows per chunk: long enough streams for the prefetchers, short enough to balance.
-  parallel_chunks(total, 16, [&](int64_t begin, int64_t end) {
+  int64_t bytes = 0;
+  for (int i = 0; i < count; ++i) bytes += ws[i].rows * ws[i].cols * (ws[i].type == DType::kF32 ? 4 : 2);
+  parallel_chunks(total, 16, bytes * M, [&](int64_t begin, int64_t end) {
     fused_linear_range(isa, a, M, mode, ws, os, count, begin, end);
   });
 }
@@ -156,7 +164,8 @@ void attend(Isa isa, const at::Tensor& q, const at::Tensor& k_cache, const at::T
                            starts, visible ? reinterpret_cast<const uint8_t*>(visible->data_ptr<bool>()) : nullptr,
                            B, T, H, k_cache.size(1), q.size(3), capacity, static_cast<float>(scale),
                            out.data_ptr<float>(), rows};
-  parallel_chunks(attention_num_tasks(p), 1, [&](int64_t begin, int64_t end) {
+  const int64_t cache_bytes = 2 * B * k_cache.size(1) * (longest + T) * q.size(3) * k_cache.element_size();
+  parallel_chunks(attention_num_tasks(p), 1, cache_bytes * T, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> scratch;
     thread_local std::vector<int64_t> keys;
     scratch.resize(attention_scratch_floats(longest, T));
@@ -226,6 +235,51 @@ void decoder_layers(at::Tensor& x, at::TensorList weights, const c10::List<c10::
   }
 }
 
+// The lowest index of the row's largest value, a NaN before anything (torch.argmax's answers).
+int64_t argmax_row(const float* row, int64_t n) {
+  int64_t best = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (std::isnan(row[i])) return i;
+    if (row[i] > row[best]) best = i;
+  }
+  return best;
+}
+
+// A greedy draft in one call: the Python of a draft step (forward, argmax, commit: some 20 torch calls)
+// cost more than the draft model's kernels, which this runs back to back, the same calls as the steps.
+void greedy_chain(at::Tensor& tokens, int64_t steps, const at::Tensor& embed, at::TensorList weights,
+                  const c10::List<c10::optional<at::Tensor>>& biases, at::ArrayRef<double> norm_eps,
+                  bool bf16_activations, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& cache_rows,
+                  at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& start, double scale,
+                  const at::Tensor& norm_weight, double final_norm_eps, const at::Tensor& head_weight,
+                  const c10::optional<at::Tensor>& head_bias, int64_t vocab_limit) {
+  check_greedy_chain(tokens, steps, embed, cache_rows, start, k_cache, norm_weight, head_weight, head_bias, vocab_limit);
+  const int64_t B = tokens.size(0), n = tokens.size(1), d = embed.size(1), V = head_weight.size(0);
+  const auto f32 = embed.options().dtype(at::kFloat);
+  at::Tensor x = at::empty({B, d}, f32), logits = at::empty({B, V}, f32);
+  at::Tensor slots = at::empty({B}, start.options());
+  int64_t* token = tokens.data_ptr<int64_t>();
+  int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t* first = start.data_ptr<int64_t>();
+  const DType embed_type = dtype_of(embed);
+  const Isa isa = isa_or_throw();
+  c10::List<c10::optional<at::Tensor>> head_biases;
+  if (head_bias.has_value()) head_biases.push_back(head_bias);
+  for (int64_t i = 1; i < steps; ++i) {
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t fed = token[b * n + i - 1];
+      float* row = x.data_ptr<float>() + b * d;
+      for (int64_t k = 0; k < d; ++k) row[k] = load_as_float(embed_type, embed.data_ptr(), fed * d + k);
+      slot[b] = first[b] + i - 1;
+    }
+    // A chain token sits at its slot's rotary position; decoder_layers checks the slots and rows.
+    decoder_layers(x, weights, biases, norm_eps, bf16_activations, cos, sin, slots, cache_rows, slots, k_cache,
+                   v_cache, slots, c10::nullopt, scale);
+    linear_on(isa, x, norm_weight, final_norm_eps, {head_weight}, head_biases, "store", bf16_activations, {logits});
+    for (int64_t b = 0; b < B; ++b) token[b * n + i] = argmax_row(logits.data_ptr<float>() + b * V, vocab_limit);
+  }
+}
+
 std::string cpu_isa() { return isa_name(isa_or_throw()); }
 
 }  // namespace
@@ -235,6 +289,7 @@ TORCH_LIBRARY_IMPL(specdec_ext, CPU, m) {
   m.impl("rope_cache_write", &rope_cache_write);
   m.impl("cache_attention", &cache_attention);
   m.impl("decoder_layers", &decoder_layers);
+  m.impl("greedy_chain", &greedy_chain);
 }
 
 TORCH_LIBRARY_IMPL(specdec_ext, CompositeExplicitAutograd, m) { m.impl("cpu_isa", &cpu_isa); }

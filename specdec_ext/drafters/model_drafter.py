@@ -134,6 +134,12 @@ class ModelDrafter(Drafter):
             num_draft.copy_(torch.tensor([min(k, b) for b in budget], dtype=torch.int32))
         drafting = torch.ones_like(meta.active) if self.confidence_threshold > 0 else None  # [B] bool
         self._fed_drafts, self._skipped_step = 0, False
+        if greedy and drafting is None and steps > 1 and getattr(self.runner, "chains_greedy", False):
+            # the lean CPU runner drafts the whole chain in one op call, bit for bit the loop below
+            token_ids[:, 0].copy_(logits.argmax(-1))
+            self.runner.greedy_chain(token_ids, steps, vocab_limit=min(self.runner.vocab_size, self.vocab_size))
+            self._fed_drafts = steps - 1
+            return Proposal(token_ids, probs, num_draft, longest=None if budget is None else steps)
         for i in range(steps):
             if greedy:
                 token = logits.argmax(-1)  # [B]

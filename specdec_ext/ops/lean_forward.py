@@ -1,5 +1,5 @@
 """The lean runner's CPU forward ops: fused_linear, rope_cache_write, cache_attention, decoder_layers,
-cpu_isa (typed wrappers and fake kernels).
+greedy_chain, cpu_isa (typed wrappers and fake kernels).
 
 CPU only. The kernels (csrc/cpu/small_gemm.h, fused_linear.h, rope_cache.h, attention.h) read each
 weight once per call for all the rows of a pass, accumulate in fp32 and give every row the same
@@ -18,7 +18,7 @@ from .. import _C  # noqa: F401  (loads the library: registers torch.ops.specdec
 EPILOGUES = ("store", "add", "swiglu")
 # The ops of this module: registered for CPU only (a CUDA build has no kernel for them, by design;
 # tools/cuda_compile_check.sh requires a CUDA kernel for every other op).
-CPU_ONLY_OPS = ("cache_attention", "cpu_isa", "decoder_layers", "fused_linear", "rope_cache_write")
+CPU_ONLY_OPS = ("cache_attention", "cpu_isa", "decoder_layers", "fused_linear", "greedy_chain", "rope_cache_write")
 LAYER_WEIGHTS = ("input_norm", "q", "k", "v", "o", "post_attention_norm", "gate", "up", "down")  # per layer, in order
 LAYER_BIASES = ("q", "k", "v", "o", "gate", "up", "down")
 LAYER_NORM_EPS = ("input_norm", "post_attention_norm")
@@ -251,6 +251,79 @@ def decoder_layers(
     return x
 
 
+def greedy_chain(
+    tokens: torch.Tensor,
+    steps: int,
+    embed: torch.Tensor,
+    weights: Sequence[torch.Tensor],
+    norm_eps: Sequence[float],
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    start: torch.Tensor,
+    cache_rows: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    scale: float,
+    norm_weight: torch.Tensor,
+    final_norm_eps: float,
+    head_weight: torch.Tensor,
+    *,
+    head_bias: Optional[torch.Tensor] = None,
+    vocab_limit: Optional[int] = None,
+    biases: Optional[Sequence[Optional[torch.Tensor]]] = None,
+    bf16_activations: bool = False,
+) -> torch.Tensor:
+    """A greedy draft chain in one call: for i = 1 .. steps - 1, the one-token pass of tokens[:, i - 1]
+    (embedding, ``decoder_layers``, final RMSNorm + head by ``fused_linear``) at slot start[b] + i - 1,
+    and tokens[:, i] = its logits' argmax, bit for bit what those calls and ``torch.argmax`` give one
+    step at a time. The fed tokens' keys and values are in the caches afterwards.
+
+    Parameters
+    ----------
+    tokens : torch.Tensor
+        int64, contiguous; column 0 given (each row's first draft token), columns 1 .. steps - 1 written.
+        Shape: [B, n]
+    steps : int
+        Tokens per row in the chain, 1 <= steps <= n (steps - 1 passes).
+    embed : torch.Tensor
+        The input embedding (fp32, bf16 or fp16).
+        Shape: [V_in, d]
+    weights, norm_eps, biases, bf16_activations, cos, sin, scale, k_cache, v_cache
+        As ``decoder_layers``.
+        Shape: as ``decoder_layers``
+    start : torch.Tensor
+        int64: each row's first free slot (its committed length); start[b] + steps - 1 <= capacity.
+        Shape: [B]
+    cache_rows : torch.Tensor
+        int64: each row's cache row.
+        Shape: [B]
+    norm_weight : torch.Tensor
+        The final RMSNorm's weight.
+        Shape: [d]
+    final_norm_eps : float
+        Its epsilon.
+    head_weight : torch.Tensor
+        The LM head.
+        Shape: [V_out, d]
+    head_bias : torch.Tensor, optional
+        Shape: [V_out]
+    vocab_limit : int, optional
+        The argmax reads logits [:vocab_limit] (default V_out): the target's vocabulary when it is smaller.
+
+    Returns
+    -------
+    torch.Tensor
+        ``tokens``.
+        Shape: [B, n]
+    """
+    limit = head_weight.shape[0] if vocab_limit is None else int(vocab_limit)
+    torch.ops.specdec_ext.greedy_chain(tokens, int(steps), embed, list(weights), [] if biases is None else list(biases),
+                                       [float(e) for e in norm_eps], bool(bf16_activations), cos, sin, cache_rows,
+                                       k_cache, v_cache, start, float(scale), norm_weight, float(final_norm_eps),
+                                       head_weight, head_bias, limit)
+    return tokens
+
+
 def cpu_isa() -> str:
     """The instruction-set path the CPU forward kernels take now: ``"avx512bf16"``, ``"avx2"`` or
     ``"portable"`` (``SPECDEC_CPU_ISA`` when set, else the best this CPU runs)."""
@@ -276,4 +349,11 @@ def _cache_attention_fake(q, k_cache, v_cache, start, visible, scale, out):
 @torch.library.register_fake("specdec_ext::decoder_layers")
 def _decoder_layers_fake(x, weights, biases, norm_eps, bf16_activations, cos, sin, positions, cache_rows,
                          cache_positions, k_cache, v_cache, start, visible, scale):
+    return None
+
+
+@torch.library.register_fake("specdec_ext::greedy_chain")
+def _greedy_chain_fake(tokens, steps, embed, weights, biases, norm_eps, bf16_activations, cos, sin, cache_rows,
+                       k_cache, v_cache, start, scale, norm_weight, final_norm_eps, head_weight, head_bias,
+                       vocab_limit):
     return None

@@ -371,6 +371,33 @@ class LeanLlamaRunner:
         self._tree = tree is not None
         return logits
 
+    @property
+    def chains_greedy(self) -> bool:
+        """Whether ``greedy_chain`` runs here (the CPU kernels, and nothing hooked on the head)."""
+        return self._kernels is not None and not self._kernels.head_hooked()
+
+    def greedy_chain(self, tokens: torch.Tensor, steps: int, vocab_limit: Optional[int] = None) -> None:
+        """A greedy draft in one op call (ops.greedy_chain): tokens [B, n] int64 with tokens[:, 0] given;
+        for i = 1 .. steps - 1, feeds tokens[:, i - 1] and writes tokens[:, i] = the argmax of its logits
+        [:vocab_limit], committing what it feeds (lengths[b] += steps - 1): bit for bit what ``forward``
+        of one token, ``argmax`` and ``commit`` give one step at a time. Only where ``chains_greedy``."""
+        if not self.chains_greedy:
+            raise ValueError("greedy_chain: needs the CPU kernels and a head without hooks (see chains_greedy)")
+        if self._batch == 0:
+            raise ValueError("greedy_chain: call start() first")
+        if tokens.dim() != 2 or tokens.shape[0] != self._batch:
+            raise ValueError(f"greedy_chain: tokens must be [B, n] with B = {self._batch}, got {list(tokens.shape)}")
+        fed = steps - 1
+        for b, length in enumerate(self._len):
+            if length + fed > self.max_seq_len:
+                raise ValueError(f"row {b} would hold {length + fed} tokens, more than max_seq_len={self.max_seq_len}")
+        limit = self.vocab_size if vocab_limit is None else vocab_limit
+        with torch.no_grad():
+            self._kernels.greedy_chain(tokens, steps, self._len, limit)
+        self._len = [length + max(fed, 0) for length in self._len]
+        self._tentative = [0] * self._batch
+        self._tree = False
+
     def commit(self, num_kept: torch.Tensor) -> None:
         """Row b keeps its first num_kept[b] tentative tokens (lengths[b] += num_kept[b])."""
         kept = check_row_counts("commit", "num_kept", num_kept, self._tentative, self._batch)

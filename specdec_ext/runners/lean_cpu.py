@@ -6,7 +6,8 @@ class of machine's memory bandwidth, and a decoder layer costs some 30 torch cal
 microseconds each; here each weight is read once per pass for all its rows near the bandwidth
 (BENCHMARKS.md, issue 18), a layer is six kernels (RMSNorm + q/k/v, rotary + cache write, attention
 over the cache, o_proj + residual, RMSNorm + gate/up + SwiGLU, down_proj + residual) and the whole
-stack one op call (``ops.decoder_layers``), then the final norm + head.
+stack one op call (``ops.decoder_layers``), then the final norm + head; a greedy draft of k tokens
+is one op call too (``ops.greedy_chain``: the k - 1 one-token passes and their argmaxes).
 
 Numerics: the residual stream, the projections' outputs and attention are fp32; the activations that
 enter a projection are rounded to bf16 for a bf16 model computed in its own dtype (as HF's bf16 forward
@@ -110,11 +111,26 @@ class CpuKernelForward:
                      cache_row.repeat_interleave(T), slots, r.k_cache, r.v_cache, begin, visible, r.scale)
         if keep is not None:
             x = x.view(B, T, -1)[torch.arange(B), keep]  # [B, d]
-        head = r.model.lm_head
-        if head._forward_pre_hooks or head._forward_hooks:  # e.g. heads on the target read its input
+        if self.head_hooked():
+            head = r.model.lm_head
             h = F.rms_norm(x, self.norm_weight.shape, self.norm_weight, r.norm_eps)
             return head((h if keep is not None else h.view(B, T, -1)).to(head.weight.dtype)).float()
         else:
             logits = torch.empty((x.shape[0], r.head_weight.shape[0]))
             self._linear(x, self.norm_weight, r.norm_eps, [r.head_weight], self.head_bias, "store", self.bf16, [logits])
         return logits if keep is not None else logits.view(B, T, -1)
+
+    def head_hooked(self) -> bool:
+        """Whether something reads the head's input (e.g. heads on the target): then the head runs in torch."""
+        head = self.runner.model.lm_head
+        return bool(head._forward_pre_hooks or head._forward_hooks)
+
+    def greedy_chain(self, tokens: torch.Tensor, steps: int, start: Sequence[int], vocab_limit: int) -> None:
+        """ops.greedy_chain over this runner's weights and cache rows 0..B-1: tokens [B, n] int64 (column 0
+        given), fed at slots start[b] .. start[b] + steps - 2."""
+        r = self.runner
+        B = tokens.shape[0]
+        torch.ops.specdec_ext.greedy_chain(
+            tokens, steps, r.embed, self.weights, self.biases, self.norm_eps, self.bf16, self.cos, self.sin,
+            torch.arange(B, dtype=torch.int64), r.k_cache, r.v_cache, torch.tensor(start, dtype=torch.int64), r.scale,
+            self.norm_weight, r.norm_eps, r.head_weight, self.head_bias[0] if self.head_bias else None, vocab_limit)

@@ -1,0 +1,172 @@
+"""ops.greedy_chain and LeanLlamaRunner.greedy_chain: a greedy draft chain in one op call equals, bit for
+bit, the one-token forward + argmax + commit steps it replaces (the tokens, both caches, the lengths) on
+every instruction-set path, for bf16 / fp32 / fp16 weights, biases, rows at different lengths; the
+vocabulary limit; a NaN logit chosen as torch.argmax chooses it; errors raised before anything is
+written; opcheck; the model drafter takes the chain and proposes what its step loop proposes."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec_ext import generate, ops, plain_generate
+from specdec_ext.runners import LeanLlamaRunner
+from lean_forward_cases import ISAS
+from test_lean_llama import VOCAB, tiny
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+SHAPE = dict(hidden_size=120, intermediate_size=200, num_attention_heads=4, num_key_value_heads=2)
+PROMPT_LENS = (5, 11, 1)
+
+
+def _runners(model, max_seq_len=40, seed=0):
+    """Two runners over the same prompts (rows at different lengths)."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in PROMPT_LENS]
+    pair = []
+    for _ in range(2):
+        runner = LeanLlamaRunner(model, max_batch_size=len(prompts), max_seq_len=max_seq_len)
+        runner.start(prompts)
+        pair.append(runner)
+    return pair
+
+
+def _step_by_step(runner, first, steps, limit):
+    """What the drafter's step loop does: forward one token, argmax, commit; tokens [B, steps]."""
+    tokens = [first]
+    ones = torch.ones_like(first)
+    for _ in range(1, steps):
+        logits = runner.forward(tokens[-1][:, None])[:, 0]  # [B, V]
+        runner.commit(ones)
+        tokens.append(logits[:, :limit].argmax(-1))
+    return torch.stack(tokens, 1)
+
+
+def _first_tokens():
+    return torch.tensor([3, 17, 60], dtype=torch.int64)
+
+
+@pytest.mark.parametrize("arch,dtype", [("llama", torch.bfloat16), ("llama_bias", torch.bfloat16),
+                                        ("qwen2", torch.float32), ("mistral", torch.float16)])
+def test_chain_equals_the_step_loop_bit_for_bit(arch, dtype, monkeypatch):
+    model = tiny(arch, **SHAPE).to(dtype)
+    for isa in ISAS:
+        monkeypatch.setenv("SPECDEC_CPU_ISA", isa)
+        chained, stepped = _runners(model)
+        assert chained.chains_greedy
+        steps, n = 6, 8
+        tokens = torch.zeros((3, n), dtype=torch.int64)
+        tokens[:, 0] = _first_tokens()
+        chained.greedy_chain(tokens, steps)
+        expected = _step_by_step(stepped, _first_tokens(), steps, VOCAB)
+        assert torch.equal(tokens[:, :steps], expected), isa
+        assert torch.all(tokens[:, steps:] == 0)  # past steps: untouched
+        assert chained.lengths.tolist() == stepped.lengths.tolist() == [n_ + steps - 1 for n_ in PROMPT_LENS]
+        assert torch.equal(chained.k_cache, stepped.k_cache) and torch.equal(chained.v_cache, stepped.v_cache), isa
+        # and the pass after the chain sees the same cache
+        last = tokens[:, steps - 1:steps]
+        assert torch.equal(chained.forward(last), stepped.forward(last)), isa
+
+
+def test_one_step_feeds_nothing():
+    chained, _ = _runners(tiny("llama", **SHAPE).to(torch.bfloat16))
+    before = chained.k_cache.clone()
+    tokens = _first_tokens()[:, None].clone()
+    chained.greedy_chain(tokens, 1)
+    assert tokens[:, 0].tolist() == _first_tokens().tolist()
+    assert chained.lengths.tolist() == list(PROMPT_LENS)
+    assert torch.equal(chained.k_cache, before)
+
+
+def test_vocab_limit_and_a_nan_logit():
+    model = tiny("llama", **SHAPE).to(torch.bfloat16)
+    limit = VOCAB // 3
+    chained, stepped = _runners(model)
+    tokens = torch.zeros((3, 5), dtype=torch.int64)
+    tokens[:, 0] = _first_tokens()
+    chained.greedy_chain(tokens, 5, vocab_limit=limit)
+    assert torch.equal(tokens, _step_by_step(stepped, _first_tokens(), 5, limit))
+    assert int(tokens[:, 1:].max()) < limit
+    with torch.no_grad():
+        model.lm_head.weight[limit + 2] = float("nan")  # every logit of that token NaN: torch.argmax picks it
+    chained, stepped = _runners(model)
+    tokens[:, 1:] = 0
+    chained.greedy_chain(tokens, 4)
+    assert tokens[:, 1:4].eq(limit + 2).all()
+    assert torch.equal(tokens[:, :4], _step_by_step(stepped, _first_tokens(), 4, VOCAB))
+
+
+def test_errors_leave_the_runner_as_it_was(monkeypatch):
+    model = tiny("llama", **SHAPE).to(torch.bfloat16)
+    runner, _ = _runners(model, max_seq_len=20)
+    k_before, lengths = runner.k_cache.clone(), runner.lengths.tolist()
+    tokens = torch.zeros((3, 6), dtype=torch.int64)
+    tokens[:, 0] = _first_tokens()
+    cases = [
+        (dict(tokens=tokens[:2]), ValueError, "tokens must be \\[B, n\\] with B = 3"),
+        (dict(steps=7), RuntimeError, "steps must be in \\[1, n\\] = \\[1, 6\\], got 7"),
+        (dict(tokens=torch.zeros((3, 12), dtype=torch.int64), steps=11), ValueError,
+         "row 1 would hold 21 tokens, more than max_seq_len=20"),
+        (dict(vocab_limit=0), RuntimeError, "vocab_limit must be in \\[1, V_out\\]"),
+        (dict(tokens=tokens.int()), RuntimeError, "tokens"),
+    ]
+    for change, error, message in cases:
+        args = dict(tokens=tokens, steps=3, vocab_limit=None)
+        args.update(change)
+        with pytest.raises(error, match=message):
+            runner.greedy_chain(args["tokens"], args["steps"], vocab_limit=args["vocab_limit"])
+    bad = tokens.clone()
+    bad[2, 0] = VOCAB + 5
+    with pytest.raises(RuntimeError, match=f"tokens\\[2, 0\\] = {VOCAB + 5} is outside the embedding's"):
+        runner.greedy_chain(bad, 3)
+    kernels = runner._kernels
+    near_the_end = torch.tensor([runner.capacity - 2, 0, 0])  # three slots from there: past the cache
+    with pytest.raises(RuntimeError, match="start\\[0\\] = .* must be in \\[0, capacity - \\(steps - 1\\)\\]"):
+        ops.greedy_chain(tokens.clone(), 4, runner.embed, kernels.weights, kernels.norm_eps, runner.k_cache,
+                         runner.v_cache, near_the_end, torch.arange(3), kernels.cos, kernels.sin, runner.scale,
+                         kernels.norm_weight, runner.norm_eps, runner.head_weight, bf16_activations=kernels.bf16)
+    assert torch.equal(runner.k_cache, k_before) and runner.lengths.tolist() == lengths
+    # not offered where it would not be the runner's own forward
+    monkeypatch.setenv("SPECDEC_CPU_KERNELS", "0")
+    torch_path, _ = _runners(model)
+    assert not torch_path.chains_greedy
+    with pytest.raises(ValueError, match="greedy_chain: needs the CPU kernels"):
+        torch_path.greedy_chain(tokens, 3)
+    monkeypatch.delenv("SPECDEC_CPU_KERNELS")
+    hooked, _ = _runners(model)
+    handle = model.lm_head.register_forward_hook(lambda module, args, out: None)
+    try:
+        assert not hooked.chains_greedy
+    finally:
+        handle.remove()
+    assert hooked.chains_greedy
+
+
+def test_greedy_chain_opcheck():
+    runner, _ = _runners(tiny("llama_bias", **SHAPE).to(torch.bfloat16))
+    kernels = runner._kernels
+    tokens = torch.zeros((3, 4), dtype=torch.int64)
+    tokens[:, 0] = _first_tokens()
+    args = (tokens, 4, runner.embed, kernels.weights, kernels.biases, kernels.norm_eps, kernels.bf16, kernels.cos,
+            kernels.sin, torch.arange(3), runner.k_cache, runner.v_cache, runner.lengths, runner.scale,
+            kernels.norm_weight, runner.norm_eps, runner.head_weight, torch.randn(VOCAB), VOCAB)
+    torch.library.opcheck(torch.ops.specdec_ext.greedy_chain.default, args)
+
+
+def test_the_model_drafter_chains_and_proposes_what_its_loop_proposes(monkeypatch):
+    target = tiny("llama", seed=1, **SHAPE).to(torch.bfloat16)
+    draft = tiny("llama", seed=2, hidden_size=64, intermediate_size=96, num_attention_heads=2,
+                 num_key_value_heads=1).to(torch.bfloat16)
+    prompts = [[5, 9, 2, 44, 7], [1, 2, 3]]
+    calls = []
+    chain = LeanLlamaRunner.greedy_chain
+    monkeypatch.setattr(LeanLlamaRunner, "greedy_chain",
+                        lambda self, *a, **kw: calls.append(a[1]) or chain(self, *a, **kw))
+    plain = plain_generate(prompts, target, max_new_tokens=24, eos_token_id=False)
+    chained = generate(prompts, target, draft, k=4, max_new_tokens=24, eos_token_id=False)
+    assert calls and set(calls) == {4}
+    monkeypatch.setattr(LeanLlamaRunner, "chains_greedy", property(lambda self: False))
+    looped = generate(prompts, target, draft, k=4, max_new_tokens=24, eos_token_id=False)
+    assert chained.token_ids == looped.token_ids == plain.token_ids
+    for field in ("steps", "reached", "accepted"):
+        assert getattr(chained.stats, field) == getattr(looped.stats, field), field
