@@ -121,6 +121,7 @@ def _worker(rank, root, port, arch, mode, eos=None):
         assert result.plan.tensor_parallel == WORLD and result.plan.target_runner == "paged"
     torch.save(results, os.path.join(root, f"{arch}_rank{rank}.pt"))
     distributed.destroy()
+    distributed.exit_rank(0)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])

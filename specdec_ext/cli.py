@@ -6,7 +6,7 @@ import json
 import os
 import sys
 import sysconfig
-from typing import List, Optional
+from typing import List, NoReturn, Optional
 
 from .progress import hf_progress_bars_off, progress_bar, progress_wanted
 
@@ -236,7 +236,7 @@ def cmd_generate(args) -> int:
               top_p=args.top_p, seed=args.seed, eos_token_id=eos, stop=args.stop or None, runner=args.runner,
               draft_tree=args.tree, explain=args.explain)
     if args.tp is not None:
-        return _generate_tensor_parallel(args, prompts, target, draft, kw)
+        _generate_tensor_parallel(args, prompts, target, draft, kw)
     check_plot_option("generate", args.plot)
     # streamed to a terminal, the text is its own progress (a bar next to it would tear it)
     show_bar = progress_wanted(args.quiet) and (args.no_stream or not sys.stdout.isatty())
@@ -260,10 +260,10 @@ def cmd_generate(args) -> int:
     return 0
 
 
-def _generate_tensor_parallel(args, prompts, target, draft, kw) -> int:
+def _generate_tensor_parallel(args, prompts, target, draft, kw) -> NoReturn:
     """``generate --tp N`` under torchrun: every rank runs the loop; rank 0 prints. A rank that fails
     prints its error and exits 1, and torchrun then ends the other ranks (the process group's timeout,
-    SPECDEC_TP_TIMEOUT_S, bounds any wait in between)."""
+    SPECDEC_TP_TIMEOUT_S, bounds any wait in between). Each rank leaves through ``distributed.exit_rank``."""
     from . import distributed
     from .generate import generate
 
@@ -274,7 +274,7 @@ def _generate_tensor_parallel(args, prompts, target, draft, kw) -> int:
     except Exception as error:
         print(f"specdec generate --tp {args.tp}: rank {distributed.rank()} failed: {type(error).__name__}: {error}",
               file=sys.stderr, flush=True)
-        return 1
+        distributed.exit_rank(1)
     if distributed.rank() == 0:
         for i, text in enumerate(result.text or [str(t) for t in result.token_ids]):
             print(f"--- [{i}] {prompts[i]!r}\n{text}")
@@ -283,7 +283,8 @@ def _generate_tensor_parallel(args, prompts, target, draft, kw) -> int:
         else:
             print("\n" + result.stats.summary(), file=sys.stderr)
     distributed.destroy()
-    return 0
+    distributed.exit_rank(0)
+
 
 
 def _consume(stream, bar, *, echo: bool, several: bool):
