@@ -14,7 +14,7 @@ e.g. (2 cores: about 10 minutes)
         -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_OPENSSL=OFF
     cmake --build /tmp/llamacpp-build -j2 --target llama-completion llama-speculative-simple llama-tokenize
     python3 -m venv /tmp/llamacpp-venv && /tmp/llamacpp-venv/bin/pip install sentencepiece
-    cp /tmp/llamacpp-build/bin/llama-* /tmp/llamacpp-venv/bin/
+    cp /tmp/llamacpp-build/bin/llama-* /tmp/llamacpp-venv/bin/ && mkdir -p /tmp/llamacpp-venv/src
     ln -s /tmp/llamacpp-dl/llama_cpp_python-*/vendor/llama.cpp /tmp/llamacpp-venv/src/llama.cpp
 
 then ``python benchmarks/bench_cpu_anchor.py --threads 1 2 --repeats 5``. Without it the script says so
@@ -104,6 +104,10 @@ def llamacpp_tokens(binary: Path, gguf: Path, text: str):
     return [int(x) for x in re.findall(r"-?\d+", out.stdout.strip().splitlines()[-1])]
 
 
+PLAIN_TIMING = re.compile(r"\seval time =\s+([\d.]+) ms /\s+(\d+) runs")  # llama-completion's decode time
+SPECULATIVE_TIMING = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")  # llama-speculative-simple's
+
+
 def run_llamacpp(binaries, gguf, text, new_tokens, threads, draft_max=None):
     """(tokens decoded after the first, seconds, tokens per target pass, generated text)."""
     common = ["-p", text, "-n", str(new_tokens), "--temp", "0", "-t", str(threads), "--ignore-eos", "-c", "2048"]
@@ -113,17 +117,19 @@ def run_llamacpp(binaries, gguf, text, new_tokens, threads, draft_max=None):
     else:
         cmd = [str(binaries["llama-speculative-simple"]), "-m", str(gguf["target"]), "-md", str(gguf["draft"]),
                "--spec-type", "draft-simple", "--spec-draft-n-max", str(draft_max), "-td", str(threads)] + common
+    timing = PLAIN_TIMING if draft_max is None else SPECULATIVE_TIMING
     for attempt in range(3):  # on a busy machine a run now and then ends without its timing lines
         out = subprocess.run(cmd, capture_output=True, text=True)
         log = out.stderr
-        if out.returncode == 0 and ("eval time" in log if draft_max is None else "decoded" in log):
+        found = timing.search(log)
+        if out.returncode == 0 and found:
             break
     else:
         raise RuntimeError(f"{cmd[0]} failed three times; its log ends:\n{log[-2000:]}")
     if draft_max is None:
-        ms, runs = re.search(r"\seval time =\s+([\d.]+) ms /\s+(\d+) runs", log).groups()
+        ms, runs = found.groups()
         return int(runs), float(ms) / 1e3, 1.0, out.stdout
-    n, seconds = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", log).groups()
+    n, seconds = found.groups()
     drafted = int(re.search(r"n_drafted\s*=\s*(\d+)", log).group(1))
     accepted = int(re.search(r"n_accept\s*=\s*(\d+)", log).group(1))
     passes = int(n) - accepted  # every target pass yields one token besides the accepted drafts

@@ -45,7 +45,7 @@ def test_python_dash_m_help_lists_the_commands():
                   "--prompt-file", "--plot", "--quiet"]),
     ("audit", ["--positions", "--samples", "--ks", "--bench-tokens", "--alpha", "--max-prompts", "--no-break-even",
                "--temperature", "--top-p", "--plot", "--quiet"]),
-    ("demo", ["--files", "--lines", "--max-new-tokens", "--k"]),
+    ("demo", ["--files", "--lines", "--max-new-tokens", "--k", "--dtype"]),
     ("bench", ["--ks", "--prompts", "--lines", "--max-new-tokens", "--repeats", "--threads", "--dtype", "--no-hf",
                "--plot", "--quiet"]),
 ])
@@ -115,6 +115,17 @@ def test_demo_completes_heldout_prompts_with_the_bundled_pair(capsys):
     assert cli.main(["demo", "--files", "1", "--lines", "5", "--max-new-tokens", "6", "-k", "2"]) == 0
     out = capsys.readouterr().out
     assert "speedup" in out and "tokens per target pass" in out and "identical to plain greedy" in out
+    assert out.startswith("models in bfloat16, 1 thread(s); target runner lean: ") and "the CPU kernels" in out
+
+
+def test_demo_in_float32_leaves_the_cached_bundled_pair_as_loaded(capsys):
+    from specdec_ext.models import load_pair
+    target, draft, _ = load_pair()
+    dtypes = (target.dtype, draft.dtype)
+    for dtype in ("float32", "bfloat16"):
+        assert cli.main(["demo", "--files", "1", "--lines", "3", "--max-new-tokens", "4", "--dtype", dtype]) == 0
+        assert capsys.readouterr().out.startswith(f"models in {dtype}")
+    assert (target.dtype, draft.dtype) == dtypes and load_pair()[0] is target
 
 
 def test_generate_with_the_bundled_heads_and_a_tree(capsys):

@@ -41,6 +41,16 @@ def test_explain_names_every_choice_with_its_reason(pair):
     assert plain.slots == 0 and "plain decoding" in plain.explain()
 
 
+def test_the_target_runner_says_whether_its_forward_runs_on_the_cpu_kernels(pair, monkeypatch):
+    target, draft = pair
+    reason = lambda plan: dict(plan.reasons)["target runner"]
+    plan = make_plan(target, draft, drafter="model", prompt_lengths=[5], max_new_tokens=4)
+    assert plan.target_runner == "lean" and "the CPU kernels (csrc/cpu)" in reason(plan)
+    monkeypatch.setenv("SPECDEC_CPU_KERNELS", "0")
+    plan = make_plan(target, draft, drafter="model", prompt_lengths=[5], max_new_tokens=4)
+    assert "a pure-torch forward (not the CPU kernels: SPECDEC_CPU_KERNELS=0)" in reason(plan)
+
+
 def test_bad_choices_are_refused_before_any_work(pair):
     target, draft = pair
     kw = dict(prompt_lengths=[5], max_new_tokens=8)

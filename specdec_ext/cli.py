@@ -14,6 +14,7 @@ DEMO_PROMPT_LINES = 20  # lines of each held-out file used as a demo prompt
 DEMO_FILES = 3
 DEMO_NEW_TOKENS = 64
 DEMO_THREADS = 1  # the bundled models are small: intra-op threads cost more than they save on a CPU
+DEMO_DTYPE = "bfloat16"  # the bundled pair's stored dtype: a pass reads half the bytes of float32
 DEFAULT_AUDIT_PROMPTS = ["import os\nimport sys\n\n\ndef main(", "class Parser:\n    def __init__(self"]
 GENERATE_PROGRESS_DELAY_S = 3.0  # a generation shows a progress bar only once it has run this long
 
@@ -56,7 +57,8 @@ def _model_args(parser: argparse.ArgumentParser, threads: Optional[int] = None, 
                         help="torch CPU threads (default: " + ("torch's choice" if threads is None else str(threads))
                         + "; 1 is best for small models on a busy CPU)")
     parser.add_argument("--runner", default="auto", choices=["auto", "lean", "paged", "recompute"],
-                        help="model runner: auto (the lean pure-torch forward for Llama-family models, the paged "
+                        help="model runner: auto (the lean runner for Llama-family models: the CPU kernels on a CPU, "
+                        "a pure-torch forward elsewhere; the paged "
                         "KV cache otherwise and where CUDA graphs run), lean, paged, or the slow full-recompute "
                         "oracle (default: auto)")
 
@@ -155,6 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"new tokens per prompt (default: {DEMO_NEW_TOKENS})")
     d.add_argument("-k", "--k", type=_draft_length, default=None, dest="k",
                    help="draft tokens per step, or 'auto' (default: generate()'s, 'auto' on the CPU)")
+    d.add_argument("--dtype", default=DEMO_DTYPE, choices=["bfloat16", "float32"],
+                   help=f"dtype of the models (default: {DEMO_DTYPE}, the bundled pair's stored dtype: each pass "
+                   "reads half the bytes of float32)")
     _serve_parser(sub)
     return parser
 
@@ -381,18 +386,39 @@ def _draft_shape(stats, tree: bool) -> str:
     return f"k={stats.k}"
 
 
+def _in_dtype(models, dtype_name: str):
+    """``models`` with their weights in ``dtype_name``: copies where the dtype differs, so that the bundled
+    pair that load_models caches for the process keeps its own dtype."""
+    import copy
+    import dataclasses
+
+    import torch
+
+    dtype = getattr(torch, dtype_name)
+
+    def cast(module):
+        if module is None or next(module.parameters()).dtype == dtype:
+            return module
+        return copy.deepcopy(module).to(dtype=dtype)
+
+    return dataclasses.replace(models, target=cast(models.target), draft=cast(models.draft), heads=cast(models.heads))
+
+
 def cmd_demo(args) -> int:
     from .generate import generate, plain_generate
     from .models import load_models
 
     target_spec, draft_spec = _pair_args(args)
-    models = load_models(target_spec, draft_spec)  # loaded once, then passed as objects
+    models = _in_dtype(load_models(target_spec, draft_spec), args.dtype)  # loaded once, then passed as objects
     target, tokenizer = models.target, models.tokenizer
     draft = {"model": models.draft, "heads": models.heads, "ngram": "ngram"}[models.drafter]
     kw = dict(max_new_tokens=args.max_new_tokens, eos_token_id=False, runner=args.runner, tokenizer=tokenizer)
     warm_up = {**kw, "max_new_tokens": 4}
-    generate(["x = 1"], target, draft, k=args.k, **warm_up)
+    plan = generate(["x = 1"], target, draft, k=args.k, **warm_up).plan
     plain_generate(["x = 1"], target, **warm_up)
+    import torch
+    print(f"models in {args.dtype}, {torch.get_num_threads()} thread(s); target runner "
+          f"{dict(plan.reasons)['target runner']}\n")
     for name, prompt in heldout_prompts(args.files, args.lines):
         plain = plain_generate([prompt], target, **kw)
         spec = generate([prompt], target, draft, k=args.k, **kw)

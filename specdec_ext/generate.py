@@ -241,8 +241,9 @@ def generate(prompts, target: ModelSpec = None, draft: ModelSpec = None, *, max_
         fit with max_new_tokens and one step of drafts raises ValueError.
     runner : 'auto' | 'lean' | 'paged' | 'recompute'
         The model runner of target and draft (runners/). 'auto': for Llama/Mistral/Qwen2-style models a
-        lean pure-torch forward over a contiguous cache (runners/lean.py; the target in its own dtype,
-        the draft in fp32 on the CPU), the paged KV cache for other models and where CUDA graphs run.
+        lean runner over a contiguous cache (runners/lean.py: the CPU kernels on a CPU, the target in
+        its own dtype, a half-precision draft in fp32; a pure-torch forward elsewhere), the paged KV
+        cache for other models and where CUDA graphs run.
     verifier : callable
         ``verifier(meta, proposal, target_logits) -> Verdict`` (default: the lossless chain_verify /
         tree_verify, ``decode.lossless_verify``); for tests.

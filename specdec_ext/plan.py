@@ -39,6 +39,7 @@ from .metadata import SCRATCH_COLUMNS
 from .distributed import TP_CHECKS
 from .runners import RUNNER_KINDS, unsupported_reason
 from .runners.checks import tensor_parallel_size
+from .runners.lean import forward_description
 from .runners.support import unsupported_reason as paged_unsupported_reason
 from .sampling import SamplingParams
 
@@ -240,7 +241,7 @@ def _runner_for(model, runner: str, graphs_ok: bool, cache_len: int, device: tor
             raise ValueError(f"runner='lean' cannot run the {role} model: {lean_reason}")
         return "lean", "as asked"
     if runner == "auto" and not graphs_ok and lean_reason is None:
-        return "lean", "a Llama-family model: a pure-torch forward over its weights and a contiguous cache"
+        return "lean", f"a Llama-family model: {forward_description(model)} over its weights and a contiguous cache"
     if runner in ("auto", "paged"):
         paged_reason = paged_unsupported_reason(model, tree=tree)
         if paged_reason is not None:

@@ -31,14 +31,18 @@ constexpr int kTileN = 4;  // output features per tile, on every path (the threa
 // stalls on the first row block had cost 1.7-2x.
 constexpr int kPrefetchTiles = 2;
 
-// Each weight is read once per pass, so its lines are prefetched non-temporal (PREFETCHNTA): a
-// temporal prefetch let the 45 MB of the bundled target's weights push the KV cache, the activations,
-// the draft's weights and the interpreter's own working set out of L2 and L3 at every pass. Measured
-// on the 2-core VM (BENCHMARKS.md): plain decoding 1.10x faster at 1 thread, 1.2x at 2; the forward's
-// Python around the kernels took half the time.
+// The weight lines are prefetched into L2 (PREFETCHT2), not into L1: a prefetch into L1 (T0, or NTA,
+// which on AMD cores also fills L1) holds one of L1's few miss buffers until its line arrives, which
+// at a VM's memory latency capped a core at 10-13 GB/s on a Zen 4, while the L2 has many more. There
+// the one-token forward of the bundled target went from 3.0-3.9 to 2.0 ms at one thread (NTA
+// against T2, BENCHMARKS.md), plain decoding 1.6x, speculative 1.3x. A tile's rows are four
+// interleaved 1-KB streams, too short for the hardware prefetchers to follow, so without a software
+// prefetch the same pass ran at about half the bandwidth. (On a Zen 5 NTA had been 1.1-1.2x faster
+// than T0, by keeping the 45 MB of weights from pushing the KV cache and the host code out of L2 and
+// L3; T2 was not measured there.)
 inline void prefetch_weights(const void* line) {
 #if SPECDEC_HAVE_X86_PATHS
-  _mm_prefetch(static_cast<const char*>(line), _MM_HINT_NTA);
+  _mm_prefetch(static_cast<const char*>(line), _MM_HINT_T2);
 #else
   (void)line;
 #endif

@@ -53,15 +53,16 @@ using TileFn = void (*)(const GemmActivations&, int64_t, int, const GemmWeight&,
 struct TilePath {
   TileFn tile;
   int tile_m;
+  TileFn single_row;  // the tile of a pass of one row: the same sums, possibly read in another order
 };
 
 inline TilePath tile_path(Isa isa) {
 #if SPECDEC_HAVE_X86_PATHS
-  if (isa == Isa::kAvx512Bf16) return {&avx512::gemm_tile, avx512::kTileM};
-  if (isa == Isa::kAvx2) return {&avx2::gemm_tile, avx2::kTileM};
+  if (isa == Isa::kAvx512Bf16) return {&avx512::gemm_tile, avx512::kTileM, &avx512::gemm_tile_single_row};
+  if (isa == Isa::kAvx2) return {&avx2::gemm_tile, avx2::kTileM, &avx2::gemm_tile};
 #endif
   (void)isa;
-  return {&portable::gemm_tile, portable::kTileM};
+  return {&portable::gemm_tile, portable::kTileM, &portable::gemm_tile};
 }
 
 constexpr int kMaxGemmWeights = 2;
@@ -79,12 +80,13 @@ inline void gemm_tiles(Isa isa, const GemmActivations& a, int64_t M, const GemmW
   float buffers[kMaxGemmWeights][kMaxTileM * kTileN];
   const float* tiles[kMaxGemmWeights] = {buffers[0], buffers[1]};
   const int64_t N = weights[0].rows;
+  const TileFn tile = M == 1 ? path.single_row : path.tile;
   for (int64_t t = tile_begin; t < tile_end; ++t) {
     const int64_t n0 = t * kTileN;
     const int nt = static_cast<int>(N - n0 < kTileN ? N - n0 : kTileN);
     for (int64_t m0 = 0; m0 < M; m0 += path.tile_m) {
       const int mb = static_cast<int>(M - m0 < path.tile_m ? M - m0 : path.tile_m);
-      for (int i = 0; i < count; ++i) path.tile(a, m0, mb, weights[i], n0, nt, buffers[i]);
+      for (int i = 0; i < count; ++i) tile(a, m0, mb, weights[i], n0, nt, buffers[i]);
       epilogue(m0, mb, n0, nt, tiles);
     }
   }

@@ -10,7 +10,7 @@ pruned to N nodes. The candidates are a deterministic function of the target's p
 
 Where h comes from: a forward pre-hook on the target's LM head keeps its input of the last target pass
 (registered when the drafter is made, removed by ``close``; the lean runner calls a hooked LM head
-module too). After the prefill that is each prompt's last token ([B, 1, H], or [B, H]); after a
+module on the torch path and its hooks around the kernel's logits on the CPU kernels). After the prefill that is each prompt's last token ([B, 1, H], or [B, H]); after a
 verify pass [B, N+1, H] (column 0 at the pending token, column i+1 at node i), and ``commit`` keeps
 the column of the last accepted node (0 when none was accepted). The heads
 therefore cost one small residual block and one LM-head product per depth per step and no extra target

@@ -25,8 +25,8 @@ and the caller freezes it. The paged runner does this in host mode only (not sta
 
 Implementations (``make_runner(kind, ...)``):
 
-    "lean"       runners/lean.py: a pure-torch forward over the HF weights of a Llama/Mistral/Qwen2
-                 model and a contiguous cache (``lean.unsupported_reason`` says when it does not apply)
+    "lean"       runners/lean.py: the CPU kernels (a pure-torch forward off the CPU) over the HF weights
+                 of a Llama/Mistral/Qwen2 model and a contiguous cache (``lean.unsupported_reason`` says when it does not apply)
     "paged"      runners/paged.py: the HF modules over a paged KV cache (every architecture the paged
                  attention supports); ``static_shapes=True`` is its CUDA-graph mode
     "recompute"  runners/recompute.py: no cache, a full HF forward per call (the tests' oracle)

@@ -1,4 +1,5 @@
-"""LeanLlamaRunner: a minimal pure-torch forward for Llama-family models (the ``ModelRunner`` protocol).
+"""LeanLlamaRunner: a minimal forward for Llama-family models (the ``ModelRunner`` protocol): the CPU
+kernels on a CPU, pure torch elsewhere.
 
 Why: a 2-layer d=128 draft costs ~1.3 ms per one-token HF forward on one CPU thread, nearly all of it
 module/Python overhead (hooks, the attention-interface dispatch, masks, our paged-cache gather), not
@@ -11,9 +12,9 @@ hooks are registered on the model's LM head (the heads drafter reads its input t
 head module itself is called, so they see what they would see under the HF forward.
 
 Cache: contiguous, preallocated per row, ``[layers, B, kv_heads, capacity, head_dim]`` (K and V),
-in the compute dtype, except for a bf16/fp16 model on the CPU: there the cache and the attention are
-fp32 (the cached k and v are the model-dtype values, exact in fp32; attention accumulates in fp32
-as half-precision kernels do inside; torch's CPU bf16 SDPA is slow for a single query). Row b's
+in the compute dtype (the CPU kernels read a half-precision cache and accumulate in fp32), except for
+a bf16/fp16 model on the torch path on a CPU: there the cache and the attention are fp32 (the cached
+k and v are the model-dtype values, exact in fp32; torch's CPU bf16 SDPA is slow for a single query). Row b's
 committed tokens are positions 0 .. lengths[b]-1; a ``forward`` writes its T tokens TENTATIVELY at
 lengths[b] + t (padding columns too, harmlessly past the row's tokens); ``commit`` / ``truncate`` only
 move ``lengths`` (rollback is metadata only). The host holds the
@@ -112,6 +113,17 @@ def unsupported_reason(model, max_seq_len: Optional[int] = None) -> Optional[str
     if getattr(model, "training", False) and getattr(cfg, "attention_dropout", 0.0):
         return "training mode with attention dropout"
     return None
+
+
+def forward_description(model) -> str:
+    """What the lean runner's forward of a supported ``model`` runs on, for the decode plan: "the CPU
+    kernels" or "a pure-torch forward (why not the kernels)"."""
+    cfg = text_config(model.config)
+    weight = model.model.embed_tokens.weight
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    # A runner computes in its weights' dtype or in fp32, both of which the kernels take.
+    reason = kernels_reason(weight.device, weight.dtype, weight.dtype, head_dim)
+    return "the CPU kernels (csrc/cpu)" if reason is None else f"a pure-torch forward (not the CPU kernels: {reason})"
 
 
 class LeanLlamaRunner:

@@ -16,6 +16,9 @@ fp16 model computed in fp32: its weights are read as they are and widened exactl
 cache holds the model-dtype keys and values (bf16 or fp16, fp32 when computing in fp32). Every kernel
 gives a row the same result whatever else is in the pass, so a chain or tree verification pass
 reproduces one-token passes bit for bit: greedy speculative decoding equals greedy plain decoding.
+The head too when something is hooked on it (heads on the target read its input): the kernel computes
+the logits and the hooks are called around them (``call_head_hooks``), never torch's head, whose
+half-precision GEMM differs with the number of rows.
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ import torch.nn.functional as F
 
 from .. import ops as _ops  # noqa: F401  (registers the fake kernels beside the ops)
 
-__all__ = ["kernels_reason", "CpuKernelForward", "WEIGHT_DTYPES"]
+__all__ = ["kernels_reason", "CpuKernelForward", "WEIGHT_DTYPES", "call_head_hooks"]
 
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_HEAD_DIM = 512  # csrc/lean_forward.h
@@ -56,6 +59,30 @@ def _f32(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 def _biases(*biases) -> List[Optional[torch.Tensor]]:
     return [] if all(b is None for b in biases) else [_f32(b) for b in biases]
+
+
+def call_head_hooks(head: torch.nn.Module, h: torch.Tensor, logits: torch.Tensor) -> None:
+    """Call the LM head's forward pre-hooks and forward hooks as ``head(h)`` would, around logits that the
+    kernel computed: a hooked head must give an unhooked head's numbers, or a target with heads on it would
+    not reproduce its own plain decoding (torch's half-precision GEMM differs with the number of rows). A
+    hook that replaces the head's input or output is refused: the kernel has already computed the head.
+
+    Shape: h [..., d] in the head's dtype, logits [..., V] fp32.
+    """
+    for hook_id, hook in list(head._forward_pre_hooks.items()):
+        with_kwargs = hook_id in head._forward_pre_hooks_with_kwargs
+        replaced = hook(head, (h,), {}) if with_kwargs else hook(head, (h,))
+        if replaced is not None:
+            raise RuntimeError(f"{hook!r}, a forward pre-hook on the LM head, returned a new input; the CPU "
+                               "kernels compute the head themselves (SPECDEC_CPU_KERNELS=0 runs the torch forward, "
+                               "which calls the head module)")
+    for hook_id, hook in list(head._forward_hooks.items()):
+        with_kwargs = hook_id in head._forward_hooks_with_kwargs
+        replaced = hook(head, (h,), {}, logits) if with_kwargs else hook(head, (h,), logits)
+        if replaced is not None:
+            raise RuntimeError(f"{hook!r}, a forward hook on the LM head, returned a new output; the CPU kernels "
+                               "compute the head themselves (SPECDEC_CPU_KERNELS=0 runs the torch forward, which "
+                               "calls the head module)")
 
 
 class CpuKernelForward:
@@ -111,17 +138,17 @@ class CpuKernelForward:
                      cache_row.repeat_interleave(T), slots, r.k_cache, r.v_cache, begin, visible, r.scale)
         if keep is not None:
             x = x.view(B, T, -1)[torch.arange(B), keep]  # [B, d]
+        logits = torch.empty((x.shape[0], r.head_weight.shape[0]))  # [M or B, V]
+        self._linear(x, self.norm_weight, r.norm_eps, [r.head_weight], self.head_bias, "store", self.bf16, [logits])
+        shaped = (lambda t: t) if keep is not None else (lambda t: t.view(B, T, -1))
         if self.head_hooked():
             head = r.model.lm_head
-            h = F.rms_norm(x, self.norm_weight.shape, self.norm_weight, r.norm_eps)
-            return head((h if keep is not None else h.view(B, T, -1)).to(head.weight.dtype)).float()
-        else:
-            logits = torch.empty((x.shape[0], r.head_weight.shape[0]))
-            self._linear(x, self.norm_weight, r.norm_eps, [r.head_weight], self.head_bias, "store", self.bf16, [logits])
-        return logits if keep is not None else logits.view(B, T, -1)
+            h = F.rms_norm(x, self.norm_weight.shape, self.norm_weight, r.norm_eps).to(head.weight.dtype)
+            call_head_hooks(head, shaped(h), shaped(logits))
+        return shaped(logits)
 
     def head_hooked(self) -> bool:
-        """Whether something reads the head's input (e.g. heads on the target): then the head runs in torch."""
+        """Whether something reads the head's input (e.g. heads on the target): its hooks are then called."""
         head = self.runner.model.lm_head
         return bool(head._forward_pre_hooks or head._forward_hooks)
 
