@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 import json
 import os
 import sys
@@ -389,9 +391,6 @@ def _draft_shape(stats, tree: bool) -> str:
 def _in_dtype(models, dtype_name: str):
     """``models`` with their weights in ``dtype_name``: copies where the dtype differs, so that the bundled
     pair that load_models caches for the process keeps its own dtype."""
-    import copy
-    import dataclasses
-
     import torch
 
     dtype = getattr(torch, dtype_name)
@@ -405,6 +404,8 @@ def _in_dtype(models, dtype_name: str):
 
 
 def cmd_demo(args) -> int:
+    import torch
+
     from .generate import generate, plain_generate
     from .models import load_models
 
@@ -416,7 +417,6 @@ def cmd_demo(args) -> int:
     warm_up = {**kw, "max_new_tokens": 4}
     plan = generate(["x = 1"], target, draft, k=args.k, **warm_up).plan
     plain_generate(["x = 1"], target, **warm_up)
-    import torch
     print(f"models in {args.dtype}, {torch.get_num_threads()} thread(s); target runner "
           f"{dict(plan.reasons)['target runner']}\n")
     for name, prompt in heldout_prompts(args.files, args.lines):

@@ -115,14 +115,16 @@ def unsupported_reason(model, max_seq_len: Optional[int] = None) -> Optional[str
     return None
 
 
+def _head_dim(cfg) -> int:
+    return int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+
+
 def forward_description(model) -> str:
     """What the lean runner's forward of a supported ``model`` runs on, for the decode plan: "the CPU
     kernels" or "a pure-torch forward (why not the kernels)"."""
-    cfg = text_config(model.config)
     weight = model.model.embed_tokens.weight
-    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
     # A runner computes in its weights' dtype or in fp32, both of which the kernels take.
-    reason = kernels_reason(weight.device, weight.dtype, weight.dtype, head_dim)
+    reason = kernels_reason(weight.device, weight.dtype, weight.dtype, _head_dim(text_config(model.config)))
     return "the CPU kernels (csrc/cpu)" if reason is None else f"a pure-torch forward (not the CPU kernels: {reason})"
 
 
@@ -148,7 +150,7 @@ class LeanLlamaRunner:
         self.dtype = compute_dtype or weight_dtype
         self.num_heads = int(cfg.num_attention_heads)
         self.kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.num_heads)
-        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads)
+        self.head_dim = _head_dim(cfg)
         self.gqa = self.kv_heads != self.num_heads
         self.scale = self.head_dim ** -0.5
         # On the CPU the forward runs on the kernels of lean_cpu.py (why not otherwise: kernels_reason),
