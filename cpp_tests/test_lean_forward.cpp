@@ -161,7 +161,7 @@ TEST(LeanForwardKernels, RowsAreBatchInvariant) {
       const Matrix w(type, N, K, rng);
       const bool bf16 = type == DType::kBF16;
       const std::vector<float> all = run_linear(isa, x, 16, w, bf16, norm.data());
-      for (int64_t M : {1, 3, 4, 5, 9}) {
+      for (int64_t M : {1, 3, 4, 5, 6, 7, 9, 11, 13}) {  // every block split of the paths (e.g. 6, 4 + 3, 5 + 4 + 4)
         const std::vector<float> part(x.begin(), x.begin() + M * K);
         const std::vector<float> out = run_linear(isa, part, M, w, bf16, norm.data());
         for (int64_t i = 0; i < M * N; ++i) ASSERT_EQ(out[i], all[i]) << isa_name(isa) << " M=" << M << " i=" << i;

@@ -1,5 +1,5 @@
-// The AVX-512 small-M GEMM tiles (AVX512F/BW/VL + AVX512-BF16): a block of 4 rows x 4 output
-// features in 16 zmm accumulators.
+// The AVX-512 small-M GEMM tiles (AVX512F/BW/VL + AVX512-BF16): a block of up to 6 rows x 4 output
+// features in 24 zmm accumulators (with the 4 weight vectors and an activation: 29 of the 32 registers).
 //   bf16 x bf16 (bf16 weights, activations given as bf16): VDPBF16PS, 32 products per instruction,
 //     fp32 accumulation; the products are exact, as on the other paths.
 //   otherwise (fp32 activations): 16 fp32 lanes, weights widened as they are loaded (bf16 by a
@@ -18,7 +18,11 @@ SPECDEC_BEGIN_TARGET_AVX512BF16
 namespace specdec::cpu::avx512 {
 
 static_assert(kTileN == 4, "the reductions below produce four outputs at a time");
-constexpr int kTileM = 4;
+// 6 rows, not 4: a verification pass of 5 or 9 rows was two or three blocks, the last of a single row
+// (4 + 1, 4 + 4 + 1), which loads a weight vector per product; as one or two blocks (5, 5 + 4) the
+// projections of the bundled target's pass ran 1.08x and 1.12x faster (12 interleaved pairs on a Zen 4,
+// BENCHMARKS.md), one row and 4 and 8 rows unchanged.
+constexpr int kTileM = 6;
 
 template <DType kW>
 inline __m512 load16(const void* w, int64_t k, __mmask16 mask) {
@@ -148,6 +152,10 @@ inline void tile_typed(const GemmActivations& a, int64_t m0, int mb, const GemmW
                        float* out) {
   const bool dot_bf16 = kW == DType::kBF16 && a.bf16 != nullptr;
   switch (mb) {
+    case 6:
+      return dot_bf16 ? tile_bf16<6>(a, m0, w, n0, nt, out) : tile_f32<kW, 6>(a, m0, w, n0, nt, out);
+    case 5:
+      return dot_bf16 ? tile_bf16<5>(a, m0, w, n0, nt, out) : tile_f32<kW, 5>(a, m0, w, n0, nt, out);
     case 4:
       return dot_bf16 ? tile_bf16<4>(a, m0, w, n0, nt, out) : tile_f32<kW, 4>(a, m0, w, n0, nt, out);
     case 3:

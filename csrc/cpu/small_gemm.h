@@ -66,7 +66,7 @@ inline TilePath tile_path(Isa isa) {
 }
 
 constexpr int kMaxGemmWeights = 2;
-constexpr int kMaxTileM = 4;
+constexpr int kMaxTileM = 6;
 
 inline int64_t num_tiles(int64_t rows) { return (rows + kTileN - 1) / kTileN; }
 
@@ -81,11 +81,15 @@ inline void gemm_tiles(Isa isa, const GemmActivations& a, int64_t M, const GemmW
   const float* tiles[kMaxGemmWeights] = {buffers[0], buffers[1]};
   const int64_t N = weights[0].rows;
   const TileFn tile = M == 1 ? path.single_row : path.tile;
+  // The fewest blocks, as even as can be (9 rows: 5 + 4, not 6 + 3): a block of few rows reloads the tile's
+  // weights for few products. Which block a row falls in does not change its sum (batch invariance).
+  const int64_t blocks = (M + path.tile_m - 1) / path.tile_m;
+  const int64_t block = (M + blocks - 1) / blocks;
   for (int64_t t = tile_begin; t < tile_end; ++t) {
     const int64_t n0 = t * kTileN;
     const int nt = static_cast<int>(N - n0 < kTileN ? N - n0 : kTileN);
-    for (int64_t m0 = 0; m0 < M; m0 += path.tile_m) {
-      const int mb = static_cast<int>(M - m0 < path.tile_m ? M - m0 : path.tile_m);
+    for (int64_t m0 = 0; m0 < M; m0 += block) {
+      const int mb = static_cast<int>(M - m0 < block ? M - m0 : block);
       for (int i = 0; i < count; ++i) tile(a, m0, mb, weights[i], n0, nt, buffers[i]);
       epilogue(m0, mb, n0, nt, tiles);
     }
