@@ -70,7 +70,7 @@ struct Matrix {  // a weight in one dtype and its exact values as doubles
 // fused_linear_range over every output tile of one weight; activations from x rounded as asked.
 std::vector<float> run_linear(Isa isa, const std::vector<float>& x, int64_t M, const Matrix& w, bool bf16,
                               const float* norm, LinearEpilogue epilogue = LinearEpilogue::kStore,
-                              const Matrix* up = nullptr, std::vector<float> init = {}) {
+                              const Matrix* up = nullptr, std::vector<float> init = {}, bool weights_cached = false) {
   const int64_t K = w.cols;
   std::vector<float> a32(M * K);
   std::vector<uint16_t> a16(M * K);
@@ -81,7 +81,7 @@ std::vector<float> run_linear(Isa isa, const std::vector<float>& x, int64_t M, c
   GemmWeight ws[2] = {w.weight(), up ? up->weight() : w.weight()};
   LinearOutput os[2] = {{out.data(), w.rows, nullptr}, {nullptr, 0, nullptr}};
   const int count = epilogue == LinearEpilogue::kSwiGLU ? 2 : 1;
-  fused_linear_range(isa, a, M, epilogue, ws, os, count, 0, fused_linear_num_tiles(epilogue, ws, count));
+  fused_linear_range(isa, a, M, epilogue, ws, os, count, 0, fused_linear_num_tiles(epilogue, ws, count), weights_cached);
   return out;
 }
 
@@ -165,6 +165,40 @@ TEST(LeanForwardKernels, RowsAreBatchInvariant) {
         const std::vector<float> part(x.begin(), x.begin() + M * K);
         const std::vector<float> out = run_linear(isa, part, M, w, bf16, norm.data());
         for (int64_t i = 0; i < M * N; ++i) ASSERT_EQ(out[i], all[i]) << isa_name(isa) << " M=" << M << " i=" << i;
+      }
+    }
+  }
+}
+
+// A one-row pass over cached weights (a draft's: kWideTiles tiles at a time) gives the streamed pass's
+// bits, for every width (whole groups of 16 features, a remainder, fewer than 16), every K (a masked
+// tail, under one vector), each dtype and epilogue, on every path.
+TEST(LeanForwardKernels, CachedWeightsGiveTheStreamedBits) {
+  std::mt19937 rng(13);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (Isa isa : paths()) {
+    for (DType type : {DType::kBF16, DType::kF32, DType::kF16}) {
+      for (auto [N, K] : {std::pair<int64_t, int64_t>{64, 128}, {37, 83}, {120, 120}, {12, 20}, {48, 1280}}) {
+        std::vector<float> x(K), residual(N);
+        for (float& v : x) v = normal(rng);
+        for (float& v : residual) v = normal(rng);
+        const Matrix w(type, N, K, rng), up(type, N, K, rng);
+        const bool bf16 = type == DType::kBF16;
+        for (LinearEpilogue e : {LinearEpilogue::kStore, LinearEpilogue::kAdd, LinearEpilogue::kSwiGLU}) {
+          const Matrix* second = e == LinearEpilogue::kSwiGLU ? &up : nullptr;
+          const std::vector<float> init = e == LinearEpilogue::kAdd ? residual : std::vector<float>{};
+          const std::vector<float> streamed = run_linear(isa, x, 1, w, bf16, nullptr, e, second, init, false);
+          const std::vector<float> cached = run_linear(isa, x, 1, w, bf16, nullptr, e, second, init, true);
+          for (int64_t n = 0; n < N; ++n)
+            ASSERT_EQ(cached[n], streamed[n]) << isa_name(isa) << " N=" << N << " K=" << K << " n=" << n;
+          // and a row of a many-row pass
+          std::vector<float> x3(x);
+          for (int64_t k = 0; k < 2 * K; ++k) x3.push_back(normal(rng));
+          std::vector<float> init3 = init;
+          if (!init.empty()) init3.resize(3 * N, 0.5f);
+          const std::vector<float> many = run_linear(isa, x3, 3, w, bf16, nullptr, e, second, init3, true);
+          for (int64_t n = 0; n < N; ++n) ASSERT_EQ(many[n], streamed[n]) << isa_name(isa) << " N=" << N << " n=" << n;
+        }
       }
     }
   }

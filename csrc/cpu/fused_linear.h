@@ -101,22 +101,23 @@ inline void store_rows(const LinearOutput& o, int64_t m0, int mb, int64_t n0, in
 
 template <bool kAdd, bool kBias>
 inline void linear_tiles(Isa isa, const GemmActivations& a, int64_t M, const GemmWeight& w, const LinearOutput& o,
-                         int64_t begin, int64_t end) {
-  gemm_tiles(isa, a, M, &w, 1, begin, end, [&](int64_t m0, int mb, int64_t n0, int nt, const float* const* tiles) {
-    store_rows<kAdd, kBias>(o, m0, mb, n0, nt, tiles[0]);
-  });
+                         int64_t begin, int64_t end, bool weights_cached) {
+  gemm_tiles(isa, a, M, &w, 1, begin, end, weights_cached,
+             [&](int64_t m0, int mb, int64_t n0, int nt, const float* const* tiles) {
+               store_rows<kAdd, kBias>(o, m0, mb, n0, nt, tiles[0]);
+             });
 }
 
-// Output tiles [begin, end) of the index space above.
+// Output tiles [begin, end) of the index space above. weights_cached: see gemm_tiles.
 inline void fused_linear_range(Isa isa, const GemmActivations& a, int64_t M, LinearEpilogue epilogue,
                                const GemmWeight* weights, const LinearOutput* outs, int count, int64_t begin,
-                               int64_t end) {
+                               int64_t end, bool weights_cached = false) {
   if (epilogue == LinearEpilogue::kSwiGLU) {
     const LinearOutput& gate = outs[0];
     const LinearOutput& up = outs[1];
     float* out = outs[0].data;
     const int64_t ld = outs[0].ld;
-    gemm_tiles(isa, a, M, weights, 2, begin, end,
+    gemm_tiles(isa, a, M, weights, 2, begin, end, weights_cached,
                [&](int64_t m0, int mb, int64_t n0, int nt, const float* const* tiles) {
                  for (int m = 0; m < mb; ++m) {
                    float* dst = out + (m0 + m) * ld + n0;
@@ -151,10 +152,10 @@ inline void fused_linear_range(Isa isa, const GemmActivations& a, int64_t M, Lin
     if (lo < hi) {
       const LinearOutput& o = outs[i];
       const bool add = epilogue == LinearEpilogue::kAdd, bias = o.bias != nullptr;
-      if (add && bias) linear_tiles<true, true>(isa, a, M, weights[i], o, lo, hi);
-      if (add && !bias) linear_tiles<true, false>(isa, a, M, weights[i], o, lo, hi);
-      if (!add && bias) linear_tiles<false, true>(isa, a, M, weights[i], o, lo, hi);
-      if (!add && !bias) linear_tiles<false, false>(isa, a, M, weights[i], o, lo, hi);
+      if (add && bias) linear_tiles<true, true>(isa, a, M, weights[i], o, lo, hi, weights_cached);
+      if (add && !bias) linear_tiles<true, false>(isa, a, M, weights[i], o, lo, hi, weights_cached);
+      if (!add && bias) linear_tiles<false, true>(isa, a, M, weights[i], o, lo, hi, weights_cached);
+      if (!add && !bias) linear_tiles<false, false>(isa, a, M, weights[i], o, lo, hi, weights_cached);
     }
     first += tiles_i;
   }

@@ -25,6 +25,7 @@
 namespace specdec::cpu {
 
 constexpr int kTileN = 4;  // output features per tile, on every path (the threads split tiles)
+constexpr int kWideTiles = 4;  // tiles of one row computed at once from cached weights (TilePath::wide_row)
 
 // The SIMD tiles prefetch the weight rows this many tiles ahead: the hardware prefetchers alone left
 // a one-row pass at 27 GB/s where this reaches 35-38 (this VM's copy bandwidth), and at 4-9 rows the

@@ -63,9 +63,10 @@ void parallel_chunks(int64_t total, int64_t chunk, int64_t work, const Fn& fn) {
 
 // The ops' bodies take the instruction-set path from their caller: an op reads SPECDEC_CPU_ISA once
 // per call (getenv at every kernel of decoder_layers cost more than a small kernel).
+// weights_cached: see gemm_tiles (small_gemm.h).
 void linear_on(Isa isa, const at::Tensor& x, const c10::optional<at::Tensor>& norm_weight, double norm_eps,
                at::TensorList weights, const c10::List<c10::optional<at::Tensor>>& biases, const std::string& epilogue,
-               bool bf16_activations, at::TensorList outs) {
+               bool bf16_activations, at::TensorList outs, bool weights_cached = false) {
   check_fused_linear(x, norm_weight, weights, biases, epilogue, bf16_activations, outs);
   const int64_t M = x.size(0), K = x.size(1);
   if (M == 0) return;
@@ -106,7 +107,7 @@ void linear_on(Isa isa, const at::Tensor& x, const c10::optional<at::Tensor>& no
   int64_t bytes = 0;
   for (int i = 0; i < count; ++i) bytes += ws[i].rows * ws[i].cols * (ws[i].type == DType::kF32 ? 4 : 2);
   parallel_chunks(total, 16, bytes * M, [&](int64_t begin, int64_t end) {
-    fused_linear_range(isa, a, M, mode, ws, os, count, begin, end);
+    fused_linear_range(isa, a, M, mode, ws, os, count, begin, end, weights_cached);
   });
 }
 
@@ -190,12 +191,13 @@ c10::List<c10::optional<at::Tensor>> bias_slice(const c10::List<c10::optional<at
 }
 
 // One call for the whole stack: the per-op Python dispatch (some 5 us a call, 37 calls a pass for a
-// 6-layer model) cost more than a draft model's kernels.
-void decoder_layers(at::Tensor& x, at::TensorList weights, const c10::List<c10::optional<at::Tensor>>& biases,
-                    at::ArrayRef<double> norm_eps, bool bf16_activations, const at::Tensor& cos, const at::Tensor& sin,
-                    const at::Tensor& positions, const at::Tensor& cache_rows, const at::Tensor& cache_positions,
-                    at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& start,
-                    const c10::optional<at::Tensor>& visible, double scale) {
+// 6-layer model) cost more than a draft model's kernels. weights_cached: see gemm_tiles.
+void decoder_layers_on(at::Tensor& x, at::TensorList weights, const c10::List<c10::optional<at::Tensor>>& biases,
+                       at::ArrayRef<double> norm_eps, bool bf16_activations, const at::Tensor& cos,
+                       const at::Tensor& sin, const at::Tensor& positions, const at::Tensor& cache_rows,
+                       const at::Tensor& cache_positions, at::Tensor& k_cache, at::Tensor& v_cache,
+                       const at::Tensor& start, const c10::optional<at::Tensor>& visible, double scale,
+                       bool weights_cached) {
   const DecoderLayersShape s = check_decoder_layers(x, weights, biases, norm_eps, cache_rows, k_cache, v_cache, start);
   const int64_t M = x.size(0), HD = s.heads * s.head_dim, HkD = s.kv_heads * s.head_dim;
   const auto f32 = x.options();
@@ -225,14 +227,35 @@ void decoder_layers(at::Tensor& x, at::TensorList weights, const c10::List<c10::
     const int64_t b0 = l * kLayerBiases;
     at::Tensor k_layer = k_cache.select(0, l), v_layer = v_cache.select(0, l);
     linear_on(isa, x, w[0], norm_eps[l * kLayerNormEps], {w[1], w[2], w[3]}, bias_slice(biases, b0, 3), store,
-                 bf16_activations, {q, k, v});
+              bf16_activations, {q, k, v}, weights_cached);
     rope_cache_write(q_heads, k_heads, v_heads, cos, sin, positions, cache_rows, cache_positions, k_layer, v_layer);
     attend(isa, q_blocks, k_layer, v_layer, start, visible, scale, attended_blocks, rows.data());
-    linear_on(isa, attended, c10::nullopt, 0.0, {w[4]}, bias_slice(biases, b0 + 3, 1), add, bf16_activations, {x});
+    linear_on(isa, attended, c10::nullopt, 0.0, {w[4]}, bias_slice(biases, b0 + 3, 1), add, bf16_activations, {x},
+              weights_cached);
     linear_on(isa, x, w[5], norm_eps[l * kLayerNormEps + 1], {w[6], w[7]}, bias_slice(biases, b0 + 4, 2), swiglu,
-                 bf16_activations, {act});
-    linear_on(isa, act, c10::nullopt, 0.0, {w[8]}, bias_slice(biases, b0 + 6, 1), add, bf16_activations, {x});
+              bf16_activations, {act}, weights_cached);
+    linear_on(isa, act, c10::nullopt, 0.0, {w[8]}, bias_slice(biases, b0 + 6, 1), add, bf16_activations, {x},
+              weights_cached);
   }
+}
+
+// Weights that fit in this many bytes (a small draft model's) stay in cache from one pass to the next
+// (a quarter of a 32-MB L3, which the target's stream shares), so their passes read them as cached.
+constexpr int64_t kCachedModelBytes = 8 << 20;
+
+int64_t bytes_of(at::TensorList tensors) {
+  int64_t total = 0;
+  for (const at::Tensor& t : tensors) total += static_cast<int64_t>(t.nbytes());
+  return total;
+}
+
+void decoder_layers(at::Tensor& x, at::TensorList weights, const c10::List<c10::optional<at::Tensor>>& biases,
+                    at::ArrayRef<double> norm_eps, bool bf16_activations, const at::Tensor& cos, const at::Tensor& sin,
+                    const at::Tensor& positions, const at::Tensor& cache_rows, const at::Tensor& cache_positions,
+                    at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& start,
+                    const c10::optional<at::Tensor>& visible, double scale) {
+  decoder_layers_on(x, weights, biases, norm_eps, bf16_activations, cos, sin, positions, cache_rows, cache_positions,
+                    k_cache, v_cache, start, visible, scale, bytes_of(weights) <= kCachedModelBytes);
 }
 
 // The lowest index of the row's largest value, a NaN before anything (torch.argmax's answers).
@@ -265,6 +288,7 @@ void greedy_chain(at::Tensor& tokens, int64_t steps, const at::Tensor& embed, at
   const Isa isa = isa_or_throw();
   c10::List<c10::optional<at::Tensor>> head_biases;
   if (head_bias.has_value()) head_biases.push_back(head_bias);
+  const bool cached = bytes_of(weights) + static_cast<int64_t>(head_weight.nbytes()) <= kCachedModelBytes;
   for (int64_t i = 1; i < steps; ++i) {
     for (int64_t b = 0; b < B; ++b) {
       const int64_t fed = token[b * n + i - 1];
@@ -273,9 +297,10 @@ void greedy_chain(at::Tensor& tokens, int64_t steps, const at::Tensor& embed, at
       slot[b] = first[b] + i - 1;
     }
     // A chain token sits at its slot's rotary position; decoder_layers checks the slots and rows.
-    decoder_layers(x, weights, biases, norm_eps, bf16_activations, cos, sin, slots, cache_rows, slots, k_cache,
-                   v_cache, slots, c10::nullopt, scale);
-    linear_on(isa, x, norm_weight, final_norm_eps, {head_weight}, head_biases, "store", bf16_activations, {logits});
+    decoder_layers_on(x, weights, biases, norm_eps, bf16_activations, cos, sin, slots, cache_rows, slots, k_cache,
+                      v_cache, slots, c10::nullopt, scale, cached);
+    linear_on(isa, x, norm_weight, final_norm_eps, {head_weight}, head_biases, "store", bf16_activations, {logits},
+              cached);
     for (int64_t b = 0; b < B; ++b) token[b * n + i] = argmax_row(logits.data_ptr<float>() + b * V, vocab_limit);
   }
 }

@@ -54,15 +54,17 @@ struct TilePath {
   TileFn tile;
   int tile_m;
   TileFn single_row;  // the tile of a pass of one row: the same sums, possibly read in another order
+  TileFn wide_row;    // kWideTiles full tiles of one row at once (the same sums), or null
 };
 
 inline TilePath tile_path(Isa isa) {
 #if SPECDEC_HAVE_X86_PATHS
-  if (isa == Isa::kAvx512Bf16) return {&avx512::gemm_tile, avx512::kTileM, &avx512::gemm_tile_single_row};
-  if (isa == Isa::kAvx2) return {&avx2::gemm_tile, avx2::kTileM, &avx2::gemm_tile};
+  if (isa == Isa::kAvx512Bf16)
+    return {&avx512::gemm_tile, avx512::kTileM, &avx512::gemm_tile_single_row, &avx512::gemm_wide_row};
+  if (isa == Isa::kAvx2) return {&avx2::gemm_tile, avx2::kTileM, &avx2::gemm_tile, nullptr};
 #endif
   (void)isa;
-  return {&portable::gemm_tile, portable::kTileM, &portable::gemm_tile};
+  return {&portable::gemm_tile, portable::kTileM, &portable::gemm_tile, nullptr};
 }
 
 constexpr int kMaxGemmWeights = 2;
@@ -73,9 +75,11 @@ inline int64_t num_tiles(int64_t rows) { return (rows + kTileN - 1) / kTileN; }
 // For every output tile t in [tile_begin, tile_end) (features t*kTileN ..) and every row block:
 // tiles[i][m * kTileN + j] = sum_k A[m0 + m, k] * weights[i][n0 + j, k] for the `count` weights
 // (which share their shapes, e.g. the gate and up projections), then epilogue(m0, mb, n0, nt, tiles).
+// weights_cached: the weights sit in cache (a small draft model's, read pass after pass), so a one-row
+// pass takes them kWideTiles tiles at a time (TilePath::wide_row) rather than streaming them row by row.
 template <typename Epilogue>
 inline void gemm_tiles(Isa isa, const GemmActivations& a, int64_t M, const GemmWeight* weights, int count,
-                       int64_t tile_begin, int64_t tile_end, Epilogue&& epilogue) {
+                       int64_t tile_begin, int64_t tile_end, bool weights_cached, Epilogue&& epilogue) {
   const TilePath path = tile_path(isa);
   float buffers[kMaxGemmWeights][kMaxTileM * kTileN];
   const float* tiles[kMaxGemmWeights] = {buffers[0], buffers[1]};
@@ -85,7 +89,18 @@ inline void gemm_tiles(Isa isa, const GemmActivations& a, int64_t M, const GemmW
   // weights for few products. Which block a row falls in does not change its sum (batch invariance).
   const int64_t blocks = (M + path.tile_m - 1) / path.tile_m;
   const int64_t block = (M + blocks - 1) / blocks;
-  for (int64_t t = tile_begin; t < tile_end; ++t) {
+  int64_t t = tile_begin;
+  if (M == 1 && weights_cached && path.wide_row != nullptr) {
+    float wide[kMaxGemmWeights][kWideTiles * kTileN];
+    for (; t + kWideTiles <= tile_end && (t + kWideTiles) * kTileN <= N; t += kWideTiles) {
+      for (int i = 0; i < count; ++i) path.wide_row(a, 0, 1, weights[i], t * kTileN, kWideTiles * kTileN, wide[i]);
+      for (int u = 0; u < kWideTiles; ++u) {
+        const float* parts[kMaxGemmWeights] = {wide[0] + u * kTileN, wide[1] + u * kTileN};
+        epilogue(0, 1, (t + u) * kTileN, kTileN, parts);
+      }
+    }
+  }
+  for (; t < tile_end; ++t) {
     const int64_t n0 = t * kTileN;
     const int nt = static_cast<int>(N - n0 < kTileN ? N - n0 : kTileN);
     for (int64_t m0 = 0; m0 < M; m0 += block) {
