@@ -62,7 +62,7 @@ inline void tile_fixed(const GemmActivations& a, int64_t m0, const GemmWeight& w
     for (int j = 0; j < kTileN; ++j) acc[m][j] = _mm256_setzero_ps();
   const int64_t K = w.cols;
   const int64_t bytes = kW == DType::kF32 ? 4 : 2;
-  const int64_t ahead = kPrefetchTiles * kTileN * w.ld * bytes;
+  const int64_t ahead = prefetch_rows_ahead(w.ld, bytes) * w.ld * bytes;
   int64_t k = 0;
   for (; k + 8 <= K; k += 8) {
     __m256 wv[kTileN];

@@ -71,14 +71,15 @@ inline void tile_f32(const GemmActivations& a, int64_t m0, const GemmWeight& w, 
   for (int m = 0; m < MB; ++m)
     for (int j = 0; j < kTileN; ++j) acc[m][j] = _mm512_setzero_ps();
   const int64_t K = w.cols;
-  const int64_t ahead = kPrefetchTiles * kTileN * w.ld * (kW == DType::kF32 ? 4 : 2);  // bytes
+  const int64_t element_bytes = kW == DType::kF32 ? 4 : 2;
+  const int64_t ahead = prefetch_rows_ahead(w.ld, element_bytes) * w.ld * element_bytes;  // bytes
   for (int64_t k = 0; k < K; k += 16) {
     const __mmask16 mask = K - k >= 16 ? static_cast<__mmask16>(0xffff)
                                        : static_cast<__mmask16>((1u << (K - k)) - 1u);
     __m512 wv[kTileN];
     for (int j = 0; j < kTileN; ++j) wv[j] = load16<kW>(rows[j], k, mask);
     for (int j = 0; j < kTileN; ++j)
-      prefetch_weights(static_cast<const char*>(rows[j]) + k * (kW == DType::kF32 ? 4 : 2) + ahead);
+      prefetch_weights(static_cast<const char*>(rows[j]) + k * element_bytes + ahead);
     for (int m = 0; m < MB; ++m) {
       const __m512 av = _mm512_maskz_loadu_ps(mask, act[m] + k);
       for (int j = 0; j < kTileN; ++j) acc[m][j] = _mm512_fmadd_ps(av, wv[j], acc[m][j]);
@@ -97,7 +98,7 @@ inline void tile_f32(const GemmActivations& a, int64_t m0, const GemmWeight& w, 
 inline void tile_bf16_single_row(const uint16_t* act, const GemmWeight& w, int64_t n0, int nt, float* out) {
   __m512 acc[kTileN];
   const int64_t K = w.cols;
-  const int64_t ahead = kPrefetchTiles * kTileN * w.ld;
+  const int64_t ahead = prefetch_rows_ahead(w.ld, 2) * w.ld;
   for (int j = 0; j < kTileN; ++j) {
     const uint16_t* row = static_cast<const uint16_t*>(w.row(n0 + (j < nt ? j : nt - 1)));
     acc[j] = _mm512_setzero_ps();
@@ -163,7 +164,7 @@ inline void tile_bf16(const GemmActivations& a, int64_t m0, const GemmWeight& w,
     for (int j = 0; j < kTileN; ++j) acc[m][j] = _mm512_setzero_ps();
   const int64_t K = w.cols;
   int64_t k = 0;
-  const int64_t ahead = kPrefetchTiles * kTileN * w.ld;
+  const int64_t ahead = prefetch_rows_ahead(w.ld, 2) * w.ld;
   for (; k + 32 <= K; k += 32) {
     __m512bh wv[kTileN];
     for (int j = 0; j < kTileN; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(rows[j] + k);
