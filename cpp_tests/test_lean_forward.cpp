@@ -488,7 +488,7 @@ TEST(LeanForwardOps, GreedyChainThroughTheDispatcherIsTheStepLoop) {
                                       const Biases&, at::ArrayRef<double>, bool,
                                       const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&,
                                       at::Tensor&, const at::Tensor&, double, const at::Tensor&, double,
-                                      const at::Tensor&, const std::optional<at::Tensor>&, int64_t)>();
+                                      const at::Tensor&, const std::optional<at::Tensor>&, int64_t, bool)>();
   auto& layers = decoder_layers_op();
   auto& linear = fused_linear_op();
   torch::manual_seed(2);
@@ -506,7 +506,7 @@ TEST(LeanForwardOps, GreedyChainThroughTheDispatcherIsTheStepLoop) {
   at::Tensor tokens = torch::zeros({B, n}, torch::kLong), kc = kc0.clone(), vc = vc0.clone();
   tokens.select(1, 0).copy_(torch::tensor({4, 31}, torch::kLong));
   chain.call(tokens, steps, embed, weights, none, eps, true, cos, sin, rows, kc, vc, start, 0.4, norm, 1e-6, head,
-             head_bias, limit);
+             head_bias, limit, /*check_logits=*/true);
 
   at::Tensor expected = torch::zeros({B, n}, torch::kLong), kc2 = kc0.clone(), vc2 = vc0.clone();
   expected.select(1, 0).copy_(tokens.select(1, 0));
@@ -522,15 +522,25 @@ TEST(LeanForwardOps, GreedyChainThroughTheDispatcherIsTheStepLoop) {
   EXPECT_TRUE(torch::equal(kc, kc2));
   EXPECT_TRUE(torch::equal(vc, vc2));
   EXPECT_THROW(chain.call(tokens, n + 1, embed, weights, none, eps, true, cos, sin, rows, kc, vc, start, 0.4, norm,
-                          1e-6, head, head_bias, limit),
+                          1e-6, head, head_bias, limit, false),
                c10::Error);
   // three slots from capacity - 2: refused before the first step writes its slot
   const at::Tensor late = torch::tensor({capacity - 2, int64_t{0}}, torch::kLong);
   const at::Tensor kc_before = kc.clone();
   EXPECT_THROW(chain.call(tokens, steps, embed, weights, none, eps, true, cos, sin, rows, kc, vc, late, 0.4, norm,
-                          1e-6, head, head_bias, limit),
+                          1e-6, head, head_bias, limit, false),
                c10::Error);
   EXPECT_TRUE(torch::equal(kc, kc_before));
+  // check_logits: a NaN logit (a head row of NaN) is a ValueError naming the row, not an argmax
+  const at::Tensor nan_head = head.clone();
+  nan_head.select(0, 3).fill_(std::numeric_limits<float>::quiet_NaN());
+  chain.call(tokens, steps, embed, weights, none, eps, true, cos, sin, rows, kc, vc, start, 0.4, norm, 1e-6, nan_head,
+             head_bias, limit, false);
+  EXPECT_EQ(tokens[0][1].item<int64_t>(), 3);  // torch.argmax's answer: the NaN's index
+  EXPECT_EQ(tokens[1][1].item<int64_t>(), 3);
+  EXPECT_THROW(chain.call(tokens, steps, embed, weights, none, eps, true, cos, sin, rows, kc, vc, start, 0.4, norm,
+                          1e-6, nan_head, head_bias, limit, true),
+               c10::ValueError);
 }
 
 }  // namespace

@@ -48,6 +48,8 @@
 //   cache_rows, start [B] int64: each row's cache row and first slot (start[b] + steps - 1 <= capacity)
 //   norm_weight  [d]; final_norm_eps; head_weight [V_out, d], head_bias [V_out] or None: the logits
 //   vocab_limit  1 .. V_out: the logits the argmax reads (a target's smaller vocabulary)
+//   check_logits a target's greedy decoding: logits [:vocab_limit] with a NaN or +inf, or all -inf, raise
+//                ValueError naming the row (chain_verify's check), instead of giving an argmax
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <ATen/core/List.h>

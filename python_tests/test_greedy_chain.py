@@ -151,6 +151,7 @@ def test_greedy_chain_opcheck():
             kernels.sin, torch.arange(3), runner.k_cache, runner.v_cache, runner.lengths, runner.scale,
             kernels.norm_weight, runner.norm_eps, runner.head_weight, torch.randn(VOCAB), VOCAB)
     torch.library.opcheck(torch.ops.specdec_ext.greedy_chain.default, args)
+    torch.library.opcheck(torch.ops.specdec_ext.greedy_chain.default, args + (True,))  # check_logits
 
 
 def test_the_model_drafter_chains_and_proposes_what_its_loop_proposes(monkeypatch):
@@ -163,6 +164,7 @@ def test_the_model_drafter_chains_and_proposes_what_its_loop_proposes(monkeypatc
     monkeypatch.setattr(LeanLlamaRunner, "greedy_chain",
                         lambda self, *a, **kw: calls.append(a[1]) or chain(self, *a, **kw))
     plain = plain_generate(prompts, target, max_new_tokens=24, eos_token_id=False)
+    calls.clear()  # (greedy plain decoding chains the target: test_plain_chains.py)
     chained = generate(prompts, target, draft, k=4, max_new_tokens=24, eos_token_id=False)
     assert calls and set(calls) == {4}
     monkeypatch.setattr(LeanLlamaRunner, "chains_greedy", property(lambda self: False))

@@ -43,6 +43,9 @@ from .stops import RowState, StopCriteria, apply_stops
 
 FIRST_DECODE_STEP = 1  # Philox step 0 samples the first token from the prefill logits
 COST_PROBE_PASSES = 3  # plain one-token target passes timed after prefill for the cost model
+# Greedy plain decoding on a runner that chains (the CPU kernels): one-token passes per greedy_chain
+# call, the stops checked between calls; the passes past a row's stop are wasted, at most this many - 1.
+PLAIN_CHAIN_TOKENS = 8
 
 Verifier = Callable[[SpecDecodeMetadata, Proposal, torch.Tensor], Verdict]
 
@@ -221,6 +224,47 @@ class DecodeSteps:
         return {g.name: g.captured for g in (self.draft, self.verify, self.commit)}
 
 
+def chains_plain(target: ModelRunner, drafter: Optional[Drafter], meta: SpecDecodeMetadata, cuda_graphs: bool,
+                 sync: Optional[RankSync]) -> bool:
+    """Whether plain decoding runs as greedy chains (``plain_chains``): no drafter, every row greedy, a
+    runner that chains (LeanLlamaRunner on the CPU kernels, nothing hooked on its head), on one rank."""
+    return (drafter is None and meta.all_greedy and not cuda_graphs and sync is None
+            and getattr(target, "chains_greedy", False))
+
+
+def plain_chains(target: ModelRunner, meta: SpecDecodeMetadata, rows: List[RowState], stop: StopCriteria,
+                 stats: GenerationStats, timer: Timer) -> Iterator[List[List[int]]]:
+    """Greedy plain decoding, PLAIN_CHAIN_TOKENS passes a call: the runner's ``greedy_chain`` feeds each
+    row's pending token and its argmaxes (bit for bit the one-token passes and the greedy verifier's
+    choice, the logits checked as chain_verify checks them), then the stops cut each row's tokens. Every
+    row is fed (a finished one's passes are ignored, its cache never read again); a call is at most as
+    long as the longest unfinished row still needs. Yields each call's new tokens per row; the stats
+    count the passes the step loop would have made."""
+    B = len(rows)
+    chain = torch.empty((B, PLAIN_CHAIN_TOKENS + 1), dtype=torch.int64)  # [B, 1 + n]: pending, then n argmaxes
+    chain[:, 0] = meta.pending_tokens()[:, 0].cpu()
+    while not all(r.finished for r in rows):
+        left = max(stop.max_new_tokens - len(r.tokens) for r in rows if not r.finished)
+        room = target.max_seq_len - max(target.lengths.tolist())
+        n = min(PLAIN_CHAIN_TOKENS, left, room)
+        t0 = timer.now()
+        target.greedy_chain(chain, n + 1, check_logits=True)
+        stats.verify_time += timer.now() - t0
+        emitted = chain[:, 1: n + 1].tolist()  # [B][n]
+        new: List[List[int]] = [[] for _ in range(B)]
+        for j in range(n):
+            active = [not r.finished for r in rows]
+            if not any(active):
+                break
+            stats.record_step(StepOutcome.of([0] * B, [0] * B, active))
+            for b in range(B):
+                if active[b]:
+                    new[b] += apply_stops(rows[b], [emitted[b][j]], stop)
+        stats.new_tokens += sum(len(t) for t in new)
+        chain[:, 0] = chain[:, n]
+        yield new
+
+
 # ------------------------------------------------------------------------------------------ probes
 def probe_target_step(target: ModelRunner, meta: SpecDecodeMetadata, timer: Timer) -> float:
     """Median time of one plain decode step (one-token target pass, sampling, commit): the cost
@@ -315,6 +359,11 @@ def decode(target: ModelRunner, drafter: Optional[Drafter], prompts: Sequence[Se
         start += timer.now() - probe_start
     else:
         adaptive = None
+
+    if chains_plain(target, drafter, meta, cuda_graphs, sync):
+        yield from plain_chains(target, meta, rows, stop, stats, timer)
+        stats.total_time = timer.now() - start
+        return
 
     steps = DecodeSteps(target, drafter, meta, verifier, graphs=cuda_graphs, backend=graph_backend)
     step = FIRST_DECODE_STEP

@@ -268,6 +268,16 @@ int64_t argmax_row(const float* row, int64_t n) {
   return best;
 }
 
+// What chain_verify accepts of a greedy row's logits: no NaN, no +inf, not every one -inf.
+bool logits_valid(const float* row, int64_t n) {
+  bool finite_seen = false;
+  for (int64_t i = 0; i < n; ++i) {
+    if (std::isnan(row[i]) || row[i] == INFINITY) return false;
+    finite_seen = finite_seen || row[i] != -INFINITY;
+  }
+  return finite_seen;
+}
+
 // A greedy draft in one call: the Python of a draft step (forward, argmax, commit: some 20 torch calls)
 // cost more than the draft model's kernels, which this runs back to back, the same calls as the steps.
 void greedy_chain(at::Tensor& tokens, int64_t steps, const at::Tensor& embed, at::TensorList weights,
@@ -275,7 +285,7 @@ void greedy_chain(at::Tensor& tokens, int64_t steps, const at::Tensor& embed, at
                   bool bf16_activations, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& cache_rows,
                   at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& start, double scale,
                   const at::Tensor& norm_weight, double final_norm_eps, const at::Tensor& head_weight,
-                  const c10::optional<at::Tensor>& head_bias, int64_t vocab_limit) {
+                  const c10::optional<at::Tensor>& head_bias, int64_t vocab_limit, bool check_logits) {
   check_greedy_chain(tokens, steps, embed, cache_rows, start, k_cache, norm_weight, head_weight, head_bias, vocab_limit);
   const int64_t B = tokens.size(0), n = tokens.size(1), d = embed.size(1), V = head_weight.size(0);
   const auto f32 = embed.options().dtype(at::kFloat);
@@ -301,7 +311,12 @@ void greedy_chain(at::Tensor& tokens, int64_t steps, const at::Tensor& embed, at
                       v_cache, slots, c10::nullopt, scale, cached);
     linear_on(isa, x, norm_weight, final_norm_eps, {head_weight}, head_biases, "store", bf16_activations, {logits},
               cached);
-    for (int64_t b = 0; b < B; ++b) token[b * n + i] = argmax_row(logits.data_ptr<float>() + b * V, vocab_limit);
+    for (int64_t b = 0; b < B; ++b) {
+      const float* row = logits.data_ptr<float>() + b * V;
+      TORCH_CHECK_VALUE(!check_logits || logits_valid(row, vocab_limit), "greedy_chain: target_logits: row ", b,
+                        " has a NaN or +inf logit (or every logit is -inf) at chain step ", i);
+      token[b * n + i] = argmax_row(row, vocab_limit);
+    }
   }
 }
 

@@ -272,6 +272,7 @@ def greedy_chain(
     vocab_limit: Optional[int] = None,
     biases: Optional[Sequence[Optional[torch.Tensor]]] = None,
     bf16_activations: bool = False,
+    check_logits: bool = False,
 ) -> torch.Tensor:
     """A greedy draft chain in one call: for i = 1 .. steps - 1, the one-token pass of tokens[:, i - 1]
     (embedding, ``decoder_layers``, final RMSNorm + head by ``fused_linear``) at slot start[b] + i - 1,
@@ -309,6 +310,9 @@ def greedy_chain(
         Shape: [V_out]
     vocab_limit : int, optional
         The argmax reads logits [:vocab_limit] (default V_out): the target's vocabulary when it is smaller.
+    check_logits : bool
+        A target's greedy decoding: logits with a NaN or +inf, or all -inf, raise ``ValueError`` naming
+        the row (``chain_verify``'s check) instead of giving an argmax (a NaN's index, as torch.argmax).
 
     Returns
     -------
@@ -320,7 +324,7 @@ def greedy_chain(
     torch.ops.specdec_ext.greedy_chain(tokens, int(steps), embed, list(weights), [] if biases is None else list(biases),
                                        [float(e) for e in norm_eps], bool(bf16_activations), cos, sin, cache_rows,
                                        k_cache, v_cache, start, float(scale), norm_weight, float(final_norm_eps),
-                                       head_weight, head_bias, limit)
+                                       head_weight, head_bias, limit, bool(check_logits))
     return tokens
 
 
@@ -355,5 +359,5 @@ def _decoder_layers_fake(x, weights, biases, norm_eps, bf16_activations, cos, si
 @torch.library.register_fake("specdec_ext::greedy_chain")
 def _greedy_chain_fake(tokens, steps, embed, weights, biases, norm_eps, bf16_activations, cos, sin, cache_rows,
                        k_cache, v_cache, start, scale, norm_weight, final_norm_eps, head_weight, head_bias,
-                       vocab_limit):
+                       vocab_limit, check_logits=False):
     return None

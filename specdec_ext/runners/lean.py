@@ -390,11 +390,14 @@ class LeanLlamaRunner:
         """Whether ``greedy_chain`` runs here (the CPU kernels, and nothing hooked on the head)."""
         return self._kernels is not None and not self._kernels.head_hooked()
 
-    def greedy_chain(self, tokens: torch.Tensor, steps: int, vocab_limit: Optional[int] = None) -> None:
+    def greedy_chain(self, tokens: torch.Tensor, steps: int, vocab_limit: Optional[int] = None,
+                     check_logits: bool = False) -> None:
         """A greedy draft in one op call (ops.greedy_chain): tokens [B, n] int64 with tokens[:, 0] given;
         for i = 1 .. steps - 1, feeds tokens[:, i - 1] and writes tokens[:, i] = the argmax of its logits
         [:vocab_limit], committing what it feeds (lengths[b] += steps - 1): bit for bit what ``forward``
-        of one token, ``argmax`` and ``commit`` give one step at a time. Only where ``chains_greedy``."""
+        of one token, ``argmax`` and ``commit`` give one step at a time. Only where ``chains_greedy``.
+        ``check_logits`` (a target's greedy decoding): invalid logits (a NaN or +inf, or all -inf) raise
+        ValueError, as ``chain_verify`` does; the lengths then stay as they were."""
         if not self.chains_greedy:
             raise ValueError("greedy_chain: needs the CPU kernels and a head without hooks (see chains_greedy)")
         if self._batch == 0:
@@ -407,7 +410,7 @@ class LeanLlamaRunner:
                 raise ValueError(f"row {b} would hold {length + fed} tokens, more than max_seq_len={self.max_seq_len}")
         limit = self.vocab_size if vocab_limit is None else vocab_limit
         with torch.no_grad():
-            self._kernels.greedy_chain(tokens, steps, self._len, limit)
+            self._kernels.greedy_chain(tokens, steps, self._len, limit, check_logits)
         self._len = [length + max(fed, 0) for length in self._len]
         self._tentative = [0] * self._batch
         self._tree = False
