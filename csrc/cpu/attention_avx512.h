@@ -22,9 +22,7 @@ namespace specdec::cpu::avx512 {
 
 constexpr int kMaxChunks = 32;  // 16-float chunks of a head (head_dim <= 512)
 
-// Fully unrolled loops over the register arrays below (queries x keys, queries x chunks): an index
-// left at run time keeps an array in memory, and the accumulators then go through the stack.
-#define SPECDEC_UNROLL _Pragma("GCC unroll 16")
+// (SPECDEC_UNROLL, gemm_avx512.h: the loops over queries x keys and queries x chunks below.)
 
 inline __mmask16 lanes_mask(int64_t remaining) {
   return remaining >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << remaining) - 1u);

@@ -24,8 +24,9 @@ static_assert(kTileN == 4, "the reductions below produce four outputs at a time"
 // BENCHMARKS.md), one row and 4 and 8 rows unchanged.
 constexpr int kTileM = 6;
 
-// Fully unrolled loops over register arrays (an index left at run time keeps an array in memory).
-#define SPECDEC_UNROLL_ROWS _Pragma("GCC unroll 16")
+// Fully unrolled loops over register arrays (here and in attention_avx512.h): an index left at run
+// time keeps an array in memory, and the accumulators then go through the stack.
+#define SPECDEC_UNROLL _Pragma("GCC unroll 16")
 
 template <DType kW>
 inline __m512 load16(const void* w, int64_t k, __mmask16 mask) {
@@ -128,7 +129,7 @@ inline void tile_bf16_wide_row(const uint16_t* act, const GemmWeight& w, int64_t
   constexpr int kRows = kWideTiles * kTileN;
   __m512 acc[kRows];
   const uint16_t* rows[kRows];
-  SPECDEC_UNROLL_ROWS
+  SPECDEC_UNROLL
   for (int j = 0; j < kRows; ++j) {
     rows[j] = static_cast<const uint16_t*>(w.row(n0 + j));
     acc[j] = _mm512_setzero_ps();
@@ -137,17 +138,17 @@ inline void tile_bf16_wide_row(const uint16_t* act, const GemmWeight& w, int64_t
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
     const __m512bh av = (__m512bh)_mm512_loadu_si512(act + k);
-    SPECDEC_UNROLL_ROWS
+    SPECDEC_UNROLL
     for (int j = 0; j < kRows; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], av, (__m512bh)_mm512_loadu_si512(rows[j] + k));
   }
   if (k < K) {
     const __mmask32 mask = static_cast<__mmask32>((1ull << (K - k)) - 1ull);
     const __m512bh av = (__m512bh)_mm512_maskz_loadu_epi16(mask, act + k);
-    SPECDEC_UNROLL_ROWS
+    SPECDEC_UNROLL
     for (int j = 0; j < kRows; ++j)
       acc[j] = _mm512_dpbf16_ps(acc[j], av, (__m512bh)_mm512_maskz_loadu_epi16(mask, rows[j] + k));
   }
-  SPECDEC_UNROLL_ROWS
+  SPECDEC_UNROLL
   for (int t = 0; t < kWideTiles; ++t)
     _mm_storeu_ps(out + kTileN * t, reduce16x4(acc[4 * t], acc[4 * t + 1], acc[4 * t + 2], acc[4 * t + 3]));
 }
