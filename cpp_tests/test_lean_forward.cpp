@@ -488,7 +488,8 @@ TEST(LeanForwardOps, GreedyChainThroughTheDispatcherIsTheStepLoop) {
                                       const Biases&, at::ArrayRef<double>, bool,
                                       const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&,
                                       at::Tensor&, const at::Tensor&, double, const at::Tensor&, double,
-                                      const at::Tensor&, const std::optional<at::Tensor>&, int64_t, bool)>();
+                                      const at::Tensor&, const std::optional<at::Tensor>&, int64_t, bool,
+                                      const std::optional<at::Tensor>&, const std::optional<at::Tensor>&)>();
   auto& layers = decoder_layers_op();
   auto& linear = fused_linear_op();
   torch::manual_seed(2);
@@ -506,41 +507,73 @@ TEST(LeanForwardOps, GreedyChainThroughTheDispatcherIsTheStepLoop) {
   at::Tensor tokens = torch::zeros({B, n}, torch::kLong), kc = kc0.clone(), vc = vc0.clone();
   tokens.select(1, 0).copy_(torch::tensor({4, 31}, torch::kLong));
   chain.call(tokens, steps, embed, weights, none, eps, true, cos, sin, rows, kc, vc, start, 0.4, norm, 1e-6, head,
-             head_bias, limit, /*check_logits=*/true);
+             head_bias, limit, /*check_logits=*/true, std::nullopt, std::nullopt);
 
+  at::Tensor logits = torch::empty({B, V});
+  // The separate calls a chain replaces: from column 0 of `expected`, one-token passes from slot `from`.
+  const auto step_loop = [&](at::Tensor& expected, const at::Tensor& from, at::Tensor& k, at::Tensor& v) {
+    for (int64_t i = 1; i < steps; ++i) {
+      at::Tensor x = embed.index_select(0, expected.select(1, i - 1)).to(torch::kFloat).contiguous();
+      const at::Tensor slots = from + (i - 1);
+      layers.call(x, weights, none, eps, true, cos, sin, slots, rows, slots, k, v, slots, std::nullopt, 0.4);
+      linear.call(x, norm, 1e-6, {head}, Biases({head_bias}), "store", true, {logits});
+      expected.select(1, i).copy_(logits.slice(1, 0, limit).argmax(1));
+    }
+  };
   at::Tensor expected = torch::zeros({B, n}, torch::kLong), kc2 = kc0.clone(), vc2 = vc0.clone();
   expected.select(1, 0).copy_(tokens.select(1, 0));
-  at::Tensor logits = torch::empty({B, V});
-  for (int64_t i = 1; i < steps; ++i) {
-    at::Tensor x = embed.index_select(0, expected.select(1, i - 1)).to(torch::kFloat).contiguous();
-    const at::Tensor slots = start + (i - 1);
-    layers.call(x, weights, none, eps, true, cos, sin, slots, rows, slots, kc2, vc2, slots, std::nullopt, 0.4);
-    linear.call(x, norm, 1e-6, {head}, Biases({head_bias}), "store", true, {logits});
-    expected.select(1, i).copy_(logits.slice(1, 0, limit).argmax(1));
-  }
+  step_loop(expected, start, kc2, vc2);
   EXPECT_TRUE(torch::equal(tokens, expected));
   EXPECT_TRUE(torch::equal(kc, kc2));
   EXPECT_TRUE(torch::equal(vc, vc2));
   EXPECT_THROW(chain.call(tokens, n + 1, embed, weights, none, eps, true, cos, sin, rows, kc, vc, start, 0.4, norm,
-                          1e-6, head, head_bias, limit, false),
+                          1e-6, head, head_bias, limit, false, std::nullopt, std::nullopt),
                c10::Error);
   // three slots from capacity - 2: refused before the first step writes its slot
   const at::Tensor late = torch::tensor({capacity - 2, int64_t{0}}, torch::kLong);
   const at::Tensor kc_before = kc.clone();
   EXPECT_THROW(chain.call(tokens, steps, embed, weights, none, eps, true, cos, sin, rows, kc, vc, late, 0.4, norm,
-                          1e-6, head, head_bias, limit, false),
+                          1e-6, head, head_bias, limit, false, std::nullopt, std::nullopt),
                c10::Error);
   EXPECT_TRUE(torch::equal(kc, kc_before));
   // check_logits: a NaN logit (a head row of NaN) is a ValueError naming the row, not an argmax
   const at::Tensor nan_head = head.clone();
   nan_head.select(0, 3).fill_(std::numeric_limits<float>::quiet_NaN());
   chain.call(tokens, steps, embed, weights, none, eps, true, cos, sin, rows, kc, vc, start, 0.4, norm, 1e-6, nan_head,
-             head_bias, limit, false);
+             head_bias, limit, false, std::nullopt, std::nullopt);
   EXPECT_EQ(tokens[0][1].item<int64_t>(), 3);  // torch.argmax's answer: the NaN's index
   EXPECT_EQ(tokens[1][1].item<int64_t>(), 3);
   EXPECT_THROW(chain.call(tokens, steps, embed, weights, none, eps, true, cos, sin, rows, kc, vc, start, 0.4, norm,
-                          1e-6, nan_head, head_bias, limit, true),
+                          1e-6, nan_head, head_bias, limit, true, std::nullopt, std::nullopt),
                c10::ValueError);
+
+  // a feed: the block's pass (padding in row 1's second column), the argmax at each row's last real
+  // column, then the chain from the slot after the feed
+  const at::Tensor feed = torch::tensor({{9, 14}, {22, 22}}, torch::kLong), counts = torch::tensor({2, 1}, torch::kLong);
+  at::Tensor fed_tokens = torch::zeros({B, n}, torch::kLong), kc3 = kc0.clone(), vc3 = vc0.clone();
+  chain.call(fed_tokens, steps, embed, weights, none, eps, true, cos, sin, rows, kc3, vc3, start, 0.4, norm, 1e-6,
+             head, head_bias, limit, false, feed, counts);
+  at::Tensor kc4 = kc0.clone(), vc4 = vc0.clone(), fed_expected = torch::zeros({B, n}, torch::kLong);
+  at::Tensor block = embed.index_select(0, feed.reshape({-1})).to(torch::kFloat).contiguous();
+  const at::Tensor block_slots = (start.unsqueeze(1) + torch::arange(2, torch::kLong)).reshape({-1});
+  layers.call(block, weights, none, eps, true, cos, sin, block_slots, rows.repeat_interleave(2), block_slots, kc4, vc4,
+              start, std::nullopt, 0.4);
+  at::Tensor last = block.index_select(0, torch::tensor({1, 2}, torch::kLong)).contiguous();  // rows 0*2+1, 1*2+0
+  linear.call(last, norm, 1e-6, {head}, Biases({head_bias}), "store", true, {logits});
+  fed_expected.select(1, 0).copy_(logits.slice(1, 0, limit).argmax(1));
+  step_loop(fed_expected, start + counts, kc4, vc4);
+  EXPECT_TRUE(torch::equal(fed_tokens, fed_expected));
+  EXPECT_TRUE(torch::equal(kc3, kc4));
+  EXPECT_TRUE(torch::equal(vc3, vc4));
+  // a count outside [1, W] and a feed without its counts: refused before anything is written
+  const at::Tensor kc3_before = kc3.clone();
+  EXPECT_THROW(chain.call(fed_tokens, steps, embed, weights, none, eps, true, cos, sin, rows, kc3, vc3, start, 0.4,
+                          norm, 1e-6, head, head_bias, limit, false, feed, torch::tensor({0, 1}, torch::kLong)),
+               c10::Error);
+  EXPECT_THROW(chain.call(fed_tokens, steps, embed, weights, none, eps, true, cos, sin, rows, kc3, vc3, start, 0.4,
+                          norm, 1e-6, head, head_bias, limit, false, feed, std::nullopt),
+               c10::Error);
+  EXPECT_TRUE(torch::equal(kc3, kc3_before));
 }
 
 }  // namespace

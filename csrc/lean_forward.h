@@ -50,6 +50,11 @@
 //   vocab_limit  1 .. V_out: the logits the argmax reads (a target's smaller vocabulary)
 //   check_logits a target's greedy decoding: logits [:vocab_limit] with a NaN or +inf, or all -inf, raise
 //                ValueError naming the row (chain_verify's check), instead of giving an argmax
+//   feed         [B, W] int64 or None: the committed tokens the draft has not seen, fed first in one pass
+//                at slots start[b] .. start[b] + W - 1 (columns from feed_counts[b] on are padding, written
+//                past the row's tokens); tokens[:, 0] is then the argmax at column feed_counts[b] - 1 and
+//                the chain feeds from slot start[b] + feed_counts[b]
+//   feed_counts  [B] int64 in [1, W], with feed: each row's real columns
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <ATen/core/List.h>
@@ -280,7 +285,8 @@ inline void check_greedy_chain(const at::Tensor& tokens, int64_t steps, const at
                                const at::Tensor& cache_rows, const at::Tensor& start, const at::Tensor& k_cache,
                                const at::Tensor& norm_weight,
                                const at::Tensor& head_weight, const c10::optional<at::Tensor>& head_bias,
-                               int64_t vocab_limit) {
+                               int64_t vocab_limit, const c10::optional<at::Tensor>& feed,
+                               const c10::optional<at::Tensor>& feed_counts) {
   constexpr const char* op = "greedy_chain";
   check_rank(op, "tokens", tokens, 2, "[B, n]");
   check_dtype(op, "tokens", tokens, {at::kLong});
@@ -307,13 +313,46 @@ inline void check_greedy_chain(const at::Tensor& tokens, int64_t steps, const at
   if (head_bias.has_value()) check_float_vector(op, "head_bias", *head_bias, V, embed, "V_out (head_weight dimension 0)");
   TORCH_CHECK(vocab_limit >= 1 && vocab_limit <= V, op, ": vocab_limit must be in [1, V_out] = [1, ", V, "], got ",
               vocab_limit);
+  TORCH_CHECK(feed.has_value() == feed_counts.has_value(), op, ": feed and feed_counts come together (got ",
+              feed.has_value() ? "feed without feed_counts)" : "feed_counts without feed)");
+  int64_t W = 0;
+  const int64_t* counts = nullptr;
+  if (feed.has_value()) {
+    check_rank(op, "feed", *feed, 2, "[B, W]");
+    check_size(op, "feed", *feed, 0, B, "B (tokens dimension 0)");
+    check_dtype(op, "feed", *feed, {at::kLong});
+    check_contiguous(op, "feed", *feed);
+    check_same_device(op, "feed", *feed, tokens, "tokens");
+    W = feed->size(1);
+    TORCH_CHECK(W > 0, op, ": feed must hold at least one column, got ", shape_str(feed->sizes()));
+    check_rank(op, "feed_counts", *feed_counts, 1, "[B]");
+    check_size(op, "feed_counts", *feed_counts, 0, B, "B (tokens dimension 0)");
+    check_dtype(op, "feed_counts", *feed_counts, {at::kLong});
+    check_contiguous(op, "feed_counts", *feed_counts);
+    check_same_device(op, "feed_counts", *feed_counts, tokens, "tokens");
+    counts = feed_counts->data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b)
+      TORCH_CHECK(counts[b] >= 1 && counts[b] <= W, op, ": feed_counts[", b, "] = ", counts[b],
+                  " must be in [1, W] = [1, ", W, "]");
+    const int64_t* fed = feed->data_ptr<int64_t>();
+    for (int64_t m = 0; m < B * W; ++m)
+      TORCH_CHECK(fed[m] >= 0 && fed[m] < embed.size(0), op, ": feed[", m / W, ", ", m % W, "] = ", fed[m],
+                  " is outside the embedding's [0, ", embed.size(0), ")");
+  }
   // Every slot of the chain checked up front: decoder_layers checks each step's, after earlier steps wrote.
   check_rank(op, "k_cache", k_cache, 5, "[L, Bc, Hk, capacity, D]");
+  const int64_t capacity = k_cache.size(3);
   const int64_t* first = start.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b)
-    TORCH_CHECK(first[b] >= 0 && first[b] + steps - 1 <= k_cache.size(3), op, ": start[", b, "] = ", first[b],
-                " must be in [0, capacity - (steps - 1)] = [0, ", k_cache.size(3) - steps + 1, "] (the chain feeds ",
-                steps - 1, " tokens from slot start)");
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(first[b] >= 0 && first[b] + W <= capacity, op, ": start[", b, "] = ", first[b],
+                " must be in [0, capacity - W] = [0, ", capacity - W, "] (the feed writes its W = ", W,
+                " columns from slot start)");
+    const int64_t chain_start = first[b] + (counts == nullptr ? 0 : counts[b]);
+    TORCH_CHECK(chain_start + steps - 1 <= capacity, op, ": start[", b, "] = ", chain_start,
+                counts == nullptr ? "" : " (with its feed_counts)", " must be in [0, capacity - (steps - 1)] = [0, ",
+                capacity - steps + 1, "] (the chain feeds ", steps - 1, " tokens from slot start)");
+  }
+  if (feed.has_value()) return;  // tokens[:, 0] is the feed's argmax
   const int64_t* given = tokens.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(given[b * n] >= 0 && given[b * n] < embed.size(0), op, ": tokens[", b, ", 0] = ", given[b * n],

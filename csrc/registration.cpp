@@ -37,7 +37,8 @@ TORCH_LIBRARY(specdec_ext, m) {
   m.def("greedy_chain(Tensor(a!) tokens, int steps, Tensor embed, Tensor[] weights, Tensor?[] biases, "
         "float[] norm_eps, bool bf16_activations, Tensor cos, Tensor sin, Tensor cache_rows, Tensor(b!) k_cache, "
         "Tensor(c!) v_cache, Tensor start, float scale, Tensor norm_weight, float final_norm_eps, "
-        "Tensor head_weight, Tensor? head_bias, int vocab_limit, bool check_logits=False) -> ()");
+        "Tensor head_weight, Tensor? head_bias, int vocab_limit, bool check_logits=False, Tensor? feed=None, "
+        "Tensor? feed_counts=None) -> ()");
   // The instruction-set path the CPU forward kernels take now (SPECDEC_CPU_ISA or the best available).
   m.def("cpu_isa() -> str");
 }

@@ -395,8 +395,8 @@ def test_the_model_drafter_probe_times_draft_steps_and_leaves_the_cache_as_it_wa
 
     chain = drafter.runner.greedy_chain
 
-    def timed_chain(tokens, steps, **kwargs):  # ... and so does each token of a greedy chain past the first
-        clock.t += (steps - 1) * V1
+    def timed_chain(tokens, steps, **kwargs):  # ... and so does a greedy chain's feed and each token past the first
+        clock.t += (steps - 1 + (kwargs.get("feed") is not None)) * V1
         return chain(tokens, steps, **kwargs)
 
     drafter.runner.forward = timed_forward

@@ -1,8 +1,10 @@
 """ops.greedy_chain and LeanLlamaRunner.greedy_chain: a greedy draft chain in one op call equals, bit for
 bit, the one-token forward + argmax + commit steps it replaces (the tokens, both caches, the lengths) on
 every instruction-set path, for bf16 / fp32 / fp16 weights, biases, rows at different lengths; the
-vocabulary limit; a NaN logit chosen as torch.argmax chooses it; errors raised before anything is
-written; opcheck; the model drafter takes the chain and proposes what its step loop proposes."""
+vocabulary limit; a NaN logit chosen as torch.argmax chooses it; a feed (the committed tokens the draft
+has not seen, ragged per row) equals forward + commit + argmax before the chain; errors raised before
+anything is written; opcheck; the model drafter takes the chain, feed included (no draft forward of its
+own while decoding), and proposes what its step loop proposes."""
 from __future__ import annotations
 
 import pytest
@@ -68,6 +70,50 @@ def test_chain_equals_the_step_loop_bit_for_bit(arch, dtype, monkeypatch):
         assert torch.equal(chained.forward(last), stepped.forward(last)), isa
 
 
+FEED = torch.tensor([[8, 30, 30], [2, 41, 5], [19, 7, 7]], dtype=torch.int64)  # [B, W]; padding repeats
+FEED_COUNTS = torch.tensor([1, 3, 2], dtype=torch.int64)  # [B]: each row's real columns
+
+
+def _feed_then_step_by_step(runner, feed, counts, steps, limit):
+    """What the drafter did before the feed joined the chain: forward the block, commit, argmax at each
+    row's last fed token, then the step loop; tokens [B, steps]."""
+    logits = runner.forward(feed, counts)  # [B, W, V]
+    runner.commit(counts)
+    first = logits[torch.arange(feed.shape[0]), counts - 1][:, :limit].argmax(-1)  # [B]
+    return _step_by_step(runner, first, steps, limit)
+
+
+@pytest.mark.parametrize("arch,dtype", [("llama", torch.bfloat16), ("qwen2", torch.float32),
+                                        ("mistral", torch.float16)])
+@pytest.mark.parametrize("steps", [1, 5])
+def test_a_feed_equals_forward_commit_and_argmax_before_the_chain(arch, dtype, steps, monkeypatch):
+    model = tiny(arch, **SHAPE).to(dtype)
+    limit = VOCAB - 7
+    for isa in ISAS:
+        monkeypatch.setenv("SPECDEC_CPU_ISA", isa)
+        chained, stepped = _runners(model)
+        tokens = torch.full((3, 6), -1, dtype=torch.int64)
+        chained.greedy_chain(tokens, steps, vocab_limit=limit, feed=FEED, feed_counts=FEED_COUNTS)
+        expected = _feed_then_step_by_step(stepped, FEED, FEED_COUNTS, steps, limit)
+        assert torch.equal(tokens[:, :steps], expected), isa
+        assert torch.all(tokens[:, steps:] == -1)
+        fed = [n + c + steps - 1 for n, c in zip(PROMPT_LENS, FEED_COUNTS.tolist())]
+        assert chained.lengths.tolist() == stepped.lengths.tolist() == fed
+        assert torch.equal(chained.k_cache, stepped.k_cache) and torch.equal(chained.v_cache, stepped.v_cache), isa
+        last = tokens[:, steps - 1:steps]
+        assert torch.equal(chained.forward(last), stepped.forward(last)), isa
+
+
+def test_a_feed_without_counts_feeds_every_column():
+    model = tiny("llama", **SHAPE).to(torch.bfloat16)
+    chained, stepped = _runners(model)
+    tokens = torch.zeros((3, 4), dtype=torch.int64)
+    chained.greedy_chain(tokens, 4, feed=FEED)
+    full = torch.full((3,), FEED.shape[1], dtype=torch.int64)
+    assert torch.equal(tokens, _feed_then_step_by_step(stepped, FEED, full, 4, VOCAB))
+    assert chained.lengths.tolist() == [n + 3 + 3 for n in PROMPT_LENS]
+
+
 def test_one_step_feeds_nothing():
     chained, _ = _runners(tiny("llama", **SHAPE).to(torch.bfloat16))
     before = chained.k_cache.clone()
@@ -125,6 +171,42 @@ def test_errors_leave_the_runner_as_it_was(monkeypatch):
         ops.greedy_chain(tokens.clone(), 4, runner.embed, kernels.weights, kernels.norm_eps, runner.k_cache,
                          runner.v_cache, near_the_end, torch.arange(3), kernels.cos, kernels.sin, runner.scale,
                          kernels.norm_weight, runner.norm_eps, runner.head_weight, bf16_activations=kernels.bf16)
+    long_tokens = torch.zeros((3, 8), dtype=torch.int64)
+    feed_cases = [
+        (dict(feed=FEED[:2]), ValueError, "feed must be \\[B, W\\] with B = 3 and W >= 1, got \\[2, 3\\]"),
+        (dict(feed=FEED[:, :0]), ValueError, "W >= 1"),
+        (dict(feed_counts=torch.tensor([1, 0, 2])), ValueError,
+         "feed_counts\\[1\\] = 0 is outside \\[1, W\\] = \\[1, 3\\]"),
+        (dict(feed_counts=torch.tensor([1, 4, 2])), ValueError, "feed_counts\\[1\\] = 4 is outside"),
+        (dict(feed_counts=torch.tensor([1, 2])), ValueError, "feed_counts has 2 rows, the runner holds 3"),
+        (dict(tokens=long_tokens, steps=8), ValueError, "row 1 would hold 21 tokens, more than max_seq_len=20"),
+        (dict(feed=torch.where(FEED == 41, VOCAB + 1, FEED)), RuntimeError,
+         f"feed\\[1, 1\\] = {VOCAB + 1} is outside the embedding's"),
+    ]
+    for change, error, message in feed_cases:
+        args = dict(tokens=tokens, steps=3, feed=FEED, feed_counts=FEED_COUNTS)
+        args.update(change)
+        with pytest.raises(error, match=message):
+            runner.greedy_chain(args["tokens"], args["steps"], feed=args["feed"], feed_counts=args["feed_counts"])
+    op_args = (runner.embed, kernels.weights, kernels.norm_eps, runner.k_cache, runner.v_cache)
+    with pytest.raises(RuntimeError, match="feed and feed_counts come together"):
+        ops.greedy_chain(tokens.clone(), 3, *op_args, torch.tensor(lengths), torch.arange(3), kernels.cos,
+                         kernels.sin, runner.scale, kernels.norm_weight, runner.norm_eps, runner.head_weight,
+                         bf16_activations=kernels.bf16, feed=FEED)
+    with pytest.raises(RuntimeError, match="greedy_chain: feed .*Long"):
+        ops.greedy_chain(tokens.clone(), 3, *op_args, torch.tensor(lengths), torch.arange(3), kernels.cos,
+                         kernels.sin, runner.scale, kernels.norm_weight, runner.norm_eps, runner.head_weight,
+                         bf16_activations=kernels.bf16, feed=FEED.int(), feed_counts=FEED_COUNTS)
+    near_the_end = torch.tensor([0, runner.capacity - 2, 0])  # a feed of 3 columns from there: past the cache
+    with pytest.raises(RuntimeError, match="start\\[1\\] = .* must be in \\[0, capacity - W\\]"):
+        ops.greedy_chain(tokens.clone(), 1, *op_args, near_the_end, torch.arange(3), kernels.cos, kernels.sin,
+                         runner.scale, kernels.norm_weight, runner.norm_eps, runner.head_weight,
+                         bf16_activations=kernels.bf16, feed=FEED, feed_counts=FEED_COUNTS)
+    near_the_end = torch.tensor([0, runner.capacity - 4, 0])  # the feed fits, the chain after its 3 does not
+    with pytest.raises(RuntimeError, match="start\\[1\\] = .* \\(with its feed_counts\\) must be in"):
+        ops.greedy_chain(tokens.clone(), 3, *op_args, near_the_end, torch.arange(3), kernels.cos, kernels.sin,
+                         runner.scale, kernels.norm_weight, runner.norm_eps, runner.head_weight,
+                         bf16_activations=kernels.bf16, feed=FEED, feed_counts=FEED_COUNTS)
     assert torch.equal(runner.k_cache, k_before) and runner.lengths.tolist() == lengths
     # not offered where it would not be the runner's own forward
     monkeypatch.setenv("SPECDEC_CPU_KERNELS", "0")
@@ -152,6 +234,8 @@ def test_greedy_chain_opcheck():
             kernels.norm_weight, runner.norm_eps, runner.head_weight, torch.randn(VOCAB), VOCAB)
     torch.library.opcheck(torch.ops.specdec_ext.greedy_chain.default, args)
     torch.library.opcheck(torch.ops.specdec_ext.greedy_chain.default, args + (True,))  # check_logits
+    tokens[:, 0] = 0
+    torch.library.opcheck(torch.ops.specdec_ext.greedy_chain.default, args + (False, FEED, FEED_COUNTS))
 
 
 def test_the_model_drafter_chains_and_proposes_what_its_loop_proposes(monkeypatch):
@@ -165,8 +249,13 @@ def test_the_model_drafter_chains_and_proposes_what_its_loop_proposes(monkeypatc
                         lambda self, *a, **kw: calls.append(a[1]) or chain(self, *a, **kw))
     plain = plain_generate(prompts, target, max_new_tokens=24, eos_token_id=False)
     calls.clear()  # (greedy plain decoding chains the target: test_plain_chains.py)
+    draft_forwards = []
+    forward = LeanLlamaRunner.forward
+    monkeypatch.setattr(LeanLlamaRunner, "forward",
+                        lambda self, *a, **kw: draft_forwards.append(self.model is draft) or forward(self, *a, **kw))
     chained = generate(prompts, target, draft, k=4, max_new_tokens=24, eos_token_id=False)
     assert calls and set(calls) == {4}
+    assert draft_forwards and not any(draft_forwards)  # the target's passes only: the feed is in the chain
     monkeypatch.setattr(LeanLlamaRunner, "chains_greedy", property(lambda self: False))
     looped = generate(prompts, target, draft, k=4, max_new_tokens=24, eos_token_id=False)
     assert chained.token_ids == looped.token_ids == plain.token_ids

@@ -278,45 +278,83 @@ bool logits_valid(const float* row, int64_t n) {
   return finite_seen;
 }
 
+// The embedding rows of tokens[0 .. count) into x [count, d] fp32.
+void embed_rows(const at::Tensor& embed, const int64_t* tokens, int64_t count, float* x) {
+  const DType type = dtype_of(embed);
+  const int64_t d = embed.size(1);
+  for (int64_t m = 0; m < count; ++m)
+    for (int64_t k = 0; k < d; ++k) x[m * d + k] = load_as_float(type, embed.data_ptr(), tokens[m] * d + k);
+}
+
+// The argmax of each of the B logits rows [:vocab_limit] into token[b * n + column].
+void argmax_rows(const at::Tensor& logits, int64_t vocab_limit, bool check_logits, int64_t step, int64_t* token,
+                 int64_t n, int64_t column) {
+  const int64_t B = logits.size(0), V = logits.size(1);
+  for (int64_t b = 0; b < B; ++b) {
+    const float* row = logits.data_ptr<float>() + b * V;
+    TORCH_CHECK_VALUE(!check_logits || logits_valid(row, vocab_limit), "greedy_chain: target_logits: row ", b,
+                      " has a NaN or +inf logit (or every logit is -inf) at chain step ", step);
+    token[b * n + column] = argmax_row(row, vocab_limit);
+  }
+}
+
 // A greedy draft in one call: the Python of a draft step (forward, argmax, commit: some 20 torch calls)
 // cost more than the draft model's kernels, which this runs back to back, the same calls as the steps.
+// With feed, the pass over the committed tokens the draft has not seen is the chain's first (a separate
+// forward cost a draft step about as much again as the chain's passes).
 void greedy_chain(at::Tensor& tokens, int64_t steps, const at::Tensor& embed, at::TensorList weights,
                   const c10::List<c10::optional<at::Tensor>>& biases, at::ArrayRef<double> norm_eps,
                   bool bf16_activations, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& cache_rows,
                   at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& start, double scale,
                   const at::Tensor& norm_weight, double final_norm_eps, const at::Tensor& head_weight,
-                  const c10::optional<at::Tensor>& head_bias, int64_t vocab_limit, bool check_logits) {
-  check_greedy_chain(tokens, steps, embed, cache_rows, start, k_cache, norm_weight, head_weight, head_bias, vocab_limit);
+                  const c10::optional<at::Tensor>& head_bias, int64_t vocab_limit, bool check_logits,
+                  const c10::optional<at::Tensor>& feed, const c10::optional<at::Tensor>& feed_counts) {
+  check_greedy_chain(tokens, steps, embed, cache_rows, start, k_cache, norm_weight, head_weight, head_bias, vocab_limit,
+                     feed, feed_counts);
   const int64_t B = tokens.size(0), n = tokens.size(1), d = embed.size(1), V = head_weight.size(0);
   const auto f32 = embed.options().dtype(at::kFloat);
   at::Tensor x = at::empty({B, d}, f32), logits = at::empty({B, V}, f32);
   at::Tensor slots = at::empty({B}, start.options());
   int64_t* token = tokens.data_ptr<int64_t>();
   int64_t* slot = slots.data_ptr<int64_t>();
-  const int64_t* first = start.data_ptr<int64_t>();
-  const DType embed_type = dtype_of(embed);
   const Isa isa = isa_or_throw();
   c10::List<c10::optional<at::Tensor>> head_biases;
   if (head_bias.has_value()) head_biases.push_back(head_bias);
   const bool cached = bytes_of(weights) + static_cast<int64_t>(head_weight.nbytes()) <= kCachedModelBytes;
+  std::vector<int64_t> chain_start(start.data_ptr<int64_t>(), start.data_ptr<int64_t>() + B);
+  if (feed.has_value()) {
+    // feed [B, W] at slots start[b] .. start[b] + W - 1; a row's padding columns (past its count) are
+    // written beyond its tokens, where the chain overwrites them.
+    const int64_t W = feed->size(1);
+    const int64_t* counts = feed_counts->data_ptr<int64_t>();
+    at::Tensor block = at::empty({B * W, d}, f32);
+    at::Tensor block_slots = at::empty({B * W}, start.options()), block_rows = at::empty({B * W}, start.options());
+    for (int64_t m = 0; m < B * W; ++m) {
+      block_slots.data_ptr<int64_t>()[m] = chain_start[m / W] + m % W;
+      block_rows.data_ptr<int64_t>()[m] = cache_rows.data_ptr<int64_t>()[m / W];
+    }
+    embed_rows(embed, feed->data_ptr<int64_t>(), B * W, block.data_ptr<float>());
+    decoder_layers_on(block, weights, biases, norm_eps, bf16_activations, cos, sin, block_slots, block_rows,
+                      block_slots, k_cache, v_cache, start, c10::nullopt, scale, cached);
+    for (int64_t b = 0; b < B; ++b) {
+      std::copy_n(block.data_ptr<float>() + (b * W + counts[b] - 1) * d, d, x.data_ptr<float>() + b * d);
+      chain_start[b] += counts[b];
+    }
+    linear_on(isa, x, norm_weight, final_norm_eps, {head_weight}, head_biases, "store", bf16_activations, {logits},
+              cached);
+    argmax_rows(logits, vocab_limit, check_logits, 0, token, n, 0);
+  }
   for (int64_t i = 1; i < steps; ++i) {
     for (int64_t b = 0; b < B; ++b) {
-      const int64_t fed = token[b * n + i - 1];
-      float* row = x.data_ptr<float>() + b * d;
-      for (int64_t k = 0; k < d; ++k) row[k] = load_as_float(embed_type, embed.data_ptr(), fed * d + k);
-      slot[b] = first[b] + i - 1;
+      embed_rows(embed, token + b * n + i - 1, 1, x.data_ptr<float>() + b * d);
+      slot[b] = chain_start[b] + i - 1;
     }
     // A chain token sits at its slot's rotary position; decoder_layers checks the slots and rows.
     decoder_layers_on(x, weights, biases, norm_eps, bf16_activations, cos, sin, slots, cache_rows, slots, k_cache,
                       v_cache, slots, c10::nullopt, scale, cached);
     linear_on(isa, x, norm_weight, final_norm_eps, {head_weight}, head_biases, "store", bf16_activations, {logits},
               cached);
-    for (int64_t b = 0; b < B; ++b) {
-      const float* row = logits.data_ptr<float>() + b * V;
-      TORCH_CHECK_VALUE(!check_logits || logits_valid(row, vocab_limit), "greedy_chain: target_logits: row ", b,
-                        " has a NaN or +inf logit (or every logit is -inf) at chain step ", i);
-      token[b * n + i] = argmax_row(row, vocab_limit);
-    }
+    argmax_rows(logits, vocab_limit, check_logits, i, token, n, i);
   }
 }
 

@@ -15,7 +15,7 @@ dropped, missing ones are -inf (never proposed).
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -100,8 +100,8 @@ class ModelDrafter(Drafter):
             return logits[..., : self.vocab_size]
         return torch.nn.functional.pad(logits, (0, self.vocab_size - v_draft), value=-float("inf"))
 
-    def _feed_unseen(self, meta: SpecDecodeMetadata) -> torch.Tensor:
-        """Feed the committed tokens not yet in the draft cache; logits at the last one [B, V_d]."""
+    def _unseen(self, meta: SpecDecodeMetadata) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The committed tokens not yet in the draft cache: (feed [B, W], num_feed [B])."""
         seen = self.runner.lengths.to(meta.device)  # [B]
         num_feed = meta.seq_lens - seen  # [B], 1..MAX_DRAFT_FEED (+ skipped steps)
         columns = self._feed_columns
@@ -111,7 +111,11 @@ class ModelDrafter(Drafter):
         # padding columns repeat the last committed token: past it the buffer holds no token ids (its
         # scratch column takes the commit's masked-out writes), which a row reaches after enough skips
         positions = torch.minimum(seen[:, None] + columns, (meta.seq_lens - 1)[:, None])  # [B, W]
-        feed = torch.gather(meta.token_buffer, 1, positions)  # [B, W]
+        return torch.gather(meta.token_buffer, 1, positions), num_feed
+
+    def _feed_unseen(self, meta: SpecDecodeMetadata) -> torch.Tensor:
+        """Feed the committed tokens not yet in the draft cache; logits at the last one [B, V_d]."""
+        feed, num_feed = self._unseen(meta)  # [B, W], [B]
         logits = self.runner.forward(feed, num_feed)  # [B, W, V_d]
         self.runner.commit(num_feed)
         last = (num_feed - 1).clamp(min=0)
@@ -126,20 +130,22 @@ class ModelDrafter(Drafter):
         if not greedy and self.probs is None:
             self.probs = self._probs_buffer(self.token_ids.shape[0])
         probs = None if greedy else self.probs[:B]  # [B, k, V]
-        logits = self._fit_vocab(self._feed_unseen(meta))  # [B, V]
-        uniforms = None if greedy else ops.philox_uniforms(meta.seed, meta.draft_offset, k)  # [B, k]
         if budget is None:
             num_draft.fill_(k)
         else:
             num_draft.copy_(torch.tensor([min(k, b) for b in budget], dtype=torch.int32))
         drafting = torch.ones_like(meta.active) if self.confidence_threshold > 0 else None  # [B] bool
         self._fed_drafts, self._skipped_step = 0, False
-        if greedy and drafting is None and steps > 1 and getattr(self.runner, "chains_greedy", False):
-            # the lean CPU runner drafts the whole chain in one op call, bit for bit the loop below
-            token_ids[:, 0].copy_(logits.argmax(-1))
-            self.runner.greedy_chain(token_ids, steps, vocab_limit=min(self.runner.vocab_size, self.vocab_size))
+        if greedy and drafting is None and steps >= 1 and getattr(self.runner, "chains_greedy", False):
+            # the lean CPU runner feeds the unseen tokens and drafts the whole chain in one op call, bit
+            # for bit the loop below
+            feed, num_feed = self._unseen(meta)  # [B, W], [B]
+            self.runner.greedy_chain(token_ids, steps, vocab_limit=min(self.runner.vocab_size, self.vocab_size),
+                                     feed=feed, feed_counts=num_feed)
             self._fed_drafts = steps - 1
             return Proposal(token_ids, probs, num_draft, longest=None if budget is None else steps)
+        logits = self._fit_vocab(self._feed_unseen(meta))  # [B, V]
+        uniforms = None if greedy else ops.philox_uniforms(meta.seed, meta.draft_offset, k)  # [B, k]
         for i in range(steps):
             if greedy:
                 token = logits.argmax(-1)  # [B]

@@ -273,16 +273,24 @@ def greedy_chain(
     biases: Optional[Sequence[Optional[torch.Tensor]]] = None,
     bf16_activations: bool = False,
     check_logits: bool = False,
+    feed: Optional[torch.Tensor] = None,
+    feed_counts: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """A greedy draft chain in one call: for i = 1 .. steps - 1, the one-token pass of tokens[:, i - 1]
     (embedding, ``decoder_layers``, final RMSNorm + head by ``fused_linear``) at slot start[b] + i - 1,
     and tokens[:, i] = its logits' argmax, bit for bit what those calls and ``torch.argmax`` give one
     step at a time. The fed tokens' keys and values are in the caches afterwards.
 
+    With ``feed``, a first pass feeds each row's block of committed tokens (the draft's unseen ones) and
+    gives tokens[:, 0] (the argmax at the row's last real column); the chain then starts at slot
+    start[b] + feed_counts[b]: bit for bit a ``decoder_layers`` pass over the block, the head and
+    ``torch.argmax``, then the chain.
+
     Parameters
     ----------
     tokens : torch.Tensor
-        int64, contiguous; column 0 given (each row's first draft token), columns 1 .. steps - 1 written.
+        int64, contiguous; column 0 given (each row's first draft token; with ``feed``: written), columns
+        1 .. steps - 1 written.
         Shape: [B, n]
     steps : int
         Tokens per row in the chain, 1 <= steps <= n (steps - 1 passes).
@@ -293,7 +301,8 @@ def greedy_chain(
         As ``decoder_layers``.
         Shape: as ``decoder_layers``
     start : torch.Tensor
-        int64: each row's first free slot (its committed length); start[b] + steps - 1 <= capacity.
+        int64: each row's first free slot (its committed length); start[b] + W <= capacity and
+        start[b] + feed_counts[b] + steps - 1 <= capacity (W, feed_counts = 0 without a feed).
         Shape: [B]
     cache_rows : torch.Tensor
         int64: each row's cache row.
@@ -313,6 +322,13 @@ def greedy_chain(
     check_logits : bool
         A target's greedy decoding: logits with a NaN or +inf, or all -inf, raise ``ValueError`` naming
         the row (``chain_verify``'s check) instead of giving an argmax (a NaN's index, as torch.argmax).
+    feed : torch.Tensor, optional
+        int64, contiguous: tokens fed in one pass before the chain, at slots start[b] .. start[b] + W - 1
+        (a row's columns from feed_counts[b] on are padding: written past its tokens, then overwritten).
+        Shape: [B, W]
+    feed_counts : torch.Tensor, optional
+        int64 in [1, W], with ``feed``: each row's real columns.
+        Shape: [B]
 
     Returns
     -------
@@ -324,7 +340,7 @@ def greedy_chain(
     torch.ops.specdec_ext.greedy_chain(tokens, int(steps), embed, list(weights), [] if biases is None else list(biases),
                                        [float(e) for e in norm_eps], bool(bf16_activations), cos, sin, cache_rows,
                                        k_cache, v_cache, start, float(scale), norm_weight, float(final_norm_eps),
-                                       head_weight, head_bias, limit, bool(check_logits))
+                                       head_weight, head_bias, limit, bool(check_logits), feed, feed_counts)
     return tokens
 
 
@@ -359,5 +375,5 @@ def _decoder_layers_fake(x, weights, biases, norm_eps, bf16_activations, cos, si
 @torch.library.register_fake("specdec_ext::greedy_chain")
 def _greedy_chain_fake(tokens, steps, embed, weights, biases, norm_eps, bf16_activations, cos, sin, cache_rows,
                        k_cache, v_cache, start, scale, norm_weight, final_norm_eps, head_weight, head_bias,
-                       vocab_limit, check_logits=False):
+                       vocab_limit, check_logits=False, feed=None, feed_counts=None):
     return None

@@ -391,29 +391,51 @@ class LeanLlamaRunner:
         return self._kernels is not None and not self._kernels.head_hooked()
 
     def greedy_chain(self, tokens: torch.Tensor, steps: int, vocab_limit: Optional[int] = None,
-                     check_logits: bool = False) -> None:
+                     check_logits: bool = False, feed: Optional[torch.Tensor] = None,
+                     feed_counts: Optional[torch.Tensor] = None) -> None:
         """A greedy draft in one op call (ops.greedy_chain): tokens [B, n] int64 with tokens[:, 0] given;
         for i = 1 .. steps - 1, feeds tokens[:, i - 1] and writes tokens[:, i] = the argmax of its logits
         [:vocab_limit], committing what it feeds (lengths[b] += steps - 1): bit for bit what ``forward``
         of one token, ``argmax`` and ``commit`` give one step at a time. Only where ``chains_greedy``.
         ``check_logits`` (a target's greedy decoding): invalid logits (a NaN or +inf, or all -inf) raise
-        ValueError, as ``chain_verify`` does; the lengths then stay as they were."""
+        ValueError, as ``chain_verify`` does; the lengths then stay as they were.
+        ``feed`` [B, W] int64 with ``feed_counts`` [B] (default W): first ``forward(feed, feed_counts)``,
+        its commit, and tokens[:, 0] = the argmax at each row's last fed token, in the same call
+        (lengths[b] += feed_counts[b] + steps - 1)."""
         if not self.chains_greedy:
             raise ValueError("greedy_chain: needs the CPU kernels and a head without hooks (see chains_greedy)")
         if self._batch == 0:
             raise ValueError("greedy_chain: call start() first")
         if tokens.dim() != 2 or tokens.shape[0] != self._batch:
             raise ValueError(f"greedy_chain: tokens must be [B, n] with B = {self._batch}, got {list(tokens.shape)}")
-        fed = steps - 1
+        fed = [max(steps - 1, 0)] * self._batch
+        if feed is not None:
+            counts = self._feed_counts(feed, feed_counts)
+            fed = [f + c for f, c in zip(fed, counts)]
+            feed_counts = torch.tensor(counts, dtype=torch.int64)
         for b, length in enumerate(self._len):
-            if length + fed > self.max_seq_len:
-                raise ValueError(f"row {b} would hold {length + fed} tokens, more than max_seq_len={self.max_seq_len}")
+            if length + fed[b] > self.max_seq_len:
+                raise ValueError(f"row {b} would hold {length + fed[b]} tokens, more than max_seq_len={self.max_seq_len}")
         limit = self.vocab_size if vocab_limit is None else vocab_limit
         with torch.no_grad():
-            self._kernels.greedy_chain(tokens, steps, self._len, limit, check_logits)
-        self._len = [length + max(fed, 0) for length in self._len]
+            self._kernels.greedy_chain(tokens, steps, self._len, limit, check_logits, feed, feed_counts)
+        self._len = [length + f for length, f in zip(self._len, fed)]
         self._tentative = [0] * self._batch
         self._tree = False
+
+    def _feed_counts(self, feed: torch.Tensor, feed_counts: Optional[torch.Tensor]) -> List[int]:
+        """greedy_chain's feed [B, W] and feed_counts [B] (default W), checked; the counts on the host."""
+        if feed.dim() != 2 or feed.shape[0] != self._batch or feed.shape[1] == 0:
+            raise ValueError(f"greedy_chain: feed must be [B, W] with B = {self._batch} and W >= 1, got "
+                             f"{list(feed.shape)}")
+        W = feed.shape[1]
+        counts = [W] * self._batch if feed_counts is None else [int(c) for c in feed_counts.reshape(-1).tolist()]
+        if len(counts) != self._batch:
+            raise ValueError(f"greedy_chain: feed_counts has {len(counts)} rows, the runner holds {self._batch}")
+        for b, c in enumerate(counts):
+            if not 1 <= c <= W:
+                raise ValueError(f"greedy_chain: feed_counts[{b}] = {c} is outside [1, W] = [1, {W}]")
+        return counts
 
     def commit(self, num_kept: torch.Tensor) -> None:
         """Row b keeps its first num_kept[b] tentative tokens (lengths[b] += num_kept[b])."""

@@ -153,13 +153,15 @@ class CpuKernelForward:
         return bool(head._forward_pre_hooks or head._forward_hooks)
 
     def greedy_chain(self, tokens: torch.Tensor, steps: int, start: Sequence[int], vocab_limit: int,
-                     check_logits: bool = False) -> None:
+                     check_logits: bool = False, feed: Optional[torch.Tensor] = None,
+                     feed_counts: Optional[torch.Tensor] = None) -> None:
         """ops.greedy_chain over this runner's weights and cache rows 0..B-1: tokens [B, n] int64 (column 0
-        given), fed at slots start[b] .. start[b] + steps - 2."""
+        given, or the argmax after feed [B, W] at slots start[b] ..), fed at slots start[b] (+ feed_counts[b])
+        .. start[b] (+ feed_counts[b]) + steps - 2."""
         r = self.runner
         B = tokens.shape[0]
         torch.ops.specdec_ext.greedy_chain(
             tokens, steps, r.embed, self.weights, self.biases, self.norm_eps, self.bf16, self.cos, self.sin,
             torch.arange(B, dtype=torch.int64), r.k_cache, r.v_cache, torch.tensor(start, dtype=torch.int64), r.scale,
             self.norm_weight, r.norm_eps, r.head_weight, self.head_bias[0] if self.head_bias else None, vocab_limit,
-            check_logits)
+            check_logits, None if feed is None else feed.to("cpu", torch.int64).contiguous(), feed_counts)
