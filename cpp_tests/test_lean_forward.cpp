@@ -170,7 +170,7 @@ TEST(LeanForwardKernels, RowsAreBatchInvariant) {
   }
 }
 
-// A one-row pass over cached weights (a draft's: kWideTiles tiles at a time) gives the streamed pass's
+// A one-row pass over cached weights (a draft's: the path's wide tiles at a time) gives the streamed pass's
 // bits, for every width (whole groups of 16 features, a remainder, fewer than 16), every K (a masked
 // tail, under one vector), each dtype and epilogue, on every path.
 TEST(LeanForwardKernels, CachedWeightsGiveTheStreamedBits) {
@@ -230,38 +230,7 @@ TEST(LeanForwardKernels, ResidualAddAndSwiGLU) {
   }
 }
 
-#if SPECDEC_HAVE_X86_PATHS
-// The SwiGLU epilogue's four lanes give the scalar silu(g) * u bit for bit, so a tile's full four
-// outputs and a partial tile's scalar ones agree, special values included.
-TEST(LeanForwardKernels, SwiGLULanesAreTheScalarSiluBitForBit) {
-  const float inf = std::numeric_limits<float>::infinity();
-  std::vector<float> values = {0.0f, -0.0f, 1.0f, -1.0f, 87.0f, -87.0f, 87.5f, -87.5f, 88.0f, -88.0f, 100.0f,
-                               -100.0f, 1e-30f, -1e-30f, 1e-45f, -1e-45f, inf, -inf,
-                               std::numeric_limits<float>::quiet_NaN(), 3.4e38f, -3.4e38f};
-  std::mt19937 rng(9);
-  std::normal_distribution<float> normal(0.0f, 6.0f);
-  for (int i = 0; i < 4000; ++i) values.push_back(normal(rng));
-  while (values.size() % 4 != 0) values.push_back(0.5f);
-  const auto bits = [](float v) {
-    uint32_t b;
-    std::memcpy(&b, &v, sizeof(b));
-    return b;
-  };
-  for (size_t i = 0; i < values.size(); i += 4) {
-    float u[4], lanes[4];
-    for (int j = 0; j < 4; ++j) u[j] = 0.75f - 0.5f * static_cast<float>(j);
-    swiglu4(_mm_loadu_ps(&values[i]), _mm_loadu_ps(u), lanes);
-    for (int j = 0; j < 4; ++j) {
-      const float scalar = silu(values[i + j]) * u[j];
-      if (std::isnan(scalar)) {
-        EXPECT_TRUE(std::isnan(lanes[j])) << values[i + j];
-      } else {
-        EXPECT_EQ(bits(lanes[j]), bits(scalar)) << values[i + j] << " -> " << lanes[j] << " vs " << scalar;
-      }
-    }
-  }
-}
-#endif
+// (The SwiGLU epilogue's four lanes against the scalar silu: cpp_tests/isa/test_isa_kernels.cpp.)
 
 TEST(LeanForwardKernels, RopeAndCacheWrite) {
   std::mt19937 rng(5);

@@ -3,13 +3,15 @@ runs, a fixture that forces each in turn (SPECDEC_CPU_ISA), random token trees. 
 from __future__ import annotations
 
 import os
+import platform
 
 import pytest
 import torch
 
 from specdec_ext import ops
 
-ALL_ISAS = ["portable", "avx2", "avx512bf16"]  # each includes the one before it
+# each includes the one before it
+ALL_ISAS = ["portable", "neon"] if platform.machine() in ("aarch64", "arm64") else ["portable", "avx2", "avx512bf16"]
 
 
 def supported_isas():

@@ -166,7 +166,7 @@ def test_fused_linear_errors():
 
 def test_isa_environment_variable(monkeypatch):
     monkeypatch.setenv("SPECDEC_CPU_ISA", "avx1024")
-    with pytest.raises(RuntimeError, match="is not one of avx512bf16, avx2, portable, auto"):
+    with pytest.raises(RuntimeError, match="is not one of avx512bf16, avx2, neon, portable, auto"):
         ops.cpu_isa()
     with pytest.raises(RuntimeError, match="is not one of"):
         ops.fused_linear(torch.zeros(1, 4), [torch.zeros(4, 4)], [torch.zeros(1, 4)])

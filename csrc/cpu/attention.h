@@ -4,40 +4,21 @@
 // tree (the root and its ancestors). Grouped-query heads share the kv head h / (H / Hk).
 //
 // Batch invariance: a query's keys are listed in slot order (prefix, then its visible block tokens)
-// and every sum runs over that list in a fixed order (scores, the softmax denominator in 16 lanes by
-// list index, the weighted values in list order), so a token's output is the same whether its
+// and every sum runs over that list in a fixed order (scores, the softmax denominator in the path's lanes
+// by list index, the weighted values in list order), so a token's output is the same whether its
 // prefix was committed or is part of this block: a tree node sees exactly the keys, in the same
 // order, that it sees once its path is committed.
 //
-// The portable and AVX2 paths are one source compiled twice (attention_impl.inc); the AVX-512 path
-// is attention_avx512.h.
+// The kernel is simd/attention_impl.inc, compiled once per instruction-set path.
 #pragma once
 #include <cstdint>
 
-#include "attention_avx512.h"
 #include "attention_types.h"
-#include "gemm_types.h"
 #include "isa.h"
-#include "isa_target.h"
-#include "numeric.h"
-#include "vector_math.h"
-
-#if SPECDEC_HAVE_X86_PATHS
-#include <immintrin.h>
-#endif
-
-#define SPECDEC_ATTENTION_NS portable
-#include "attention_impl.inc"
-#undef SPECDEC_ATTENTION_NS
-
-#if SPECDEC_HAVE_X86_PATHS
-SPECDEC_BEGIN_TARGET_AVX2
-#define SPECDEC_ATTENTION_NS avx2
-#include "attention_impl.inc"
-#undef SPECDEC_ATTENTION_NS
-SPECDEC_END_TARGET
-
-#endif
+#include "simd/avx2.h"
+#include "simd/avx512.h"
+#include "simd/neon.h"
+#include "simd/vec_portable.h"
 
 namespace specdec::cpu {
 
@@ -45,12 +26,20 @@ namespace specdec::cpu {
 // holds attention_scratch_floats(max(start), T) floats and keys attention_scratch_keys(T) entries.
 inline void cache_attention_range(Isa isa, const AttentionProblem& p, int64_t begin, int64_t end, float* scratch,
                                   int64_t* keys) {
+  switch (isa) {
 #if SPECDEC_HAVE_X86_PATHS
-  if (isa == Isa::kAvx512Bf16) return avx512::attend_range(p, begin, end, scratch, keys);
-  if (isa == Isa::kAvx2) return avx2::attend_range(p, begin, end, scratch, keys);
+    case Isa::kAvx512Bf16:
+      return avx512::attend_range(p, begin, end, scratch, keys);
+    case Isa::kAvx2:
+      return avx2::attend_range(p, begin, end, scratch, keys);
 #endif
-  (void)isa;
-  portable::attend_range(p, begin, end, scratch, keys);
+#if SPECDEC_HAVE_NEON_PATH
+    case Isa::kNeon:
+      return neon::attend_range(p, begin, end, scratch, keys);
+#endif
+    default:
+      return portable::attend_range(p, begin, end, scratch, keys);
+  }
 }
 
 }  // namespace specdec::cpu

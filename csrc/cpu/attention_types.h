@@ -6,7 +6,7 @@
 
 namespace specdec::cpu {
 
-constexpr int kAttentionLanes = 16;
+constexpr int64_t kMaxAttentionHeadDim = 512;
 constexpr int64_t kAttentionQueryBlock = 4;  // tokens of one (row, head) a task takes (they share the keys' loads)
 
 struct AttentionProblem {

@@ -8,13 +8,9 @@
 #pragma once
 #include <cstdint>
 
-#include "isa_target.h"
+#include "simd/lanes4.h"
 #include "small_gemm.h"
 #include "vector_math.h"
-
-#if SPECDEC_HAVE_X86_PATHS
-#include <emmintrin.h>
-#endif
 
 namespace specdec::cpu {
 
@@ -25,47 +21,6 @@ struct LinearOutput {
   int64_t ld;
   const float* bias;  // [N] fp32 or null
 };
-
-// silu(g) = g * sigmoid(g), sigmoid through exp(-|g|) <= 1 so that nothing overflows.
-inline float silu(float g) {
-  const float e = exp_nonpositive(g >= 0.0f ? -g : g);
-  const float sigmoid = g >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
-  return g * sigmoid;
-}
-
-#if SPECDEC_HAVE_X86_PATHS
-// silu and exp_nonpositive in four SSE2 lanes (the x86-64 baseline, so on every path): the same
-// operations in the same order, no fused multiply-add, so each lane gives the scalar functions' bits.
-// The scalar epilogue did not vectorise and took a tenth of a verification pass (perf, 9 rows).
-inline __m128 exp4_nonpositive(__m128 x) {
-  const __m128 min_arg = _mm_set1_ps(-87.3f);
-  const __m128 round_magic = _mm_set1_ps(12582912.0f);
-  const __m128 xc = _mm_max_ps(x, min_arg);  // NaN -> min_arg (max_ps returns its second operand)
-  const __m128 n = _mm_sub_ps(_mm_add_ps(_mm_mul_ps(xc, _mm_set1_ps(1.44269504088896341f)), round_magic), round_magic);
-  const __m128 r = _mm_sub_ps(_mm_sub_ps(xc, _mm_mul_ps(n, _mm_set1_ps(0.693359375f))),
-                              _mm_mul_ps(n, _mm_set1_ps(-2.12194440e-4f)));
-  __m128 poly = _mm_set1_ps(1.9875691500e-4f);
-  poly = _mm_add_ps(_mm_mul_ps(poly, r), _mm_set1_ps(1.3981999507e-3f));
-  poly = _mm_add_ps(_mm_mul_ps(poly, r), _mm_set1_ps(8.3334519073e-3f));
-  poly = _mm_add_ps(_mm_mul_ps(poly, r), _mm_set1_ps(4.1665795894e-2f));
-  poly = _mm_add_ps(_mm_mul_ps(poly, r), _mm_set1_ps(1.6666665459e-1f));
-  poly = _mm_add_ps(_mm_mul_ps(poly, r), _mm_set1_ps(5.0000001201e-1f));
-  const __m128 expm = _mm_add_ps(_mm_add_ps(_mm_mul_ps(_mm_mul_ps(poly, r), r), r), _mm_set1_ps(1.0f));
-  const __m128i exponent = _mm_slli_epi32(_mm_add_epi32(_mm_cvttps_epi32(n), _mm_set1_epi32(127)), 23);
-  const __m128 result = _mm_mul_ps(expm, _mm_castsi128_ps(exponent));
-  return _mm_and_ps(_mm_cmpge_ps(x, min_arg), result);
-}
-
-// dst[j] = silu(g[j]) * u[j] for j < 4, as silu(g) * u computes it.
-inline void swiglu4(__m128 g, __m128 u, float* dst) {
-  const __m128 nonnegative = _mm_cmpge_ps(g, _mm_setzero_ps());  // false for NaN, as g >= 0.0f
-  const __m128 negated = _mm_xor_ps(g, _mm_set1_ps(-0.0f));
-  const __m128 e = exp4_nonpositive(_mm_or_ps(_mm_and_ps(nonnegative, negated), _mm_andnot_ps(nonnegative, g)));
-  const __m128 numerator = _mm_or_ps(_mm_and_ps(nonnegative, _mm_set1_ps(1.0f)), _mm_andnot_ps(nonnegative, e));
-  const __m128 sigmoid = _mm_div_ps(numerator, _mm_add_ps(_mm_set1_ps(1.0f), e));
-  _mm_storeu_ps(dst, _mm_mul_ps(_mm_mul_ps(g, sigmoid), u));
-}
-#endif
 
 inline int64_t fused_linear_num_tiles(LinearEpilogue epilogue, const GemmWeight* weights, int count) {
   if (epilogue == LinearEpilogue::kSwiGLU) return num_tiles(weights[0].rows);
@@ -127,16 +82,8 @@ inline void fused_linear_range(Isa isa, const GemmActivations& a, int64_t M, Lin
                      dst[j] = silu(g) * u;
                    };
                    if (nt == kTileN) {
-#if SPECDEC_HAVE_X86_PATHS
-                     static_assert(kTileN == 4, "swiglu4 takes a tile's four outputs");
-                     const __m128 zero = _mm_setzero_ps();
-                     const __m128 bg = gate.bias != nullptr ? _mm_loadu_ps(gate.bias + n0) : zero;
-                     const __m128 bu = up.bias != nullptr ? _mm_loadu_ps(up.bias + n0) : zero;
-                     swiglu4(_mm_add_ps(_mm_loadu_ps(tiles[0] + m * kTileN), bg),
-                             _mm_add_ps(_mm_loadu_ps(tiles[1] + m * kTileN), bu), dst);
-#else
-                     for (int j = 0; j < kTileN; ++j) put(j);
-#endif
+                     swiglu4(tiles[0] + m * kTileN, gate.bias != nullptr ? gate.bias + n0 : nullptr,
+                             tiles[1] + m * kTileN, up.bias != nullptr ? up.bias + n0 : nullptr, dst);
                    } else {
                      for (int j = 0; j < nt; ++j) put(j);
                    }

@@ -25,7 +25,6 @@
 namespace specdec::cpu {
 
 constexpr int kTileN = 4;  // output features per tile, on every path (the threads split tiles)
-constexpr int kWideTiles = 4;  // tiles of one row computed at once from cached weights (TilePath::wide_row)
 
 // The SIMD tiles prefetch the weight rows this many tiles ahead: the hardware prefetchers alone left
 // a one-row pass at 27 GB/s where this reaches 35-38 (this VM's copy bandwidth), and at 4-9 rows the
@@ -47,13 +46,18 @@ constexpr int64_t kPrefetchMinBytes = 8 << 10;
 // prefetch the same pass ran at about half the bandwidth. (On a Zen 5 NTA had been 1.1-1.2x faster
 // than T0, by keeping the 45 MB of weights from pushing the KV cache and the host code out of L2 and
 // L3; T2 was not measured there.)
-inline void prefetch_weights(const void* line) {
+template <bool kIntoL1>
+inline void prefetch_line(const void* line) {
 #if SPECDEC_HAVE_X86_PATHS
-  _mm_prefetch(static_cast<const char*>(line), _MM_HINT_T2);
+  _mm_prefetch(static_cast<const char*>(line), kIntoL1 ? _MM_HINT_T0 : _MM_HINT_T2);
 #else
-  (void)line;
+  __builtin_prefetch(line, 0, kIntoL1 ? 3 : 1);
 #endif
 }
+inline void prefetch_weights(const void* line) { prefetch_line<false>(line); }
+
+// A cache line wanted soon, into L1 (the attention's keys and values, a few rows ahead).
+inline void prefetch_near(const void* line) { prefetch_line<true>(line); }
 
 // How far ahead (in rows of w) the SIMD tiles prefetch: kPrefetchTiles tiles, or kPrefetchMinBytes.
 inline int64_t prefetch_rows_ahead(int64_t ld, int64_t element_bytes) {
@@ -81,6 +85,31 @@ struct GemmWeight {
     const int64_t bytes = type == DType::kF32 ? 4 : 2;
     return static_cast<const char*>(data) + n * ld * bytes;
   }
+};
+
+// How a path's kernels are shaped (each path's Vec::kTuning, measured on it: simd/<path>.h).
+struct PathTuning {
+  int tile_m;              // the GEMM's row block: tile_m x kTileN accumulator vectors
+  bool feature_outer;      // a block's k step runs feature by feature (one weight vector live), else all
+                           // kTileN weight vectors first and each activation loaded once
+  int wide_tiles;          // tiles of one row from cached weights at once (0: none)
+  bool single_row_by_row;  // a one-row pass of bf16 pairs reads each tile's weight rows one after the other
+  int value_chunks;        // attention: value vectors per query held in registers
+};
+
+constexpr int kMaxTileM = 6;      // the largest row block of the paths (Vec::kTuning.tile_m)
+constexpr int kMaxWideTiles = 4;  // the largest Vec::kTuning.wide_tiles
+
+using TileFn = void (*)(const GemmActivations&, int64_t, int, const GemmWeight&, int64_t, int, float*);
+
+// One instruction-set path's tiles (simd/gemm_impl.inc), for small_gemm.h's driver.
+struct TilePath {
+  TileFn tile;        // out[m * kTileN + j] for m < mb <= tile_m, j < nt <= kTileN
+  int tile_m;         // the largest row block
+  TileFn single_row;  // the tile of a pass of one row: the same sums, possibly read in another order
+  TileFn wide_row;    // wide_tiles full tiles of one row at once from cached weights (the same sums), or null
+  int wide_tiles;
+  bool bf16_dot;      // bf16 x bf16 products from bf16 activations (GemmActivations::bf16) where they are given
 };
 
 // Sum of 2^p lanes by folding halves (lane l += lane l + w for w = n/2, n/4, ..., 1): the tree the

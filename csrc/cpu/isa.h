@@ -1,10 +1,12 @@
-// The instruction-set paths of the CPU forward kernels (small_gemm.h, attention.h) and which one a
-// call takes: the best this CPU runs, or the one SPECDEC_CPU_ISA names (avx512bf16 | avx2 | portable),
+// The instruction-set paths of the CPU forward kernels (small_gemm.h, attention.h; one file each in
+// simd/) and which one a call takes: the best this CPU runs, or the one SPECDEC_CPU_ISA names
+// (avx512bf16 | avx2 | portable on x86-64, neon | portable on AArch64),
 // so that every path can be tested on one machine. The environment is read at every call (a getenv
 // is nothing next to a GEMM) so that a test can switch paths inside one process.
 //
-// The paths are compiled into every build (function-level target pragmas, see isa_target.h) and
-// chosen at run time, so the extension still loads and runs on a CPU without AVX-512 or AVX2.
+// The x86 paths are compiled into every x86 build (function-level target pragmas, see isa_target.h)
+// and chosen at run time, so the extension still loads and runs on a CPU without AVX-512 or AVX2; NEON
+// is part of AArch64's baseline.
 #pragma once
 #include <cstdlib>
 #include <cstring>
@@ -13,7 +15,7 @@
 
 namespace specdec::cpu {
 
-enum class Isa { kPortable = 0, kAvx2 = 1, kAvx512Bf16 = 2 };
+enum class Isa { kPortable = 0, kAvx2 = 1, kAvx512Bf16 = 2, kNeon = 3 };
 
 inline const char* isa_name(Isa isa) {
   switch (isa) {
@@ -21,6 +23,8 @@ inline const char* isa_name(Isa isa) {
       return "avx512bf16";
     case Isa::kAvx2:
       return "avx2";
+    case Isa::kNeon:
+      return "neon";
     default:
       return "portable";
   }
@@ -35,9 +39,13 @@ inline bool isa_supported(Isa isa) {
              __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     case Isa::kAvx2:
       return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    case Isa::kNeon:
+      return false;
     default:
       return true;
   }
+#elif defined(__aarch64__)
+  return isa == Isa::kPortable || isa == Isa::kNeon;
 #else
   return isa == Isa::kPortable;
 #endif
@@ -46,6 +54,7 @@ inline bool isa_supported(Isa isa) {
 inline Isa best_isa() {
   static const Isa best = isa_supported(Isa::kAvx512Bf16) ? Isa::kAvx512Bf16
                           : isa_supported(Isa::kAvx2)     ? Isa::kAvx2
+                          : isa_supported(Isa::kNeon)     ? Isa::kNeon
                                                           : Isa::kPortable;
   return best;
 }
@@ -55,14 +64,14 @@ inline Isa best_isa() {
 inline Isa selected_isa() {
   const char* forced = std::getenv("SPECDEC_CPU_ISA");
   if (forced == nullptr || forced[0] == '\0' || std::strcmp(forced, "auto") == 0) return best_isa();
-  for (Isa isa : {Isa::kAvx512Bf16, Isa::kAvx2, Isa::kPortable}) {
+  for (Isa isa : {Isa::kAvx512Bf16, Isa::kAvx2, Isa::kNeon, Isa::kPortable}) {
     if (std::strcmp(forced, isa_name(isa)) != 0) continue;
     if (!isa_supported(isa))
       throw std::runtime_error(std::string("SPECDEC_CPU_ISA=") + forced + " but this CPU does not support it");
     return isa;
   }
   throw std::invalid_argument(std::string("SPECDEC_CPU_ISA=") + forced +
-                              " is not one of avx512bf16, avx2, portable, auto");
+                              " is not one of avx512bf16, avx2, neon, portable, auto");
 }
 
 }  // namespace specdec::cpu

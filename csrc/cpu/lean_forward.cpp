@@ -78,7 +78,7 @@ void linear_on(Isa isa, const at::Tensor& x, const c10::optional<at::Tensor>& no
   thread_local std::vector<float> a32;
   thread_local std::vector<uint16_t> a16;
   a32.resize(M * K);
-  const bool dot_bf16 = bf16_activations && isa == Isa::kAvx512Bf16;
+  const bool dot_bf16 = bf16_activations && tile_path(isa).bf16_dot;
   if (dot_bf16) a16.resize(M * K);
   const at::Tensor norm32 = norm_weight ? norm_weight->to(at::kFloat).contiguous() : at::Tensor();
   prepare_activations(x.data_ptr<float>(), K, M, K, norm_weight ? norm32.data_ptr<float>() : nullptr,

@@ -5,11 +5,12 @@
 #include <cmath>
 #include <cstdint>
 
-#include "gemm_avx2.h"
-#include "gemm_avx512.h"
-#include "gemm_portable.h"
 #include "gemm_types.h"
 #include "isa.h"
+#include "simd/avx2.h"
+#include "simd/avx512.h"
+#include "simd/neon.h"
+#include "simd/vec_portable.h"
 
 namespace specdec::cpu {
 
@@ -48,27 +49,24 @@ inline void prepare_activations(const float* x, int64_t ldx, int64_t M, int64_t 
   }
 }
 
-using TileFn = void (*)(const GemmActivations&, int64_t, int, const GemmWeight&, int64_t, int, float*);
-
-struct TilePath {
-  TileFn tile;
-  int tile_m;
-  TileFn single_row;  // the tile of a pass of one row: the same sums, possibly read in another order
-  TileFn wide_row;    // kWideTiles full tiles of one row at once (the same sums), or null
-};
-
 inline TilePath tile_path(Isa isa) {
+  switch (isa) {
 #if SPECDEC_HAVE_X86_PATHS
-  if (isa == Isa::kAvx512Bf16)
-    return {&avx512::gemm_tile, avx512::kTileM, &avx512::gemm_tile_single_row, &avx512::gemm_wide_row};
-  if (isa == Isa::kAvx2) return {&avx2::gemm_tile, avx2::kTileM, &avx2::gemm_tile, nullptr};
+    case Isa::kAvx512Bf16:
+      return avx512::tile_path();
+    case Isa::kAvx2:
+      return avx2::tile_path();
 #endif
-  (void)isa;
-  return {&portable::gemm_tile, portable::kTileM, &portable::gemm_tile, nullptr};
+#if SPECDEC_HAVE_NEON_PATH
+    case Isa::kNeon:
+      return neon::tile_path();
+#endif
+    default:
+      return portable::tile_path();
+  }
 }
 
 constexpr int kMaxGemmWeights = 2;
-constexpr int kMaxTileM = 6;
 
 inline int64_t num_tiles(int64_t rows) { return (rows + kTileN - 1) / kTileN; }
 
@@ -76,7 +74,7 @@ inline int64_t num_tiles(int64_t rows) { return (rows + kTileN - 1) / kTileN; }
 // tiles[i][m * kTileN + j] = sum_k A[m0 + m, k] * weights[i][n0 + j, k] for the `count` weights
 // (which share their shapes, e.g. the gate and up projections), then epilogue(m0, mb, n0, nt, tiles).
 // weights_cached: the weights sit in cache (a small draft model's, read pass after pass), so a one-row
-// pass takes them kWideTiles tiles at a time (TilePath::wide_row) rather than streaming them row by row.
+// pass takes them path.wide_tiles tiles at a time (TilePath::wide_row) rather than streaming them row by row.
 template <typename Epilogue>
 inline void gemm_tiles(Isa isa, const GemmActivations& a, int64_t M, const GemmWeight* weights, int count,
                        int64_t tile_begin, int64_t tile_end, bool weights_cached, Epilogue&& epilogue) {
@@ -91,10 +89,11 @@ inline void gemm_tiles(Isa isa, const GemmActivations& a, int64_t M, const GemmW
   const int64_t block = (M + blocks - 1) / blocks;
   int64_t t = tile_begin;
   if (M == 1 && weights_cached && path.wide_row != nullptr) {
-    float wide[kMaxGemmWeights][kWideTiles * kTileN];
-    for (; t + kWideTiles <= tile_end && (t + kWideTiles) * kTileN <= N; t += kWideTiles) {
-      for (int i = 0; i < count; ++i) path.wide_row(a, 0, 1, weights[i], t * kTileN, kWideTiles * kTileN, wide[i]);
-      for (int u = 0; u < kWideTiles; ++u) {
+    const int wide_tiles = path.wide_tiles;
+    float wide[kMaxGemmWeights][kMaxWideTiles * kTileN];
+    for (; t + wide_tiles <= tile_end && (t + wide_tiles) * kTileN <= N; t += wide_tiles) {
+      for (int i = 0; i < count; ++i) path.wide_row(a, 0, 1, weights[i], t * kTileN, wide_tiles * kTileN, wide[i]);
+      for (int u = 0; u < wide_tiles; ++u) {
         const float* parts[kMaxGemmWeights] = {wide[0] + u * kTileN, wide[1] + u * kTileN};
         epilogue(0, 1, (t + u) * kTileN, kTileN, parts);
       }

@@ -16,31 +16,39 @@ namespace specdec::cpu {
 
 constexpr int kLanes = 16;
 
+// The constants of exp_nonpositive, shared with its vector form (simd/vec_math.inc), which performs the
+// same operations in the same order so that each lane gives this function's bits.
+constexpr float kExpLog2e = 1.44269504088896341f;
+constexpr float kExpLn2Hi = 0.693359375f;
+constexpr float kExpLn2Lo = -2.12194440e-4f;
+constexpr float kExpMinArg = -87.3f;
+constexpr float kExpRoundMagic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
 // exp(x) for x <= 0 with about 2 ulp error (Cody-Waite reduction, degree-6 polynomial);
 // exactly 0 below the smallest normal result, so masked (-inf) logits get zero weight, and 0 for
 // NaN (a -inf logit at T = +inf scales to -inf * 0; sampling_math.h). Branch-free (selects and a
 // round-to-nearest by the 1.5 * 2^23 trick) so that loops over it vectorise.
 inline float exp_nonpositive(float x) {
-  constexpr float kLog2e = 1.44269504088896341f;
-  constexpr float kLn2Hi = 0.693359375f;
-  constexpr float kLn2Lo = -2.12194440e-4f;
-  constexpr float kMinArg = -87.3f;
-  constexpr float kRoundMagic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const float xc = x >= kMinArg ? x : kMinArg;  // NaN -> kMinArg: no NaN to int conversion below
-  const float n = (xc * kLog2e + kRoundMagic) - kRoundMagic;
-  const float r = (xc - n * kLn2Hi) - n * kLn2Lo;
-  float poly = 1.9875691500e-4f;
-  poly = poly * r + 1.3981999507e-3f;
-  poly = poly * r + 8.3334519073e-3f;
-  poly = poly * r + 4.1665795894e-2f;
-  poly = poly * r + 1.6666665459e-1f;
-  poly = poly * r + 5.0000001201e-1f;
+  const float xc = x >= kExpMinArg ? x : kExpMinArg;  // NaN -> kExpMinArg: no NaN to int conversion below
+  const float n = (xc * kExpLog2e + kExpRoundMagic) - kExpRoundMagic;
+  const float r = (xc - n * kExpLn2Hi) - n * kExpLn2Lo;
+  float poly = kExpPoly[0];
+  for (int i = 1; i < 6; ++i) poly = poly * r + kExpPoly[i];
   const float expm = (poly * r * r + r) + 1.0f;
   const int32_t exponent_bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &exponent_bits, sizeof(scale));
   const float result = expm * scale;
-  return x >= kMinArg ? result : 0.0f;
+  return x >= kExpMinArg ? result : 0.0f;
+}
+
+// silu(g) = g * sigmoid(g), sigmoid through exp(-|g|) <= 1 so that nothing overflows.
+inline float silu(float g) {
+  const float e = exp_nonpositive(g >= 0.0f ? -g : g);
+  const float sigmoid = g >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+  return g * sigmoid;
 }
 
 inline float lane_sum(const float (&lanes)[kLanes]) {

@@ -1,0 +1,55 @@
+// The ARM NEON path (AArch64: Apple silicon, Graviton, Ampere; NEON is part of the baseline there, so
+// no target region): its vector traits, its tuning, and the kernels (gemm_impl.inc,
+// attention_impl.inc) compiled for it. The traits' contract is in vec_portable.h. 4 fp32 lanes in 32
+// registers; bf16 widened by a shift, fp16 by FCVTL; partial vectors through a zero-filled buffer.
+// Tested under qemu-user (tools/neon_kernel_tests.sh); its tuning is not yet measured on an ARM machine.
+#pragma once
+#include <cstdint>
+
+#include "kernel_common.h"
+
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#define SPECDEC_HAVE_NEON_PATH 1
+
+namespace specdec::cpu::neon {
+
+#include "vec_arith.inc"
+
+struct NeonOps : VectorArith<4> {
+  // Not yet measured on an ARM machine: AVX-512's register budget, which NEON's 32 registers share
+  // (6 x 4 accumulators, 4 weight vectors and an activation: 29 of 32; 16 accumulators for a cached
+  // draft's one-row pass); no bf16 pairs here, so nothing to read row by row.
+  static constexpr PathTuning kTuning{.tile_m = 6, .feature_outer = false, .wide_tiles = 4, .single_row_by_row = false,
+                                      .value_chunks = 4};
+
+  static F load(const float* p) { return vld1q_f32(p); }
+  // kLanes 16-bit floats, widened to fp32: bf16 by a shift, fp16 by FCVTL.
+  template <DType kT>
+  static F load_half(const uint16_t* p) {
+    if constexpr (kT == DType::kBF16) return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16));
+    return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)));
+  }
+  static void store(float* p, F v) { vst1q_f32(p, v); }
+  static F fma(F a, F b, F c) { return vfmaq_f32(c, a, b); }
+
+  // The sums of four vectors' 4 lanes into out[0..3], each associated as fold_sum<4>: (l0 + l2) + (l1 + l3).
+  static void reduce4(F a0, F a1, F a2, F a3, float* out) {
+    const F h01 = vcombine_f32(vadd_f32(vget_low_f32(a0), vget_high_f32(a0)), vadd_f32(vget_low_f32(a1), vget_high_f32(a1)));
+    const F h23 = vcombine_f32(vadd_f32(vget_low_f32(a2), vget_high_f32(a2)), vadd_f32(vget_low_f32(a3), vget_high_f32(a3)));
+    vst1q_f32(out, vpaddq_f32(h01, h23));
+  }
+
+};
+using Vec = WithBufferedTails<NeonOps>;
+
+#define SPECDEC_UNROLL _Pragma("GCC unroll 16")
+#include "vec_math.inc"
+#include "gemm_impl.inc"
+#include "attention_impl.inc"
+#undef SPECDEC_UNROLL
+
+}  // namespace specdec::cpu::neon
+#else
+#define SPECDEC_HAVE_NEON_PATH 0
+#endif
