@@ -5,19 +5,32 @@ speculative decoding at each thread count, methods interleaved within every repe
 generated texts compared; this VM's copy bandwidth measured in the same run; and the target's
 one-token forward against the bandwidth floor of its weights.
 
-llama.cpp is not a dependency: build it from a registry package into a folder outside the repository,
-e.g. (2 cores: about 10 minutes)
+llama.cpp is not a dependency: build it from a registry package into folders outside the repository,
+one build per instruction set compared (2 cores: about 10 minutes each). Its sdist vendors llama.cpp:
 
-    pip download --no-deps --no-binary :all: llama-cpp-python -d /tmp/llamacpp-dl   # its sdist vendors llama.cpp
+    pip download --no-deps --no-binary :all: llama-cpp-python -d /tmp/llamacpp-dl
     tar xzf /tmp/llamacpp-dl/llama_cpp_python-*.tar.gz -C /tmp/llamacpp-dl
-    cmake -S /tmp/llamacpp-dl/llama_cpp_python-*/vendor/llama.cpp -B /tmp/llamacpp-build -DGGML_NATIVE=ON \\
-        -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_OPENSSL=OFF
-    cmake --build /tmp/llamacpp-build -j2 --target llama-completion llama-speculative-simple llama-tokenize
-    python3 -m venv /tmp/llamacpp-venv && /tmp/llamacpp-venv/bin/pip install sentencepiece
-    cp /tmp/llamacpp-build/bin/llama-* /tmp/llamacpp-venv/bin/ && mkdir -p /tmp/llamacpp-venv/src
-    ln -s /tmp/llamacpp-dl/llama_cpp_python-*/vendor/llama.cpp /tmp/llamacpp-venv/src/llama.cpp
+    llamacpp() {  # $1: "" (native), -avx2 or -portable; then the ISA options: /tmp/llamacpp$1-venv
+        local src=$(echo /tmp/llamacpp-dl/llama_cpp_python-*/vendor/llama.cpp) b=/tmp/llamacpp$1-build \
+            v=/tmp/llamacpp$1-venv; shift
+        cmake -S $src -B $b "$@" -DGGML_CPU_ALL_VARIANTS=OFF -DGGML_BACKEND_DL=OFF -DBUILD_SHARED_LIBS=OFF \
+            -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_OPENSSL=OFF
+        cmake --build $b -j2 --target llama-completion llama-speculative-simple llama-tokenize
+        python3 -m venv $v && $v/bin/pip install sentencepiece
+        cp $b/bin/llama-* $v/bin/ && mkdir -p $v/src && ln -s $src $v/src/llama.cpp
+    }
+    # --isa auto / avx512bf16: everything this CPU has
+    llamacpp "" -DGGML_NATIVE=ON
+    # --isa avx2: AVX2 + FMA + F16C, no AVX-512 (one CPU backend, no run-time variants)
+    llamacpp -avx2 -DGGML_NATIVE=OFF -DGGML_SSE42=ON -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON \
+        -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF \
+        -DGGML_AVX512_BF16=OFF -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+    # --isa portable (optional): no x86 SIMD option (the compiler's x86-64 baseline, SSE2)
+    llamacpp -portable -DGGML_NATIVE=OFF -DGGML_SSE42=OFF -DGGML_AVX=OFF -DGGML_AVX2=OFF -DGGML_FMA=OFF \
+        -DGGML_F16C=OFF -DGGML_BMI2=OFF -DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF
 
-then ``python benchmarks/bench_cpu_anchor.py --threads 1 2 --repeats 5``. Without it the script says so
+then ``python benchmarks/bench_cpu_anchor.py --threads 1 2 --repeats 5`` (add ``--isa avx2`` for both engines
+on AVX2: SPECDEC_CPU_ISA for ours, the -avx2 build of llama.cpp). Without llama.cpp the script says so
 and measures ours alone. It converts the pair to GGUF bf16 with llama.cpp's own converter (our
 tokenizer is GPT-2's byte-level BPE, which the converter is told by name) and checks that llama.cpp
 tokenizes every prompt as we do. Never run in CI.
@@ -73,6 +86,31 @@ def llamacpp_paths(root: Path):
 def llamacpp_version(binary: Path) -> str:
     out = subprocess.run([str(binary), "--version"], capture_output=True, text=True)
     return " ".join((out.stdout + out.stderr).split())
+
+
+LLAMACPP_BUILDS = {"avx2": Path("/tmp/llamacpp-avx2-venv"), "portable": Path("/tmp/llamacpp-portable-venv")}
+NATIVE_LLAMACPP = Path("/tmp/llamacpp-venv")
+
+
+def llamacpp_root(isa: str, given: Path | None):
+    """The llama.cpp folder for our instruction-set path (--llamacpp, else LLAMACPP_DIR, else the build of
+    the docstring for that ISA; portable falls back to the native build when it has none), and a note."""
+    if given is not None:
+        return given, "given by --llamacpp"
+    if os.environ.get("LLAMACPP_DIR"):
+        return Path(os.environ["LLAMACPP_DIR"]), "given by LLAMACPP_DIR"
+    root = LLAMACPP_BUILDS.get(isa, NATIVE_LLAMACPP)
+    if isa == "portable" and not root.exists():
+        return NATIVE_LLAMACPP, f"the native build: no portable build at {root}"
+    return root, "the native build" if root == NATIVE_LLAMACPP else f"the {isa} build"
+
+
+def llamacpp_features(binary: Path, gguf: Path) -> str:
+    """The CPU features llama.cpp's CPU backend was compiled with (its system_info line: the flags = 1)."""
+    out = subprocess.run([str(binary), "-m", str(gguf), "-p", "a", "-n", "1", "-no-cnv", "--no-warmup", "-t", "1"],
+                         capture_output=True, text=True)
+    line = next((ln for ln in (out.stdout + out.stderr).splitlines() if "system_info" in ln), "")
+    return " ".join(re.findall(r"(\w+) = 1\b", line.split("CPU :", 1)[-1])) or "unknown"
 
 
 def convert(src: Path, root: Path, gguf_dir: Path):
@@ -174,12 +212,25 @@ def main(argv=None):
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--lines", type=int, default=25, help="lines of each module's source in its prompt")
     parser.add_argument("--draft-max", type=int, default=4, help="llama.cpp's --spec-draft-n-max")
-    parser.add_argument("--llamacpp", type=Path, default=Path(os.environ.get("LLAMACPP_DIR", "/tmp/llamacpp-venv")))
+    parser.add_argument("--isa", choices=["auto", "avx512bf16", "avx2", "portable"],
+                        default=os.environ.get("SPECDEC_CPU_ISA") or "auto",
+                        help="our kernels' instruction-set path (sets SPECDEC_CPU_ISA) and, by default, the llama.cpp "
+                             "build for it (avx2: /tmp/llamacpp-avx2-venv, portable: /tmp/llamacpp-portable-venv when "
+                             "built, else /tmp/llamacpp-venv, the native build)")
+    parser.add_argument("--llamacpp", type=Path, default=None,
+                        help="llama.cpp folder (default: LLAMACPP_DIR, else the build for --isa)")
     parser.add_argument("--gguf-dir", type=Path, default=Path(tempfile.gettempdir()) / "specdec-gguf")
     args = parser.parse_args(argv)
 
+    # Read by our ops at every call: set before the first one.
+    os.environ["SPECDEC_CPU_ISA"] = args.isa
     from specdec_ext import ops
     from specdec_ext.default_pair import load_default_pair
+
+    isa = ops.cpu_isa()  # raises when this CPU cannot run the path asked for
+    if args.isa != "auto" and isa != args.isa:
+        raise SystemExit(f"--isa {args.isa} but our kernels report the {isa} path")
+    args.llamacpp, llamacpp_note = llamacpp_root(args.isa, args.llamacpp)
 
     target, draft, tokenizer = load_default_pair(dtype=torch.bfloat16)
     texts = prompts(args.lines)
@@ -192,10 +243,12 @@ def main(argv=None):
     else:
         gguf = convert(src, args.llamacpp, args.gguf_dir)
         same = [llamacpp_tokens(binaries["llama-tokenize"], gguf["target"], t) == i for t, i in zip(texts, ids)]
-        print(f"llama.cpp: {llamacpp_version(binaries['llama-completion'])}; tokenization identical to ours on "
-              f"{sum(same)}/{len(same)} prompts")
+        print(f"llama.cpp: {llamacpp_version(binaries['llama-completion'])}; {args.llamacpp} ({llamacpp_note}; "
+              f"CPU features {llamacpp_features(binaries['llama-completion'], gguf['draft'])}); tokenization "
+              f"identical to ours on {sum(same)}/{len(same)} prompts")
     print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}, torch {torch.__version__}, "
-          f"our kernels on the {ops.cpu_isa()} path; prompts of {min(map(len, ids))}-{max(map(len, ids))} tokens, "
+          f"our kernels on the {ops.cpu_isa()} path (--isa {args.isa}); prompts of "
+          f"{min(map(len, ids))}-{max(map(len, ids))} tokens, "
           f"{args.new_tokens} new tokens, greedy, batch 1, {args.repeats} interleaved repeats (median)")
     for threads in args.threads:
         torch.set_num_threads(threads)
