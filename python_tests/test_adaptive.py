@@ -16,6 +16,7 @@ from specdec_ext.adaptive import AdaptiveK, ProbeRequest, expected_tokens_table,
 from specdec_ext.stats import StepOutcome
 
 V1 = 1e-3  # seconds of a one-token verify step in the simulations
+SEGMENT = 8  # passes of a simulated plain chain segment (decode.PLAIN_CHAIN_TOKENS)
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -40,15 +41,20 @@ def brute_force_best(acceptance, verify, c, k_max, tolerance=0.0):
 class Simulator:
     """Drives a controller with simulated acceptance (per row, per position) and costs."""
 
-    def __init__(self, controller, acceptance, verify, draft_cost, seed=0, noise=0.0):
+    def __init__(self, controller, acceptance, verify, draft_cost, seed=0, noise=0.0, plain=None, host=0.0):
         self.c = controller
         self.acceptance = [list(a) for a in acceptance]  # [B][k_max] true a_i
         self.verify, self.draft_cost = verify, draft_cost
+        self.plain, self.host = plain, host  # seconds per plain chain pass (None: the loop cannot chain), per step
         self.rng = random.Random(seed)
         self.noise = noise
         self.B = len(acceptance)
         controller.reset(self.B)
+        if plain is not None:  # the loop chains plain decoding; its start-up probe measured P
+            controller.plain_chain = SEGMENT
+            controller.record_probes({}, {}, plain)
         self.drafter_calls = 0
+        self.segments = 0
 
     def _jitter(self, t):
         return t * (1.0 + self.noise * (2 * self.rng.random() - 1))
@@ -57,6 +63,10 @@ class Simulator:
         active = [True] * self.B if active is None else active
         budget = self.c.plan(active)
         K = max(budget)
+        if K == 0 and self.plain is not None:  # the loop runs a plain chain segment instead of a step
+            self.segments += 1
+            self.c.observe_plain(SEGMENT, self._jitter(SEGMENT * self.plain), active)
+            return budget
         accepted = []
         for b in range(self.B):
             n = 0
@@ -65,7 +75,7 @@ class Simulator:
             accepted.append(n)
         self.drafter_calls += K > 0
         self.c.observe(budget, StepOutcome.of(accepted, budget, active), draft_time=self._jitter(K * self.draft_cost),
-                       verify_time=self._jitter(self.verify(K + 1)), drafted=K, width=K + 1)
+                       verify_time=self._jitter(self.verify(K + 1)), drafted=K, width=K + 1, host_time=self.host)
         return budget
 
     def run(self, steps, active=None):
@@ -107,8 +117,10 @@ def test_padded_batch_cap_is_the_brute_force_argmax():
         rates = [sum(true_expected(acc[b], K2) for b in range(B) if active[b]) / times[K2] for K2 in range(K + 1)]
         assert rates[cap] == pytest.approx(max(rates))
         assert cap == min(K2 for K2 in range(K + 1) if rates[K2] >= max(rates) * (1 - 1e-12))  # ties -> smaller
-        # with a tolerance: the longest cap within it of the best
-        longest = max(K2 for K2 in range(K + 1) if rates[K2] >= max(rates) * 0.95)
+        # with a tolerance: 0 when plain decoding is the best, else the longest cap within it of the best
+        # cap >= 1 (the tolerance never favours speculating over plain decoding)
+        spec = max(rates[1:])
+        longest = 0 if rates[0] >= spec else max(K2 for K2 in range(1, K + 1) if rates[K2] >= spec * 0.95)
         assert padded_batch_cap(expected, times, active, 0.05) == longest
 
 
@@ -270,6 +282,212 @@ def test_noisy_times_still_give_a_near_optimal_rate():
     assert np.mean([rates[p[0]] for p in chosen]) >= 0.95 * max(rates)
 
 
+# ------------------------------------------------------------------------------------ plain decoding at its own cost
+def steep(t):
+    """A compute-bound verify pass (the AVX2 path): each token costs a quarter of a one-token pass."""
+    return V1 * (1.0 + 0.25 * (t - 1))
+
+
+def known(acceptance, verify, draft_cost, *, plain=None, host=0.0, k_max=8, B=1):
+    """A controller whose statistics and costs are set by hand (so many observations that the prior does
+    not matter): V probed at every width, c per draft token, H, and P (the loop chains; just measured)
+    unless None."""
+    c = AdaptiveK(k_max, explore_every=0)
+    c.reset(B)
+    c.reached[:] = 1e6
+    c.accepted[:] = np.array(acceptance) * 1e6
+    c.costs.probe[1:] = [verify(t) for t in range(1, k_max + 2)]
+    c.draft_per_token = draft_cost
+    c.costs.host = host
+    if plain is not None:
+        c.plain_chain = SEGMENT
+        c.record_probes({}, {}, plain)
+        c.costs.plain_obs, c.costs.plain_obs_step = plain, c.costs.step
+    return c
+
+
+def test_speculation_is_measured_against_the_plain_path_the_loop_runs():
+    """Issue 25: the same acceptance and step costs; against the loop's one-token step (V(1) + H)
+    speculating pays, against greedy plain chains 1.4x faster per token it does not (0: a plain
+    segment), and the choice flips exactly where 1 / P crosses the best E(k) / time(k) (while off,
+    where (1 + SWITCH_ON_MARGIN) / P does)."""
+    a, c_draft, H = [0.6] * 8, 0.1 * V1, 0.3 * V1
+    step_loop = known([a], steep, c_draft, host=H)
+    assert step_loop.plan([True])[0] >= 1
+    assert step_loop.step_times()[0] == pytest.approx(steep(1) + H)  # k = 0 is the loop's one-token step
+    chained = known([a], steep, c_draft, host=H, plain=(V1 + H) / 1.4)
+    assert chained.plan([True]) == [0]
+    assert chained.step_times()[0] == pytest.approx((V1 + H) / 1.4)
+    best = max(true_expected(a, k) / (steep(k + 1) + k * c_draft + H) for k in range(1, 9))
+    for plain in np.linspace(0.8, 1.2, 17) / best:
+        off = known([a], steep, c_draft, host=H, plain=plain)  # speculation off: it must beat plain by the margin
+        assert (off.plan([True])[0] == 0) == ((1 + ad.SWITCH_ON_MARGIN) / plain >= best), plain * best
+        on = known([a], steep, c_draft, host=H, plain=plain)
+        on._speculating = True  # speculating: it stays on while it beats plain at all
+        assert (on.plan([True])[0] == 0) == (1.0 / plain >= best), plain * best
+
+
+def test_the_noise_guards_never_favour_speculating_over_plain_decoding():
+    """The longest-cap tolerance and the hysteresis choose among K >= 1 only: plain decoding within 2%
+    above a draft length, or the cap in use, still switches speculation off; while off, speculation
+    must beat plain decoding by the switch-on margin."""
+    def cap(rates, **kw):
+        return padded_batch_cap(np.array([rates]), np.ones(len(rates)), np.array([True]), **kw)
+    assert cap([1.0, 0.95, 0.99, 0.995], tolerance=0.02) == 0
+    assert cap([1.0, 0.95, 0.99, 0.995], tolerance=0.02, current=3, margin=0.04) == 0
+    assert cap([0.9, 0.95, 1.0, 0.99], tolerance=0.02) == 3  # the longest within 2% of the best K >= 1
+    assert cap([0.9, 0.95, 1.0, 0.99], tolerance=0.02, current=1, margin=0.06) == 1  # kept: within 6%, beats plain
+    assert cap([0.96, 0.95, 1.0, 0.99], tolerance=0.02, current=1, margin=0.06) == 3  # not kept: below plain
+    assert cap([1.0, 1.04, 1.03], switch_on=0.05) == 0  # off: speculation must beat plain by the margin
+    assert cap([1.0, 1.06, 1.03], switch_on=0.05) == 1
+
+
+def test_host_time_between_steps_counts_against_speculation():
+    """H is paid once per step: the same rates with H = 0 speculate, with a measured H they do not."""
+    a = [0.5] * 8
+    assert known([a], flat, 0.1 * V1, plain=V1).plan([True])[0] >= 1
+    assert known([a], flat, 0.1 * V1, plain=V1, host=0.6 * V1).plan([True]) == [0]
+    learnt = known([a], flat, 0.1 * V1, plain=V1)
+    learnt.costs.host = float("nan")
+    for _ in range(20):  # observe() learns H from the loop's measured gaps
+        learnt.observe([1], StepOutcome.of([1], [1], [True]), draft_time=0.1 * V1, verify_time=flat(2), drafted=1,
+                       width=2, host_time=0.6 * V1)
+    assert learnt.costs.host == pytest.approx(0.6 * V1)
+    learnt._times = None
+    assert learnt.plan([True]) == [0]
+
+
+def test_plain_segments_run_while_they_beat_speculation_and_it_switches_back_when_costs_or_acceptance_change():
+    """Simulated loop that chains: a = 0.6 on a compute-bound verify loses to plain chains -> almost every
+    iteration is a plain segment (and the drafter is called only to explore); the plain path becoming
+    slower (measured by its segments) -> speculation back on; then acceptance collapsing -> off again,
+    and recovering -> on again through the explorations."""
+    c = controller(explore_every=16)
+    sim = Simulator(c, [[0.6] * 8], steep, 0.1 * V1, plain=0.8 * V1, host=0.2 * V1, seed=3)
+    sim.run(30)
+    calls, segments = sim.drafter_calls, sim.segments
+    plans = sim.run(60)
+    assert sum(max(p) == 0 for p in plans) >= 45 and sim.segments - segments >= 45
+    assert all(max(p) <= c.explore_k for p in plans)  # the drafter is called only to explore
+    assert c.plain_time() == pytest.approx(0.8 * V1)
+    sim.plain = 1.15 * V1  # the plain path got slower (measured by its segments; still below V(1) + H)
+    plans = sim.run(40)
+    assert all(p[0] >= 1 for p in plans[-20:]), [p[0] for p in plans]
+    sim.acceptance = [[0.0] * 8]
+    plans = sim.run(60)
+    assert sum(p[0] == 0 for p in plans[-20:]) >= 18, [p[0] for p in plans]
+    sim.acceptance = [[0.97] * 8]
+    plans = sim.run(80)
+    assert np.mean([p[0] for p in plans[-20:]]) >= 4, [p[0] for p in plans]
+
+
+def test_while_speculating_a_stale_plain_cost_is_measured_again_where_the_choice_is_close():
+    """P from long ago (another process may have slowed or sped up the cores since): where speculating
+    wins by less than REFRESH_BAND, one plain segment measures P again before the choice; where it wins
+    by more, no segment runs (a stale P cannot change that choice)."""
+    def stale(acceptance, plain):
+        c = known([acceptance], flat, 0.1 * V1, plain=plain)
+        c._speculating = True
+        c.costs.step += ad.COST_MEMORY_STEPS + 1
+        return c
+
+    def best_over_plain(c):
+        times, expected = c.step_times(), expected_tokens_table(c.acceptance())[0]
+        return max(expected[1:] / times[1:]) * times[0]
+
+    close = stale([0.3] * 8, 1.0 * V1)
+    assert 1.0 < best_over_plain(close) < 1 + ad.REFRESH_BAND
+    assert close.plan([True]) == [0]  # a refresh segment...
+    close.observe_plain(SEGMENT, SEGMENT * 1.0 * V1, [True])
+    assert close.plan([True])[0] >= 1  # ...then the choice, at once (P fresh, and no switch-on margin)
+    clear = stale([0.9] * 8, 1.0 * V1)
+    assert best_over_plain(clear) > 1 + ad.REFRESH_BAND
+    assert clear.plan([True])[0] >= 1  # no segment
+    sim = Simulator(controller(explore_every=0), [[0.9] * 8], flat, 0.1 * V1, plain=1.0 * V1, seed=4)
+    sim.run(200)
+    assert sim.segments <= 1  # speculating clearly pays: P is never measured again (the probe may be, once)
+
+
+def test_while_off_the_step_costs_follow_the_load_the_plain_segments_see():
+    """Speculation off after a stretch on (acceptance fell); another process doubles every cost: the
+    segments measure P doubling, and the step costs (last measured while speculating) follow it, so
+    speculation stays off; unscaled, the old step costs would have looked cheap against the new P and
+    switched it on at a loss."""
+    c = controller(explore_every=0)
+    sim = Simulator(c, [[0.9] * 8], steep, 0.1 * V1, plain=1.0 * V1, host=0.2 * V1, seed=5)
+    c.record_probes({t: steep(t) for t in (1, 2, 4, 9)}, {})
+    assert all(p[0] >= 1 for p in sim.run(40)[-10:])  # high acceptance: speculating
+    sim.acceptance = [[0.45] * 8]
+    plans = sim.run(60)
+    assert all(p == [0] for p in plans[-10:])  # low acceptance: off
+    before = c.step_times()
+    load = 2.0
+    sim.verify, sim.draft_cost, sim.host, sim.plain = (lambda t: load * steep(t)), load * sim.draft_cost, \
+        load * sim.host, load * sim.plain
+    assert all(p == [0] for p in sim.run(30))
+    after = c.step_times()
+    assert after[0] == pytest.approx(load * before[0], rel=0.05)
+    assert after[1:] == pytest.approx(load * before[1:], rel=0.05)
+    c.costs.step_plain = float("nan")  # (unscaled: the old step costs against the doubled P)
+    times, expected = c.step_times(), expected_tokens_table(c.acceptance())[0]
+    assert max(expected[1:] / times[1:]) > (1 + ad.SWITCH_ON_MARGIN) / times[0]
+
+
+def test_no_exploration_starts_with_fewer_tokens_left_than_the_longest_interval():
+    """An off generation explores at explore_every, but never with fewer tokens left than the longest
+    interval (too few to use what it would find, or to repay the drafter's prefill)."""
+    longest = ad.EXPLORE_BACKOFF * 16
+    c = known([[0.3] * 8], steep, 0.5 * V1, plain=0.9 * V1)
+    c.explore_every = 16
+    c._explore_interval, c._next_explore = 16, 15  # (reset's state, kept by known())
+    for step in range(15):
+        assert c.plan([True], remaining=500) == [0]
+        c.observe_plain(1, 0.9 * V1, [True])
+    assert c.plan([True], remaining=longest - 1) == [0]  # due, but too few tokens left
+    assert c.plan([True], remaining=longest) == [c.explore_k]
+    fresh = AdaptiveK(8)
+    fresh.reset(1)
+    assert fresh._next_explore == 15
+
+
+def test_a_deferred_drafter_prefill_must_be_repaid_by_what_speculating_saves():
+    """While the drafter's prefill is deferred, speculation switches on only where the time it saves
+    over the passes left exceeds that prefill at its measured cost per token."""
+    a = [0.8] * 8
+    c = known([a], flat, 0.1 * V1, plain=V1)
+    cap = c.plan([True], remaining=64)[0]
+    assert cap >= 1
+    times, expected = c.step_times(), expected_tokens_table(c.acceptance())[0]
+    saved = 64 * times[0] * (1 - (expected[0] / times[0]) / (expected[cap] / times[cap]))  # seconds
+    per_token = 0.05 * V1
+    for tokens, on in ((int(0.9 * saved / per_token), True), (int(1.1 * saved / per_token), False)):
+        c = known([a], flat, 0.1 * V1, plain=V1)
+        c.record_prefill(per_token * 100, 100)
+        assert (c.plan([True], remaining=64, prefill=tokens)[0] > 0) == on, tokens
+    c = known([a], flat, 0.1 * V1, plain=V1)
+    c.record_prefill(per_token * 100, 100)
+    assert c.plan([True], remaining=640, prefill=int(1.1 * saved / per_token))[0] > 0  # a longer generation repays it
+
+
+def test_start_asks_for_the_plain_chain_probe_once_and_record_probes_keeps_it():
+    target = torch.nn.Linear(1, 1)
+    first = AdaptiveK(4)
+    request = first.start(1, target, ("model", 1), plain_chain=SEGMENT)
+    assert request.plain_passes == SEGMENT
+    first.record_probes({t: flat(t) for t in (1, 2, 4, 5)}, {}, 0.7 * V1)
+    assert first.plain_time() == pytest.approx(0.7 * V1) and first.step_times()[0] == pytest.approx(0.7 * V1)
+    second = AdaptiveK(4)
+    assert second.start(1, target, ("model", 1), plain_chain=SEGMENT).plain_passes == 0  # shared
+    assert second.plain_time() == pytest.approx(0.7 * V1)
+    unchained = AdaptiveK(4)
+    assert unchained.start(1, target, ("model", 1)).plain_passes == 0  # (sampling: the loop cannot chain)
+    assert unchained.plain_time() is None
+    second.observe_plain(SEGMENT, SEGMENT * 0.9 * V1, [True])  # observed segments replace the probe
+    assert second.plain_time() == pytest.approx(0.9 * V1)
+    assert second.summary()["plain_chain_passes"] == SEGMENT
+    assert second.summary()["speculation_off_steps"] == SEGMENT
+
+
 # ------------------------------------------------------------------------------------ probe, helpers
 class FakeRunner:
     """lengths / forward / truncate with a cost that grows with the width (time is simulated)."""
@@ -361,10 +579,12 @@ def test_cost_lines_fit_the_measurements_and_ignore_noise_in_the_order_of_points
         d.draft_probe[s] = affine(s)
     for s in (6, 7):
         d.draft_obs[s] = affine(s)
+    d.draft_obs_step[:] = d.costs.step  # (observed just now)
     assert d.draft_times() == pytest.approx([0.0] + [affine(s) for s in range(1, 9)])
     lone = AdaptiveK(8)  # no probe, one count observed: through the origin
     lone.reset(1)
     lone.draft_obs[4] = 4 * V1
+    lone.draft_obs_step[4] = lone.costs.step
     assert lone.draft_times() == pytest.approx([s * V1 for s in range(9)])
 
 
@@ -440,6 +660,25 @@ def test_start_asks_for_the_probes_once_per_target_and_batch_size_and_later_rows
     assert AdaptiveK(4).start(5, target, drafter, probe=False) == ProbeRequest((), ())  # every row finished
 
 
+def test_a_pooled_prior_gives_the_shape_and_deep_positions_follow_the_rows_own_first_position():
+    """A generation after high-acceptance ones starts from their pooled acceptance, but on a prompt of low
+    acceptance its deep positions follow position 1 at once (in the pool's shape), not the pool's values:
+    E(8) within a few steps of the truth, so speculation stops paying in the estimate as it does in fact."""
+    c = AdaptiveK(8, explore_every=0)
+    c.reset(1)
+    pool = np.array([0.8, 0.85, 0.9, 0.92, 0.94, 0.95, 0.95, 0.96])
+    c.set_prior(pool)
+    assert c.acceptance()[0] == pytest.approx(pool)  # before data: the pool
+    rng = random.Random(0)
+    for _ in range(6):  # the prompt accepts 0.5 at every position
+        n = 0
+        while n < 8 and rng.random() < 0.5:
+            n += 1
+        c.observe([8], StepOutcome.of([n], [8], [True]), draft_time=0.0, verify_time=V1, drafted=8, width=9)
+    estimate = expected_tokens_table(c.acceptance())[0, 8]
+    assert estimate < 0.75 * true_expected(pool, 8) and abs(estimate - true_expected([0.5] * 8, 8)) < 1.0
+
+
 def test_costs_are_kept_across_generations_of_one_batch_size_only():
     c = AdaptiveK(4)
     c.reset(2)
@@ -487,7 +726,7 @@ class RandomBudgets(AdaptiveK):
         self.rng = random.Random(seed)
         self.skip, self.low = skip, low
 
-    def plan(self, active):
+    def plan(self, active, remaining=None, prefill=0):
         if self.rng.random() < self.skip:
             return [0] * len(active)
         return [self.rng.randint(self.low, self.k_max) if a else 0 for a in active]
@@ -573,6 +812,98 @@ def test_greedy_through_adaptive_k_with_the_ngram_drafter(tiny_pair):
         assert [r.tokens for r in rows] == refs
 
 
+class AlwaysOff(AdaptiveK):
+    """Speculation off for every row at every step (the loop then runs plain chain segments)."""
+
+    def plan(self, active, remaining=None, prefill=0):
+        self._last_plan = [0] * len(active)
+        return list(self._last_plan)
+
+
+def run_decode(target_model, drafter, prompts, controller, max_new_tokens, eos=()):
+    """decode() as generate() runs it, on the lean runner: (rows, stats)."""
+    from specdec_ext.decode import decode
+    from specdec_ext.plan import required_cache_len
+    from specdec_ext.runners import make_runner
+    from specdec_ext.sampling import SamplingParams
+    from specdec_ext.stats import GenerationStats
+    from specdec_ext.stops import RowState, StopCriteria
+    B, k = len(prompts), controller.k_max
+    S = required_cache_len(max(map(len, prompts)), max_new_tokens, k)
+    runner = make_runner("lean", target_model, max_batch_size=B, max_seq_len=S)
+    rows, stats = [RowState() for _ in prompts], GenerationStats(k=k, batch_size=B)
+    for _ in decode(runner, drafter, prompts, torch.zeros(B, dtype=torch.int64),
+                    StopCriteria(max_new_tokens=max_new_tokens, eos_token_ids=list(eos)), slots=k,
+                    sampling=SamplingParams(), max_seq_len=S, rows=rows, stats=stats, adaptive=controller):
+        pass
+    return rows, stats
+
+
+def test_speculation_off_throughout_runs_plain_segments_and_never_prefills_the_drafter(tiny_pair):
+    """k="auto" off at every step, where the loop chains: plain segments only, the drafter never
+    prefilled (a model drafter's runner never built), and the tokens, finish reasons and step counts of
+    plain greedy decoding, with rows ending at an EOS in mid-segment."""
+    from specdec_ext import plain_generate
+    from specdec_ext.drafters import ModelDrafter
+    from specdec_ext.runners import make_runner
+    from test_generate_utils import one_thread
+    target, draft = tiny_pair
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7], [3, 3, 3, 3, 3, 3]]
+    with one_thread():
+        free = plain_generate(prompts, target, max_new_tokens=30, eos_token_id=False)
+        eos = free.token_ids[1][4]  # row 1 stops at its 5th token, inside the first segment
+        plain = plain_generate(prompts, target, max_new_tokens=30, eos_token_id=eos)
+        def fresh():
+            return ModelDrafter(draft, lambda **kw: make_runner("lean", draft, **kw), k=6, vocab_size=64)
+        run_decode(target, fresh(), prompts, AdaptiveK(6), 4)  # the start-up probes (they need the drafter)
+        drafter = fresh()
+        rows, stats = run_decode(target, drafter, prompts, AlwaysOff(6), 30, eos=[eos])
+    assert [r.tokens for r in rows] == plain.token_ids
+    assert [r.finish_reason or "length" for r in rows] == plain.finish_reasons
+    assert stats.steps == plain.stats.steps and stats.row_steps == plain.stats.row_steps
+    assert stats.adaptive["plain_chain_passes"] == stats.steps and stats.draft_time == 0.0
+    assert drafter.runner is None  # never prefilled
+
+
+@pytest.mark.parametrize("drafter_kind", ["model", "ngram"])
+def test_greedy_through_plain_segments_and_steps_mixed_equals_plain_greedy(tiny_pair, drafter_kind):
+    """Random per-row budgets and all-zero plans (plain segments: the drafter prefilled late or fed the
+    segment's tokens at its next proposal, the n-gram drafter indexing them at once), rows ending at an
+    EOS at different steps (frozen rows keep nothing from a segment): plain greedy's tokens."""
+    from specdec_ext import plain_generate
+    from specdec_ext.drafters import ModelDrafter, NgramDrafter
+    from specdec_ext.runners import make_runner
+    from test_generate_utils import one_thread
+    target, draft = tiny_pair
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7], [3, 3, 3, 3, 3, 3], [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]]
+    with one_thread():
+        free = plain_generate(prompts, target, max_new_tokens=40, eos_token_id=False)
+        eos = free.token_ids[2][12]
+        plain = plain_generate(prompts, target, max_new_tokens=40, eos_token_id=eos)
+        for seed in range(3):
+            drafter = (ModelDrafter(draft, lambda **kw: make_runner("lean", draft, **kw), k=6, vocab_size=64)
+                       if drafter_kind == "model" else NgramDrafter(6))
+            rows, stats = run_decode(target, drafter, prompts, RandomBudgets(6, seed=seed, skip=0.5), 40, eos=[eos])
+            assert [r.tokens for r in rows] == plain.token_ids, seed
+            assert stats.adaptive["plain_chain_passes"] > 0 and stats.draft_time > 0
+
+
+def test_host_time_leaves_out_the_time_the_consumer_holds_the_loop():
+    from specdec_ext.decode import HostTime
+    clock = FakeClock()
+    host = HostTime(clock)
+    clock.t = 2.0  # the loop's host work after a step, then it yields
+    handed = host.hand_over([[1]])
+    assert next(handed) == [[1]]
+    clock.t = 7.0  # the consumer holds the generator between the yield and the resumption
+    assert next(handed, None) is None
+    clock.t = 7.5  # plan(), then the next step starts
+    assert host.since(clock.t) == pytest.approx(2.5)
+    host.end(9.0)
+    assert host.since(9.25) == pytest.approx(0.25)
+    assert list(HostTime(None).hand_over([[2]])) == [[[2]]]  # (no adaptive k: nothing timed)
+
+
 def test_default_draft_length_is_auto_except_seeded_sampling_and_captured_graphs():
     from specdec_ext import generate
     from specdec_ext.plan import AUTO_K, FIXED_K, _default_draft_length
@@ -633,6 +964,7 @@ def test_sampling_through_ragged_budgets_and_skipped_steps_follows_the_target():
         assert all(len(t) == tgs.POSITIONS for t in out.token_ids)
         assert 0.05 < out.stats.acceptance_rate < 0.95
         assert out.stats.adaptive["steps_by_width"].get(1, 0) > 0  # a skipped step (the drafter re-fed after it)
+        assert out.stats.adaptive["plain_chain_passes"] == 0  # sampled rows: one-token steps, no chains
         assert tgs.chi_square_p(out.token_ids, joint) > tgs.PASS_P
         broken = sample(tgs.residual_from_p_verifier)
         assert tgs.chi_square_p(broken.token_ids, joint) < tgs.PASS_P  # (seeded: deterministic)

@@ -1,9 +1,11 @@
 """Adaptive draft length: per row and per step, the k that maximises expected tokens per second.
 
 ``AdaptiveK`` is a host-side controller the decode loop consults once per step (``plan``: the draft
-budget of every row) and informs once per step (``observe``). It never touches the device: it works
+budget of every row) and informs once per step (``observe``), or once per plain chain segment it ran
+instead of steps when every budget was 0 (``observe_plain``). It never touches the device: it works
 on the host lists the loop already reads (stats.StepOutcome) and on times the loop measures, its
-step timers and the start-up probes it runs when ``start`` asks for them (decode.probe_costs).
+step timers and the start-up probes it runs when ``start`` asks for them (decode.probe_costs,
+decode.probe_plain_chain).
 
 The maths
 ---------
@@ -24,11 +26,17 @@ streak that reached it, long after the row turned hard, and overstate E(k) for l
 starting from m pseudo-observations of acceptance p0 at position 1 (R_1 = m, A_1 = m p0: a prior
 that is forgotten like any observation, so a row that never accepts goes to a_1 -> 0), and
 
-    a_1 = A_1 / R_1,      a_i = (A_i + m a_{i-1}) / (R_i + m)   for i > 1
+    a_1 = A_1 / R_1,      a_i = (A_i + m min(1, s_i a_{i-1})) / (R_i + m)   for i > 1
 
-(a deep position with little data behaves like the position before it). A later generation with
-the same target, drafter and batch size starts its rows from m pseudo-observations of the
-acceptance by position pooled over the previous generation's rows (``start`` / ``finish``).
+(a deep position with little data behaves like the position before it, times s_i). A later generation
+with the same target, drafter and batch size starts its rows from m pseudo-observations at position 1
+of the acceptance pooled over the previous generations' rows, and from its shape s_i = a_i / a_{i-1}
+(1 without a pooled prior) (``start`` / ``finish``: the pool is a moving average over generations with
+weight GENERATION_SMOOTHING, so that a start follows the workload rather than the one prompt before
+it; a generation that drafted nothing moves it towards p0). Before their own data, deep positions thus
+follow the row's own position 1 in the pooled shape: pseudo-observations at every position kept a
+low-acceptance prompt's deep positions at the pool's (0.95 where 0.6 came) for some 30 steps, and
+E(k) with them.
 
 Expected tokens. A row drafting k tokens emits the accepted prefix plus one recovered/bonus token:
 
@@ -36,15 +44,19 @@ Expected tokens. A row drafting k tokens emits the accepted prefix plus one reco
 
 which is (1 - a^(k+1)) / (1 - a) of the mission note when every a_i = a.
 
-Cost. The step's time with k drafts is
+Cost. A step of the loop with k drafts (k >= 1) takes
 
-    time(k) = V(k + 1) + D(k)         (D(0) = 0: no draft pass at all; D(k) ~ k c)
+    time(k) = V(k + 1) + D(k) + H     (D(0) = 0: no draft pass at all; D(k) ~ k c)
 
 where V(t) is the measured time of a verify step over t tokens per row (the target forward over
-[B, t], the verifier and the commit) at the CURRENT batch size, and D(k) the measured time of a
-draft step of k tokens per row. Both come from noisy timings (a few percent per step on a CPU, more
-on a shared one), so each is a weighted least-squares LINE through what was measured, not an
-interpolation between points:
+[B, t], the verifier and the commit) at the CURRENT batch size, D(k) the measured time of a
+draft step of k tokens per row, and H the measured host time between two steps (the stop checks,
+the stats, ``observe`` and ``plan``: the moving average of the gap from one step's commit to the
+next step's draft, the time the loop's consumer holds it between yields left out). Both V and D come
+from noisy timings (a few percent per step on a CPU, more on a shared one, where a step now and then
+loses a time slice to another process: every moving average of times caps a new time at SPIKE_CAP x
+itself), so each is a weighted least-squares LINE through what was measured, not an interpolation
+between points:
 
     V(t) = V_1 + (t - 1) v',    v' >= 0              D(k) = d_0 + k c,  c >= 0   (D(0) = 0)
 
@@ -58,51 +70,100 @@ only, while a step also verifies and commits: probed points are shifted by the r
 (observed - probed) time at the widths the loop ran. D's points: a start-up probe of the drafter
 (draft steps of 1, 3 and k_max tokens, each rolled back; for a drafter whose proposals cost
 something, i.e. whose ``checkpoint`` gives an undo; once per process for a drafter and batch size),
-weight 1, and the moving average of the draft time per drafted count the loop ran (a draft pass
-right after skipped steps also feeds their tokens and is not timed), weight OBSERVED_WEIGHT. The
+weight 1, and the moving average of the draft time per drafted count the loop ran within the last
+COST_MEMORY_STEPS steps (a draft pass right after skipped steps or a plain segment also feeds their
+tokens and is not timed), weight OBSERVED_WEIGHT. The
 probe anchors the line at both ends: the counts the loop runs cluster near its choice, and a draft
 step has a fixed part (feeding the committed tokens, host work) that a line through them alone
 would get wrong. Without a probe and with a single count observed, D(k) = k c. A line is right
 where a pass is memory-bound (V nearly flat at small t) and where it is compute-bound (V growing
 with t) over the few widths k_max + 1 spans.
-In relative units v = V(k+1) / V(1), c' = c / V(1) (with d_0 = 0) this is the note's speedup
-E / (v + k c').
+In relative units v = V(k+1) / V(1), c' = c / V(1) (with d_0 = 0 and H = 0) this is the note's
+speedup E / (v + k c').
+
+Plain decoding, k = 0, is whatever the loop runs when no row drafts, at its own measured cost: time(0)
+= P, the time per pass of greedy plain chains (``start``'s ``plain_chain`` > 0: every row greedy on a
+runner that chains, decode.plain_segment: PLAIN_CHAIN_TOKENS one-token passes per op call, the stop
+checks between calls: 1.2-1.4x faster per token than a one-token step of the loop, measured on the
+bundled pair), else the loop's
+one-token step, time(0) = V(1) + H. P is the moving average of the observed segments' time per pass
+(their host time included); before any segment, a start-up probe (greedy chains of ``plain_chain``
+passes, the median of three, rolled back; once per process for a target and batch size). The two
+sides are measured at different times, and another process on the cores slows every cost alike
+(on the shared 2-core VM: by up to 2x within seconds), so neither side is compared stale with the
+other fresh. While off, time(k >= 1) is scaled by how P moved since the last step was observed
+(without this, a load rising during a plain stretch made the old step costs look cheap and switched
+speculation on at a loss). While speculating no segment runs, so a P older than COST_MEMORY_STEPS
+steps (or only probed) is measured again, by one plain segment, wherever the choice is close: the
+best K's rate within REFRESH_BAND of plain decoding's (a segment then costs little; where
+speculation wins by more, a stale P cannot change the choice). Speculation is thus measured
+against the plain decoding the caller would otherwise get (``plain_generate``), not against the
+loop's slower one-token step, which is what made k="auto" keep speculating where it lost a third of
+the speed (issue 25).
 
 Choice. Row b's preferred draft length is
 
     k_b = argmax_{k in 0..k_max} E_b(k) / time(k)                      (tokens per second)
 
-so k_b = 0 (speculation off for the row) exactly when no draft length beats plain decoding.
-All rows share one target pass whose width is the largest k in the batch plus one, padded to
-[B, K+1]: a row drafting fewer than K saves no time and loses expected tokens (E is increasing), so
-every active row drafts the batch's
+so k_b = 0 (speculation off for the row) exactly when no draft length beats plain decoding (by
+SWITCH_ON_MARGIN while speculation is off, "Guards" below). All rows share one target pass whose
+width is the largest k in the batch plus one, padded to [B, K+1]: a row drafting fewer than K saves
+no time and loses expected tokens (E is increasing), so every active row drafts the batch's
 
     K* = argmax_K  sum_{b active} E_b(K) / time(K)
 
 and a row whose own k_b is 0 rides along at no cost. K* = 0 switches speculation off for the batch
-(the drafter is not called; the target runs a plain one-token step): this is how the batch-size
-crossover of the regime map shows up, measured rather than hard-coded: as the batch grows, V(t) /
-V(1) grows (the verify pass stops being memory-bound) and time(K) outgrows the extra tokens.
+(the drafter is not called; the loop runs a plain chain segment, or a plain one-token step where
+it cannot chain, and plans again after it): this is how the batch-size crossover of the regime map
+shows up, measured rather than hard-coded: as the batch grows, V(t) / V(1) grows (the verify pass
+stops being memory-bound) and time(K) outgrows the extra tokens. K* = 0 exactly when plain
+decoding's rate is at least every K >= 1's (the gain of speculation below one); the guards below
+choose among the K >= 1 only, never in favour of speculating.
 
-Two guards against estimation noise in the choice (measured on the bundled pair, where the
+Guards against estimation noise in the choice (measured on the bundled pair, where the
 rate is flat within a few percent over k = 5..8 and a row's acceptance hardly drifts within a
 generation, BENCHMARKS.md): of the caps whose estimated rate is within LONGER_TOLERANCE (2%) of the
 best, the longest is taken (deep positions' estimates lean low where a_i rises with i: they shrink
 towards the shallower position's); and the cap in use is kept while its rate stays within
 SWITCH_MARGIN (4%) of the best (changing k on noise loses tokens: E(k) is concave in k, so
 alternating k and k' emits fewer than their mean would), except that switching speculation off is
-never delayed. The counts forget slowly for the same reason
+never delayed. Switching it on is: while off (and at the start of a generation) the best K must beat
+plain decoding by SWITCH_ON_MARGIN (5%), since on a shared CPU the estimates move by several percent
+and switching on costs what E / time leaves out (the drafter's prefill, deferred until then, or its
+catch-up over the tokens committed meanwhile). The counts forget slowly for the same reason
 (g = 0.95, m = 2: with g = 0.9 the choice followed noise; a total collapse of acceptance is then
 followed within a few windows, not a few steps).
 
+Trying a prompt. While the drafter's prefill is deferred (decode.py: a generation that has not
+speculated yet), speculation must also save more than that prefill costs (its measured time per
+token, ``record_prefill``) over the tokens left, at the rows' estimate (the acceptance pooled over
+the drafter's earlier generations, until the rows have their own). This is an expected-value choice:
+a prompt whose acceptance turns out low has paid the drafter's prefill and the steps it takes the
+counts to see it (measured on the bundled pair: the prefill is 2.5% of a 64-token generation of a
+147-token prompt, prefill included; the steps about as much again), which no later step earns back.
+
 Exploration. A row whose choice is 0 stops producing acceptance data, so its estimate could never
 recover after a change of regime (the text becomes repetitive, a new prompt section...). Every
-``explore_every`` steps, every such row drafts ``explore_k`` tokens anyway (all at the same step: if
-the batch was off, that is one draft pass for the batch); a row whose exploration was fully accepted
-explores again on the next step, so a recovered row gets back to speculation within a few steps.
-An exploration that finds nothing doubles the interval (up to ``EXPLORE_BACKOFF`` x explore_every
-steps); one that is fully accepted resets it. The cost is at most one small draft pass per
-``explore_every`` steps, falling to one per 4 x explore_every while speculation keeps not paying.
+``explore_every`` steps (a plain chain segment counts one step per pass; an exploration falls due at
+the first plan at or after its step), every such row drafts ``explore_k`` tokens anyway (all at the
+same step: if the batch was off, that is one draft pass for the batch, which also feeds the draft
+the tokens committed meanwhile, and one loop step of width explore_k + 1); a row whose exploration
+was fully accepted explores again on the next step, so a recovered row gets back to speculation
+within a few steps. An episode (an exploration and its follow-ups) that ends with speculation still
+off doubles the interval, up to ``EXPLORE_BACKOFF`` x explore_every steps; speculating resets it. No
+exploration starts with fewer tokens left than that longest interval (``plan``'s ``remaining``: too
+few to use what it would find, and the first one of a generation also pays the drafter's prefill,
+which the loop defers until the first draft, decode.py): a short generation whose prior (what earlier
+generations measured, or p0) says speculation does not pay never pays for the drafter, while a longer
+one explores early and finds a prompt that does (measured: prompts accepting 0.99 left plain when
+their generation never explored). The cost is at most one small draft pass per
+``explore_every`` steps plus its follow-ups (a follow-up is a step of width explore_k + 1, roughly
+break-even where acceptance is high enough to be fully accepted often), falling to one per
+EXPLORE_BACKOFF x explore_every while speculation keeps not paying. The costs keep being measured
+too: the segments and the steps the loop runs update P, V, D and H as they go (another process on the
+cores changes them); V falls back to its probe shifted by the last observed offset at the widths not
+run for COST_MEMORY_STEPS steps, D to its probe at the counts not run; while off, the steps' costs
+follow P, and while speculating a stale P is measured again where the choice is close (above).
 
 Losslessness does not depend on any of this: every choice of k per row and step verifies with the
 same lossless rule. Two consequences to know: greedy output is unchanged (it is the target's greedy
@@ -111,11 +172,12 @@ are per step), which depend on measured times: it is still distributed exactly a
 not reproducible run to run. Pass a fixed k for reproducible seeded sampling.
 
 Host cost: ``observe`` updates the counts of the rows that drafted (a few numpy operations per
-step), ``plan`` recomputes the choice every REPLAN_STEPS steps (or when the active rows change or an
-exploration is due) and repeats its last plan in between: between model passes the host work
-measured 0.36 ms per step on the bundled pair when both ran in full every step (3-4% of a 10 ms
-step), about half of that now. No device synchronisation (the loop's timers and its read of
-num_accepted / num_draft are the only ones).
+step), ``plan`` recomputes the choice every REPLAN_STEPS calls (one per step or plain segment;
+OFF_REPLAN_CALLS while speculation is off; or when the active rows change or an exploration is due)
+and repeats its last plan in between: between model
+passes the host work measured 0.36 ms per step on the bundled pair when both ran in full every step
+(3-4% of a 10 ms step), about half of that now; H charges what is left to every step. No device
+synchronisation (the loop's timers and its read of num_accepted / num_draft are the only ones).
 """
 from __future__ import annotations
 
@@ -137,12 +199,26 @@ DEFAULT_PRIOR_DRAFT_COST = 0.1  # c / V(1) assumed until the first draft pass is
 DEFAULT_EXPLORE_EVERY = 16  # steps between explorations of the rows whose choice is 0
 DEFAULT_EXPLORE_K = 1  # one draft token: the cheapest look (a full accept explores again next step)
 DEFAULT_PROBE_PASSES = 3  # timed forwards per probed width (the median is kept), after one warm-up
-COST_MEMORY_STEPS = 64  # an observed width older than this is left to the probe
+COST_MEMORY_STEPS = 64  # an observed width (verify) or count (draft) older than this is left to the probe
+# A time above this many times its moving average counts as this many times it: on a shared CPU a step
+# now and then loses a time slice to another process (measured: single steps at 3-6x), which is not
+# the cost of the step; a real change still moves the average by up to (SPIKE_CAP - 1) x the
+# smoothing weight a step (a doubling is followed within a few steps).
+SPIKE_CAP = 2.0
+# While speculating, a stale P (older than COST_MEMORY_STEPS, or only probed) is measured again by one
+# plain segment whenever the best K's estimated rate is within this fraction above plain decoding's
+# (measured: a P left over from a quieter moment, 30% too high, kept k = 8 on at a loss for a prompt
+# of acceptance 0.6; a segment costs little where the rates are that close)
+REFRESH_BAND = 0.3
 OBSERVED_WEIGHT = 4.0  # weight of an observed width's moving average against a probed width's time
-# plan() recomputes the budgets (and time(k)) every this many steps and repeats its last plan in
-# between (unless the active rows change or an exploration is due): one step moves the estimates by
-# about 1 - g = 5%, and a replan costs about 0.1-0.2 ms of host work between model passes
+# plan() recomputes the budgets (and time(k)) every this many calls (one per step or plain segment) and
+# repeats its last plan in between (unless the active rows change or an exploration is due): one step
+# moves the estimates by about 1 - g = 5%, and a replan costs about 0.1-0.2 ms of host work between
+# model passes
 REPLAN_STEPS = 2
+# ... and every this many calls while speculation is off and no row explores: the steps' costs then follow
+# P (step_times), so the choice changes only with what explorations measure (each forces a replan)
+OFF_REPLAN_CALLS = 4
 # The padded cap is the longest K whose estimated rate is within this fraction of the best: the rate
 # is flat near its optimum, and the estimates of deep positions lean low where a_i rises with i
 # (they shrink towards the shallower position's), so of near-equal estimates the longer draft is
@@ -152,8 +228,17 @@ LONGER_TOLERANCE = 0.02
 # of k that estimation noise causes loses tokens (E(k) is concave in k, so alternating k and k' emits
 # fewer tokens than their mean would), while a real change of regime moves the rates far more.
 SWITCH_MARGIN = 0.04
+# Speculation off (a generation starts off) switches on only when the best K's estimated rate beats plain
+# decoding's by more than this fraction: on a shared CPU the estimates move by several percent from
+# step to step, and switching on costs what E / time leaves out (the drafter's prefill, deferred until
+# then, or its catch-up over the tokens committed meanwhile). Switching off is never delayed.
+SWITCH_ON_MARGIN = 0.05
 COST_REFRESH_STEPS = 8  # plan() refits time(k) to the measurements every this many steps
 EXPLORE_BACKOFF = 4  # fruitless explorations stretch the interval up to this many times explore_every
+# Weight of a finished generation's pooled acceptance in the next generations' prior (about the last
+# three generations): with the last one's alone, whether a prompt started speculating followed the
+# prompt before it (measured: the anchor's prompts alternate between acceptance 0.55 and 1.0).
+GENERATION_SMOOTHING = 0.3
 
 
 def expected_tokens_table(acceptance: np.ndarray) -> np.ndarray:
@@ -173,7 +258,12 @@ class VerifyCosts:
 
     Arrays are indexed by t (index 0 unused): ``probe`` the start-up forward times, ``obs`` the moving
     average of observed verify steps, ``obs_step`` when t was last observed, ``offset`` the moving
-    average of observed - probed time (seconds), ``step`` a step counter (for the staleness of ``obs``)."""
+    average of observed - probed time (seconds), ``step`` a step counter (for the staleness of ``obs``).
+
+    The plain path's P (seconds per pass of a greedy plain chain segment, the module docstring's
+    "Plain decoding"): ``plain_probe`` the start-up probe, ``plain_obs`` the moving average of
+    observed segments, ``plain_obs_step`` when last observed, ``step_plain`` P's estimate when a step
+    was last observed. ``host``: H, the moving average of the host time between two steps."""
 
     def __init__(self, k_max: int):
         self.probe = np.full(k_max + 2, np.nan)
@@ -182,16 +272,24 @@ class VerifyCosts:
         self.offset = 0.0
         self.step = 0
         self.probe_curve: Optional[np.ndarray] = None  # probe interpolated at every width (cache)
+        self.plain_probe = math.nan
+        self.plain_obs = math.nan
+        self.plain_obs_step = -10 ** 9
+        self.host = math.nan
+        self.step_plain = math.nan  # P as estimated when a step was last observed
 
 
 class DrafterMemory:
     """What a finished generation leaves for the next one with the same target, drafter and batch
-    size: the draft cost per token and the acceptance by position pooled over its rows (the next
-    rows' prior, with strength m: an empirical-Bayes prior instead of p0)."""
+    size: the draft costs (per token, per drafted count, its prefill's per token) and the acceptance by
+    position pooled over its rows (the next rows' prior, with strength m: an empirical-Bayes prior
+    instead of p0)."""
 
     def __init__(self):
         self.draft_per_token: Optional[float] = None
         self.draft_obs: Optional[np.ndarray] = None  # [k_max+1] draft time per drafted count
+        self.draft_obs_step: Optional[np.ndarray] = None  # [k_max+1] when each was last observed
+        self.prefill_per_token: Optional[float] = None  # seconds per token of its prefill
         self.draft_probe: Optional[np.ndarray] = None  # [k_max+1] probed draft time per drafted count
         self.acceptance: Optional[np.ndarray] = None  # [k_max]
 
@@ -208,6 +306,13 @@ def drafter_key(drafter) -> tuple:
     if model is not None:
         return ("model", id(model))
     return ("drafter", type(drafter).__module__, type(drafter).__qualname__)
+
+
+def _moving_average(old: float, new: float, weight: float) -> float:
+    """The update of a moving average of times (``old`` NaN: none yet), a spike capped at SPIKE_CAP x it."""
+    if math.isnan(old):
+        return new
+    return (1.0 - weight) * old + weight * min(new, SPIKE_CAP * old)
 
 
 def _nonneg_line(x: Sequence[float], y: Sequence[float], w: Sequence[float]):
@@ -227,20 +332,26 @@ def _nonneg_line(x: Sequence[float], y: Sequence[float], w: Sequence[float]):
 
 
 def padded_batch_cap(expected: np.ndarray, step_time: np.ndarray, active: np.ndarray,
-                     tolerance: float = 0.0, current: Optional[int] = None, margin: float = 0.0) -> int:
+                     tolerance: float = 0.0, current: Optional[int] = None, margin: float = 0.0,
+                     switch_on: float = 0.0) -> int:
     """argmax_K sum_{b active} expected[b, K] / step_time[K]: the cap K* when every row drafts all of K
-    (a padded pass). With ``tolerance`` > 0 the largest K whose rate
-    is within that fraction of the best (0: ties -> the smaller K). With ``current`` (the cap in
-    use), it is kept while its rate is within ``margin`` of the best (hysteresis), unless the
-    choice is 0."""
+    (a padded pass). 0 (plain decoding) whenever its rate is at least every K >= 1's (ties -> 0), or,
+    with ``switch_on`` (speculation is off now), unless the best K >= 1 beats it by more than that
+    fraction. Among the K >= 1 that beat it: with ``tolerance`` > 0 the largest K whose rate is within
+    that fraction of the best (0: ties -> the smaller K); with ``current`` (the cap in use, >= 1), it is
+    kept while its rate is within ``margin`` of the best and still beats plain decoding
+    (hysteresis). No guard ever favours speculating over plain decoding."""
     if not active.any():
         return 0
     rates = expected[active].sum(axis=0) / step_time  # [K+1]
-    best = rates.max()
-    near = np.nonzero(rates >= best * (1.0 - max(tolerance, 1e-12)))[0]
+    best = rates[1:].max(initial=-np.inf)
+    if rates[0] * (1.0 + switch_on) >= best:
+        return 0  # (never delayed: switching speculation off saves time at once)
+    near = np.nonzero(rates[1:] >= best * (1.0 - max(tolerance, 1e-12)))[0] + 1
     cap = int(near[-1] if tolerance > 0 else near[0])
-    if cap > 0 and current is not None and 0 < current < len(rates) and rates[current] >= best * (1.0 - margin):
-        return int(current)  # (never delays switching speculation off: that saves time at once)
+    if (current is not None and 0 < current < len(rates) and rates[current] > rates[0]
+            and rates[current] >= best * (1.0 - margin)):
+        return int(current)
     return cap
 
 
@@ -250,6 +361,7 @@ class ProbeRequest:
 
     verify_widths: Tuple[int, ...]  # time target forwards over [B, t] for these t
     draft_counts: Tuple[int, ...]  # time draft steps of s tokens per row for these s
+    plain_passes: int = 0  # time greedy plain chains of this many passes (0: none; decode.probe_plain_chain)
 
 
 class AdaptiveK:
@@ -311,6 +423,7 @@ class AdaptiveK:
         self.probe_passes = max(1, int(probe_passes))
         self.share_costs = bool(share_costs)
         self._memory: Optional[DrafterMemory] = None
+        self.plain_chain = 0  # passes per greedy plain chain call of the loop (0: it cannot chain; ``start``)
         self.reset(1)
 
     # ------------------------------------------------------------------ state
@@ -323,6 +436,7 @@ class AdaptiveK:
         self.accepted = np.zeros((B, K))  # A_i, decayed
         self.reached[:, 0] = self.prior_strength  # the prior: m pseudo-observations of p0 at position 1
         self.accepted[:, 0] = self.prior_strength * self.prior_acceptance
+        self.shape = np.ones(K)  # s_i: a deep position without data is s_i x the one before (set_prior)
         self.exploring = np.zeros(B, dtype=bool)  # the row's drafts of this step are an exploration
         self.follow_up = np.zeros(B, dtype=bool)  # the row's last exploration was fully accepted
         self._exploring_any = self.follow_up_any = False  # host flags of the two (plan / observe skip work)
@@ -330,8 +444,12 @@ class AdaptiveK:
         self._explore_interval = max(self.explore_every, 1)
         self._next_explore = self._explore_interval - 1  # step index of the next scheduled exploration
         self.step = 0
+        self._repeats = 0  # plan() calls since the last replan (it replans every REPLAN_STEPS calls)
         self._last_plan: Optional[List[int]] = None  # plan() repeats it between replans
         self._last_cap: Optional[int] = None  # the padded cap in use (SWITCH_MARGIN)
+        self._speculating = False  # the last plan's cap was > 0 (else SWITCH_ON_MARGIN applies)
+        self._refreshing = False  # the last plan was a plain segment to measure a stale P (REFRESH_BAND)
+        self._drafted_steps = 0  # steps in which some row drafted (acceptance data for the next generations)
         self._times: Optional[np.ndarray] = None  # time(k) as of step _times_step (plan() refreshes it)
         self._times_step = 0
         self._last_active: tuple = ()
@@ -339,21 +457,25 @@ class AdaptiveK:
         self.history: Dict[int, int] = {}  # chosen batch width K -> steps (for the stats)
         self.row_k_sum = 0  # sum of per-row draft budgets over active row-steps
         self.row_steps = 0
+        self.plain_passes = 0  # passes run as plain chain segments (observe_plain)
         if getattr(self, "_cost_batch_size", None) != B:  # costs are measured at one batch size
             self._cost_batch_size = B
             self.costs = VerifyCosts(K)
         self.draft_per_token: Optional[float] = None  # c, seconds (per drafter: measured afresh)
         self.draft_obs = np.full(K + 1, np.nan)  # [s] moving average of the draft time of s-token steps
+        self.draft_obs_step = np.full(K + 1, -10 ** 9, dtype=np.int64)  # [s] costs.step when s last observed
+        self.prefill_per_token: Optional[float] = None  # seconds per token of the drafter's deferred prefill
         self.draft_probe = np.full(K + 1, np.nan)  # [s] probed draft time of s-token steps (start-up)
 
     # ------------------------------------------------------------------ estimates
     def acceptance(self) -> np.ndarray:
         """a_i per row: [B, k_max] (see the module docstring)."""
         out = np.empty_like(self.reached)
-        m = self.prior_strength
+        m, shape = self.prior_strength, self.shape
         out[:, 0] = self.accepted[:, 0] / np.maximum(self.reached[:, 0], 1e-12)
         for i in range(1, self.k_max):
-            out[:, i] = (self.accepted[:, i] + m * out[:, i - 1]) / (self.reached[:, i] + m)
+            shrunk = np.minimum(shape[i] * out[:, i - 1], 1.0)  # [B]: the position before, in the prior's shape
+            out[:, i] = (self.accepted[:, i] + m * shrunk) / (self.reached[:, i] + m)
         return out
 
     def verify_times(self) -> np.ndarray:
@@ -369,11 +491,36 @@ class AdaptiveK:
         return np.maximum(first + slope * np.arange(self.k_max + 1), 1e-9)
 
     def step_times(self) -> np.ndarray:
-        """time(k) = V(k+1) + D(k) for k = 0..k_max: [k_max+1] seconds (relative units before any timing)."""
+        """time(k) = V(k+1) + D(k) + H for k = 0..k_max, then time(0) = P where the loop chains plain
+        decoding and P is known: [k_max+1] seconds (relative units before any timing)."""
         verify = self.verify_times()
         if np.isnan(verify).any():
             verify = np.ones(self.k_max + 1)  # nothing measured yet: verification assumed free
-        return verify + self.draft_times(verify[0])
+            return verify + self.draft_times(verify[0])
+        costs = self.costs
+        times = verify + self.draft_times(verify[0]) + (0.0 if math.isnan(costs.host) else costs.host)
+        plain = self.plain_time()
+        if plain is not None:
+            times[0] = plain
+            if not self._speculating and not math.isnan(costs.step_plain):
+                times[1:] *= plain / costs.step_plain  # off: the steps' costs follow the load P sees
+        return times
+
+    def plain_time(self) -> Optional[float]:
+        """P, seconds per pass of the loop's greedy plain chains: the observed moving average, else the
+        probe; None where the loop cannot chain or nothing was measured."""
+        if not self.plain_chain:
+            return None
+        costs = self.costs
+        if not math.isnan(costs.plain_obs):
+            return costs.plain_obs
+        return None if math.isnan(costs.plain_probe) else costs.plain_probe
+
+    def _plain_stale(self) -> bool:
+        """Whether P was last measured more than COST_MEMORY_STEPS steps ago, or only probed."""
+        costs = self.costs
+        return bool(self.plain_chain) and (math.isnan(costs.plain_obs)
+                                           or costs.step - costs.plain_obs_step > COST_MEMORY_STEPS)
 
     def draft_times(self, unit: float = 1.0) -> np.ndarray:
         """D(s), the draft time of a step drafting s tokens per row, s = 0..k_max: [k_max+1] seconds.
@@ -384,8 +531,9 @@ class AdaptiveK:
         ``unit``."""
         s = np.arange(self.k_max + 1, dtype=np.float64)
         points = [(float(i), v, 1.0) for i, v in enumerate(self.draft_probe.tolist()) if i > 0 and not math.isnan(v)]
+        now, seen = self.costs.step, self.draft_obs_step.tolist()
         points += [(float(i), v, OBSERVED_WEIGHT) for i, v in enumerate(self.draft_obs.tolist())
-                   if i > 0 and not math.isnan(v)]
+                   if i > 0 and not math.isnan(v) and now - seen[i] <= COST_MEMORY_STEPS]
         if not points:
             c = self.draft_per_token if self.draft_per_token is not None else self.prior_draft_cost * unit
             return c * s
@@ -397,13 +545,25 @@ class AdaptiveK:
         curve[0] = 0.0
         return curve
 
+    def _longest_interval(self) -> int:
+        return EXPLORE_BACKOFF * max(self.explore_every, 1)
+
     # ------------------------------------------------------------------ the loop's calls
-    def plan(self, active: Sequence[bool]) -> List[int]:
-        """Draft budgets of this step, one per row (0 for finished rows). Host lists only."""
+    def plan(self, active: Sequence[bool], remaining: Optional[int] = None, prefill: int = 0) -> List[int]:
+        """Draft budgets of this step, one per row (0 for finished rows). Host lists only. ``remaining``:
+        the most tokens an unfinished row may still emit (None: unbounded); no exploration starts with
+        fewer than the longest exploration interval left (too few to use what it would find).
+        ``prefill``: the tokens the drafter must prefill before it can draft (the loop deferred its
+        prefill; 0: it is ready); speculation then switches on only if the time it saves over the
+        ``remaining`` passes repays that prefill (``record_prefill``'s measured cost per token)."""
         key = tuple(active)
-        if (self._last_plan is not None and self.step % REPLAN_STEPS != 0 and key == self._last_active
-                and not self._exploring_any and not self.follow_up_any
-                and not (self.explore_every and self.explore_k and self.step >= self._next_explore)):
+        explore = bool(self.explore_every and self.explore_k
+                       and (remaining is None or remaining >= self._longest_interval()))
+        every = OFF_REPLAN_CALLS if self._last_cap == 0 else REPLAN_STEPS
+        if (self._last_plan is not None and self._repeats + 1 < every and key == self._last_active
+                and not self._exploring_any and not self.follow_up_any and not self._refreshing
+                and not (explore and self.step >= self._next_explore)):
+            self._repeats += 1
             return list(self._last_plan)
         active = np.asarray(active, dtype=bool)
         expected = expected_tokens_table(self.acceptance())  # [B, K+1]
@@ -411,11 +571,25 @@ class AdaptiveK:
             self._times, self._times_step = self.step_times(), self.step  # [K+1]: the costs move slowly
         times = self._times
         current = self._last_cap if key == self._last_active else None  # (other rows: other rates)
-        cap = padded_batch_cap(expected, times, active, LONGER_TOLERANCE, current, SWITCH_MARGIN)
-        self._last_cap = cap
+        switch_on = SWITCH_ON_MARGIN if not self._speculating else 0.0
+        cap = padded_batch_cap(expected, times, active, LONGER_TOLERANCE, current, SWITCH_MARGIN, switch_on)
+        self._refreshing = cap > 0 and self._plain_stale() and self._close(expected, times, active)
+        if self._refreshing:  # one plain segment measures P again; the choice is made after it
+            plan = [0] * len(active)
+            self._last_plan, self._last_active, self._repeats, self._last_cap = plan, key, 0, 0
+            self.exploring[:] = False
+            self._exploring_any = False
+            return plan
+        if cap > 0 and prefill > 0 and remaining is not None and not self._repays(
+                expected, times, active, cap, remaining, prefill):
+            cap = 0
+        self._last_cap, self._speculating = cap, cap > 0
         budget = np.full(len(active), cap)
         self.exploring[:] = False
-        if self.explore_every and self.explore_k:
+        if cap > 0:  # speculating: the explorations of a later switch-off start at the shortest interval
+            self._explore_interval = max(self.explore_every, 1)
+            self._next_explore = self.step + self._explore_interval
+        elif explore:
             scheduled = self.step >= self._next_explore  # all rows at once: one draft pass
             due = active & (budget == 0) & (scheduled | self.follow_up)
             if scheduled and not due.any():
@@ -425,32 +599,63 @@ class AdaptiveK:
         self._exploring_any = bool(self.exploring.any())
         budget[~active] = 0
         plan = [int(x) for x in budget]
-        self._last_plan, self._last_active = plan, key
+        self._last_plan, self._last_active, self._repeats = plan, key, 0
         return plan
 
+    @staticmethod
+    def _close(expected: np.ndarray, times: np.ndarray, active: np.ndarray) -> bool:
+        """Whether the best K's rate is within REFRESH_BAND above plain decoding's."""
+        rates = expected[active].sum(axis=0) / times  # [K+1]
+        return bool(rates[1:].max() < (1.0 + REFRESH_BAND) * rates[0])
+
+    def _repays(self, expected: np.ndarray, times: np.ndarray, active: np.ndarray, cap: int, remaining: int,
+                prefill: int) -> bool:
+        """Whether drafting ``cap`` saves, over the ``remaining`` passes plain decoding would make, more
+        than the drafter's prefill of ``prefill`` tokens costs (unmeasured: nothing), at the rows' mean
+        E(cap)."""
+        tokens = float(expected[active, cap].mean())  # per row and step
+        saved = remaining * (times[0] - times[cap] / tokens)  # plain passes' time - the same tokens' speculating
+        return saved > prefill * (self.prefill_per_token or 0.0)
+
+    def record_prefill(self, seconds: float, tokens: int) -> None:
+        """The drafter's deferred prefill took ``seconds`` for ``tokens`` tokens (``plan``'s ``prefill``)."""
+        if tokens > 0 and seconds > 0:
+            previous = math.nan if self.prefill_per_token is None else self.prefill_per_token
+            self.prefill_per_token = _moving_average(previous, seconds / tokens, self.cost_smoothing)
+
     def observe(self, budget: Sequence[int], outcome: StepOutcome, *, draft_time: float, verify_time: float,
-                drafted: int, width: int) -> None:
+                drafted: int, width: int, host_time: float = 0.0) -> None:
         """One step's outcome: the budgets ``plan`` gave, the drafted and accepted counts of the active
         rows (``outcome``), the step's draft and verify times (seconds), the drafts per row the drafter
-        ran (0 when it was not called) and the verify width (tokens per row)."""
+        ran (0 when it was not called), the verify width (tokens per row) and the host time between
+        the previous step or segment and this step's draft (seconds; 0: not measured)."""
         self.step += 1
         costs = self.costs
         costs.step += 1
         w = self.cost_smoothing
+        if host_time > 0:
+            costs.host = _moving_average(costs.host, host_time, w)
+        plain = self.plain_time()
+        if plain is not None:
+            costs.step_plain = plain  # (while off, the steps' costs follow P's moves from here)
         self.history[width - 1] = self.history.get(width - 1, 0) + 1
         # costs
         caught_up = self._prev_off  # this draft pass also fed the tokens of the skipped steps: not timed
         self._prev_off = drafted == 0
         if drafted > 0 and draft_time > 0 and not caught_up:
-            per_token = draft_time / drafted
-            self.draft_per_token = per_token if self.draft_per_token is None else (
-                (1 - w) * self.draft_per_token + w * per_token)
+            previous = math.nan if self.draft_per_token is None else self.draft_per_token
+            self.draft_per_token = _moving_average(previous, draft_time / drafted, w)
             if drafted <= self.k_max:
                 old = float(self.draft_obs[drafted])
-                self.draft_obs[drafted] = draft_time if math.isnan(old) else (1 - w) * old + w * draft_time
+                if costs.step - self.draft_obs_step[drafted] > COST_MEMORY_STEPS:
+                    old = math.nan  # a stale average is left to the probe, not updated
+                self.draft_obs[drafted] = _moving_average(old, draft_time, w)
+                self.draft_obs_step[drafted] = costs.step
         if 1 <= width <= self.k_max + 1 and verify_time > 0:
-            old = float(costs.obs[width])
-            costs.obs[width] = verify_time if math.isnan(old) else (1 - w) * old + w * verify_time
+            old = float(costs.obs[width]) if costs.step - costs.obs_step[width] <= COST_MEMORY_STEPS else math.nan
+            if not math.isnan(old):
+                verify_time = min(verify_time, SPIKE_CAP * old)
+            costs.obs[width] = _moving_average(old, verify_time, w)
             costs.obs_step[width] = costs.step
             probe = self._probe_at(width)
             if probe is not None:
@@ -464,24 +669,46 @@ class AdaptiveK:
         # and accepted 1..n; every position of such a row decays, reached or not (see above)
         rows = [outcome.rows[i] for i in live]
         if live:
+            self._drafted_steps += 1
             g, prefix = self.forgetting, self._prefix_ones  # prefix[j] = j ones, then zeros
             self.reached[rows] = g * self.reached[rows] + prefix[[outcome.reached[i] for i in live]]
             self.accepted[rows] = g * self.accepted[rows] + prefix[[outcome.accepted[i] for i in live]]
         if self._exploring_any:
-            # a fully accepted exploration explores again next step and resets the interval; a
-            # fruitless one doubles it
+            # a fully accepted exploration explores again next step; an episode that ends (nothing
+            # fully accepted) with speculation still off doubles the interval
             full = [outcome.rows[i] for i in live
                     if self.exploring[outcome.rows[i]] and outcome.accepted[i] >= outcome.drafted[i]]
             self.follow_up[:] = False
             self.follow_up[full] = True
-            if full:
-                self._explore_interval = max(self.explore_every, 1)
-            else:
-                self._explore_interval = min(2 * self._explore_interval, EXPLORE_BACKOFF * max(self.explore_every, 1))
-            self._next_explore = self.step - 1 + self._explore_interval
+            if not full:
+                self._explore_interval = min(2 * self._explore_interval, self._longest_interval())
+                self._next_explore = self.step - 1 + self._explore_interval
         elif self.follow_up_any:
             self.follow_up[:] = False
         self.follow_up_any = bool(self.follow_up.any())
+
+    def observe_plain(self, passes: int, seconds: float, active: Sequence[bool]) -> None:
+        """A plain chain segment the loop ran because ``plan`` gave every row 0: ``passes`` one-token
+        passes of the batch in ``seconds`` (the host time since the previous step or segment
+        included), ``active`` the rows that were unfinished at its start. Counts ``passes`` steps
+        (the exploration schedule, the staleness of the costs) and updates P; no acceptance data."""
+        if passes <= 0:
+            return
+        self.step += passes
+        costs = self.costs
+        costs.step += passes
+        w = self.cost_smoothing
+        per_pass = seconds / passes
+        if per_pass > 0:
+            costs.plain_obs = _moving_average(costs.plain_obs, per_pass, w)
+            costs.plain_obs_step = costs.step
+        self._prev_off = True  # the next draft pass also feeds the segment's tokens: not timed
+        self.history[0] = self.history.get(0, 0) + passes
+        self.plain_passes += passes
+        self.row_steps += passes * sum(1 for a in active if a)
+        if self.follow_up_any:
+            self.follow_up[:] = False
+            self.follow_up_any = False
 
     def _probe_at(self, width: int) -> Optional[float]:
         """The probe's forward time at ``width``, interpolated between the probed widths (cached)."""
@@ -494,12 +721,16 @@ class AdaptiveK:
         return float(costs.probe_curve[width])
 
     # ------------------------------------------------------------------ start, probe, finish
-    def start(self, batch_size: int, target_key, drafter_key, *, probe: bool = True) -> "ProbeRequest":
+    def start(self, batch_size: int, target_key, drafter_key, *, probe: bool = True,
+              plain_chain: int = 0) -> "ProbeRequest":
         """The loop's call after prefill: forget the rows (``reset``) and pick up what earlier
         generations with this target (``target_key``: the target model) / drafter / batch size
-        measured. Returns the start-up probes still needed (none when they were shared, or with
-        ``probe`` False); the loop runs them and hands the times to ``record_probes``."""
+        measured. ``plain_chain``: the passes per call of the loop's greedy plain chains where it can
+        run them when no row drafts (0: it cannot; time(0) is then its one-token step). Returns the
+        start-up probes still needed (none when they were shared, or with ``probe`` False); the loop
+        runs them and hands the times to ``record_probes``."""
         self.reset(batch_size)
+        self.plain_chain = max(int(plain_chain), 0)
         self._memory = None
         table = None
         if self.share_costs and target_key is not None:
@@ -509,14 +740,18 @@ class AdaptiveK:
                 table = None
         counts = tuple(sorted({t - 1 for t in self.probe_widths if t >= 2}))
         if table is None:
-            return ProbeRequest(tuple(self.probe_widths), counts) if probe else ProbeRequest((), ())
+            return ProbeRequest(tuple(self.probe_widths), counts, self.plain_chain) if probe else ProbeRequest((), ())
         costs = table.setdefault(("costs", batch_size, self.k_max), self.costs)
         fresh = costs is self.costs
         self.costs = costs
+        plain = self.plain_chain if math.isnan(costs.plain_probe) else 0  # (an earlier one may not have chained)
         self._memory = table.setdefault(("drafter", batch_size, self.k_max, drafter_key), DrafterMemory())
         if self._memory.draft_per_token is not None:
             self.draft_per_token = self._memory.draft_per_token
             self.draft_obs = self._memory.draft_obs.copy()
+            self.draft_obs_step = self._memory.draft_obs_step.copy()
+        if self._memory.prefill_per_token is not None:
+            self.prefill_per_token = self._memory.prefill_per_token
         if self._memory.acceptance is not None:
             self.set_prior(self._memory.acceptance)
         if self._memory.draft_probe is not None:
@@ -524,11 +759,15 @@ class AdaptiveK:
         if not probe:
             return ProbeRequest((), ())
         return ProbeRequest(tuple(self.probe_widths) if fresh else (),
-                            counts if self._memory.draft_probe is None else ())
+                            counts if self._memory.draft_probe is None else (), plain)
 
-    def record_probes(self, verify_times: Dict[int, float], draft_times: Dict[int, float]) -> None:
-        """The start-up probes' medians: {width t: seconds} of target forwards over [B, t] and
-        {count s: seconds} of draft steps of s tokens per row (empty where not probed)."""
+    def record_probes(self, verify_times: Dict[int, float], draft_times: Dict[int, float],
+                      plain_time: Optional[float] = None) -> None:
+        """The start-up probes' medians: {width t: seconds} of target forwards over [B, t], {count s:
+        seconds} of draft steps of s tokens per row (empty where not probed) and the seconds per pass
+        of greedy plain chains (None where not probed)."""
+        if plain_time is not None:
+            self.costs.plain_probe = float(plain_time)
         for t, seconds in verify_times.items():
             self.costs.probe[t] = seconds
         if verify_times:
@@ -539,21 +778,33 @@ class AdaptiveK:
             self._memory.draft_probe = self.draft_probe.copy()
 
     def set_prior(self, acceptance: Sequence[float]) -> None:
-        """Every row's prior: m pseudo-observations of ``acceptance`` [k_max] at each position."""
+        """Every row's prior from ``acceptance`` [k_max]: m pseudo-observations of a_1 at position 1 and
+        the shape s_i = a_i / a_{i-1} (the estimate is ``acceptance`` until the rows have data)."""
         a = np.clip(np.asarray(acceptance, dtype=np.float64), 0.0, 1.0)
         m = self.prior_strength
-        self.reached[:] = m
+        self.reached[:] = 0.0
+        self.accepted[:] = 0.0
+        self.reached[:, 0] = m
         self.accepted[:, 0] = m * a[0]
-        # deeper positions also shrink towards the one before: pick A_i so that the estimate is a_i
-        self.accepted[:, 1:] = np.clip(2 * m * a[1:] - m * a[:-1], 0.0, m)[None, :]
+        self.shape = np.ones(self.k_max)
+        self.shape[1:] = np.where(a[:-1] > 0, a[1:] / np.maximum(a[:-1], 1e-12), 1.0)
 
     def finish(self) -> Dict[str, object]:
-        """The loop's call at the end: leave the draft cost and the pooled acceptance for the next
-        generation (``share_costs``) and return ``summary()``."""
+        """The loop's call at the end: leave the draft costs (per token, per count, the prefill's) and the
+        pooled acceptance for the next generation (``share_costs``) and return ``summary()``."""
         if self._memory is not None and self.row_steps:
             self._memory.draft_per_token = self.draft_per_token
             self._memory.draft_obs = self.draft_obs.copy()
-            self._memory.acceptance = self.acceptance().mean(axis=0)
+            self._memory.draft_obs_step = self.draft_obs_step.copy()
+            # a generation that drafted nothing has no news: the prior relaxes towards p0 (so that a
+            # workload that switched speculation off for every prompt comes to try it again)
+            pooled = (self.acceptance().mean(axis=0) if self._drafted_steps
+                      else np.full(self.k_max, self.prior_acceptance))
+            old = self._memory.acceptance
+            self._memory.acceptance = pooled if old is None else (
+                (1 - GENERATION_SMOOTHING) * old + GENERATION_SMOOTHING * pooled)
+        if self._memory is not None and self.prefill_per_token is not None:
+            self._memory.prefill_per_token = self.prefill_per_token
         return self.summary()
 
     # ------------------------------------------------------------------ reporting
@@ -567,6 +818,9 @@ class AdaptiveK:
             "speculation_off_steps": self.history.get(0, 0),
             "verify_time_by_width_s": None if np.isnan(verify).any() else [float(v) for v in verify],
             "draft_time_per_token_s": self.draft_per_token,
+            "host_time_per_step_s": None if math.isnan(self.costs.host) else self.costs.host,
+            "plain_time_per_pass_s": self.plain_time(),
+            "plain_chain_passes": self.plain_passes,
             "acceptance_by_position": [float(a) for a in self.acceptance().mean(axis=0)],
         }
 

@@ -18,9 +18,11 @@
 B rows, n draft slots, V vocabulary, S cache positions. The *pending* token of a row is its last emitted
 token: committed to the token buffer but not yet to the target cache (the next verify pass feeds it
 first, so its logits score draft 1). A step with no drafts (no drafter, or adaptive k switched
-speculation off) verifies ``meta.no_drafts``: a one-token pass, i.e. plain decoding. Every per-step
-tensor is allocated once (metadata.py); with CUDA graphs the draft, verify and commit steps are
-captured (cuda_graphs.StepGraph) and replayed.
+speculation off) verifies ``meta.no_drafts``: a one-token pass, i.e. plain decoding; where every row
+is greedy on a runner that chains, plain decoding runs as greedy chains instead (``plain_chains``
+without a drafter, ``plain_segment`` when adaptive k switched speculation off for every row). Every
+per-step tensor is allocated once (metadata.py); with CUDA graphs the draft, verify and commit steps
+are captured (cuda_graphs.StepGraph) and replayed.
 """
 from __future__ import annotations
 
@@ -165,7 +167,6 @@ def widen_logits(meta: SpecDecodeMetadata, logits: torch.Tensor) -> torch.Tensor
 def commit(target: ModelRunner, drafter: Optional[Drafter], meta: SpecDecodeMetadata, verdict: Verdict) -> None:
     """The target keeps pending + accepted tokens of the active rows (frozen rows keep nothing), the
     emitted tokens join the token buffer, the drafter rolls back what was rejected."""
-    S = meta.token_buffer.shape[1]
     emitted = verdict.num_accepted.to(torch.int64) + 1  # [B]
     meta.num_kept.copy_(torch.where(meta.active, emitted, torch.zeros_like(emitted)))
     if verdict.path is None:
@@ -174,13 +175,20 @@ def commit(target: ModelRunner, drafter: Optional[Drafter], meta: SpecDecodeMeta
         before = target.lengths.clone()  # [B]
         target.commit_tree(verdict.path, verdict.num_accepted)
         target.truncate(before + meta.num_kept.to(before.device))
-    columns = torch.arange(meta.slots + 1, device=meta.device)  # [n+1]
-    write = columns[None, :] < meta.num_kept[:, None]  # [B, n+1]
-    positions = torch.where(write, meta.seq_lens[:, None] + columns, S - SCRATCH_COLUMNS)  # [B, n+1]
-    meta.token_buffer.scatter_(1, positions, verdict.tokens)
-    meta.seq_lens.add_(meta.num_kept)
+    append_tokens(meta, verdict.tokens)
     if drafter is not None:
         drafter.commit(meta, verdict)
+
+
+def append_tokens(meta: SpecDecodeMetadata, tokens: torch.Tensor) -> None:
+    """The first meta.num_kept[b] of tokens [B, w] join row b's token buffer (the rest go to its
+    scratch column); seq_lens += num_kept."""
+    S = meta.token_buffer.shape[1]
+    columns = torch.arange(tokens.shape[1], device=meta.device)  # [w]
+    write = columns[None, :] < meta.num_kept[:, None]  # [B, w]
+    positions = torch.where(write, meta.seq_lens[:, None] + columns, S - SCRATCH_COLUMNS)  # [B, w]
+    meta.token_buffer.scatter_(1, positions, tokens)
+    meta.seq_lens.add_(meta.num_kept)
 
 
 def read_step(proposal: Proposal, verdict: Verdict) -> Tuple[List[List[int]], List[int], List[int]]:
@@ -189,6 +197,39 @@ def read_step(proposal: Proposal, verdict: Verdict) -> Tuple[List[List[int]], Li
     host = torch.cat([verdict.num_accepted[:, None].long(), proposal.num_draft[:, None].long(), verdict.tokens],
                      dim=1).tolist()
     return host, [r[0] for r in host], [r[1] for r in host]
+
+
+class HostTime:
+    """Adaptive k's H: the host time between the timed parts of two loop iterations (stop checks, stats,
+    ``observe``, ``plan``), the time the loop's consumer held it between a yield and the resumption
+    left out. ``timer`` None: nothing measured (no adaptive k; no extra timer reads, which synchronise
+    a GPU)."""
+
+    def __init__(self, timer: Optional[Timer]):
+        self.timer = timer
+        self.mark = timer.now() if timer is not None else 0.0  # end of the last timed part
+        self.held = 0.0  # time since then that was not the loop's host work
+
+    def since(self, now: float) -> float:
+        """Host seconds from the last timed part's end to ``now``."""
+        return max(now - self.mark - self.held, 0.0)
+
+    def end(self, now: float) -> None:
+        """A timed part ended at ``now``."""
+        self.mark, self.held = now, 0.0
+
+    def held_since(self, start: float) -> None:
+        """From ``start`` until now the loop did something else (its consumer held it, a one-off)."""
+        self.held += self.timer.now() - start
+
+    def hand_over(self, new: List[List[int]]) -> Iterator[List[List[int]]]:
+        """Yield ``new`` to the loop's consumer; the time it holds the loop is not host work."""
+        if self.timer is None:
+            yield new
+            return
+        start = self.timer.now()
+        yield new
+        self.held_since(start)
 
 
 class DecodeSteps:
@@ -224,12 +265,16 @@ class DecodeSteps:
         return {g.name: g.captured for g in (self.draft, self.verify, self.commit)}
 
 
+def chainable(target: ModelRunner, meta: SpecDecodeMetadata, cuda_graphs: bool, sync: Optional[RankSync]) -> bool:
+    """Whether greedy plain decoding can run as chains here: every row greedy, a runner that chains
+    (LeanLlamaRunner on the CPU kernels, nothing hooked on its head), eager steps, one rank."""
+    return meta.all_greedy and not cuda_graphs and sync is None and getattr(target, "chains_greedy", False)
+
+
 def chains_plain(target: ModelRunner, drafter: Optional[Drafter], meta: SpecDecodeMetadata, cuda_graphs: bool,
                  sync: Optional[RankSync]) -> bool:
-    """Whether plain decoding runs as greedy chains (``plain_chains``): no drafter, every row greedy, a
-    runner that chains (LeanLlamaRunner on the CPU kernels, nothing hooked on its head), on one rank."""
-    return (drafter is None and meta.all_greedy and not cuda_graphs and sync is None
-            and getattr(target, "chains_greedy", False))
+    """Whether plain decoding runs as greedy chains (``plain_chains``): no drafter, and ``chainable``."""
+    return drafter is None and chainable(target, meta, cuda_graphs, sync)
 
 
 def plain_chains(target: ModelRunner, meta: SpecDecodeMetadata, rows: List[RowState], stop: StopCriteria,
@@ -244,25 +289,95 @@ def plain_chains(target: ModelRunner, meta: SpecDecodeMetadata, rows: List[RowSt
     chain = torch.empty((B, PLAIN_CHAIN_TOKENS + 1), dtype=torch.int64)  # [B, 1 + n]: pending, then n argmaxes
     chain[:, 0] = meta.pending_tokens()[:, 0].cpu()
     while not all(r.finished for r in rows):
-        left = max(stop.max_new_tokens - len(r.tokens) for r in rows if not r.finished)
-        room = target.max_seq_len - max(target.lengths.tolist())
-        n = min(PLAIN_CHAIN_TOKENS, left, room)
+        n = chain_length(target, rows, stop)
         t0 = timer.now()
         target.greedy_chain(chain, n + 1, check_logits=True)
         stats.verify_time += timer.now() - t0
-        emitted = chain[:, 1: n + 1].tolist()  # [B][n]
-        new: List[List[int]] = [[] for _ in range(B)]
-        for j in range(n):
-            active = [not r.finished for r in rows]
-            if not any(active):
-                break
-            stats.record_step(StepOutcome.of([0] * B, [0] * B, active))
-            for b in range(B):
-                if active[b]:
-                    new[b] += apply_stops(rows[b], [emitted[b][j]], stop)
-        stats.new_tokens += sum(len(t) for t in new)
+        new = stop_passes(rows, chain[:, 1: n + 1].tolist(), stop, stats)
         chain[:, 0] = chain[:, n]
         yield new
+
+
+def chain_length(target: ModelRunner, rows: List[RowState], stop: StopCriteria) -> int:
+    """Passes of the next plain chain call: PLAIN_CHAIN_TOKENS, at most what the longest unfinished row
+    still needs and what the cache can still hold."""
+    room = target.max_seq_len - max(target.lengths.tolist())
+    return min(PLAIN_CHAIN_TOKENS, tokens_left(rows, stop), room)
+
+
+def stop_passes(rows: List[RowState], emitted: List[List[int]], stop: StopCriteria,
+                stats: GenerationStats) -> List[List[int]]:
+    """The stop checks of chained one-token passes, pass by pass as the step loop makes them: emitted
+    [B][n], each row's argmax at each pass; each pass counts as a step of the rows still unfinished at
+    it. Returns each row's new tokens."""
+    B = len(rows)
+    new: List[List[int]] = [[] for _ in range(B)]
+    for j in range(len(emitted[0]) if emitted else 0):
+        active = [not r.finished for r in rows]
+        if not any(active):
+            break
+        stats.record_step(StepOutcome.of([0] * B, [0] * B, active))
+        for b in range(B):
+            if active[b]:
+                new[b] += apply_stops(rows[b], [emitted[b][j]], stop)
+    stats.new_tokens += sum(len(t) for t in new)
+    return new
+
+
+def plain_segment(target: ModelRunner, drafter: Optional[Drafter], meta: SpecDecodeMetadata,
+                  rows: List[RowState], stop: StopCriteria) -> Tuple[List[List[int]], int]:
+    """Adaptive k switched speculation off for every row where the loop can chain (``chainable``): one
+    ``greedy_chain`` call of ``chain_length`` one-token passes from each row's pending token, as
+    ``plain_chains`` runs them; the unfinished rows keep every pass's token, in the target cache and in
+    the token buffer, as a step's commit keeps them, and the frozen rows keep nothing; the drafter
+    skipped those steps (``skip_drafter``). Returns (the argmaxes [B][n] before the stop checks, n);
+    n = 0 (nothing run) when the cache has no room for a pass."""
+    B = len(rows)
+    active = [not r.finished for r in rows]
+    n = chain_length(target, rows, stop)
+    if n < 1:
+        return [], 0
+    lengths = None if all(active) else target.lengths.clone()  # [B]
+    chain = torch.empty((B, n + 1), dtype=torch.int64)  # [B, 1 + n]: pending, then n argmaxes
+    chain[:, 0] = meta.pending_tokens()[:, 0].cpu()
+    target.greedy_chain(chain, n + 1, check_logits=True)
+    if lengths is None:
+        meta.num_kept.fill_(n)
+    else:
+        meta.num_kept.copy_(torch.tensor([n if a else 0 for a in active], dtype=torch.int64))
+        target.truncate(lengths + meta.num_kept.to(lengths.device))
+    append_tokens(meta, chain[:, 1:].to(meta.device))
+    if drafter is not None:
+        skip_drafter(drafter, meta, n)
+    return chain[:, 1:].tolist(), n
+
+
+def timed_segment(target: ModelRunner, drafter: Optional[Drafter], meta: SpecDecodeMetadata, rows: List[RowState],
+                  stop: StopCriteria, stats: GenerationStats, adaptive: AdaptiveK,
+                  host: HostTime) -> Tuple[List[List[int]], int]:
+    """``plain_segment``, timed for the stats and for adaptive k (its time per pass, the host time since
+    the previous step included), then the stop checks. Returns (each row's new tokens, passes)."""
+    active = [not r.finished for r in rows]
+    t0 = host.timer.now()
+    emitted, passes = plain_segment(target, drafter, meta, rows, stop)
+    if not passes:
+        return [], 0
+    t1 = host.timer.now()
+    stats.verify_time += t1 - t0
+    adaptive.observe_plain(passes, t1 - t0 + host.since(t0), active)
+    host.end(t1)
+    return stop_passes(rows, emitted, stop, stats), passes
+
+
+def skip_drafter(drafter: Drafter, meta: SpecDecodeMetadata, steps: int) -> None:
+    """The drafter's side of ``steps`` plain steps that ran without it (meta.num_kept and the token
+    buffer already hold their tokens): ``skip`` per step, then one ``commit`` of a verdict that accepted
+    nothing (a model drafter leaves its cache as it is and feeds the tokens at its next proposal; the
+    n-gram drafter indexes them now)."""
+    for _ in range(steps):
+        drafter.skip(meta)
+    meta.num_accepted.zero_()
+    drafter.commit(meta, Verdict(meta.output_tokens, meta.num_accepted))
 
 
 # ------------------------------------------------------------------------------------------ probes
@@ -312,6 +427,22 @@ def probe_costs(target: ModelRunner, drafter: Drafter, meta: SpecDecodeMetadata,
     return verify_times, draft_times
 
 
+def probe_plain_chain(target: ModelRunner, meta: SpecDecodeMetadata, passes: int, timer: Timer,
+                      repeats: int) -> Optional[float]:
+    """Adaptive k's start-up probe of P: seconds per pass of a greedy plain chain of ``passes`` passes
+    from each row's pending token (the median of ``repeats`` calls, each rolled back); None when the
+    cache has no room for one pass."""
+    lengths = target.lengths.clone()  # [B]
+    passes = min(passes, target.max_seq_len - max(lengths.tolist()))
+    if passes < 1:
+        return None
+    chain = torch.empty((meta.batch_size, passes + 1), dtype=torch.int64)  # [B, 1 + passes]
+    chain[:, 0] = meta.pending_tokens()[:, 0].cpu()
+    seconds = median_time(timer, lambda: target.greedy_chain(chain, passes + 1), lambda: target.truncate(lengths),
+                          repeats)
+    return seconds / passes
+
+
 # ------------------------------------------------------------------------------------------ loop
 @torch.no_grad()  # applied per resumption of the generator: the caller's grad mode is untouched
 def decode(target: ModelRunner, drafter: Optional[Drafter], prompts: Sequence[Sequence[int]], seeds: torch.Tensor,
@@ -337,9 +468,11 @@ def decode(target: ModelRunner, drafter: Optional[Drafter], prompts: Sequence[Se
     tree = drafter is not None and drafter.is_tree
     meta = SpecDecodeMetadata.allocate(batch_size=B, slots=slots, max_seq_len=max_seq_len, sampling=sampling,
                                        seeds=seeds, tree=tree)
+    segments = adaptive is not None and drafter is not None and not tree and chainable(target, meta, cuda_graphs, sync)
+    drafter_prefill = DrafterPrefill(drafter, meta, timer, stats, deferred=segments, adaptive=adaptive)
     start = timer.now()
     with nvtx_range("prefill"):
-        prefill(target, drafter, prompts, meta)
+        prefill(target, None if segments else drafter, prompts, meta)
     if sync is not None:
         sync.tokens(meta.token_buffer)
     first = meta.token_buffer.gather(1, meta.prompt_lens[:, None])[:, 0].tolist()
@@ -353,10 +486,7 @@ def decode(target: ModelRunner, drafter: Optional[Drafter], prompts: Sequence[Se
         stats.target_step_time = probe_target_step(target, meta, timer)
         start += timer.now() - probe_start  # the probes are not part of the run
     if adaptive is not None and drafter is not None and not tree:  # (a tree drafter: fixed budget)
-        probe_start = timer.now()
-        request = adaptive.start(B, getattr(target, "model", None), drafter_key(drafter), probe=running)
-        adaptive.record_probes(*probe_costs(target, drafter, meta, request, timer, adaptive.probe_passes))
-        start += timer.now() - probe_start
+        start += start_adaptive(adaptive, target, drafter, meta, timer, running, segments, drafter_prefill)
     else:
         adaptive = None
 
@@ -367,11 +497,22 @@ def decode(target: ModelRunner, drafter: Optional[Drafter], prompts: Sequence[Se
 
     steps = DecodeSteps(target, drafter, meta, verifier, graphs=cuda_graphs, backend=graph_backend)
     step = FIRST_DECODE_STEP
+    host = HostTime(timer if adaptive is not None else None)
     while not all(r.finished for r in rows):
         active = [not r.finished for r in rows]
         meta.active.copy_(torch.tensor(active))
         meta.set_step(step)
-        steps.budget = adaptive.plan(active) if adaptive is not None else None
+        steps.budget = (adaptive.plan(active, tokens_left(rows, stop), drafter_prefill.pending())
+                        if adaptive is not None else None)
+        if segments and max(steps.budget) == 0:
+            new, passes = timed_segment(target, drafter if drafter_prefill.done else None, meta, rows, stop,
+                                        stats, adaptive, host)
+            if passes:
+                step += passes
+                yield from host.hand_over(new)
+                continue
+        if not drafter_prefill.done:
+            host.held_since(drafter_prefill.run())  # (the drafter's prefill is not host work between steps)
         t0 = timer.now()
         with nvtx_range("draft"):
             steps.draft()
@@ -383,7 +524,7 @@ def decode(target: ModelRunner, drafter: Optional[Drafter], prompts: Sequence[Se
             if sync is not None:
                 sync.verdict(steps.verdict)
         proposal, verdict = steps.proposal, steps.verdict
-        host, num_accepted, num_draft = read_step(proposal, verdict)
+        read, num_accepted, num_draft = read_step(proposal, verdict)
         if min(num_accepted) < 0:
             raise_for_row_status("tree_verify" if tree else "chain_verify", verdict.num_accepted)
         with nvtx_range("commit"):
@@ -395,14 +536,72 @@ def decode(target: ModelRunner, drafter: Optional[Drafter], prompts: Sequence[Se
         stats.record_step(outcome)
         if adaptive is not None:
             adaptive.observe(steps.budget, outcome, draft_time=t1 - t0, verify_time=t2 - t1,
-                             drafted=max(steps.budget, default=0), width=proposal.verify_width())
-        new = [apply_stops(rows[b], host[b][2: 3 + num_accepted[b]], stop) if active[b] else [] for b in range(B)]
+                             drafted=max(steps.budget, default=0), width=proposal.verify_width(),
+                             host_time=host.since(t0))
+            host.end(t2)
+        new = [apply_stops(rows[b], read[b][2: 3 + num_accepted[b]], stop) if active[b] else [] for b in range(B)]
         stats.new_tokens += sum(len(n) for n in new)
         step += 1
-        yield new
+        yield from host.hand_over(new)
     stats.total_time = timer.now() - start
     if adaptive is not None:
         stats.adaptive = adaptive.finish()
+
+
+def tokens_left(rows: List[RowState], stop: StopCriteria) -> int:
+    """The most tokens an unfinished row may still emit (max_new_tokens bounds them)."""
+    return max(stop.max_new_tokens - len(r.tokens) for r in rows if not r.finished)
+
+
+class DrafterPrefill:
+    """The drafter's prefill, run by ``prefill`` at the start, or ``deferred`` (adaptive k where it runs
+    plain chain segments) until the loop first needs the drafter, so that a generation that never
+    speculates never pays for it. A deferred prefill feeds every committed token but the pending one,
+    what ``prefill`` gives it at the start; its time counts as prefill time, and adaptive k learns its
+    cost per token (``AdaptiveK.record_prefill``)."""
+
+    def __init__(self, drafter: Optional[Drafter], meta: SpecDecodeMetadata, timer: Timer,
+                 stats: GenerationStats, deferred: bool, adaptive: Optional[AdaptiveK]):
+        self.drafter, self.meta, self.timer, self.stats, self.adaptive = drafter, meta, timer, stats, adaptive
+        self.done = not deferred
+
+    def pending(self) -> int:
+        """Tokens a prefill now would feed (0 once done)."""
+        return 0 if self.done else int(self.meta.seq_lens.sum()) - self.meta.batch_size
+
+    def run(self) -> float:
+        """Prefill the drafter now (at most once); returns when it started (``timer.now()``)."""
+        begin = self.timer.now()
+        if not self.done:
+            tokens = self.pending()
+            self.done = True
+            lengths = self.meta.seq_lens.tolist()
+            buffer = self.meta.token_buffer.cpu()  # [B, S]
+            with nvtx_range("prefill"):
+                self.drafter.prefill([buffer[b, : lengths[b] - 1].tolist() for b in range(len(lengths))], self.meta)
+            seconds = self.timer.now() - begin
+            self.stats.prefill_time += seconds
+            if self.adaptive is not None:
+                self.adaptive.record_prefill(seconds, tokens)
+        return begin
+
+
+def start_adaptive(adaptive: AdaptiveK, target: ModelRunner, drafter: Drafter, meta: SpecDecodeMetadata,
+                   timer: Timer, running: bool, segments: bool, drafter_prefill: DrafterPrefill) -> float:
+    """adaptive.start (``segments``: the loop runs plain chain segments when no row drafts) and the
+    start-up probes it asks for (``probe_costs``, ``probe_plain_chain``); a draft probe proposes, so the
+    drafter's deferred prefill runs first. Returns the probes' seconds (not part of the run)."""
+    begin = timer.now()
+    request = adaptive.start(meta.batch_size, getattr(target, "model", None), drafter_key(drafter), probe=running,
+                             plain_chain=PLAIN_CHAIN_TOKENS if segments else 0)
+    if request.draft_counts and not drafter_prefill.done:
+        prefill_start = drafter_prefill.run()
+        begin += timer.now() - prefill_start  # (part of the run)
+    verify_times, draft_times = probe_costs(target, drafter, meta, request, timer, adaptive.probe_passes)
+    plain = (probe_plain_chain(target, meta, request.plain_passes, timer, adaptive.probe_passes)
+             if request.plain_passes else None)
+    adaptive.record_probes(verify_times, draft_times, plain)
+    return timer.now() - begin
 
 
 def pad_batch(prompts: Sequence[Sequence[int]], seeds: torch.Tensor, rows: List[RowState],
