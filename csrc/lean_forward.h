@@ -62,10 +62,11 @@
 #include <string>
 
 #include "checks.h"
+#include "cpu/attention_types.h"
 
 namespace specdec {
 
-constexpr int64_t kMaxHeadDim = 512;
+constexpr int64_t kMaxHeadDim = cpu::kMaxAttentionHeadDim;  // the kernels' key-chunk arrays
 constexpr int64_t kLayerWeights = 9;  // decoder_layers: the weights of one layer, in the order above
 constexpr int64_t kLayerBiases = 7;
 constexpr int64_t kLayerNormEps = 2;
