@@ -85,7 +85,7 @@ def parse_args(argv):
 def make_method(target, draft, kind: str, k, new: int, runner: str) -> Callable:
     """A function prompt-token-lists -> (tokens per row, adaptive summary or None), as generate() runs."""
     from specdec_ext.build import build
-    from specdec_ext.decode import decode
+    from specdec_ext.decode import LoopConfig, decode
     from specdec_ext.models import Models
     from specdec_ext.plan import make_plan
     from specdec_ext.stats import GenerationStats
@@ -101,9 +101,8 @@ def make_method(target, draft, kind: str, k, new: int, runner: str) -> Callable:
         stats = GenerationStats(k=plan.slots, batch_size=B)
         rows = [RowState() for _ in prompts]
         for _ in decode(target_runner, drafter, prompts, torch.zeros(B, dtype=torch.int64),
-                        StopCriteria(max_new_tokens=new), slots=plan.slots, sampling=plan.sampling,
-                        max_seq_len=plan.max_seq_len, adaptive=plan.controller, stats=stats, rows=rows,
-                        cost_probe=False):
+                        StopCriteria(max_new_tokens=new), LoopConfig.of(plan, cost_probe=False), stats=stats,
+                        rows=rows):
             pass
         return [r.tokens for r in rows], stats.adaptive
 

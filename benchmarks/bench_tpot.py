@@ -13,7 +13,7 @@ steps; no EOS):
 * eager-host   PagedModelRunner (host bookkeeping per step, attention over the pages in use): what the
                loop runs without graphs;
 * eager-static StaticPagedRunner (device-only steps, attention over all pages of a row), no capture;
-* graphs       the same steps captured in CUDA graphs (decode.DecodeSteps over cuda_graphs.StepGraph) and replayed.
+* graphs       the same steps captured in CUDA graphs (step.DecodeSteps over cuda_graphs.StepGraph) and replayed.
 The first WARM steps of each run (warm-up and capture) are not timed. TPOT = timed seconds / tokens
 emitted per row over the timed steps (a row's tokens per step: accepted + 1). "same" says whether the
 graph run emitted exactly the tokens of the eager-static run (same kernels: must be yes).
@@ -39,7 +39,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _timing import machine_description, median_times  # noqa: E402
 from specdec_ext import ops  # noqa: E402
 from specdec_ext.cuda_graphs import StepGraph, graphs_available  # noqa: E402
-from specdec_ext.decode import DecodeSteps, lossless_verify, prefill  # noqa: E402
+from specdec_ext.decode import prefill  # noqa: E402
+from specdec_ext.step import DecodeSteps, lossless_verify  # noqa: E402
 from specdec_ext.drafters import ModelDrafter  # noqa: E402
 from specdec_ext.metadata import SpecDecodeMetadata  # noqa: E402
 from specdec_ext.plan import required_cache_len  # noqa: E402

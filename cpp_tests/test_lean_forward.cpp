@@ -1,7 +1,8 @@
 // The CPU forward kernels (csrc/cpu/small_gemm.h, fused_linear.h, rope_cache.h, attention.h) against
 // double-precision references, on every instruction-set path this CPU runs (forced through
 // SPECDEC_CPU_ISA as the ops read it), odd shapes, 1 and 16 rows, fp32/bf16/fp16 weights and caches;
-// the 16-bit conversions against c10's; batch invariance; one op call through the dispatcher.
+// the 16-bit conversions against c10's; batch invariance; the ops through the dispatcher (decoder_layers and
+// greedy_chain over the model lists of csrc/lean_forward.h, read back by name with llama_model_view).
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -19,6 +20,7 @@
 #include "cpu/isa.h"
 #include "cpu/numeric.h"
 #include "cpu/rope_cache.h"
+#include "lean_forward.h"
 
 namespace {
 
@@ -360,22 +362,45 @@ auto& fused_linear_op() {
 auto& decoder_layers_op() {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("specdec_ext::decoder_layers", "")
-                       .typed<void(at::Tensor&, at::TensorList, const Biases&, at::ArrayRef<double>, bool,
-                                   const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                   const at::Tensor&, at::Tensor&, at::Tensor&, const at::Tensor&,
-                                   const std::optional<at::Tensor>&, double)>();
+                       .typed<void(at::Tensor&, const Biases&, at::ArrayRef<double>, bool, at::TensorList,
+                                   at::TensorList, at::TensorList, const std::optional<at::Tensor>&)>();
   return op;
 }
 
-// decoder_layers' weights for L layers: fp32 norms near 1, bf16 projections.
-std::vector<at::Tensor> layer_weights(int64_t L, int64_t d, int64_t H, int64_t Hk, int64_t D, int64_t I) {
-  std::vector<at::Tensor> weights;
-  for (int64_t l = 0; l < L; ++l)
-    for (auto shape : std::vector<std::vector<int64_t>>{{d}, {H * D, d}, {Hk * D, d}, {Hk * D, d}, {d, H * D}, {d},
-                                                        {I, d}, {I, d}, {d, I}})
-      weights.push_back(shape.size() == 1 ? torch::ones(shape) + 0.1 * torch::randn(shape)
-                                          : (0.2 * torch::randn(shape)).to(torch::kBFloat16));
-  return weights;
+// decoder_layers' and greedy_chain's model lists (csrc/lean_forward.h) for L layers: fp32 norms near
+// 1, bf16 projections, no biases but the head's; and the same read back by name.
+struct ModelLists {
+  Biases weights;
+  std::vector<double> scalars;
+  specdec::LlamaModelView view() const { return specdec::llama_model_view("test", weights, scalars); }
+};
+
+ModelLists model_lists(int64_t L, int64_t d, int64_t H, int64_t Hk, int64_t D, int64_t I, int64_t V) {
+  const auto norm = [d] { return torch::ones({d}) + 0.1 * torch::randn({d}); };
+  const auto projection = [](int64_t rows, int64_t columns) {
+    return (0.2 * torch::randn({rows, columns})).to(torch::kBFloat16);
+  };
+  ModelLists m;
+  m.weights.push_back(torch::randn({V, d}).to(torch::kBFloat16));  // embed
+  for (int64_t l = 0; l < L; ++l) {
+    m.weights.push_back(norm());  // input_norm, then each projection and its bias (none)
+    for (auto [rows, columns] :
+         std::vector<std::pair<int64_t, int64_t>>{{H * D, d}, {Hk * D, d}, {Hk * D, d}, {d, H * D}}) {
+      m.weights.push_back(projection(rows, columns));
+      m.weights.push_back(std::nullopt);
+    }
+    m.weights.push_back(norm());  // post_norm
+    for (auto [rows, columns] : std::vector<std::pair<int64_t, int64_t>>{{I, d}, {I, d}, {d, I}}) {
+      m.weights.push_back(projection(rows, columns));
+      m.weights.push_back(std::nullopt);
+    }
+    m.scalars.insert(m.scalars.end(), {1e-6, 1e-6});
+  }
+  m.weights.push_back(norm());
+  m.weights.push_back(projection(V, d));
+  m.weights.push_back(torch::randn({V}));  // head_bias
+  m.scalars.insert(m.scalars.end(), {1e-6, 0.4});  // the final norm's epsilon, the attention scale
+  return m;
 }
 
 // Rotary tables [capacity, D/2] (cos, sin).
@@ -413,8 +438,7 @@ TEST(LeanForwardOps, DecoderLayersThroughTheDispatcherIsThePerOpComposition) {
                                           const std::optional<at::Tensor>&, double, at::Tensor&)>();
   torch::manual_seed(1);
   const int64_t L = 2, d = 24, H = 4, Hk = 2, D = 6, I = 40, B = 2, T = 3, M = B * T, Bc = 3, capacity = 16;
-  const std::vector<at::Tensor> weights = layer_weights(L, d, H, Hk, D, I);
-  const std::vector<double> eps(2 * L, 1e-6);
+  const ModelLists model = model_lists(L, d, H, Hk, D, I, 30);
   const at::Tensor x0 = torch::randn({M, d});
   const at::Tensor positions = torch::tensor({4, 5, 6, 0, 1, 2}, torch::kLong);
   const at::Tensor rows = torch::tensor({2, 2, 2, 0, 0, 0}, torch::kLong);
@@ -424,59 +448,64 @@ TEST(LeanForwardOps, DecoderLayersThroughTheDispatcherIsThePerOpComposition) {
   Biases none;
 
   at::Tensor x = x0.clone(), kc = kc0.clone(), vc = vc0.clone();
-  layers.call(x, weights, none, eps, true, cos, sin, positions, rows, positions, kc, vc, start, std::nullopt, 0.4);
+  layers.call(x, model.weights, model.scalars, true, {cos, sin}, {kc, vc}, {positions, rows, positions, start},
+              std::nullopt);
 
   at::Tensor y = x0.clone(), kc2 = kc0.clone(), vc2 = vc0.clone();
   at::Tensor q = torch::empty({M, H * D}), k = torch::empty({M, Hk * D}), v = torch::empty({M, Hk * D});
   at::Tensor out = torch::empty({B, T, H, D}), act = torch::empty({M, I});
   const at::Tensor row_of_batch = torch::tensor({2, 0}, torch::kLong);
+  const specdec::LlamaModelView view = model.view();
   for (int64_t l = 0; l < L; ++l) {
-    const at::Tensor* w = weights.data() + 9 * l;
-    linear.call(y, w[0], eps[2 * l], {w[1], w[2], w[3]}, none, "store", true, {q, k, v});
+    const specdec::LlamaLayerView& w = view.layers[l];
+    linear.call(y, w.input_norm, w.input_norm_eps, {w.q.weight, w.k.weight, w.v.weight}, none, "store", true,
+                {q, k, v});
     at::Tensor qh = q.view({M, H, D}), kl = kc2.select(0, l), vl = vc2.select(0, l);
     rope.call(qh, k.view({M, Hk, D}), v.view({M, Hk, D}), cos, sin, positions, rows, positions, kl, vl);
     attention.call(q.view({B, T, H, D}), kl.index_select(0, row_of_batch), vl.index_select(0, row_of_batch), start,
-                   std::nullopt, 0.4, out);
-    linear.call(out.view({M, H * D}), std::nullopt, 0.0, {w[4]}, none, "add", true, {y});
-    linear.call(y, w[5], eps[2 * l + 1], {w[6], w[7]}, none, "swiglu", true, {act});
-    linear.call(act, std::nullopt, 0.0, {w[8]}, none, "add", true, {y});
+                   std::nullopt, view.scale, out);
+    linear.call(out.view({M, H * D}), std::nullopt, 0.0, {w.o.weight}, none, "add", true, {y});
+    linear.call(y, w.post_norm, w.post_norm_eps, {w.gate.weight, w.up.weight}, none, "swiglu", true, {act});
+    linear.call(act, std::nullopt, 0.0, {w.down.weight}, none, "add", true, {y});
   }
   EXPECT_TRUE(torch::equal(x, y));
   EXPECT_TRUE(torch::equal(kc, kc2));
   EXPECT_TRUE(torch::equal(vc, vc2));
-  const std::vector<double> short_eps(1, 1e-6);
-  EXPECT_THROW(layers.call(x, weights, none, short_eps, true, cos, sin, positions, rows, positions, kc, vc, start,
-                           std::nullopt, 0.4),
+  const std::vector<double> short_scalars(model.scalars.begin(), model.scalars.end() - 1);
+  EXPECT_THROW(layers.call(x, model.weights, short_scalars, true, {cos, sin}, {kc, vc},
+                           {positions, rows, positions, start}, std::nullopt),
+               c10::Error);
+  Biases no_norm = model.weights.copy();
+  no_norm.set(1, std::nullopt);  // layer 0's input_norm
+  EXPECT_THROW(layers.call(x, no_norm, model.scalars, true, {cos, sin}, {kc, vc}, {positions, rows, positions, start},
+                           std::nullopt),
                c10::Error);
 }
 
 TEST(LeanForwardOps, GreedyChainThroughTheDispatcherIsTheStepLoop) {
   static auto chain = c10::Dispatcher::singleton()
                           .findSchemaOrThrow("specdec_ext::greedy_chain", "")
-                          .typed<void(at::Tensor&, int64_t, const at::Tensor&, at::TensorList,
-                                      const Biases&, at::ArrayRef<double>, bool,
-                                      const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&,
-                                      at::Tensor&, const at::Tensor&, double, const at::Tensor&, double,
-                                      const at::Tensor&, const std::optional<at::Tensor>&, int64_t, bool,
-                                      const std::optional<at::Tensor>&, const std::optional<at::Tensor>&)>();
+                          .typed<void(at::Tensor&, int64_t, const Biases&, at::ArrayRef<double>, bool,
+                                      at::TensorList, at::TensorList, at::TensorList, int64_t, bool)>();
   auto& layers = decoder_layers_op();
   auto& linear = fused_linear_op();
   torch::manual_seed(2);
   const int64_t L = 2, d = 24, H = 4, Hk = 2, D = 6, I = 40, V = 50, B = 2, n = 5, steps = 4, capacity = 16;
-  const std::vector<at::Tensor> weights = layer_weights(L, d, H, Hk, D, I);
-  const std::vector<double> eps(2 * L, 1e-6);
-  const at::Tensor embed = torch::randn({V, d}).to(torch::kBFloat16), head = torch::randn({V, d}).to(torch::kBFloat16);
-  const at::Tensor norm = torch::ones({d}) + 0.1 * torch::randn({d}), head_bias = torch::randn({V});
+  const ModelLists model = model_lists(L, d, H, Hk, D, I, V);
+  const specdec::LlamaModelView view = model.view();
+  const at::Tensor embed = view.embed, head = view.head.weight, norm = view.norm, head_bias = *view.head.bias;
   const auto [cos, sin] = rope_tables(capacity, D);
   const at::Tensor kc0 = torch::randn({L, B, Hk, capacity, D}).to(torch::kBFloat16), vc0 = torch::randn_like(kc0);
   const at::Tensor rows = torch::tensor({1, 0}, torch::kLong), start = torch::tensor({7, 2}, torch::kLong);
   const int64_t limit = V - 9;
-  Biases none;
+  const auto call = [&](at::Tensor& tokens, int64_t count, const Biases& weights, at::Tensor& k, at::Tensor& v,
+                        std::vector<at::Tensor> chain_rows, bool check) {
+    chain.call(tokens, count, weights, model.scalars, true, {cos, sin}, {k, v}, chain_rows, limit, check);
+  };
 
   at::Tensor tokens = torch::zeros({B, n}, torch::kLong), kc = kc0.clone(), vc = vc0.clone();
   tokens.select(1, 0).copy_(torch::tensor({4, 31}, torch::kLong));
-  chain.call(tokens, steps, embed, weights, none, eps, true, cos, sin, rows, kc, vc, start, 0.4, norm, 1e-6, head,
-             head_bias, limit, /*check_logits=*/true, std::nullopt, std::nullopt);
+  call(tokens, steps, model.weights, kc, vc, {rows, start}, /*check=*/true);
 
   at::Tensor logits = torch::empty({B, V});
   // The separate calls a chain replaces: from column 0 of `expected`, one-token passes from slot `from`.
@@ -484,8 +513,9 @@ TEST(LeanForwardOps, GreedyChainThroughTheDispatcherIsTheStepLoop) {
     for (int64_t i = 1; i < steps; ++i) {
       at::Tensor x = embed.index_select(0, expected.select(1, i - 1)).to(torch::kFloat).contiguous();
       const at::Tensor slots = from + (i - 1);
-      layers.call(x, weights, none, eps, true, cos, sin, slots, rows, slots, k, v, slots, std::nullopt, 0.4);
-      linear.call(x, norm, 1e-6, {head}, Biases({head_bias}), "store", true, {logits});
+      layers.call(x, model.weights, model.scalars, true, {cos, sin}, {k, v}, {slots, rows, slots, slots},
+                  std::nullopt);
+      linear.call(x, norm, view.norm_eps, {head}, Biases({head_bias}), "store", true, {logits});
       expected.select(1, i).copy_(logits.slice(1, 0, limit).argmax(1));
     }
   };
@@ -495,40 +525,34 @@ TEST(LeanForwardOps, GreedyChainThroughTheDispatcherIsTheStepLoop) {
   EXPECT_TRUE(torch::equal(tokens, expected));
   EXPECT_TRUE(torch::equal(kc, kc2));
   EXPECT_TRUE(torch::equal(vc, vc2));
-  EXPECT_THROW(chain.call(tokens, n + 1, embed, weights, none, eps, true, cos, sin, rows, kc, vc, start, 0.4, norm,
-                          1e-6, head, head_bias, limit, false, std::nullopt, std::nullopt),
-               c10::Error);
+  EXPECT_THROW(call(tokens, n + 1, model.weights, kc, vc, {rows, start}, false), c10::Error);
   // three slots from capacity - 2: refused before the first step writes its slot
   const at::Tensor late = torch::tensor({capacity - 2, int64_t{0}}, torch::kLong);
   const at::Tensor kc_before = kc.clone();
-  EXPECT_THROW(chain.call(tokens, steps, embed, weights, none, eps, true, cos, sin, rows, kc, vc, late, 0.4, norm,
-                          1e-6, head, head_bias, limit, false, std::nullopt, std::nullopt),
-               c10::Error);
+  EXPECT_THROW(call(tokens, steps, model.weights, kc, vc, {rows, late}, false), c10::Error);
   EXPECT_TRUE(torch::equal(kc, kc_before));
   // check_logits: a NaN logit (a head row of NaN) is a ValueError naming the row, not an argmax
   const at::Tensor nan_head = head.clone();
   nan_head.select(0, 3).fill_(std::numeric_limits<float>::quiet_NaN());
-  chain.call(tokens, steps, embed, weights, none, eps, true, cos, sin, rows, kc, vc, start, 0.4, norm, 1e-6, nan_head,
-             head_bias, limit, false, std::nullopt, std::nullopt);
+  Biases nan_weights = model.weights.copy();
+  nan_weights.set(nan_weights.size() - 2, nan_head);
+  call(tokens, steps, nan_weights, kc, vc, {rows, start}, false);
   EXPECT_EQ(tokens[0][1].item<int64_t>(), 3);  // torch.argmax's answer: the NaN's index
   EXPECT_EQ(tokens[1][1].item<int64_t>(), 3);
-  EXPECT_THROW(chain.call(tokens, steps, embed, weights, none, eps, true, cos, sin, rows, kc, vc, start, 0.4, norm,
-                          1e-6, nan_head, head_bias, limit, true, std::nullopt, std::nullopt),
-               c10::ValueError);
+  EXPECT_THROW(call(tokens, steps, nan_weights, kc, vc, {rows, start}, true), c10::ValueError);
 
   // a feed: the block's pass (padding in row 1's second column), the argmax at each row's last real
   // column, then the chain from the slot after the feed
   const at::Tensor feed = torch::tensor({{9, 14}, {22, 22}}, torch::kLong), counts = torch::tensor({2, 1}, torch::kLong);
   at::Tensor fed_tokens = torch::zeros({B, n}, torch::kLong), kc3 = kc0.clone(), vc3 = vc0.clone();
-  chain.call(fed_tokens, steps, embed, weights, none, eps, true, cos, sin, rows, kc3, vc3, start, 0.4, norm, 1e-6,
-             head, head_bias, limit, false, feed, counts);
+  call(fed_tokens, steps, model.weights, kc3, vc3, {rows, start, feed, counts}, false);
   at::Tensor kc4 = kc0.clone(), vc4 = vc0.clone(), fed_expected = torch::zeros({B, n}, torch::kLong);
   at::Tensor block = embed.index_select(0, feed.reshape({-1})).to(torch::kFloat).contiguous();
   const at::Tensor block_slots = (start.unsqueeze(1) + torch::arange(2, torch::kLong)).reshape({-1});
-  layers.call(block, weights, none, eps, true, cos, sin, block_slots, rows.repeat_interleave(2), block_slots, kc4, vc4,
-              start, std::nullopt, 0.4);
+  layers.call(block, model.weights, model.scalars, true, {cos, sin}, {kc4, vc4},
+              {block_slots, rows.repeat_interleave(2), block_slots, start}, std::nullopt);
   at::Tensor last = block.index_select(0, torch::tensor({1, 2}, torch::kLong)).contiguous();  // rows 0*2+1, 1*2+0
-  linear.call(last, norm, 1e-6, {head}, Biases({head_bias}), "store", true, {logits});
+  linear.call(last, norm, view.norm_eps, {head}, Biases({head_bias}), "store", true, {logits});
   fed_expected.select(1, 0).copy_(logits.slice(1, 0, limit).argmax(1));
   step_loop(fed_expected, start + counts, kc4, vc4);
   EXPECT_TRUE(torch::equal(fed_tokens, fed_expected));
@@ -536,12 +560,9 @@ TEST(LeanForwardOps, GreedyChainThroughTheDispatcherIsTheStepLoop) {
   EXPECT_TRUE(torch::equal(vc3, vc4));
   // a count outside [1, W] and a feed without its counts: refused before anything is written
   const at::Tensor kc3_before = kc3.clone();
-  EXPECT_THROW(chain.call(fed_tokens, steps, embed, weights, none, eps, true, cos, sin, rows, kc3, vc3, start, 0.4,
-                          norm, 1e-6, head, head_bias, limit, false, feed, torch::tensor({0, 1}, torch::kLong)),
-               c10::Error);
-  EXPECT_THROW(chain.call(fed_tokens, steps, embed, weights, none, eps, true, cos, sin, rows, kc3, vc3, start, 0.4,
-                          norm, 1e-6, head, head_bias, limit, false, feed, std::nullopt),
-               c10::Error);
+  const at::Tensor zero_count = torch::tensor({0, 1}, torch::kLong);
+  EXPECT_THROW(call(fed_tokens, steps, model.weights, kc3, vc3, {rows, start, feed, zero_count}, false), c10::Error);
+  EXPECT_THROW(call(fed_tokens, steps, model.weights, kc3, vc3, {rows, start, feed}, false), c10::Error);
   EXPECT_TRUE(torch::equal(kc3, kc3_before));
 }
 

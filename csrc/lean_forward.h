@@ -26,40 +26,58 @@
 //   visible [B, T, T] bool or None: which block tokens each query sees (None: causal, j <= t)
 //   out [B, T, H, D] fp32 contiguous
 //
-// decoder_layers: L Llama-family decoder layers in one call, each as the four projections, the rotary
-// + cache write and the attention above compose it (the same kernels, the same bits):
+// decoder_layers and greedy_chain read a Llama-family model as two lists in one order, the order of
+// specdec_ext.ops.LlamaWeights.flat() (the one place that builds them) and of LlamaModelView below:
+//   weights      Tensor?[], kModelTensors + kLayerTensors * L entries:
+//                  embed [V_in, d] fp32/bf16/fp16 contiguous: the input embedding;
+//                  per layer (LlamaLayerView): input_norm [d]; q [H*D, d], q_bias [H*D]; k [Hk*D, d],
+//                  k_bias [Hk*D]; v [Hk*D, d], v_bias [Hk*D]; o [d, H*D], o_bias [d]; post_norm [d];
+//                  gate [I, d], gate_bias [I]; up [I, d], up_bias [I]; down [d, I], down_bias [d];
+//                  then norm [d] (the final RMSNorm), head [V_out, d] and head_bias [V_out]
+//                The projections of one dtype (fp32, bf16 or fp16), contiguous; the norms and biases fp32,
+//                bf16 or fp16 (fp32 costs no conversion per call); a bias may be None, nothing else.
+//   scalars      float[], kLayerScalars * L + kModelScalars: per layer input_norm_eps, post_norm_eps;
+//                then the final norm's epsilon and the attention scale (head_dim ** -0.5)
+// and the pass's state as grouped lists:
+//   rope         [cos, sin]: [P, D/2] fp32 contiguous each, as rope_cache_write
+//   cache        [k_cache, v_cache]: [L, Bc, Hk, capacity, D] fp32/bf16/fp16 contiguous, one dtype, written
+//
+// decoder_layers(x, weights, scalars, bf16_activations, rope, cache, layout, visible): the L decoder
+// layers in one call, each as the four projections, the rotary + cache write and the attention above
+// compose it (the same kernels, the same bits); the embedding and the head of `weights` are not read:
 //   x = x + o(attention(rope(q(n1(x)), k(n1(x))), v(n1(x))));  x = x + down(silu(gate(n2(x))) * up(n2(x)))
 //   x            [M, d] fp32 contiguous, M = B * T: the residual stream, updated in place
-//   weights      kLayerWeights per layer: input norm [d], q [H*D, d], k [Hk*D, d], v [Hk*D, d],
-//                o [d, H*D], post-attention norm [d], gate [I, d], up [I, d], down [d, I]
-//   biases       [] or kLayerBiases per layer (None or a vector): q, k, v, o, gate, up, down
-//   norm_eps     kLayerNormEps per layer: the input and the post-attention norms' epsilons
-//   cos, sin, positions, cache_positions as rope_cache_write; cache_rows [M]: one row per block of T
-//   k_cache, v_cache [L, Bc, Hk, capacity, D]; start, visible, scale as cache_attention (batch row b
-//                reads cache row cache_rows[b * T])
+//   bf16_activations  as fused_linear
+//   layout       [positions, cache_rows, cache_positions, start]: positions and cache_positions [M] int64 as
+//                rope_cache_write; cache_rows [M] int64, one row per block of T (batch row b reads cache
+//                row cache_rows[b * T]); start [B] int64 as cache_attention
+//   visible      [B, T, T] bool or None, as cache_attention
 //
-// greedy_chain: a greedy draft of `steps` tokens per row in one call, each step the one-token pass
+// greedy_chain(tokens, steps, weights, scalars, bf16_activations, rope, cache, rows, vocab_limit,
+// check_logits): a greedy draft of `steps` tokens per row in one call, each step the one-token pass
 // (embedding, decoder_layers, final RMSNorm + head) and its argmax, as separate calls give it, bit for bit:
 //   tokens       [B, n] int64 contiguous, steps <= n: tokens[:, 0] given; for i = 1 .. steps - 1, token
 //                tokens[:, i - 1] is fed at slot start[b] + i - 1 (its rotary position too) and
 //                tokens[:, i] = argmax of its logits[:vocab_limit] (the lowest index on ties, a NaN first)
-//   embed        [V_in, d] fp32/bf16/fp16 contiguous: the input embedding (tokens < V_in)
-//   weights, biases, norm_eps, bf16_activations, cos, sin, k_cache, v_cache, scale as decoder_layers
-//   cache_rows, start [B] int64: each row's cache row and first slot (start[b] + steps - 1 <= capacity)
-//   norm_weight  [d]; final_norm_eps; head_weight [V_out, d], head_bias [V_out] or None: the logits
+//   weights, scalars, bf16_activations, rope, cache as decoder_layers (tokens < V_in)
+//   rows         [cache_rows, start] or [cache_rows, start, feed, feed_counts] (ChainRows):
+//                cache_rows, start [B] int64: each row's cache row and first slot
+//                (start[b] + steps - 1 <= capacity);
+//                feed [B, W] int64: the committed tokens the draft has not seen, fed first in one pass
+//                at slots start[b] .. start[b] + W - 1 (columns from feed_counts[b] on are padding, written
+//                past the row's tokens); tokens[:, 0] is then the argmax at column feed_counts[b] - 1 and
+//                the chain feeds from slot start[b] + feed_counts[b]; feed_counts [B] int64 in [1, W]: each
+//                row's real columns
 //   vocab_limit  1 .. V_out: the logits the argmax reads (a target's smaller vocabulary)
 //   check_logits a target's greedy decoding: logits [:vocab_limit] with a NaN or +inf, or all -inf, raise
 //                ValueError naming the row (chain_verify's check), instead of giving an argmax
-//   feed         [B, W] int64 or None: the committed tokens the draft has not seen, fed first in one pass
-//                at slots start[b] .. start[b] + W - 1 (columns from feed_counts[b] on are padding, written
-//                past the row's tokens); tokens[:, 0] is then the argmax at column feed_counts[b] - 1 and
-//                the chain feeds from slot start[b] + feed_counts[b]
-//   feed_counts  [B] int64 in [1, W], with feed: each row's real columns
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <ATen/core/List.h>
 
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "checks.h"
 #include "cpu/attention_types.h"
@@ -67,9 +85,10 @@
 namespace specdec {
 
 constexpr int64_t kMaxHeadDim = cpu::kMaxAttentionHeadDim;  // the kernels' key-chunk arrays
-constexpr int64_t kLayerWeights = 9;  // decoder_layers: the weights of one layer, in the order above
-constexpr int64_t kLayerBiases = 7;
-constexpr int64_t kLayerNormEps = 2;
+constexpr int64_t kLayerTensors = 16;  // a layer's entries in `weights`, in the order above (LlamaLayerView)
+constexpr int64_t kLayerScalars = 2;   // a layer's entries in `scalars`: its norms' epsilons
+constexpr int64_t kModelTensors = 4;   // embed, then after the layers norm, head, head_bias
+constexpr int64_t kModelScalars = 2;   // after the layers' epsilons: the final norm's, the attention scale
 
 inline void check_float_vector(const char* op, const char* name, const at::Tensor& t, int64_t size,
                                const at::Tensor& reference, const char* what) {
@@ -228,47 +247,170 @@ inline void check_cache_attention(const at::Tensor& q, const at::Tensor& k_cache
   check_contiguous(op, "out", out);
 }
 
+// The model of decoder_layers and greedy_chain, read by name from their `weights` and `scalars` lists
+// once per call (the order at the top of this file).
+using OptionalTensors = c10::List<c10::optional<at::Tensor>>;
+
+struct Projection {
+  at::Tensor weight;               // [N, K]
+  c10::optional<at::Tensor> bias;  // [N] or none
+};
+
+struct LlamaLayerView {
+  at::Tensor input_norm;  // [d]
+  double input_norm_eps;
+  Projection q, k, v, o;  // [H*D, d], [Hk*D, d], [Hk*D, d], [d, H*D]
+  at::Tensor post_norm;   // [d]
+  double post_norm_eps;
+  Projection gate, up, down;  // [I, d], [I, d], [d, I]
+};
+
+struct LlamaModelView {
+  at::Tensor embed;  // [V_in, d]
+  std::vector<LlamaLayerView> layers;
+  at::Tensor norm;  // [d]
+  double norm_eps;
+  Projection head;  // [V_out, d]
+  double scale;     // the attention scale
+};
+
+// Reads `weights` and `scalars` as LlamaModelView; checks their lengths and that only biases are None
+// (the tensors' shapes are checked by the ops that read them).
+class ModelListReader {
+ public:
+  ModelListReader(const char* op, const OptionalTensors& weights) : op_(op), weights_(weights) {}
+  at::Tensor tensor(const char* name, int64_t layer) {
+    const c10::optional<at::Tensor> t = weights_.get(next_);
+    TORCH_CHECK(t.has_value(), op_, ": weights[", next_, "] (", name, layer < 0 ? "" : " of layer ",
+                layer < 0 ? std::string() : std::to_string(layer), ") must be a tensor, got None");
+    ++next_;
+    return *t;
+  }
+  Projection projection(const char* name, int64_t layer) {
+    Projection p{tensor(name, layer), c10::nullopt};
+    p.bias = weights_.get(next_++);
+    return p;
+  }
+
+ private:
+  const char* op_;
+  const OptionalTensors& weights_;
+  size_t next_ = 0;
+};
+
+inline LlamaModelView llama_model_view(const char* op, const OptionalTensors& weights, c10::ArrayRef<double> scalars) {
+  const int64_t n = static_cast<int64_t>(weights.size());
+  TORCH_CHECK(n >= kModelTensors + kLayerTensors && (n - kModelTensors) % kLayerTensors == 0, op,
+              ": weights must hold the embedding, ", kLayerTensors, " entries per layer (input_norm, q, q_bias, k, "
+              "k_bias, v, v_bias, o, o_bias, post_norm, gate, gate_bias, up, up_bias, down, down_bias), then norm, "
+              "head, head_bias: ", kModelTensors, " + ", kLayerTensors, " L entries for L >= 1 layers, got ", n);
+  const int64_t L = (n - kModelTensors) / kLayerTensors;
+  TORCH_CHECK(static_cast<int64_t>(scalars.size()) == kLayerScalars * L + kModelScalars, op,
+              ": scalars must hold ", kLayerScalars, " norm epsilons per layer, then the final norm's epsilon and the "
+              "attention scale: ", kLayerScalars * L + kModelScalars, " for ", L, " layers, got ", scalars.size());
+  ModelListReader read(op, weights);
+  LlamaModelView model;
+  model.embed = read.tensor("embed", -1);
+  model.layers.reserve(L);
+  for (int64_t l = 0; l < L; ++l) {
+    LlamaLayerView layer;
+    layer.input_norm = read.tensor("input_norm", l);
+    layer.input_norm_eps = scalars[kLayerScalars * l];
+    layer.q = read.projection("q", l);
+    layer.k = read.projection("k", l);
+    layer.v = read.projection("v", l);
+    layer.o = read.projection("o", l);
+    layer.post_norm = read.tensor("post_norm", l);
+    layer.post_norm_eps = scalars[kLayerScalars * l + 1];
+    layer.gate = read.projection("gate", l);
+    layer.up = read.projection("up", l);
+    layer.down = read.projection("down", l);
+    model.layers.push_back(std::move(layer));
+  }
+  model.norm = read.tensor("norm", -1);
+  model.head = read.projection("head", -1);
+  model.norm_eps = scalars[kLayerScalars * L];
+  model.scale = scalars[kLayerScalars * L + 1];
+  return model;
+}
+
+// decoder_layers' and greedy_chain's rope and cache lists, by name.
+struct RopeCache {
+  at::Tensor cos, sin;          // [P, D/2] fp32
+  at::Tensor k_cache, v_cache;  // [L, Bc, Hk, capacity, D]
+};
+
+inline RopeCache rope_cache(const char* op, at::TensorList rope, at::TensorList cache) {
+  TORCH_CHECK(rope.size() == 2, op, ": rope must hold [cos, sin], got ", rope.size(), " tensors");
+  TORCH_CHECK(cache.size() == 2, op, ": cache must hold [k_cache, v_cache], got ", cache.size(), " tensors");
+  return {rope[0], rope[1], cache[0], cache[1]};
+}
+
+// Where the tokens of a decoder_layers pass go: its `layout` list and `visible`, by name.
+struct PassLayout {
+  at::Tensor positions, cache_rows, cache_positions;  // [M] int64
+  at::Tensor start;                                   // [B] int64
+  c10::optional<at::Tensor> visible;                  // [B, T, T] bool
+};
+
+inline PassLayout pass_layout(at::TensorList layout, const c10::optional<at::Tensor>& visible) {
+  TORCH_CHECK(layout.size() == 4, "decoder_layers: layout must hold [positions, cache_rows, cache_positions, "
+              "start], got ", layout.size(), " tensors");
+  return {layout[0], layout[1], layout[2], layout[3], visible};
+}
+
+// greedy_chain's `rows` list, by name.
+struct ChainRows {
+  at::Tensor cache_rows, start;                    // [B] int64
+  c10::optional<at::Tensor> feed, feed_counts;     // [B, W], [B] int64
+};
+
+inline ChainRows chain_rows(at::TensorList rows) {
+  TORCH_CHECK(rows.size() == 2 || rows.size() == 4, "greedy_chain: rows must hold [cache_rows, start] or "
+              "[cache_rows, start, feed, feed_counts] (feed and feed_counts come together), got ", rows.size(),
+              " tensors");
+  if (rows.size() == 2) return {rows[0], rows[1], c10::nullopt, c10::nullopt};
+  return {rows[0], rows[1], rows[2], rows[3]};
+}
+
 // The shapes decoder_layers takes (the per-op checks run on each layer's pieces as well).
 struct DecoderLayersShape {
   int64_t layers, batch, tokens, heads, kv_heads, head_dim, intermediate;
 };
 
-inline DecoderLayersShape check_decoder_layers(const at::Tensor& x, const at::TensorList weights,
-                                               const c10::List<c10::optional<at::Tensor>>& biases,
-                                               c10::ArrayRef<double> norm_eps, const at::Tensor& cache_rows,
-                                               const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                               const at::Tensor& start) {
+inline void check_index_column(const char* op, const char* name, const at::Tensor& t, int64_t rows,
+                               const char* what) {
+  check_rank(op, name, t, 1, "[B]");
+  if (rows >= 0) check_size(op, name, t, 0, rows, what);
+  check_dtype(op, name, t, {at::kLong});
+  check_contiguous(op, name, t);
+}
+
+inline DecoderLayersShape check_decoder_layers(const at::Tensor& x, const LlamaModelView& model,
+                                               const RopeCache& state, const PassLayout& pass) {
   constexpr const char* op = "decoder_layers";
   check_rank(op, "x", x, 2, "[M, d]");
   check_dtype(op, "x", x, {at::kFloat});
   check_contiguous(op, "x", x);
-  const int64_t n = static_cast<int64_t>(weights.size());
-  TORCH_CHECK(n > 0 && n % kLayerWeights == 0, op, ": weights must hold ", kLayerWeights,
-              " tensors per layer (input norm, q, k, v, o, post norm, gate, up, down), got ", n);
-  const int64_t L = n / kLayerWeights;
-  TORCH_CHECK(biases.size() == 0 || static_cast<int64_t>(biases.size()) == kLayerBiases * L, op,
-              ": biases must be empty or hold ", kLayerBiases, " entries per layer (q, k, v, o, gate, up, down): ",
-              kLayerBiases * L, " for ", L, " layers, got ", biases.size());
-  TORCH_CHECK(static_cast<int64_t>(norm_eps.size()) == kLayerNormEps * L, op, ": norm_eps must hold ",
-              kLayerNormEps, " values per layer: ", kLayerNormEps * L, " for ", L, " layers, got ", norm_eps.size());
+  const int64_t L = static_cast<int64_t>(model.layers.size());
+  const at::Tensor& k_cache = state.k_cache;
   check_rank(op, "k_cache", k_cache, 5, "[L, Bc, Hk, capacity, D]");
   check_size(op, "k_cache", k_cache, 0, L, "the layers in weights");
-  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), op, ": v_cache must have the shape of k_cache ",
-              shape_str(k_cache.sizes()), ", got ", shape_str(v_cache.sizes()));
+  TORCH_CHECK(state.v_cache.sizes() == k_cache.sizes(), op, ": v_cache must have the shape of k_cache ",
+              shape_str(k_cache.sizes()), ", got ", shape_str(state.v_cache.sizes()));
   const int64_t Hk = k_cache.size(2), D = k_cache.size(4);
-  const at::Tensor& wq = weights[1];
-  check_rank(op, "weights[1] (q)", wq, 2, "[H*D, d]");
+  const at::Tensor& wq = model.layers[0].q.weight;
+  check_rank(op, "q (layer 0)", wq, 2, "[H*D, d]");
   TORCH_CHECK(D > 0 && wq.size(0) % D == 0, op, ": the q weight's ", wq.size(0),
               " rows must be a multiple of the head dimension ", D, " (k_cache dimension 4)");
   const int64_t H = wq.size(0) / D;
-  check_rank(op, "weights[6] (gate)", weights[6], 2, "[I, d]");
-  check_rank(op, "start", start, 1, "[B]");
-  check_dtype(op, "start", start, {at::kLong});
-  check_contiguous(op, "start", start);
-  const int64_t M = x.size(0), B = start.size(0);
+  check_rank(op, "gate (layer 0)", model.layers[0].gate.weight, 2, "[I, d]");
+  check_index_column(op, "start", pass.start, -1, "");
+  const int64_t M = x.size(0), B = pass.start.size(0);
   TORCH_CHECK(B > 0 && M % B == 0, op, ": x has ", M, " rows, not a whole number of blocks for the ", B,
               " rows of start");
   const int64_t T = M / B;
+  const at::Tensor& cache_rows = pass.cache_rows;
   check_rank(op, "cache_rows", cache_rows, 1, "[M]");
   check_size(op, "cache_rows", cache_rows, 0, M, "M (x dimension 0)");
   check_dtype(op, "cache_rows", cache_rows, {at::kLong});
@@ -278,16 +420,35 @@ inline DecoderLayersShape check_decoder_layers(const at::Tensor& x, const at::Te
     TORCH_CHECK(rows[m] == rows[(m / T) * T], op, ": cache_rows[", m, "] = ", rows[m], " differs from its block's "
                 "first token (cache_rows[", (m / T) * T, "] = ", rows[(m / T) * T], "): a block of T = ", T,
                 " tokens belongs to one cache row");
-  return {L, B, T, H, Hk, D, weights[6].size(0)};
+  return {L, B, T, H, Hk, D, model.layers[0].gate.weight.size(0)};
+}
+
+inline void check_feed(const ChainRows& rows, int64_t B, const at::Tensor& tokens, const at::Tensor& embed) {
+  constexpr const char* op = "greedy_chain";
+  const at::Tensor& feed = *rows.feed;
+  const at::Tensor& feed_counts = *rows.feed_counts;
+  check_rank(op, "feed", feed, 2, "[B, W]");
+  check_size(op, "feed", feed, 0, B, "B (tokens dimension 0)");
+  check_dtype(op, "feed", feed, {at::kLong});
+  check_contiguous(op, "feed", feed);
+  check_same_device(op, "feed", feed, tokens, "tokens");
+  const int64_t W = feed.size(1);
+  TORCH_CHECK(W > 0, op, ": feed must hold at least one column, got ", shape_str(feed.sizes()));
+  check_index_column(op, "feed_counts", feed_counts, B, "B (tokens dimension 0)");
+  check_same_device(op, "feed_counts", feed_counts, tokens, "tokens");
+  const int64_t* counts = feed_counts.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(counts[b] >= 1 && counts[b] <= W, op, ": feed_counts[", b, "] = ", counts[b],
+                " must be in [1, W] = [1, ", W, "]");
+  const int64_t* fed = feed.data_ptr<int64_t>();
+  for (int64_t m = 0; m < B * W; ++m)
+    TORCH_CHECK(fed[m] >= 0 && fed[m] < embed.size(0), op, ": feed[", m / W, ", ", m % W, "] = ", fed[m],
+                " is outside the embedding's [0, ", embed.size(0), ")");
 }
 
 // The shapes greedy_chain takes beyond decoder_layers' (which checks the layers at every step).
-inline void check_greedy_chain(const at::Tensor& tokens, int64_t steps, const at::Tensor& embed,
-                               const at::Tensor& cache_rows, const at::Tensor& start, const at::Tensor& k_cache,
-                               const at::Tensor& norm_weight,
-                               const at::Tensor& head_weight, const c10::optional<at::Tensor>& head_bias,
-                               int64_t vocab_limit, const c10::optional<at::Tensor>& feed,
-                               const c10::optional<at::Tensor>& feed_counts) {
+inline void check_greedy_chain(const at::Tensor& tokens, int64_t steps, const LlamaModelView& model,
+                               const at::Tensor& k_cache, const ChainRows& rows, int64_t vocab_limit) {
   constexpr const char* op = "greedy_chain";
   check_rank(op, "tokens", tokens, 2, "[B, n]");
   check_dtype(op, "tokens", tokens, {at::kLong});
@@ -295,55 +456,30 @@ inline void check_greedy_chain(const at::Tensor& tokens, int64_t steps, const at
   const int64_t B = tokens.size(0), n = tokens.size(1);
   TORCH_CHECK(B > 0 && n > 0, op, ": tokens must hold at least one row and one column, got ", shape_str(tokens.sizes()));
   TORCH_CHECK(steps >= 1 && steps <= n, op, ": steps must be in [1, n] = [1, ", n, "], got ", steps);
+  const at::Tensor& embed = model.embed;
   check_rank(op, "embed", embed, 2, "[V_in, d]");
   check_dtype(op, "embed", embed, {at::kFloat, at::kBFloat16, at::kHalf});
   check_contiguous(op, "embed", embed);
   check_same_device(op, "embed", embed, tokens, "tokens");
   const int64_t d = embed.size(1);
-  for (const char* name : {"cache_rows", "start"}) {
-    const at::Tensor& t = name[0] == 'c' ? cache_rows : start;
-    check_rank(op, name, t, 1, "[B]");
-    check_size(op, name, t, 0, B, "B (tokens dimension 0)");
-    check_dtype(op, name, t, {at::kLong});
-    check_contiguous(op, name, t);
-  }
-  check_float_vector(op, "norm_weight", norm_weight, d, embed, "d (embed dimension 1)");
-  check_rank(op, "head_weight", head_weight, 2, "[V_out, d]");
-  check_size(op, "head_weight", head_weight, 1, d, "d (embed dimension 1)");
-  const int64_t V = head_weight.size(0);
-  if (head_bias.has_value()) check_float_vector(op, "head_bias", *head_bias, V, embed, "V_out (head_weight dimension 0)");
+  check_index_column(op, "cache_rows", rows.cache_rows, B, "B (tokens dimension 0)");
+  check_index_column(op, "start", rows.start, B, "B (tokens dimension 0)");
+  check_float_vector(op, "norm", model.norm, d, embed, "d (embed dimension 1)");
+  check_rank(op, "head", model.head.weight, 2, "[V_out, d]");
+  check_size(op, "head", model.head.weight, 1, d, "d (embed dimension 1)");
+  const int64_t V = model.head.weight.size(0);
+  if (model.head.bias.has_value())
+    check_float_vector(op, "head_bias", *model.head.bias, V, embed, "V_out (head dimension 0)");
   TORCH_CHECK(vocab_limit >= 1 && vocab_limit <= V, op, ": vocab_limit must be in [1, V_out] = [1, ", V, "], got ",
               vocab_limit);
-  TORCH_CHECK(feed.has_value() == feed_counts.has_value(), op, ": feed and feed_counts come together (got ",
-              feed.has_value() ? "feed without feed_counts)" : "feed_counts without feed)");
-  int64_t W = 0;
-  const int64_t* counts = nullptr;
-  if (feed.has_value()) {
-    check_rank(op, "feed", *feed, 2, "[B, W]");
-    check_size(op, "feed", *feed, 0, B, "B (tokens dimension 0)");
-    check_dtype(op, "feed", *feed, {at::kLong});
-    check_contiguous(op, "feed", *feed);
-    check_same_device(op, "feed", *feed, tokens, "tokens");
-    W = feed->size(1);
-    TORCH_CHECK(W > 0, op, ": feed must hold at least one column, got ", shape_str(feed->sizes()));
-    check_rank(op, "feed_counts", *feed_counts, 1, "[B]");
-    check_size(op, "feed_counts", *feed_counts, 0, B, "B (tokens dimension 0)");
-    check_dtype(op, "feed_counts", *feed_counts, {at::kLong});
-    check_contiguous(op, "feed_counts", *feed_counts);
-    check_same_device(op, "feed_counts", *feed_counts, tokens, "tokens");
-    counts = feed_counts->data_ptr<int64_t>();
-    for (int64_t b = 0; b < B; ++b)
-      TORCH_CHECK(counts[b] >= 1 && counts[b] <= W, op, ": feed_counts[", b, "] = ", counts[b],
-                  " must be in [1, W] = [1, ", W, "]");
-    const int64_t* fed = feed->data_ptr<int64_t>();
-    for (int64_t m = 0; m < B * W; ++m)
-      TORCH_CHECK(fed[m] >= 0 && fed[m] < embed.size(0), op, ": feed[", m / W, ", ", m % W, "] = ", fed[m],
-                  " is outside the embedding's [0, ", embed.size(0), ")");
-  }
+  const bool fed = rows.feed.has_value();
+  if (fed) check_feed(rows, B, tokens, embed);
+  const int64_t W = fed ? rows.feed->size(1) : 0;
+  const int64_t* counts = fed ? rows.feed_counts->data_ptr<int64_t>() : nullptr;
   // Every slot of the chain checked up front: decoder_layers checks each step's, after earlier steps wrote.
   check_rank(op, "k_cache", k_cache, 5, "[L, Bc, Hk, capacity, D]");
   const int64_t capacity = k_cache.size(3);
-  const int64_t* first = start.data_ptr<int64_t>();
+  const int64_t* first = rows.start.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
     TORCH_CHECK(first[b] >= 0 && first[b] + W <= capacity, op, ": start[", b, "] = ", first[b],
                 " must be in [0, capacity - W] = [0, ", capacity - W, "] (the feed writes its W = ", W,
@@ -353,7 +489,7 @@ inline void check_greedy_chain(const at::Tensor& tokens, int64_t steps, const at
                 counts == nullptr ? "" : " (with its feed_counts)", " must be in [0, capacity - (steps - 1)] = [0, ",
                 capacity - steps + 1, "] (the chain feeds ", steps - 1, " tokens from slot start)");
   }
-  if (feed.has_value()) return;  // tokens[:, 0] is the feed's argmax
+  if (fed) return;  // tokens[:, 0] is the feed's argmax
   const int64_t* given = tokens.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(given[b * n] >= 0 && given[b * n] < embed.size(0), op, ": tokens[", b, ", 0] = ", given[b * n],

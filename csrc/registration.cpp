@@ -31,14 +31,13 @@ TORCH_LIBRARY(specdec_ext, m) {
         "Tensor cache_rows, Tensor cache_positions, Tensor(b!) k_cache, Tensor(c!) v_cache) -> ()");
   m.def("cache_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor start, Tensor? visible, float scale, "
         "Tensor(a!) out) -> ()");
-  m.def("decoder_layers(Tensor(a!) x, Tensor[] weights, Tensor?[] biases, float[] norm_eps, bool bf16_activations, "
-        "Tensor cos, Tensor sin, Tensor positions, Tensor cache_rows, Tensor cache_positions, Tensor(b!) k_cache, "
-        "Tensor(c!) v_cache, Tensor start, Tensor? visible, float scale) -> ()");
-  m.def("greedy_chain(Tensor(a!) tokens, int steps, Tensor embed, Tensor[] weights, Tensor?[] biases, "
-        "float[] norm_eps, bool bf16_activations, Tensor cos, Tensor sin, Tensor cache_rows, Tensor(b!) k_cache, "
-        "Tensor(c!) v_cache, Tensor start, float scale, Tensor norm_weight, float final_norm_eps, "
-        "Tensor head_weight, Tensor? head_bias, int vocab_limit, bool check_logits=False, Tensor? feed=None, "
-        "Tensor? feed_counts=None) -> ()");
+  // decoder_layers and greedy_chain: the model as `weights` and `scalars` in LlamaWeights.flat()'s order
+  // (embed, 16 entries per layer, norm, head, head_bias; per layer two epsilons, the final norm's, the
+  // attention scale), rope = [cos, sin], cache = [k_cache, v_cache] (lean_forward.h).
+  m.def("decoder_layers(Tensor(a!) x, Tensor?[] weights, float[] scalars, bool bf16_activations, Tensor[] rope, "
+        "Tensor(b!)[] cache, Tensor[] layout, Tensor? visible=None) -> ()");
+  m.def("greedy_chain(Tensor(a!) tokens, int steps, Tensor?[] weights, float[] scalars, bool bf16_activations, "
+        "Tensor[] rope, Tensor(b!)[] cache, Tensor[] rows, int vocab_limit, bool check_logits=False) -> ()");
   // The instruction-set path the CPU forward kernels take now (SPECDEC_CPU_ISA or the best available).
   m.def("cpu_isa() -> str");
 }

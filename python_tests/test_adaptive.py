@@ -530,7 +530,7 @@ class FakeMeta:
 
 
 def test_probe_times_the_widths_and_leaves_the_cache_as_it_was():
-    from specdec_ext.decode import probe_costs
+    from specdec_ext.probes import probe_costs
     clock = FakeClock()
     runner = FakeRunner(2, clock)
     c = AdaptiveK(4)
@@ -589,7 +589,8 @@ def test_cost_lines_fit_the_measurements_and_ignore_noise_in_the_order_of_points
 
 
 def test_the_model_drafter_probe_times_draft_steps_and_leaves_the_cache_as_it_was(tiny_pair):
-    from specdec_ext.decode import prefill, probe_costs
+    from specdec_ext.decode import prefill
+    from specdec_ext.probes import probe_costs
     from specdec_ext.drafters import ModelDrafter
     from specdec_ext.metadata import SpecDecodeMetadata
     from specdec_ext.plan import required_cache_len
@@ -705,8 +706,19 @@ def test_resolve_and_bad_arguments():
         AdaptiveK(0)
 
 
+def test_the_knobs_come_as_options_or_as_keywords():
+    options = ad.AdaptiveOptions(explore_every=0, probe_widths=(1, 3, 99), probe_passes=5)
+    c = AdaptiveK(4, options=options, probe_passes=2)  # a keyword replaces that field of the options
+    assert (c.explore_every, c.probe_widths, c.probe_passes) == (0, [1, 3], 2)
+    assert AdaptiveK(4, explore_every=0).explore_every == 0 and AdaptiveK(4).explore_every == ad.DEFAULT_EXPLORE_EVERY
+    with pytest.raises(ValueError):
+        ad.AdaptiveOptions(forgetting=1.5)
+    with pytest.raises(TypeError):
+        AdaptiveK(4, no_such_knob=1)
+
+
 def test_widen_logits_keeps_the_static_buffer():
-    from specdec_ext.decode import widen_logits
+    from specdec_ext.step import widen_logits
     meta = FakeMeta(2, 4)
     logits = torch.randn(2, 3, 7)
     out = widen_logits(meta, logits)
@@ -790,7 +802,7 @@ def test_greedy_through_adaptive_k_equals_the_target_greedy(tiny_pair, controlle
 
 
 def test_greedy_through_adaptive_k_with_the_ngram_drafter(tiny_pair):
-    from specdec_ext.decode import decode
+    from specdec_ext.decode import LoopConfig, decode
     from specdec_ext.drafters import NgramDrafter
     from specdec_ext.plan import required_cache_len
     from specdec_ext.runners import make_runner
@@ -805,9 +817,10 @@ def test_greedy_through_adaptive_k_with_the_ngram_drafter(tiny_pair):
             S = required_cache_len(max(map(len, prompts)), 30, 6)
             runner = make_runner("lean", target, max_batch_size=2, max_seq_len=S)
             rows = [RowState() for _ in prompts]
+            config = LoopConfig(slots=6, sampling=SamplingParams(), max_seq_len=S, adaptive=ctrl,
+                                greedy_chains=runner.capabilities.greedy_chain)
             for _ in decode(runner, NgramDrafter(6), prompts, torch.zeros(2, dtype=torch.int64),
-                            StopCriteria(max_new_tokens=30), slots=6, sampling=SamplingParams(), max_seq_len=S,
-                            rows=rows, adaptive=ctrl):
+                            StopCriteria(max_new_tokens=30), config, rows=rows):
                 pass
         assert [r.tokens for r in rows] == refs
 
@@ -822,7 +835,7 @@ class AlwaysOff(AdaptiveK):
 
 def run_decode(target_model, drafter, prompts, controller, max_new_tokens, eos=()):
     """decode() as generate() runs it, on the lean runner: (rows, stats)."""
-    from specdec_ext.decode import decode
+    from specdec_ext.decode import LoopConfig, decode
     from specdec_ext.plan import required_cache_len
     from specdec_ext.runners import make_runner
     from specdec_ext.sampling import SamplingParams
@@ -832,9 +845,11 @@ def run_decode(target_model, drafter, prompts, controller, max_new_tokens, eos=(
     S = required_cache_len(max(map(len, prompts)), max_new_tokens, k)
     runner = make_runner("lean", target_model, max_batch_size=B, max_seq_len=S)
     rows, stats = [RowState() for _ in prompts], GenerationStats(k=k, batch_size=B)
+    config = LoopConfig(slots=k, sampling=SamplingParams(), max_seq_len=S, adaptive=controller,
+                        greedy_chains=runner.capabilities.greedy_chain)
     for _ in decode(runner, drafter, prompts, torch.zeros(B, dtype=torch.int64),
-                    StopCriteria(max_new_tokens=max_new_tokens, eos_token_ids=list(eos)), slots=k,
-                    sampling=SamplingParams(), max_seq_len=S, rows=rows, stats=stats, adaptive=controller):
+                    StopCriteria(max_new_tokens=max_new_tokens, eos_token_ids=list(eos)), config, rows=rows,
+                    stats=stats):
         pass
     return rows, stats
 
@@ -948,7 +963,7 @@ def test_sampling_through_ragged_budgets_and_skipped_steps_follows_the_target():
     positions than test_generate_sampling's k=2, so less power than its 1e-8 negative control)."""
     import test_generate_sampling as tgs
     from specdec_ext import generate
-    from specdec_ext.decode import lossless_verify
+    from specdec_ext.step import lossless_verify
     from test_generate_utils import one_thread, tiny_model
     target = tiny_model("llama", vocab=tgs.TINY_VOCAB, hidden=32, layers=1, seed=3, logit_scale=3.0)
     draft = tiny_model("llama", vocab=tgs.TINY_VOCAB, hidden=32, layers=1, seed=4, logit_scale=3.0)

@@ -18,7 +18,8 @@ import torch
 
 from specdec_ext import cuda_graphs, generate, plan as plan_module
 from specdec_ext.cuda_graphs import StepGraph
-from specdec_ext.decode import DecodeSteps, lossless_verify, pad_batch, prefill
+from specdec_ext.decode import pad_batch, prefill
+from specdec_ext.step import DecodeSteps, lossless_verify
 from specdec_ext.drafters import ModelDrafter
 from specdec_ext.metadata import SpecDecodeMetadata
 from specdec_ext.plan import bucket_size, make_plan, required_cache_len

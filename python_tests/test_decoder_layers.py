@@ -18,25 +18,30 @@ from reference_lean_forward import cache_attention as ref_attention, fused_linea
 from reference_lean_forward import rope as ref_rope, to_f64
 
 def _stack(rng, *, layers=2, d=40, H=4, Hk=2, D=10, inter=56, dtype=torch.bfloat16, biases=False):
+    """An ops.LlamaWeights of random layers (its embedding and head are not read by decoder_layers)."""
     def w(*shape, scale=0.15):
         return torch.tensor(rng.standard_normal(shape) * scale, dtype=torch.float32).to(dtype)
 
-    weights, bias_list, eps = [], [], []
+    stack = []
     for _ in range(layers):
         norm_in = torch.tensor(1.0 + 0.1 * rng.standard_normal(d), dtype=torch.float32)
         norm_post = torch.tensor(1.0 + 0.1 * rng.standard_normal(d), dtype=torch.float32)
-        weights += [norm_in, w(H * D, d), w(Hk * D, d), w(Hk * D, d), w(d, H * D), norm_post, w(inter, d), w(inter, d),
-                    w(d, inter)]
-        bias_list += [w(H * D).float(), w(Hk * D).float(), None, w(d).float(), None, w(inter).float(), None]
-        eps += [1e-6, 1e-5]
-    return dict(weights=weights, biases=bias_list if biases else None, eps=eps, layers=layers, d=d, H=H, Hk=Hk, D=D)
+        projections = [w(H * D, d), w(Hk * D, d), w(Hk * D, d), w(d, H * D), w(inter, d), w(inter, d), w(d, inter)]
+        bias = [w(H * D).float(), w(Hk * D).float(), None, w(d).float(), None, w(inter).float(), None]
+        q, k, v, o, gate, up, down = (ops.Linear(p, b if biases else None) for p, b in zip(projections, bias))
+        stack.append(ops.LlamaLayerWeights(input_norm=norm_in, input_norm_eps=1e-6, q=q, k=k, v=v, o=o,
+                                           post_norm=norm_post, post_norm_eps=1e-5, gate=gate, up=up, down=down))
+    weights = ops.LlamaWeights(embed=torch.zeros(3, d, dtype=dtype), layers=tuple(stack), norm=torch.ones(d),
+                               norm_eps=1e-6, head=ops.Linear(torch.zeros(5, d, dtype=dtype)),
+                               inv_freq=1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D)),
+                               rope_scaling=1.0, heads=H, kv_heads=Hk, head_dim=D)
+    return dict(weights=weights, layers=layers, d=d, H=H, Hk=Hk, D=D)
 
 
 def _inputs(rng, s, *, B, T, Bc, capacity=32, tree=False, dtype=torch.bfloat16, rows=None):
     M, D = B * T, s["D"]
     x = torch.tensor(rng.standard_normal((M, s["d"])), dtype=torch.float32)
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
-    freqs = torch.arange(capacity, dtype=torch.float32)[:, None] * inv_freq
+    freqs = torch.arange(capacity, dtype=torch.float32)[:, None] * s["weights"].inv_freq
     start = torch.tensor(rng.integers(0, capacity - T + 1, B), dtype=torch.int64)
     slots = (start[:, None] + torch.arange(T)).reshape(M)
     visible = None
@@ -60,30 +65,29 @@ def _by_ops(s, c, bf16):
     B, T = c["B"], c["T"]
     q, k, v = torch.empty(M, H * D), torch.empty(M, Hk * D), torch.empty(M, Hk * D)
     out = torch.empty(B, T, H, D)
-    biases = s["biases"]
-    for l in range(s["layers"]):
-        w = s["weights"][9 * l: 9 * l + 9]
-        b = None if biases is None else biases[7 * l: 7 * l + 7]
-        ops.fused_linear(x, w[1:4], [q, k, v], biases=None if b is None else b[:3], norm_weight=w[0],
-                         norm_eps=s["eps"][2 * l], bf16_activations=bf16)
+    for l, w in enumerate(s["weights"].layers):
+        ops.fused_linear(x, [w.q.weight, w.k.weight, w.v.weight], [q, k, v], biases=[w.q.bias, w.k.bias, w.v.bias],
+                         norm_weight=w.input_norm, norm_eps=w.input_norm_eps, bf16_activations=bf16)
         ops.rope_cache_write(q.view(M, H, D), k.view(M, Hk, D), v.view(M, Hk, D), c["cos"], c["sin"], c["positions"],
                              c["cache_rows"], c["slots"], kc[l], vc[l])
         ops.cache_attention(q.view(B, T, H, D), kc[l].index_select(0, c["rows"]), vc[l].index_select(0, c["rows"]),
                             c["start"], D ** -0.5, visible=c["visible"], out=out)
-        ops.fused_linear(out.view(M, H * D), [w[4]], [x], biases=None if b is None else b[3:4], epilogue="add",
+        ops.fused_linear(out.view(M, H * D), [w.o.weight], [x], biases=[w.o.bias], epilogue="add",
                          bf16_activations=bf16)
-        act = torch.empty(M, w[6].shape[0])
-        ops.fused_linear(x, w[6:8], [act], biases=None if b is None else b[4:6], norm_weight=w[5],
-                         norm_eps=s["eps"][2 * l + 1], epilogue="swiglu", bf16_activations=bf16)
-        ops.fused_linear(act, [w[8]], [x], biases=None if b is None else b[6:7], epilogue="add", bf16_activations=bf16)
+        act = torch.empty(M, w.gate.weight.shape[0])
+        ops.fused_linear(x, [w.gate.weight, w.up.weight], [act], biases=[w.gate.bias, w.up.bias],
+                         norm_weight=w.post_norm, norm_eps=w.post_norm_eps, epilogue="swiglu", bf16_activations=bf16)
+        ops.fused_linear(act, [w.down.weight], [x], biases=[w.down.bias], epilogue="add", bf16_activations=bf16)
     return x, kc, vc
+
+
+def _layout(c):
+    return [c["positions"], c["cache_rows"], c["slots"], c["start"]]
 
 
 def _fused(s, c, bf16):
     x, kc, vc = c["x"].clone(), c["kc"].clone(), c["vc"].clone()
-    ops.decoder_layers(x, s["weights"], s["eps"], kc, vc, c["start"], c["positions"], c["cache_rows"], c["slots"],
-                       c["cos"], c["sin"], s["D"] ** -0.5, biases=s["biases"], visible=c["visible"],
-                       bf16_activations=bf16)
+    ops.decoder_layers(x, s["weights"], bf16, [c["cos"], c["sin"]], [kc, vc], _layout(c), c["visible"])
     return x, kc, vc
 
 
@@ -110,25 +114,26 @@ def test_decoder_layers_matches_a_float64_forward():
     M, H, Hk, D, B, T = ex.shape[0], s["H"], s["Hk"], s["D"], c["B"], c["T"]
     pos, rows, slots = c["positions"].numpy(), c["cache_rows"].numpy(), c["slots"].numpy()
     cos, sin = to_f64(c["cos"]), to_f64(c["sin"])
-    f64 = [None if t is None else to_f64(t) for t in s["weights"]]
-    b64 = [None if t is None else to_f64(t) for t in s["biases"]]
-    for l in range(2):
-        w, b = f64[9 * l: 9 * l + 9], b64[7 * l: 7 * l + 7]
-        (q, k, v), _ = ref_linear(ex, w[1:4], b[:3], w[0], s["eps"][2 * l], "store", False, None)
+    f64 = lambda t: None if t is None else to_f64(t)  # noqa: E731
+    for l, w in enumerate(s["weights"].layers):
+        (q, k, v), _ = ref_linear(ex, [f64(w.q.weight), f64(w.k.weight), f64(w.v.weight)],
+                                  [f64(w.q.bias), f64(w.k.bias), f64(w.v.bias)], f64(w.input_norm), w.input_norm_eps,
+                                  "store", False, None)
         q, k = ref_rope(q.reshape(M, H, D), cos, sin, pos), ref_rope(k.reshape(M, Hk, D), cos, sin, pos)
         ekc[l][rows, :, slots] = k
         evc[l][rows, :, slots] = v.reshape(M, Hk, D)
         att = ref_attention(q.reshape(B, T, H, D), ekc[l], evc[l], c["start"].numpy(), None, D ** -0.5)
-        (ex,), _ = ref_linear(att.reshape(M, H * D), [w[4]], [b[3]], None, 0.0, "add", False, [ex])
-        (act,), _ = ref_linear(ex, w[6:8], b[4:6], w[5], s["eps"][2 * l + 1], "swiglu", False, None)
-        (ex,), _ = ref_linear(act, [w[8]], [b[6]], None, 0.0, "add", False, [ex])
+        (ex,), _ = ref_linear(att.reshape(M, H * D), [f64(w.o.weight)], [f64(w.o.bias)], None, 0.0, "add", False, [ex])
+        (act,), _ = ref_linear(ex, [f64(w.gate.weight), f64(w.up.weight)], [f64(w.gate.bias), f64(w.up.bias)],
+                               f64(w.post_norm), w.post_norm_eps, "swiglu", False, None)
+        (ex,), _ = ref_linear(act, [f64(w.down.weight)], [f64(w.down.bias)], None, 0.0, "add", False, [ex])
     np.testing.assert_allclose(to_f64(x), ex, rtol=2e-4, atol=2e-4)
     np.testing.assert_allclose(to_f64(kc), ekc, rtol=2e-4, atol=2e-4)
 
 
 def _args(s, c):
-    return [c["x"], s["weights"], [], s["eps"], True, c["cos"], c["sin"], c["positions"], c["cache_rows"], c["slots"],
-            c["kc"], c["vc"], c["start"], None, 0.3]
+    tensors, scalars = s["weights"].flat()
+    return [c["x"], list(tensors), list(scalars), True, [c["cos"], c["sin"]], [c["kc"], c["vc"]], _layout(c), None]
 
 
 def test_decoder_layers_errors():
@@ -138,23 +143,35 @@ def test_decoder_layers_errors():
     x0, kc0, vc0 = c["x"].clone(), c["kc"].clone(), c["vc"].clone()
     op = torch.ops.specdec_ext.decoder_layers
 
-    def fails(index, value, match):
+    def fails(change, match):
         args = _args(s, c)
-        args[index] = value
+        change(args)
         with pytest.raises(RuntimeError, match=match):
             op(*args)
 
-    fails(1, s["weights"][:-1], "weights must hold 9 tensors per layer")
-    fails(2, [None] * 6, "biases must be empty or hold 7 entries per layer")
-    fails(3, s["eps"][:3], "norm_eps must hold 2 values per layer")
-    fails(10, c["kc"][0], "k_cache must be a 5-D tensor")
-    fails(10, c["kc"][:1], "k_cache dimension 0 must be the layers in weights")
-    fails(8, torch.tensor([0, 0, 1, 1, 1, 1]), r"cache_rows\[2\] = 1 differs from its block's first token")
-    fails(8, torch.tensor([0, 0, 0, 5, 5, 5]), "outside")
-    fails(12, torch.tensor([0, 0, 0, 0]), "x has 6 rows, not a whole number of blocks for the 4 rows of start")
-    fails(0, c["x"].double(), "x must have dtype Float")
-    fails(12, torch.tensor([0, 31]), r"decoder_layers: start\[1\] = 31 must be in \[0, capacity - T\]")
-    fails(9, torch.tensor([0, 1, 2, 3, 4, 40]), r"decoder_layers: cache_positions\[5\] = 40 is outside")
+    def put(index, value, entry=None):
+        def change(args):
+            if entry is None:
+                args[index] = value
+            else:
+                args[index][entry] = value
+        return change
+
+    fails(lambda a: a[1].pop(), "weights must hold the embedding, 16 entries per layer")
+    fails(put(1, None, 17), r"weights\[17\] \(input_norm of layer 1\) must be a tensor, got None")
+    fails(lambda a: a[2].pop(), "scalars must hold 2 norm epsilons per layer, then the final norm's epsilon and the "
+          "attention scale: 6 for 2 layers, got 5")
+    fails(lambda a: a[4].pop(), r"rope must hold \[cos, sin\], got 1")
+    fails(lambda a: a[5].pop(), r"cache must hold \[k_cache, v_cache\], got 1")
+    fails(lambda a: a[6].pop(), r"layout must hold \[positions, cache_rows, cache_positions, start\], got 3")
+    fails(put(5, c["kc"][0], 0), "k_cache must be a 5-D tensor")
+    fails(put(5, [c["kc"][:1], c["vc"][:1]]), "k_cache dimension 0 must be the layers in weights")
+    fails(put(6, torch.tensor([0, 0, 1, 1, 1, 1]), 1), r"cache_rows\[2\] = 1 differs from its block's first token")
+    fails(put(6, torch.tensor([0, 0, 0, 5, 5, 5]), 1), "outside")
+    fails(put(6, torch.tensor([0, 0, 0, 0]), 3), "x has 6 rows, not a whole number of blocks for the 4 rows of start")
+    fails(put(0, c["x"].double()), "x must have dtype Float")
+    fails(put(6, torch.tensor([0, 31]), 3), r"decoder_layers: start\[1\] = 31 must be in \[0, capacity - T\]")
+    fails(put(6, torch.tensor([0, 1, 2, 3, 4, 40]), 2), r"decoder_layers: cache_positions\[5\] = 40 is outside")
     # nothing was written by the failed calls
     assert torch.equal(c["x"], x0) and torch.equal(c["kc"], kc0) and torch.equal(c["vc"], vc0)
 
@@ -163,6 +180,6 @@ def test_decoder_layers_opcheck():
     rng = np.random.default_rng(4)
     s = _stack(rng, layers=1, biases=True)
     c = _inputs(rng, s, B=2, T=2, Bc=3, tree=True, rows=[2, 0])
-    torch.library.opcheck(torch.ops.specdec_ext.decoder_layers.default,
-                          (c["x"], s["weights"], s["biases"], s["eps"], True, c["cos"], c["sin"], c["positions"],
-                           c["cache_rows"], c["slots"], c["kc"], c["vc"], c["start"], c["visible"], 0.3))
+    args = _args(s, c)
+    args[-1] = c["visible"]
+    torch.library.opcheck(torch.ops.specdec_ext.decoder_layers.default, tuple(args))

@@ -11,7 +11,7 @@ import torch
 
 import reference
 from specdec_ext import generate
-from specdec_ext.decode import lossless_verify
+from specdec_ext.step import lossless_verify
 from specdec_ext.sampling import SamplingParams, filtered_probs, sample_inverse_cdf
 from specdec_ext import ops
 from sampling_stats import chi_square_p, exact_joint

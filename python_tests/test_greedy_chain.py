@@ -3,15 +3,19 @@ bit, the one-token forward + argmax + commit steps it replaces (the tokens, both
 every instruction-set path, for bf16 / fp32 / fp16 weights, biases, rows at different lengths; the
 vocabulary limit; a NaN logit chosen as torch.argmax chooses it; a feed (the committed tokens the draft
 has not seen, ragged per row) equals forward + commit + argmax before the chain; errors raised before
-anything is written; opcheck; the model drafter takes the chain, feed included (no draft forward of its
-own while decoding), and proposes what its step loop proposes."""
+anything is written; opcheck; the capabilities said before a runner exists; the model drafter takes the
+chain, feed included (no draft forward of its own while decoding), and proposes what its step loop proposes."""
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
 from specdec_ext import generate, ops, plain_generate
 from specdec_ext.runners import LeanLlamaRunner
+from specdec_ext.runners.capabilities import RunnerCapabilities
+from specdec_ext.runners.lean import lean_capabilities
 from lean_forward_cases import ISAS
 from test_lean_llama import VOCAB, tiny
 
@@ -165,12 +169,10 @@ def test_errors_leave_the_runner_as_it_was(monkeypatch):
     bad[2, 0] = VOCAB + 5
     with pytest.raises(RuntimeError, match=f"tokens\\[2, 0\\] = {VOCAB + 5} is outside the embedding's"):
         runner.greedy_chain(bad, 3)
-    kernels = runner._kernels
+    state = _op_state(runner)
     near_the_end = torch.tensor([runner.capacity - 2, 0, 0])  # three slots from there: past the cache
     with pytest.raises(RuntimeError, match="start\\[0\\] = .* must be in \\[0, capacity - \\(steps - 1\\)\\]"):
-        ops.greedy_chain(tokens.clone(), 4, runner.embed, kernels.weights, kernels.norm_eps, runner.k_cache,
-                         runner.v_cache, near_the_end, torch.arange(3), kernels.cos, kernels.sin, runner.scale,
-                         kernels.norm_weight, runner.norm_eps, runner.head_weight, bf16_activations=kernels.bf16)
+        ops.greedy_chain(tokens.clone(), 4, *state, [torch.arange(3), near_the_end])
     long_tokens = torch.zeros((3, 8), dtype=torch.int64)
     feed_cases = [
         (dict(feed=FEED[:2]), ValueError, "feed must be \\[B, W\\] with B = 3 and W >= 1, got \\[2, 3\\]"),
@@ -188,25 +190,17 @@ def test_errors_leave_the_runner_as_it_was(monkeypatch):
         args.update(change)
         with pytest.raises(error, match=message):
             runner.greedy_chain(args["tokens"], args["steps"], feed=args["feed"], feed_counts=args["feed_counts"])
-    op_args = (runner.embed, kernels.weights, kernels.norm_eps, runner.k_cache, runner.v_cache)
+    start = torch.tensor(lengths)
     with pytest.raises(RuntimeError, match="feed and feed_counts come together"):
-        ops.greedy_chain(tokens.clone(), 3, *op_args, torch.tensor(lengths), torch.arange(3), kernels.cos,
-                         kernels.sin, runner.scale, kernels.norm_weight, runner.norm_eps, runner.head_weight,
-                         bf16_activations=kernels.bf16, feed=FEED)
+        ops.greedy_chain(tokens.clone(), 3, *state, [torch.arange(3), start, FEED])
     with pytest.raises(RuntimeError, match="greedy_chain: feed .*Long"):
-        ops.greedy_chain(tokens.clone(), 3, *op_args, torch.tensor(lengths), torch.arange(3), kernels.cos,
-                         kernels.sin, runner.scale, kernels.norm_weight, runner.norm_eps, runner.head_weight,
-                         bf16_activations=kernels.bf16, feed=FEED.int(), feed_counts=FEED_COUNTS)
+        ops.greedy_chain(tokens.clone(), 3, *state, [torch.arange(3), start, FEED.int(), FEED_COUNTS])
     near_the_end = torch.tensor([0, runner.capacity - 2, 0])  # a feed of 3 columns from there: past the cache
     with pytest.raises(RuntimeError, match="start\\[1\\] = .* must be in \\[0, capacity - W\\]"):
-        ops.greedy_chain(tokens.clone(), 1, *op_args, near_the_end, torch.arange(3), kernels.cos, kernels.sin,
-                         runner.scale, kernels.norm_weight, runner.norm_eps, runner.head_weight,
-                         bf16_activations=kernels.bf16, feed=FEED, feed_counts=FEED_COUNTS)
+        ops.greedy_chain(tokens.clone(), 1, *state, [torch.arange(3), near_the_end, FEED, FEED_COUNTS])
     near_the_end = torch.tensor([0, runner.capacity - 4, 0])  # the feed fits, the chain after its 3 does not
     with pytest.raises(RuntimeError, match="start\\[1\\] = .* \\(with its feed_counts\\) must be in"):
-        ops.greedy_chain(tokens.clone(), 3, *op_args, near_the_end, torch.arange(3), kernels.cos, kernels.sin,
-                         runner.scale, kernels.norm_weight, runner.norm_eps, runner.head_weight,
-                         bf16_activations=kernels.bf16, feed=FEED, feed_counts=FEED_COUNTS)
+        ops.greedy_chain(tokens.clone(), 3, *state, [torch.arange(3), near_the_end, FEED, FEED_COUNTS])
     assert torch.equal(runner.k_cache, k_before) and runner.lengths.tolist() == lengths
     # not offered where it would not be the runner's own forward
     monkeypatch.setenv("SPECDEC_CPU_KERNELS", "0")
@@ -224,18 +218,43 @@ def test_errors_leave_the_runner_as_it_was(monkeypatch):
     assert hooked.chains_greedy
 
 
+def test_capabilities_say_whether_it_chains_before_the_runner_exists(monkeypatch):
+    model = tiny("llama", **SHAPE).to(torch.bfloat16)
+    runner, _ = _runners(model)
+    assert lean_capabilities(model) == runner.capabilities == RunnerCapabilities(greedy_chain=True)
+    assert lean_capabilities(model, torch.float32).greedy_chain  # fp32 over bf16 weights: the kernels too
+    assert not lean_capabilities(model, torch.float16).greedy_chain  # the torch path
+    handle = model.lm_head.register_forward_pre_hook(lambda module, args: None)
+    try:
+        assert lean_capabilities(model) == runner.capabilities == RunnerCapabilities(greedy_chain=False)
+    finally:
+        handle.remove()
+    monkeypatch.setenv("SPECDEC_CPU_KERNELS", "0")
+    torch_path, _ = _runners(model)
+    assert lean_capabilities(model) == torch_path.capabilities == RunnerCapabilities(greedy_chain=False)
+
+
+def _op_state(runner, weights=None):
+    """ops.greedy_chain's weights, bf16_activations, rope and cache for the runner's model and cache."""
+    return (weights or runner.weights, runner.bf16_activations, ops.rope_tables(runner.weights, runner.capacity),
+            [runner.k_cache, runner.v_cache])
+
+
 def test_greedy_chain_opcheck():
     runner, _ = _runners(tiny("llama_bias", **SHAPE).to(torch.bfloat16))
-    kernels = runner._kernels
+    # a head bias too (Llama's head has none)
+    weights = dataclasses.replace(runner.weights, head=ops.Linear(runner.weights.head.weight, torch.randn(VOCAB)))
+    tensors, scalars = weights.flat()
     tokens = torch.zeros((3, 4), dtype=torch.int64)
     tokens[:, 0] = _first_tokens()
-    args = (tokens, 4, runner.embed, kernels.weights, kernels.biases, kernels.norm_eps, kernels.bf16, kernels.cos,
-            kernels.sin, torch.arange(3), runner.k_cache, runner.v_cache, runner.lengths, runner.scale,
-            kernels.norm_weight, runner.norm_eps, runner.head_weight, torch.randn(VOCAB), VOCAB)
+    _, bf16, rope, cache = _op_state(runner)
+    rows = [torch.arange(3), runner.lengths]
+    args = (tokens, 4, tensors, scalars, bf16, rope, cache, rows, VOCAB)
     torch.library.opcheck(torch.ops.specdec_ext.greedy_chain.default, args)
     torch.library.opcheck(torch.ops.specdec_ext.greedy_chain.default, args + (True,))  # check_logits
     tokens[:, 0] = 0
-    torch.library.opcheck(torch.ops.specdec_ext.greedy_chain.default, args + (False, FEED, FEED_COUNTS))
+    fed = (tokens, 4, tensors, scalars, bf16, rope, cache, rows + [FEED, FEED_COUNTS], VOCAB, False)
+    torch.library.opcheck(torch.ops.specdec_ext.greedy_chain.default, fed)
 
 
 def test_the_model_drafter_chains_and_proposes_what_its_loop_proposes(monkeypatch):
@@ -256,8 +275,13 @@ def test_the_model_drafter_chains_and_proposes_what_its_loop_proposes(monkeypatc
     chained = generate(prompts, target, draft, k=4, max_new_tokens=24, eos_token_id=False)
     assert calls and set(calls) == {4}
     assert draft_forwards and not any(draft_forwards)  # the target's passes only: the feed is in the chain
-    monkeypatch.setattr(LeanLlamaRunner, "chains_greedy", property(lambda self: False))
+    # the draft's runner declares no greedy chains (the target's stay as the plan resolved them)
+    declared = LeanLlamaRunner.capabilities
+    monkeypatch.setattr(LeanLlamaRunner, "capabilities", property(
+        lambda self: RunnerCapabilities() if self.model is draft else declared.fget(self)))
+    calls.clear(), draft_forwards.clear()
     looped = generate(prompts, target, draft, k=4, max_new_tokens=24, eos_token_id=False)
+    assert not calls and any(draft_forwards)  # the draft's step loop
     assert chained.token_ids == looped.token_ids == plain.token_ids
     for field in ("steps", "reached", "accepted"):
         assert getattr(chained.stats, field) == getattr(looped.stats, field), field

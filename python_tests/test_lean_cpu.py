@@ -1,4 +1,4 @@
-"""The lean runner on the CPU kernels (runners/lean_cpu.py): bf16 Llama / Qwen2 / Mistral logits
+"""The lean runner on the CPU kernels (runners/lean.py, lean_cpu.py): bf16 Llama / Qwen2 / Mistral logits
 within bf16 tolerance of HF's fp32 forward of the same weights, on every instruction-set path;
 verification passes (chains and trees) equal to one-token passes bit for bit, so greedy speculative
 decoding equals greedy plain decoding (a hooked head too: heads on the target); the torch path (SPECDEC_CPU_KERNELS=0) still matches HF."""
@@ -161,6 +161,6 @@ def test_kernels_reason_and_no_fp32_copies():
     model = tiny("llama").to(torch.bfloat16)
     lean = LeanLlamaRunner(model, max_batch_size=1, max_seq_len=8, compute_dtype=torch.float32)
     # computing in fp32 reads the bf16 weights themselves (widened in the kernel), into an fp32 cache
-    assert lean.layers[0][2][0] is model.model.layers[0].self_attn.q_proj.weight
-    assert lean.k_cache.dtype == torch.float32 and not lean._kernels.bf16
+    assert lean.weights.layers[0].q.weight is model.model.layers[0].self_attn.q_proj.weight
+    assert lean.k_cache.dtype == torch.float32 and not lean.bf16_activations
     assert ops.cpu_isa() in ISAS

@@ -93,9 +93,9 @@ def test_batch_of_one_and_mha():
 def test_weights_are_the_models_own_tensors():
     model = tiny("llama")
     lean = LeanLlamaRunner(model, max_batch_size=1, max_seq_len=8)
-    assert lean.head_weight is model.lm_head.weight
-    assert lean.layers[0][2][0] is model.model.layers[0].self_attn.q_proj.weight
-    assert lean.embed is model.model.embed_tokens.weight
+    assert lean.weights.head.weight is model.lm_head.weight
+    assert lean.weights.layers[0].q.weight is model.model.layers[0].self_attn.q_proj.weight
+    assert lean.weights.embed is model.model.embed_tokens.weight
 
 
 def test_batch_larger_than_the_cache():

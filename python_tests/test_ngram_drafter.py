@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specdec_ext._C import SuffixAutomaton
-from specdec_ext.decode import decode, lossless_verify
+from specdec_ext.decode import LoopConfig, decode
+from specdec_ext.step import StepOptions, lossless_verify, verify_width
 from specdec_ext.drafters import Drafter, NgramDrafter
 from specdec_ext.metadata import SpecDecodeMetadata, Verdict
 from specdec_ext.plan import required_cache_len
@@ -215,7 +216,7 @@ def test_drafter_prefill_propose_commit_ragged_rows():
     assert proposal.probs is None  # deterministic: chain_verify takes q one-hot
     assert proposal.num_draft.tolist() == [3, 0, 3]
     assert proposal.token_ids.tolist() == [[3, 1, 2], [0, 0, 0], [7, 7, 7]]
-    assert proposal.longest == 3 and proposal.verify_width() == 4  # the counts narrow the verify pass
+    assert proposal.longest == 3 and verify_width(proposal) == 4  # the counts narrow the verify pass
     # a step commits 3 tokens to row 0, 1 token to row 1, none to row 2 (frozen)
     committed = [[3, 1, 2], [4], []]
     for b, new in enumerate(committed):
@@ -269,9 +270,10 @@ def run_ngram(target, prompts, *, k, new, sampling=SamplingParams(), seeds=None,
     runner = make_runner("lean", target, max_batch_size=B, max_seq_len=needed)
     rows = [RowState() for _ in prompts]
     stats = GenerationStats(k=k, batch_size=B)
+    config = LoopConfig(slots=k, sampling=sampling, max_seq_len=needed, cost_probe=False,
+                        greedy_chains=runner.capabilities.greedy_chain, step=StepOptions(verifier=verifier))
     for _ in decode(runner, NgramDrafter(k, min_match=min_match), prompts, seeds, StopCriteria(max_new_tokens=new),
-                    slots=k, sampling=sampling, max_seq_len=needed, verifier=verifier, stats=stats, rows=rows,
-                    cost_probe=False):
+                    config, stats=stats, rows=rows):
         pass
     return [r.tokens for r in rows], stats
 

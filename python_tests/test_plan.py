@@ -28,7 +28,7 @@ def test_explain_names_every_choice_with_its_reason(pair):
     plan = make_plan(target, draft, drafter="model", prompt_lengths=[5, 3], max_new_tokens=16)
     text = plan.explain()
     choices = [line.split()[0] for line in text.splitlines()]
-    assert choices == ["drafter", "target", "draft", "cuda", "batch", "cache", "sampling"]
+    assert choices == ["drafter", "target", "draft", "cuda", "batch", "cache", "capabilities", "sampling"]
     assert plan.adaptive and "k=auto" in text  # k=None: adaptive on the CPU
     assert "lean" in text and "device is cpu" in text and "greedy" in text
     assert plan.max_seq_len == 5 + 16 + 2 * (plan.slots + 1) + 1
@@ -103,3 +103,36 @@ def test_the_bundled_pair_is_loaded_once_and_its_target_finds_its_tokenizer():
     assert fresh_target is not first[0]
     result = specdec_ext.generate("def add(a, b):", fresh_target, "ngram", max_new_tokens=6)
     assert isinstance(result.text[0], str) and len(result.token_ids[0]) == 6
+
+
+def test_the_plan_resolves_the_runners_capabilities_before_they_are_built(pair):
+    """Capabilities in the open (issue 26): the lean runner on the CPU kernels chains greedily, unless
+    heads hook the target's head; the paged runner in host mode has device steps; explain() says so, and
+    the built runners have what the plan says."""
+    from specdec_ext.build import build
+    from specdec_ext.models import Models
+    from specdec_ext.runners import RunnerCapabilities
+    target, draft = pair
+    plan = make_plan(target, draft, drafter="model", prompt_lengths=[5], max_new_tokens=8, runner="lean")
+    assert plan.target_capabilities == RunnerCapabilities(greedy_chain=True)
+    assert plan.draft_capabilities == RunnerCapabilities(greedy_chain=True)
+    assert "greedy chains" in dict(plan.reasons)["capabilities"]
+    runner, drafter = build(plan, Models(target, "model", draft=draft))
+    assert runner.capabilities == plan.target_capabilities
+    paged = make_plan(target, None, drafter="none", prompt_lengths=[5], max_new_tokens=8, runner="paged")
+    assert paged.target_capabilities == RunnerCapabilities(device_steps=True) and paged.draft_capabilities is None
+    assert "device steps" in dict(paged.reasons)["capabilities"]
+
+
+def test_a_server_is_planned_without_a_fake_workload(pair):
+    """plan_server: a fixed k, max_rows slots of max_seq_len positions, host-mode runners; refused: heads,
+    a max_seq_len with no room for a token."""
+    from specdec_ext.plan import plan_server
+    target, draft = pair
+    plan = plan_server(target, draft, drafter="model", k=3, runner="auto", max_rows=4, max_seq_len=64)
+    assert (plan.slots, plan.adaptive, plan.batch_size, plan.max_seq_len, plan.static_shapes) == (3, False, 4, 64, False)
+    assert "k=3" in dict(plan.reasons)["drafter"] and "4 slots of 64 positions" in plan.explain()
+    with pytest.raises(ValueError, match="heads drafter proposes trees"):
+        plan_server(target, None, drafter="heads", k=3, runner="auto", max_rows=4, max_seq_len=64)
+    with pytest.raises(ValueError, match="leaves no room for a token"):
+        plan_server(target, draft, drafter="model", k=3, runner="auto", max_rows=4, max_seq_len=5)

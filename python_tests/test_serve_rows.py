@@ -120,7 +120,7 @@ def _meta(batch=4, slots=3):
 
 def test_rows_is_a_view_and_select_a_copy():
     meta = _meta()
-    meta.row_sampling = [SamplingParams(float(b)) for b in range(4)]
+    meta.set_row_sampling([SamplingParams(float(b)) for b in range(4)])
     view = meta.rows(2)
     assert view.batch_size == 2 and view.no_drafts.token_ids.shape == (2, 3)
     view.seq_lens.fill_(7)
@@ -145,7 +145,7 @@ def test_set_row_steps_gives_each_row_its_own_philox_counters():
 def test_all_greedy_reads_each_rows_filter():
     meta = _meta()
     assert meta.all_greedy
-    meta.row_sampling = [SamplingParams()] * 3 + [SamplingParams(0.7)]
+    meta.set_row_sampling([SamplingParams()] * 3 + [SamplingParams(0.7)])
     assert not meta.all_greedy
     assert meta.rows(3).all_greedy
 
@@ -181,7 +181,7 @@ def test_filtered_probs_per_row_is_exactly_each_rows_own_filter():
 # ------------------------------------------------------------------------------------------ drafters
 def test_ngram_drafter_rows_join_and_leave():
     meta = _meta(batch=3, slots=3)
-    meta.row_sampling = [SamplingParams()] * 3
+    meta.set_row_sampling([SamplingParams()] * 3)
     drafter = NgramDrafter(3)
     meta.token_buffer[1, :6] = torch.tensor([1, 2, 3, 1, 2, 3])
     meta.seq_lens[1] = 6

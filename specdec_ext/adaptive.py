@@ -183,7 +183,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -302,7 +302,7 @@ _SHARED: "weakref.WeakKeyDictionary[object, Dict[tuple, object]]" = weakref.Weak
 
 def drafter_key(drafter) -> tuple:
     """What identifies a drafter across generations (its model, else its class): the shared memory key."""
-    model = getattr(drafter, "model", None)
+    model = drafter.model
     if model is not None:
         return ("model", id(model))
     return ("drafter", type(drafter).__module__, type(drafter).__qualname__)
@@ -364,13 +364,12 @@ class ProbeRequest:
     plain_passes: int = 0  # time greedy plain chains of this many passes (0: none; decode.probe_plain_chain)
 
 
-class AdaptiveK:
-    """The adaptive-k controller (see the module docstring for the maths).
+@dataclass(frozen=True)
+class AdaptiveOptions:
+    """The knobs of an ``AdaptiveK`` controller, checked on construction.
 
     Parameters
     ----------
-    k_max : int
-        Largest draft length (the static buffers' k).
     prior_acceptance, prior_strength : float
         p0 and m of the acceptance prior.
     forgetting : float
@@ -381,9 +380,9 @@ class AdaptiveK:
         c / V(1) assumed until the first draft pass is timed.
     explore_every, explore_k : int
         Every explore_every steps (backing off to EXPLORE_BACKOFF x that while explorations find
-        nothing) the rows whose choice is 0 draft explore_k tokens (0 disables).
+        nothing) the rows whose choice is 0 draft explore_k tokens (0 disables; at most k_max).
     probe_widths : sequence of int, optional
-        Widths t timed by ``probe`` (default {1, 2, 4, k_max + 1}).
+        Widths t timed by ``probe`` (default {1, 2, 4, k_max + 1}; those outside [1, k_max + 1] dropped).
     probe_passes : int
         Timed forwards per probed width.
     share_costs : bool
@@ -392,37 +391,62 @@ class AdaptiveK:
         pooled acceptance by position, the next generation's prior (default True).
     """
 
-    def __init__(self, k_max: int = DEFAULT_K_MAX, *, prior_acceptance: float = DEFAULT_PRIOR_ACCEPTANCE,
-                 prior_strength: float = DEFAULT_PRIOR_STRENGTH, forgetting: float = DEFAULT_FORGETTING,
-                 cost_smoothing: float = DEFAULT_COST_SMOOTHING, prior_draft_cost: float = DEFAULT_PRIOR_DRAFT_COST,
-                 explore_every: int = DEFAULT_EXPLORE_EVERY, explore_k: int = DEFAULT_EXPLORE_K,
-                 probe_widths: Optional[Sequence[int]] = None, probe_passes: int = DEFAULT_PROBE_PASSES,
-                 share_costs: bool = True):
+    prior_acceptance: float = DEFAULT_PRIOR_ACCEPTANCE
+    prior_strength: float = DEFAULT_PRIOR_STRENGTH
+    forgetting: float = DEFAULT_FORGETTING
+    cost_smoothing: float = DEFAULT_COST_SMOOTHING
+    prior_draft_cost: float = DEFAULT_PRIOR_DRAFT_COST
+    explore_every: int = DEFAULT_EXPLORE_EVERY
+    explore_k: int = DEFAULT_EXPLORE_K
+    probe_widths: Optional[Sequence[int]] = None
+    probe_passes: int = DEFAULT_PROBE_PASSES
+    share_costs: bool = True
+
+    def __post_init__(self):
+        if not 0.0 <= self.prior_acceptance <= 1.0:
+            raise ValueError(f"prior_acceptance must lie in [0, 1], got {self.prior_acceptance}")
+        if not self.prior_strength > 0.0:
+            raise ValueError(f"prior_strength must be > 0, got {self.prior_strength}")
+        if not 0.0 < self.forgetting <= 1.0:
+            raise ValueError(f"forgetting must lie in (0, 1], got {self.forgetting}")
+        if not 0.0 < self.cost_smoothing <= 1.0:
+            raise ValueError(f"cost_smoothing must lie in (0, 1], got {self.cost_smoothing}")
+        if self.explore_every < 0 or self.explore_k < 0:
+            raise ValueError("explore_every and explore_k must be >= 0")
+
+
+class AdaptiveK:
+    """The adaptive-k controller (see the module docstring for the maths).
+
+    Parameters
+    ----------
+    k_max : int
+        Largest draft length (the static buffers' k).
+    options : AdaptiveOptions, optional
+        The controller's knobs (default ``AdaptiveOptions()``).
+    **knobs
+        Fields of ``AdaptiveOptions`` that replace those of ``options``, e.g.
+        ``AdaptiveK(8, explore_every=0)``.
+    """
+
+    def __init__(self, k_max: int = DEFAULT_K_MAX, *, options: Optional[AdaptiveOptions] = None, **knobs):
         if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 1:
             raise ValueError(f"k_max must be an int >= 1, got {k_max!r}")
-        if not 0.0 <= prior_acceptance <= 1.0:
-            raise ValueError(f"prior_acceptance must lie in [0, 1], got {prior_acceptance}")
-        if not prior_strength > 0.0:
-            raise ValueError(f"prior_strength must be > 0, got {prior_strength}")
-        if not 0.0 < forgetting <= 1.0:
-            raise ValueError(f"forgetting must lie in (0, 1], got {forgetting}")
-        if not 0.0 < cost_smoothing <= 1.0:
-            raise ValueError(f"cost_smoothing must lie in (0, 1], got {cost_smoothing}")
-        if explore_every < 0 or explore_k < 0:
-            raise ValueError("explore_every and explore_k must be >= 0")
+        options = replace(options if options is not None else AdaptiveOptions(), **knobs)
         self.k_max = k_max
-        self.prior_acceptance = float(prior_acceptance)
-        self.prior_strength = float(prior_strength)
-        self.forgetting = float(forgetting)
-        self.cost_smoothing = float(cost_smoothing)
-        self.prior_draft_cost = float(prior_draft_cost)
-        self.explore_every = int(explore_every)
-        self.explore_k = min(int(explore_k), k_max)
-        widths = probe_widths if probe_widths is not None else (1, 2, 4, k_max + 1)
+        self.prior_acceptance = float(options.prior_acceptance)
+        self.prior_strength = float(options.prior_strength)
+        self.forgetting = float(options.forgetting)
+        self.cost_smoothing = float(options.cost_smoothing)
+        self.prior_draft_cost = float(options.prior_draft_cost)
+        self.explore_every = int(options.explore_every)
+        self.explore_k = min(int(options.explore_k), k_max)
+        widths = options.probe_widths if options.probe_widths is not None else (1, 2, 4, k_max + 1)
         self.probe_widths = sorted({int(t) for t in widths if 1 <= int(t) <= k_max + 1})
-        self.probe_passes = max(1, int(probe_passes))
-        self.share_costs = bool(share_costs)
+        self.probe_passes = max(1, int(options.probe_passes))
+        self.share_costs = bool(options.share_costs)
         self._memory: Optional[DrafterMemory] = None
+        self._cost_batch_size: Optional[int] = None  # the batch size self.costs were measured at (reset)
         self.plain_chain = 0  # passes per greedy plain chain call of the loop (0: it cannot chain; ``start``)
         self.reset(1)
 
@@ -458,7 +482,7 @@ class AdaptiveK:
         self.row_k_sum = 0  # sum of per-row draft budgets over active row-steps
         self.row_steps = 0
         self.plain_passes = 0  # passes run as plain chain segments (observe_plain)
-        if getattr(self, "_cost_batch_size", None) != B:  # costs are measured at one batch size
+        if self._cost_batch_size != B:  # costs are measured at one batch size
             self._cost_batch_size = B
             self.costs = VerifyCosts(K)
         self.draft_per_token: Optional[float] = None  # c, seconds (per drafter: measured afresh)

@@ -18,7 +18,7 @@ from typing import List, Optional, Sequence
 
 import torch
 
-from .decode import lossless_verify
+from .step import lossless_verify
 from .generate import generate, normalise_prompts, plain_generate
 from .models import load_pair
 from .plots import pair_label

@@ -11,10 +11,15 @@ from .runners import ModelRunner, make_runner, output_vocab_size
 
 
 def build(plan: DecodePlan, models: Models) -> Tuple[ModelRunner, Optional[Drafter]]:
-    """(the target's runner, the drafter or None) for ``plan``."""
+    """(the target's runner, the drafter or None) for ``plan``; the built target runner has the
+    capabilities the plan resolved for it (checked: the plan is what the loop branches on)."""
     target = make_runner(plan.target_runner, models.target, max_batch_size=plan.padded_batch_size,
-                         max_seq_len=plan.max_seq_len, static_shapes=plan.cuda_graphs)
-    return target, build_drafter(plan, models)
+                         max_seq_len=plan.max_seq_len, static_shapes=plan.static_shapes)
+    drafter = build_drafter(plan, models)
+    if target.capabilities != plan.target_capabilities:  # (after the drafter: heads hook the target's head)
+        raise RuntimeError(f"the {plan.target_runner} target runner has capabilities {target.capabilities}, the "
+                           f"plan resolved {plan.target_capabilities}: runners.capabilities_of is out of date")
+    return target, drafter
 
 
 def build_drafter(plan: DecodePlan, models: Models) -> Optional[Drafter]:
@@ -31,7 +36,7 @@ def build_drafter(plan: DecodePlan, models: Models) -> Optional[Drafter]:
 
     def draft_runner(*, max_batch_size: int, max_seq_len: int) -> ModelRunner:
         return make_runner(plan.draft_runner, models.draft, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                           compute_dtype=plan.draft_compute_dtype, static_shapes=plan.cuda_graphs)
+                           compute_dtype=plan.draft_compute_dtype, static_shapes=plan.static_shapes)
 
     if plan.tree is not None:
         b, d, n = plan.tree

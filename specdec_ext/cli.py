@@ -7,9 +7,10 @@ import dataclasses
 import json
 import os
 import sys
-import sysconfig
 from typing import List, NoReturn, Optional
 
+from .bench.workloads import heldout_prompts
+from .plots import check_plot_option, write_plot
 from .progress import hf_progress_bars_off, progress_bar, progress_wanted
 
 DEMO_PROMPT_LINES = 20  # lines of each held-out file used as a demo prompt
@@ -310,27 +311,6 @@ def _consume(stream, bar, *, echo: bool, several: bool):
     return stream.result
 
 
-def check_plot_option(command: str, path: Optional[str]) -> None:
-    """--plot FILE: fail before the work when the figure could not be drawn or written."""
-    if path is None:
-        return
-    from .plots import PlotDependencyError, check_plot_path
-
-    try:
-        check_plot_path(path)
-    except (PlotDependencyError, ValueError) as error:
-        raise SystemExit(f"specdec {command} --plot: {error}") from None
-
-
-def write_plot(command: str, draw) -> None:
-    """Call ``draw()`` (it writes a figure and returns its path) and say where the figure went, on stderr."""
-    try:
-        path = draw()
-    except ValueError as error:
-        raise SystemExit(f"specdec {command} --plot: {error}") from None
-    print(f"specdec {command}: wrote {path}", file=sys.stderr)
-
-
 def cmd_audit(args) -> int:
     from .audit import audit
 
@@ -351,32 +331,6 @@ def cmd_bench(args) -> int:
     from .bench import main as bench_main
 
     return bench_main(args.bench_args)
-
-
-def heldout_prompts(files: int, lines: int) -> List[tuple]:
-    """(name, prompt) from the bundled pair's held-out list: the first ``lines`` lines of held-out stdlib
-    files (the pair never trained on them)."""
-    from .default_pair import PAIR_DIR
-
-    listing = os.path.join(PAIR_DIR, "heldout_files.txt")
-    stdlib = sysconfig.get_paths()["stdlib"]
-    out = []
-    with open(listing, encoding="utf-8") as f:
-        names = [line.strip() for line in f if line.strip().startswith("stdlib/")]
-    for name in names:
-        path = os.path.join(stdlib, name[len("stdlib/"):])
-        try:
-            with open(path, encoding="utf-8") as src:
-                text = "".join(src.readlines()[:lines])
-        except OSError:
-            continue
-        if text.strip():
-            out.append((name, text))
-        if len(out) == files:
-            break
-    if not out:
-        raise SystemExit(f"specdec demo: none of the held-out files in {listing} exist under {stdlib}")
-    return out
 
 
 def _draft_shape(stats, tree: bool) -> str:

@@ -12,12 +12,13 @@ import torch
 from . import distributed
 from .adaptive import AdaptiveK
 from .build import build
-from .decode import Verifier, decode, lossless_verify, pad_batch
+from .decode import LoopConfig, decode, pad_batch
 from .models import MAX_MISMATCHES_REPORTED, ModelSpec, Models, load_models
 from .plan import DecodePlan, make_plan
 from .runners import output_vocab_size
 from .sampling import SamplingParams
 from .stats import GenerationStats
+from .step import Verifier, lossless_verify
 from .stops import RowState, StopCriteria
 
 Prompt = Union[str, Sequence[int]]
@@ -280,74 +281,119 @@ def generate(prompts, target: ModelSpec = None, draft: ModelSpec = None, *, max_
     GenerationResult (``.token_ids``, ``.text``, ``.finish_reasons``, ``.stats``) or GenerationStream.
     """
     models = load_models(target, draft, tokenizer=tokenizer, draft_tokenizer=draft_tokenizer, tp_size=tp_size)
-    return _run(models, prompts, max_new_tokens=max_new_tokens, k=k, temperature=temperature, top_k=top_k,
-                top_p=top_p, seed=seed, eos_token_id=eos_token_id, stop=stop, stream=stream, max_seq_len=max_seq_len,
-                runner=runner, verifier=verifier, cost_probe=cost_probe, draft_confidence=draft_confidence,
-                draft_tree=draft_tree, explain=explain, tp_check=tp_check)
+    return _run(models, prompts, RunRequest(
+        max_new_tokens=max_new_tokens, sampling=_sampling(temperature, top_k, top_p), seed=seed,
+        eos_token_id=eos_token_id, stop=stop, stream=stream, max_seq_len=max_seq_len, runner=runner, k=k,
+        draft_tree=draft_tree, draft_confidence=draft_confidence, verifier=verifier, cost_probe=cost_probe,
+        explain=explain, tp_check=tp_check))
 
 
-def plain_generate(prompts, target: ModelSpec = None, *, max_new_tokens: int = 128, temperature: float = 0.0,
-                   top_k: int = 0, top_p: float = 1.0, seed=None, eos_token_id=None, stop=None, stream: bool = False,
-                   tokenizer=None, max_seq_len: Optional[int] = None, runner: str = "auto", explain: bool = False,
-                   tp_size: Optional[int] = None):
+PLAIN_OPTIONS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "eos_token_id", "stop", "stream",
+                 "tokenizer", "max_seq_len", "runner", "explain", "tp_size")
+
+
+def plain_generate(prompts, target: ModelSpec = None, **options):
     """Plain decoding (one target pass per token) over the same runner, sampler and stop checks as
-    ``generate``: the baseline of the benchmarks and of the cost model. Same arguments, no draft;
-    the target None means the bundled pair's target."""
-    models = load_models(target, tokenizer=tokenizer, plain=True, tp_size=tp_size)
-    return _run(models, prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                seed=seed, eos_token_id=eos_token_id, stop=stop, stream=stream, max_seq_len=max_seq_len,
-                runner=runner, cost_probe=False, explain=explain)
+    ``generate``: the baseline of the benchmarks and of the cost model. ``options``: generate()'s
+    keywords that do not concern a draft (``PLAIN_OPTIONS``, same defaults); the target None means the
+    bundled pair's target."""
+    unknown = sorted(set(options) - set(PLAIN_OPTIONS))
+    if unknown:
+        raise TypeError(f"plain_generate() got unexpected keyword arguments: {', '.join(unknown)} "
+                        f"(it takes {', '.join(PLAIN_OPTIONS)})")
+    models = load_models(target, tokenizer=options.get("tokenizer"), plain=True, tp_size=options.get("tp_size"))
+    return _run(models, prompts, RunRequest(
+        max_new_tokens=options.get("max_new_tokens", 128),
+        sampling=_sampling(options.get("temperature", 0.0), options.get("top_k", 0), options.get("top_p", 1.0)),
+        seed=options.get("seed"), eos_token_id=options.get("eos_token_id"), stop=options.get("stop"),
+        stream=options.get("stream", False), max_seq_len=options.get("max_seq_len"),
+        runner=options.get("runner", "auto"), cost_probe=False, explain=options.get("explain", False)))
 
 
-def _run(models: Models, prompts, *, max_new_tokens: int, k=None, temperature: float, top_k: int, top_p: float,
-         seed, eos_token_id, stop, stream: bool, max_seq_len: Optional[int], runner: str,
-         verifier: Verifier = lossless_verify, cost_probe: bool, draft_confidence: float = 0.0,
-         draft_tree=None, explain: bool = False, tp_check: str = "broadcast"):
-    """Normalise the prompts -> plan -> build -> decode."""
+def _sampling(temperature, top_k, top_p) -> SamplingParams:
     sampling = SamplingParams(float(temperature), top_k, float(top_p))
     sampling.validate()
+    return sampling
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    """A generate() / plain_generate() call below its public signature (generate()'s docstring says
+    what each field means)."""
+
+    max_new_tokens: int
+    sampling: SamplingParams
+    seed: object = None  # int, a list of ints, or None
+    eos_token_id: object = None  # int, a list of ints, None or False
+    stop: object = None  # str or a list of str
+    stream: bool = False
+    max_seq_len: Optional[int] = None
+    runner: str = "auto"
+    k: Union[None, int, str, AdaptiveK] = None
+    draft_tree: Optional[Tuple[int, int, int]] = None
+    draft_confidence: float = 0.0
+    verifier: Verifier = lossless_verify
+    cost_probe: bool = True
+    explain: bool = False
+    tp_check: str = "broadcast"
+
+
+def _run(models: Models, prompts, request: RunRequest):
+    """Normalise the prompts -> plan -> build -> decode."""
     tokenizer = models.tokenizer
+    stop_strings = _stop_strings(request.stop, tokenizer)
+    token_prompts = _token_prompts(prompts, models)
+    plan = make_plan(models.target, models.draft, drafter=models.drafter,
+                     prompt_lengths=[len(p) for p in token_prompts], max_new_tokens=request.max_new_tokens,
+                     k=request.k, draft_tree=request.draft_tree, runner=request.runner, sampling=request.sampling,
+                     seeded=request.seed is not None, max_seq_len=request.max_seq_len,
+                     draft_confidence=request.draft_confidence, tp_check=request.tp_check)
+    if request.explain and distributed.rank() == 0:
+        print(plan.explain(), file=sys.stderr)
+    B = len(token_prompts)
+    seeds = _row_seeds(request.seed, B).to(plan.device)
+    stats = GenerationStats(k=plan.slots, batch_size=B)
+    rows = [RowState() for _ in range(B)]
+    finisher = _Finisher(rows, tokenizer, stats, token_prompts, stop_strings, plan)
+    if request.max_new_tokens == 0:
+        events = iter(())
+    else:
+        target_runner, drafter = build(plan, models)
+        stop_criteria = StopCriteria(
+            max_new_tokens=request.max_new_tokens,
+            eos_token_ids=eos_token_ids_of(request.eos_token_id, models.target, tokenizer), stop_strings=stop_strings,
+            decode_text=(lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer is not None else None)
+        padded_prompts, padded_seeds, padded_rows = pad_batch(token_prompts, seeds, rows, plan.padded_batch_size)
+        config = LoopConfig.of(plan, verifier=request.verifier, cost_probe=request.cost_probe)
+        events = decode(target_runner, drafter, padded_prompts, padded_seeds, stop_criteria, config,
+                        rows=padded_rows, stats=stats)
+        events = _real_rows(events, B, drafter)
+    if request.stream:
+        return GenerationStream(events, rows, finisher)
+    for _ in events:
+        pass
+    return finisher.result()
+
+
+def _stop_strings(stop, tokenizer) -> List[str]:
+    """generate()'s ``stop`` as a list of non-empty strings (they need a tokenizer)."""
     stop_strings = [stop] if isinstance(stop, str) else list(stop or [])
     if any(not isinstance(s, str) or not s for s in stop_strings):
         raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
     if stop_strings and tokenizer is None:
         raise ValueError("stop strings need a tokenizer")
-    token_prompts, _ = normalise_prompts(prompts, tokenizer)
+    return stop_strings
+
+
+def _token_prompts(prompts, models: Models) -> List[List[int]]:
+    """The prompts as token ids, each id inside the target's vocabulary."""
+    token_prompts, _ = normalise_prompts(prompts, models.tokenizer)
     vocab_size = output_vocab_size(models.target)
     for b, p in enumerate(token_prompts):
         bad = [t for t in p if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"prompt {b} has token ids outside [0, {vocab_size}): {bad[:MAX_MISMATCHES_REPORTED]}")
-    plan = make_plan(models.target, models.draft, drafter=models.drafter, prompt_lengths=[len(p) for p in token_prompts],
-                     max_new_tokens=max_new_tokens, k=k, draft_tree=draft_tree, runner=runner, sampling=sampling,
-                     seeded=seed is not None, max_seq_len=max_seq_len, draft_confidence=draft_confidence,
-                     tp_check=tp_check)
-    if explain and distributed.rank() == 0:
-        print(plan.explain(), file=sys.stderr)
-    B = len(token_prompts)
-    seeds = _row_seeds(seed, B).to(plan.device)
-    stats = GenerationStats(k=plan.slots, batch_size=B)
-    rows = [RowState() for _ in range(B)]
-    finisher = _Finisher(rows, tokenizer, stats, token_prompts, stop_strings, plan)
-    if max_new_tokens == 0:
-        events = iter(())
-    else:
-        target_runner, drafter = build(plan, models)
-        stop_criteria = StopCriteria(
-            max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids_of(eos_token_id, models.target, tokenizer),
-            stop_strings=stop_strings,
-            decode_text=(lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer is not None else None)
-        padded_prompts, padded_seeds, padded_rows = pad_batch(token_prompts, seeds, rows, plan.padded_batch_size)
-        events = decode(target_runner, drafter, padded_prompts, padded_seeds, stop_criteria, slots=plan.slots,
-                        sampling=sampling, max_seq_len=plan.max_seq_len, cuda_graphs=plan.cuda_graphs,
-                        adaptive=plan.controller, verifier=verifier, stats=stats, rows=padded_rows,
-                        cost_probe=cost_probe, sync=distributed.rank_sync(plan.tensor_parallel, plan.tp_check))
-        events = _real_rows(events, B, drafter)
-    if stream:
-        return GenerationStream(events, rows, finisher)
-    for _ in events:
-        pass
-    return finisher.result()
+    return token_prompts
 
 
 def _real_rows(events, batch: int, drafter):

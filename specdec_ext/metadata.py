@@ -4,8 +4,10 @@
 Shapes: B batch rows, n draft slots per step (a chain's k, adaptive k's k_max, or a tree's N nodes;
 0 for plain decoding), S cache positions per row, V the target's vocabulary.
 
-Ownership. ``SpecDecodeMetadata`` is written by the decode loop only (decode.py); drafters and the
-verifier read it. A drafter returns its proposal in tensors it owns (the same storage every step, so
+Ownership. ``SpecDecodeMetadata`` is written by the step and the loop (step.py, decode.py) and by its own
+methods: a row joins (``set_row``, ``set_prompts``, ``set_first_tokens``) and leaves (``clear_rows``) through
+them, never by field writes from outside; drafters and the verifier read it. It is data during a step:
+the host facts a step reads (``batch_size``, ``device``, ``all_greedy``) are fields its methods keep true. A drafter returns its proposal in tensors it owns (the same storage every step, so
 that a captured step can be replayed); the verifier writes its verdict into the loop's output buffers.
 Every tensor is allocated once, before the first step, with a static shape; lengths live in tensors,
 never in Python ints, so a step can be captured in a CUDA graph. Finished rows stay in the batch
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
@@ -49,11 +51,6 @@ class Proposal:
     @property
     def is_tree(self) -> bool:
         return self.parents is not None
-
-    def verify_width(self) -> int:
-        """Tokens per row of the target pass that verifies this proposal: [pending, drafts]."""
-        slots = self.token_ids.shape[1]
-        return (slots if self.longest is None else min(self.longest, slots)) + 1
 
 
 @dataclass
@@ -87,7 +84,7 @@ class SpecDecodeMetadata:
     draft_offset: torch.Tensor  # [B] int64: Philox counter of the drafter at this step
 
     # target pass ---------------------------------------------------------------------------------
-    target_input: torch.Tensor  # [B, n+1] int64: the pending token, then the drafts
+    target_input: torch.Tensor  # [B, n+1] int64: the pending token (kept by every write of seq_lens), then the drafts
     target_num_tokens: torch.Tensor  # [B] int64: num_draft + 1 (ragged proposals)
     verify_logits: Optional[torch.Tensor]  # [B, n+1, V]: a narrower pass widened into it (made on first use)
 
@@ -99,17 +96,13 @@ class SpecDecodeMetadata:
 
     # what a step without drafts verifies (plain decoding, or adaptive k's speculation-off steps) --
     no_drafts: Proposal
-    step: int = 0  # decode step index (host-side; the Philox offsets are derived from it)
-    row_sampling: Optional[List[SamplingParams]] = None  # host: each row's own filter (continuous
-    #   batching; the tensors above hold the same values); None: ``sampling`` for every row
 
-    @property
-    def batch_size(self) -> int:
-        return self.token_buffer.shape[0]
-
-    @property
-    def device(self) -> torch.device:
-        return self.token_buffer.device
+    # host facts, kept true by the methods below ---------------------------------------------------
+    batch_size: int  # B
+    device: torch.device
+    all_greedy: bool  # every row greedy: a drafter then proposes argmaxes and no q
+    row_sampling: Optional[List[SamplingParams]] = None  # each row's own filter (continuous batching;
+    #   the tensors above hold the same values); None: ``sampling`` for every row
 
     @classmethod
     def allocate(cls, *, batch_size: int, slots: int, max_seq_len: int, sampling: SamplingParams,
@@ -141,27 +134,22 @@ class SpecDecodeMetadata:
             tree_path=torch.full((B, n), -1, dtype=torch.int32, device=device) if tree else None,
             num_kept=torch.zeros((B,), **long),
             no_drafts=no_drafts,
+            batch_size=B,
+            device=device,
+            all_greedy=sampling.greedy,
         )
 
-    @property
-    def all_greedy(self) -> bool:
-        """Every row is greedy (host): a drafter then proposes argmaxes and no q."""
-        if self.row_sampling is None:
-            return self.sampling.greedy
-        return all(params.greedy for params in self.row_sampling)
-
+    # ------------------------------------------------------------------ views
     def rows(self, width: int) -> "SpecDecodeMetadata":
         """Rows 0..width-1 as metadata of their own: every buffer a view (writes reach this one)."""
         view = self._map_rows(lambda t: t[:width])
-        if self.row_sampling is not None:
-            view.row_sampling = self.row_sampling[:width]
+        view.set_row_sampling(None if self.row_sampling is None else self.row_sampling[:width])
         return view
 
     def select(self, index: torch.Tensor) -> "SpecDecodeMetadata":
         """Rows ``index`` [n] int64 as metadata of their own: every buffer a gathered copy."""
         picked = self._map_rows(lambda t: t[index])
-        if self.row_sampling is not None:
-            picked.row_sampling = [self.row_sampling[i] for i in index.tolist()]
+        picked.set_row_sampling(None if self.row_sampling is None else [self.row_sampling[i] for i in index.tolist()])
         return picked
 
     def _map_rows(self, take: Callable[[torch.Tensor], torch.Tensor]) -> "SpecDecodeMetadata":
@@ -175,7 +163,67 @@ class SpecDecodeMetadata:
                                                      if isinstance(getattr(value, f.name), torch.Tensor)})
             return value
 
-        return dataclasses.replace(self, **{f.name: part(getattr(self, f.name)) for f in dataclasses.fields(self)})
+        mapped = dataclasses.replace(self, **{f.name: part(getattr(self, f.name)) for f in dataclasses.fields(self)})
+        mapped.batch_size = mapped.token_buffer.shape[0]
+        return mapped
+
+    # ------------------------------------------------------------------ rows joining and leaving
+    def set_row_sampling(self, row_sampling: Optional[List[SamplingParams]]) -> None:
+        """Each row's own filter (host list [B]; None: ``sampling`` for every row); ``all_greedy`` follows."""
+        self.row_sampling = None if row_sampling is None else list(row_sampling)
+        rows = [self.sampling] if self.row_sampling is None else self.row_sampling
+        self.all_greedy = all(params.greedy for params in rows)
+
+    def set_row(self, row: int, sampling: SamplingParams, seed: int) -> None:
+        """Row ``row`` takes a request's filter and Philox seed (continuous batching)."""
+        self.temperature[row] = float(sampling.temperature)
+        self.top_k[row] = int(sampling.top_k)
+        self.top_p[row] = float(sampling.top_p)
+        self.seed[row] = int(seed)
+        row_sampling = list(self.row_sampling) if self.row_sampling is not None else [self.sampling] * self.batch_size
+        row_sampling[row] = sampling
+        self.set_row_sampling(row_sampling)
+
+    def set_prompts(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> None:
+        """Rows ``rows`` hold ``prompts`` (token_buffer, prompt_lens), nothing generated yet."""
+        for row, prompt in zip(rows, prompts):
+            self.token_buffer[row, : len(prompt)] = torch.as_tensor(list(prompt), dtype=torch.int64)
+            self.prompt_lens[row] = len(prompt)
+
+    def set_first_tokens(self, index: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Rows ``index`` [n] int64 emit their first token ``tokens`` [n] (sampled from the prefill's
+        logits), the pending token of their first step: seq_lens = prompt_lens + 1."""
+        lengths = self.prompt_lens[index]  # [n]
+        self.token_buffer[index, lengths] = tokens
+        self.seq_lens[index] = lengths + 1
+        self.target_input[index, 0] = tokens
+
+    def clear_rows(self, rows: Sequence[int], token: int, sampling: SamplingParams) -> None:
+        """Rows ``rows`` leave: each becomes a frozen one-token row (``token``), greedy with seed 0, so that
+        a drafter re-feeds the token and rolls it back and the target forwards it and commits nothing (a
+        length of 0 would make a drafter's rollback negative)."""
+        index = torch.tensor(list(rows), dtype=torch.int64, device=self.device)
+        self.token_buffer[index, 0] = token
+        self.target_input[index, 0] = token
+        self.seq_lens[index] = 1
+        self.prompt_lens[index] = 0
+        self.active[index] = False
+        self.temperature[index] = float(sampling.temperature)
+        self.top_k[index] = int(sampling.top_k)
+        self.top_p[index] = float(sampling.top_p)
+        self.seed[index] = 0
+        row_sampling = list(self.row_sampling) if self.row_sampling is not None else [self.sampling] * self.batch_size
+        for row in rows:
+            row_sampling[row] = sampling
+        self.set_row_sampling(row_sampling)
+
+    def reserve_verify_logits(self, vocab_size: int) -> None:
+        """Allocate ``verify_logits`` [B, n+1, V] fp32 now (a server, whose drafter may propose narrower
+        than n: no allocation in a step)."""
+        self.verify_logits = torch.zeros((self.batch_size, self.slots + 1, vocab_size), dtype=torch.float32,
+                                         device=self.device)
+
+    # ------------------------------------------------------------------ Philox steps
 
     def set_row_steps(self, steps: torch.Tensor) -> None:
         """Point each row's Philox counters at its own step index ``steps`` [B] int64 (continuous
@@ -185,12 +233,14 @@ class SpecDecodeMetadata:
         self.draft_offset.copy_(steps * PHILOX_OFFSET_STRIDE + PHILOX_DRAFT_OFFSET)
 
     def set_step(self, step: int) -> None:
-        """Point the Philox counters at step ``step`` (in place: the buffers stay the same)."""
-        self.step = step
+        """Point every row's Philox counters at step ``step`` (in place: the buffers stay the same)."""
         self.verify_offset.fill_(step * PHILOX_OFFSET_STRIDE + PHILOX_VERIFY_OFFSET)
         self.draft_offset.fill_(step * PHILOX_OFFSET_STRIDE + PHILOX_DRAFT_OFFSET)
 
+
+
     def pending_tokens(self) -> torch.Tensor:
         """The last emitted token of each row (committed to token_buffer, not yet to the target cache):
-        the first token of the next target pass. Shape: [B, 1] int64."""
-        return torch.gather(self.token_buffer, 1, (self.seq_lens - 1)[:, None])
+        the first token of the next target pass, which ``target_input[:, 0]`` holds (``set_first_tokens``,
+        ``clear_rows`` and the step's commit, step.append_tokens, keep it). Shape: [B, 1] int64, a copy."""
+        return self.target_input[:, :1].clone()

@@ -1,7 +1,7 @@
 """DecodePlan: every choice of a generate() call, resolved once from its arguments and the models.
 
 generate() is: normalise the prompts -> ``make_plan`` -> build the runners and the drafter (build.py)
--> decode (decode.py). Nothing after the plan decides anything: the drafter's kind and shape, the draft
+-> decode (decode.py); ``specdec serve`` plans with ``plan_server``. Nothing after the plan decides anything: the drafter's kind and shape, the draft
 length (fixed or adaptive), the runners, CUDA graphs, the batch padding and the cache size are all
 here, with the reason for each (``plan.explain()``, ``specdec generate --explain``).
 
@@ -24,6 +24,9 @@ The rules, in the order ``make_plan`` applies them:
    padded to a bucket (``BUCKETS``) with frozen rows.
 5. cache: every row holds its prompt, max_new_tokens and two steps of drafts (``required_cache_len``);
    more than max_seq_len (or the models' max_position_embeddings) is refused before any work.
+6. capabilities: what the chosen runners can do beyond the ModelRunner contract
+   (runners/capabilities.py: greedy chains, device steps), resolved before they are built; the loop,
+   the drafters and the server branch on these plan fields, never on the runner objects.
 """
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ from .cuda_graphs import graphs_available
 from .drafters.tree_drafter import tree_num_nodes
 from .metadata import SCRATCH_COLUMNS
 from .distributed import TP_CHECKS
-from .runners import RUNNER_KINDS, unsupported_reason
+from .runners import RUNNER_KINDS, RunnerCapabilities, capabilities_of, unsupported_reason
 from .runners.checks import tensor_parallel_size
 from .runners.lean import forward_description
 from .runners.support import unsupported_reason as paged_unsupported_reason
@@ -76,7 +79,8 @@ class DecodePlan:
     target_runner: str  # "lean", "paged" or "recompute"
     draft_runner: Optional[str]  # the draft model's runner; None without a draft model
     draft_compute_dtype: Optional[torch.dtype]  # lean draft: weights cast once to this (None: its own)
-    cuda_graphs: bool  # draft / verify / commit captured in CUDA graphs (the paged runners' static shapes)
+    cuda_graphs: bool  # draft / verify / commit captured in CUDA graphs
+    static_shapes: bool  # the paged runners in their CUDA-graph mode (generate(); a server's stay in host mode)
     device: torch.device
     target_dtype: torch.dtype
     sampling: SamplingParams
@@ -85,6 +89,8 @@ class DecodePlan:
     max_seq_len: int  # S: cache positions per row
     max_new_tokens: int
     draft_confidence: float  # a draft model stops drafting a row below this probability (0: off)
+    target_capabilities: RunnerCapabilities  # the target runner's optional methods (runners/capabilities.py)
+    draft_capabilities: Optional[RunnerCapabilities]  # the draft model's runner's; None without a draft model
     tensor_parallel: int = 1  # ranks the target is sharded over (every rank runs this plan)
     tp_check: str = "broadcast"  # how the ranks are kept on rank 0's decisions (distributed.RankSync)
     reasons: Tuple[Tuple[str, str], ...] = ()  # (choice, why), in the order they were made
@@ -100,110 +106,242 @@ class DecodePlan:
         return "\n".join(f"{choice:<{width}}  {why}" for choice, why in self.reasons)
 
 
-def make_plan(target_model, draft_model, *, drafter: str, prompt_lengths: Sequence[int], max_new_tokens: int,
-              k: Union[None, int, str, adaptive_k.AdaptiveK] = None, draft_tree: Optional[Tuple[int, int, int]] = None,
-              runner: str = "auto", sampling: SamplingParams = SamplingParams(), seeded: bool = False,
-              max_seq_len: Optional[int] = None, draft_confidence: float = 0.0,
-              tp_check: str = "broadcast") -> DecodePlan:
-    """Resolve every choice (module docstring) and check what can be checked before any work."""
+@dataclass(frozen=True)
+class PlanRequest:
+    """What a generate() call asks of ``make_plan`` (beyond the models)."""
+
+    drafter: str  # DRAFTER_KINDS
+    prompt_lengths: Sequence[int]
+    max_new_tokens: int
+    k: Union[None, int, str, adaptive_k.AdaptiveK] = None
+    draft_tree: Optional[Tuple[int, int, int]] = None
+    runner: str = "auto"
+    sampling: SamplingParams = SamplingParams()
+    seeded: bool = False  # a seed was given (a seeded sample at T > 0 keeps a fixed k)
+    max_seq_len: Optional[int] = None
+    draft_confidence: float = 0.0
+    tp_check: str = "broadcast"
+
+    def validate(self) -> None:
+        if self.drafter not in DRAFTER_KINDS:
+            raise ValueError(f"drafter must be one of {DRAFTER_KINDS}, got {self.drafter!r}")
+        if self.runner != "auto" and self.runner not in RUNNER_KINDS:
+            raise ValueError(f"runner must be 'auto' or one of {RUNNER_KINDS}, got {self.runner!r}")
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an int >= 0, got {self.max_new_tokens!r}")
+        if not 0.0 <= self.draft_confidence < 1.0:
+            raise ValueError(f"draft_confidence must lie in [0, 1), got {self.draft_confidence}")
+        if self.tp_check not in TP_CHECKS:
+            raise ValueError(f"tp_check must be one of {TP_CHECKS}, got {self.tp_check!r}")
+        self.sampling.validate()
+
+
+@dataclass(frozen=True)
+class _Models:
+    """What the rules read of the models, once."""
+
+    target: object
+    draft: object
+    device: torch.device
+    target_dtype: torch.dtype
+    graphs_ok: bool
+    graphs_reason: Optional[str]
+    tensor_parallel: int
+
+    @classmethod
+    def of(cls, target_model, draft_model) -> "_Models":
+        param = next(target_model.parameters())
+        if draft_model is not None:
+            draft_device = next(draft_model.parameters()).device
+            if draft_device != param.device:
+                raise ValueError(f"the draft is on {draft_device}, the target on {param.device}: use one device")
+        graphs_ok, graphs_reason = graphs_available(param.device)
+        return cls(target_model, draft_model, param.device, param.dtype, graphs_ok, graphs_reason,
+                   tensor_parallel_size(target_model))
+
+
+def make_plan(target_model, draft_model, **request) -> DecodePlan:
+    """Resolve every choice (module docstring) and check what can be checked before any work.
+    ``request``: the fields of ``PlanRequest`` (drafter=, prompt_lengths=, max_new_tokens=, k=, ...)."""
+    ask = PlanRequest(**request)
+    ask.validate()
+    models = _Models.of(target_model, draft_model)
+    reasons: List[Tuple[str, str]] = []
+    tree = _tree_shape(ask.drafter, ask.draft_tree)
+    slots, controller = _draft_length(ask, tree, models, reasons)
+    cache_len = required_cache_len(max(ask.prompt_lengths), ask.max_new_tokens, slots)
+    runners = _runners(ask.drafter, ask.runner, tree, models, cache_len, reasons)
+    graphs, why = _graphs(models.graphs_ok, models.graphs_reason, ask.drafter, tree, controller, runners)
+    reasons.append(("cuda graphs", f"{'on' if graphs else 'off'}: {why}"))
+    batch = len(ask.prompt_lengths)
+    padded = bucket_size(batch) if graphs else batch
+    reasons.append(("batch", f"{batch} rows" + (f", padded to the graph bucket {padded} with frozen rows"
+                                                 if padded > batch else "")))
+    _check_cache(ask, slots, models)
+    reasons.append(("cache", f"{cache_len} positions per row (longest prompt {max(ask.prompt_lengths)} + "
+                             f"{ask.max_new_tokens} new + two steps of drafts)"))
+    capabilities = _capabilities(runners, ask.drafter, models, static_shapes=graphs)
+    reasons.append(("capabilities", _describe_capabilities(*capabilities, ask.sampling)))
+    reasons.append(("sampling", "greedy" if ask.sampling.greedy else
+                    f"T={ask.sampling.temperature}, top_k={ask.sampling.top_k}, top_p={ask.sampling.top_p}"))
+    if models.tensor_parallel > 1:
+        reasons.append(("tensor parallel", f"the target is sharded over {models.tensor_parallel} ranks, each running "
+                                           f"this loop with a replicated drafter; tp_check={ask.tp_check} "
+                                           "(distributed.py)"))
+    return DecodePlan(drafter=ask.drafter, tree=tree, slots=slots, adaptive=controller is not None,
+                      target_runner=runners.target, draft_runner=runners.draft, draft_compute_dtype=runners.draft_dtype,
+                      cuda_graphs=graphs, static_shapes=graphs, device=models.device, target_dtype=models.target_dtype,
+                      sampling=ask.sampling, batch_size=batch, padded_batch_size=padded, max_seq_len=cache_len,
+                      max_new_tokens=ask.max_new_tokens, draft_confidence=float(ask.draft_confidence),
+                      target_capabilities=capabilities[0], draft_capabilities=capabilities[1],
+                      tensor_parallel=models.tensor_parallel, tp_check=ask.tp_check, reasons=tuple(reasons),
+                      controller=controller)
+
+
+def plan_server(target_model, draft_model, *, drafter: str, k: int, runner: str, max_rows: int,
+                max_seq_len: int) -> DecodePlan:
+    """The plan of ``specdec serve``: the runners, draft length and CUDA graphs of a continuous batcher of
+    ``max_rows`` slots of ``max_seq_len`` positions. It differs from a generate() plan in three ways:
+    the draft length is a fixed k (adaptive k follows measured times and the batch, so a seeded request
+    would not reproduce, and each row's Philox counters assume a fixed k); the runners stay in host mode
+    between steps (rows join and leave a shared page pool), so where CUDA graphs are on the batcher runs
+    each step on the device by batch-size bucket (``static_shapes`` False, ``cuda_graphs`` True); the
+    sampling filter is each request's own."""
+    if drafter == "heads":
+        raise ValueError("specdec serve runs chain drafters (a draft model or ngram) or none: the heads drafter "
+                         "proposes trees, which continuous batching does not run")
     if drafter not in DRAFTER_KINDS:
         raise ValueError(f"drafter must be one of {DRAFTER_KINDS}, got {drafter!r}")
     if runner != "auto" and runner not in RUNNER_KINDS:
         raise ValueError(f"runner must be 'auto' or one of {RUNNER_KINDS}, got {runner!r}")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    if not 0.0 <= draft_confidence < 1.0:
-        raise ValueError(f"draft_confidence must lie in [0, 1), got {draft_confidence}")
-    sampling.validate()
-    reasons: List[Tuple[str, str]] = []
-    param = next(target_model.parameters())
-    device, target_dtype = param.device, param.dtype
-    if draft_model is not None:
-        draft_device = next(draft_model.parameters()).device
-        if draft_device != device:
-            raise ValueError(f"the draft is on {draft_device}, the target on {device}: use one device")
-    graphs_ok, graphs_reason = graphs_available(device)
-    tensor_parallel = tensor_parallel_size(target_model)
-    if tp_check not in TP_CHECKS:
-        raise ValueError(f"tp_check must be one of {TP_CHECKS}, got {tp_check!r}")
+    models = _Models.of(target_model, draft_model)
+    slots = 0 if drafter == "none" else int(k)
+    if required_cache_len(1, 0, slots) > max_seq_len:
+        raise ValueError(f"max_seq_len={max_seq_len} leaves no room for a token with {slots} draft slots "
+                         f"(a row needs {required_cache_len(1, 1, slots)} positions for a one-token prompt)")
+    reasons: List[Tuple[str, str]] = [("drafter", f"{drafter}" + (f" chain, k={slots}: fixed (each row's Philox "
+                                                                  "counters assume it)" if slots else
+                                                                  ": plain decoding"))]
+    runners = _runners(drafter, runner, None, models, max_seq_len, reasons)
+    graphs, why = _graphs(models.graphs_ok, models.graphs_reason, drafter, None, None, runners)
+    reasons.append(("cuda graphs", f"{'on, by batch-size bucket: ' if graphs else 'off: '}{why}"))
+    reasons.append(("batch", f"{max_rows} slots of {max_seq_len} positions"))
+    capabilities = _capabilities(runners, drafter, models, static_shapes=False)
+    reasons.append(("capabilities", _describe_capabilities(*capabilities, None)))
+    return DecodePlan(drafter=drafter, tree=None, slots=slots, adaptive=False, target_runner=runners.target,
+                      draft_runner=runners.draft, draft_compute_dtype=runners.draft_dtype, cuda_graphs=graphs,
+                      static_shapes=False, device=models.device, target_dtype=models.target_dtype,
+                      sampling=SamplingParams(), batch_size=max_rows, padded_batch_size=max_rows,
+                      max_seq_len=max_seq_len, max_new_tokens=max_seq_len - required_cache_len(1, 0, slots),
+                      draft_confidence=0.0, target_capabilities=capabilities[0], draft_capabilities=capabilities[1],
+                      tensor_parallel=models.tensor_parallel, reasons=tuple(reasons))
 
-    # 1. drafter and shape
-    tree = _tree_shape(drafter, draft_tree)
-    # 2. draft length
-    controller = None
+
+def _draft_length(ask: PlanRequest, tree, models: _Models, reasons: List[Tuple[str, str]]
+                  ) -> Tuple[int, Optional[adaptive_k.AdaptiveK]]:
+    """(slots, adaptive k's controller or None): rules 1 and 2."""
+    drafter, k = ask.drafter, ask.k
     if drafter == "none":
-        slots = 0
         reasons.append(("drafter", "none: plain decoding, one target pass per token"))
-    elif tree is not None:
+        return 0, None
+    if tree is not None:
         slots = tree_num_nodes(*tree)
         source = "heads on the target" if drafter == "heads" else "the draft model"
         reasons.append(("drafter", f"{drafter} tree (b, d, N) = {tree}: {slots} nodes from {source}, verified "
                                    f"in one pass of {slots + 1} tokens (k does not apply)"))
+        return slots, None
+    if models.tensor_parallel > 1 and (k == AUTO_K or isinstance(k, adaptive_k.AdaptiveK)):
+        raise ValueError("k='auto' cannot run on a tensor-parallel target: adaptive choices follow each rank's own "
+                         "timings, so the ranks would disagree on the verify width; pass an int k")
+    if k is None and models.tensor_parallel > 1:
+        k, why = FIXED_K, (f"k=None on a tensor-parallel target: a fixed k={FIXED_K} (adaptive choices follow "
+                           "each rank's own timings)")
+    elif k is None:
+        k, why = _default_draft_length(drafter, ask.sampling, ask.seeded, ask.runner, models.graphs_ok)
     else:
-        if tensor_parallel > 1 and (k == AUTO_K or isinstance(k, adaptive_k.AdaptiveK)):
-            raise ValueError("k='auto' cannot run on a tensor-parallel target: adaptive choices follow each rank's own "
-                             "timings, so the ranks would disagree on the verify width; pass an int k")
-        if k is None and tensor_parallel > 1:
-            k, why = FIXED_K, (f"k=None on a tensor-parallel target: a fixed k={FIXED_K} (adaptive choices follow "
-                               "each rank's own timings)")
-        elif k is None:
-            k, why = _default_draft_length(drafter, sampling, seeded, runner, graphs_ok)
-        else:
-            why = "as asked"
-        slots, controller = adaptive_k.resolve(k)
-        if controller is not None:
-            reasons.append(("drafter", f"{drafter} chain, k=auto (adaptive, up to {slots} per step): {why}"))
-        else:
-            reasons.append(("drafter", f"{drafter} chain, k={slots}: {why}"))
-    # 3. runners
-    cache_len = required_cache_len(max(prompt_lengths), max_new_tokens, slots)
-    target_runner, why = _runner_for(target_model, runner, graphs_ok, cache_len, device, "target", tree is not None)
+        why = "as asked"
+    slots, controller = adaptive_k.resolve(k)
+    if controller is not None:
+        reasons.append(("drafter", f"{drafter} chain, k=auto (adaptive, up to {slots} per step): {why}"))
+    else:
+        reasons.append(("drafter", f"{drafter} chain, k={slots}: {why}"))
+    return slots, controller
+
+
+@dataclass(frozen=True)
+class _Runners:
+    target: str
+    draft: Optional[str]
+    draft_dtype: Optional[torch.dtype]
+
+
+def _runners(drafter: str, runner: str, tree, models: _Models, cache_len: int,
+             reasons: List[Tuple[str, str]]) -> _Runners:
+    """Rule 3: the target's and the draft model's runner kinds (and the draft's compute dtype)."""
+    target_runner, why = _runner_for(models.target, runner, models.graphs_ok, cache_len, models.device, "target",
+                                     tree is not None)
     reasons.append(("target runner", f"{target_runner}: {why}"))
     if drafter == "heads" and target_runner == "recompute":
         raise ValueError("draft='heads' needs the paged or lean runner (runner='auto'), not 'recompute' (its HF "
                          "forwards are per group of equal lengths, not one per pass)")
-    draft_runner = draft_dtype = None
-    if draft_model is not None:
-        draft_runner, why = _runner_for(draft_model, runner, graphs_ok, cache_len, device, "draft", tree is not None)
-        weights = next(draft_model.parameters()).dtype
-        if draft_runner == "lean" and device.type == "cpu" and weights in (torch.bfloat16, torch.float16):
-            draft_dtype = torch.float32
-            why += f"; {weights} weights computed in fp32 (the CPU kernels widen them exactly as they stream them)"
-        reasons.append(("draft runner", f"{draft_runner}: {why}"))
-    # 4. CUDA graphs
-    graphs, why = _graphs(graphs_ok, graphs_reason, drafter, tree, controller, target_runner, draft_runner)
-    reasons.append(("cuda graphs", f"{'on' if graphs else 'off'}: {why}"))
-    batch = len(prompt_lengths)
-    padded = bucket_size(batch) if graphs else batch
-    reasons.append(("batch", f"{batch} rows" + (f", padded to the graph bucket {padded} with frozen rows"
-                                                 if padded > batch else "")))
-    # 5. cache
-    limit = max_seq_len
+    if models.draft is None:
+        return _Runners(target_runner, None, None)
+    draft_runner, why = _runner_for(models.draft, runner, models.graphs_ok, cache_len, models.device, "draft",
+                                    tree is not None)
+    weights = next(models.draft.parameters()).dtype
+    draft_dtype = None
+    if draft_runner == "lean" and models.device.type == "cpu" and weights in (torch.bfloat16, torch.float16):
+        draft_dtype = torch.float32
+        why += f"; {weights} weights computed in fp32 (the CPU kernels widen them exactly as they stream them)"
+    reasons.append(("draft runner", f"{draft_runner}: {why}"))
+    return _Runners(target_runner, draft_runner, draft_dtype)
+
+
+def _capabilities(runners: _Runners, drafter: str, models: _Models, *, static_shapes: bool
+                  ) -> Tuple[RunnerCapabilities, Optional[RunnerCapabilities]]:
+    """The optional methods the built runners will have (runners.capabilities_of); heads on the target
+    hook its LM head, which keeps its logits off a greedy chain."""
+    target = capabilities_of(runners.target, models.target, static_shapes=static_shapes,
+                             head_hooked=drafter == "heads")
+    draft = None
+    if runners.draft is not None:
+        draft = capabilities_of(runners.draft, models.draft, compute_dtype=runners.draft_dtype,
+                                static_shapes=static_shapes)
+    return target, draft
+
+
+def _describe_capabilities(target: RunnerCapabilities, draft: Optional[RunnerCapabilities],
+                           sampling: Optional[SamplingParams]) -> str:
+    """The capabilities line of ``explain()``: what each runner offers and what the loop uses it for."""
+    uses = []
+    if target.greedy_chain:
+        uses.append("greedy plain decoding runs as greedy chains" if sampling is None or sampling.greedy else
+                    "greedy chains unused (sampling)")
+    if draft is not None and draft.greedy_chain:
+        uses.append("a greedy draft is one call")
+    if target.device_steps:
+        uses.append("device steps for serving under CUDA graphs")
+    line = f"target runner: {target.describe()}"
+    if draft is not None:
+        line += f"; draft runner: {draft.describe()}"
+    return line + (f" ({'; '.join(uses)})" if uses else "")
+
+
+def _check_cache(ask: PlanRequest, slots: int, models: _Models) -> None:
+    """Rule 5: every prompt fits max_seq_len (or the models' max_position_embeddings) with its tokens."""
+    limit = ask.max_seq_len
     if limit is None:
-        limits = [m for m in (_max_positions(x) for x in (target_model, draft_model) if x is not None) if m]
+        limits = [m for m in (_max_positions(x) for x in (models.target, models.draft) if x is not None) if m]
         limit = min(limits) if limits else None
-    if limit is not None:
-        for b, length in enumerate(prompt_lengths):
-            needs = required_cache_len(length, max_new_tokens, slots)
-            if needs > limit:
-                raise ValueError(
-                    f"prompt {b} has {length} tokens; with max_new_tokens={max_new_tokens} and {slots} draft "
-                    f"slots it needs {needs} cache positions but the cache holds {limit} (max_seq_len, or the "
-                    f"models' max_position_embeddings): shorten the prompt or lower max_new_tokens")
-    reasons.append(("cache", f"{cache_len} positions per row (longest prompt {max(prompt_lengths)} + "
-                             f"{max_new_tokens} new + two steps of drafts)"))
-    reasons.append(("sampling", "greedy" if sampling.greedy else
-                    f"T={sampling.temperature}, top_k={sampling.top_k}, top_p={sampling.top_p}"))
-    if tensor_parallel > 1:
-        reasons.append(("tensor parallel", f"the target is sharded over {tensor_parallel} ranks, each running this "
-                                           f"loop with a replicated drafter; tp_check={tp_check} (distributed.py)"))
-    return DecodePlan(drafter=drafter, tree=tree, slots=slots, adaptive=controller is not None,
-                      target_runner=target_runner, draft_runner=draft_runner, draft_compute_dtype=draft_dtype,
-                      cuda_graphs=graphs, device=device, target_dtype=target_dtype, sampling=sampling,
-                      batch_size=batch, padded_batch_size=padded, max_seq_len=cache_len,
-                      max_new_tokens=max_new_tokens, draft_confidence=float(draft_confidence),
-                      tensor_parallel=tensor_parallel, tp_check=tp_check, reasons=tuple(reasons),
-                      controller=controller)
+    if limit is None:
+        return
+    for b, length in enumerate(ask.prompt_lengths):
+        needs = required_cache_len(length, ask.max_new_tokens, slots)
+        if needs > limit:
+            raise ValueError(
+                f"prompt {b} has {length} tokens; with max_new_tokens={ask.max_new_tokens} and {slots} draft "
+                f"slots it needs {needs} cache positions but the cache holds {limit} (max_seq_len, or the "
+                f"models' max_position_embeddings): shorten the prompt or lower max_new_tokens")
 
 
 def _tree_shape(drafter: str, draft_tree) -> Optional[Tuple[int, int, int]]:
@@ -255,9 +393,10 @@ def _runner_for(model, runner: str, graphs_ok: bool, cache_len: int, device: tor
     return "paged", f"the lean runner does not apply ({lean_reason})"
 
 
-def _graphs(graphs_ok: bool, graphs_reason: Optional[str], drafter: str, tree, controller, target_runner: str,
-            draft_runner: Optional[str]) -> Tuple[bool, str]:
-    """(CUDA graphs on, why)."""
+def _graphs(graphs_ok: bool, graphs_reason: Optional[str], drafter: str, tree, controller,
+            runners: _Runners) -> Tuple[bool, str]:
+    """Rule 4: (CUDA graphs on, why)."""
+    target_runner, draft_runner = runners.target, runners.draft
     if not graphs_ok:
         return False, graphs_reason
     if tree is not None:

@@ -1,5 +1,9 @@
 """Figures of the reports: ``specdec bench --plot``, ``specdec audit --plot`` (``AuditReport.plot``) and
-``GenerationStats.plot``; one function per figure.
+``GenerationStats.plot``; one function per figure; and the commands' ``--plot`` option
+(``check_plot_option``, ``write_plot``).
+
+A leaf of the layer diagram: it draws what it is handed and imports only the cost model (and, to name
+the bundled pair, default_pair), never the stats, the loop or the commands that call it.
 
 matplotlib is an optional extra (``pip install ".[plot]"``). It is imported when a figure is
 drawn, never when this module is, and only through its object-oriented API on the Agg canvas: pyplot's
@@ -16,10 +20,11 @@ import itertools
 import math
 import os
 import platform
+import sys
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from .stats import expected_tokens_per_pass, predicted_speedup
+from .cost_model import expected_tokens_per_pass, predicted_speedup
 
 INSTALL_HINT = 'pip install ".[plot]" in the specdec_ext checkout (or pip install "matplotlib>=3.7")'
 WIDTH_IN = 12.0
@@ -81,6 +86,25 @@ def check_plot_path(path: str) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise ValueError(f"the directory of {path!r} does not exist: {directory}")
+
+
+def check_plot_option(command: str, path: Optional[str]) -> None:
+    """``specdec <command> --plot FILE``: fail before the work when the figure could not be drawn or written."""
+    if path is None:
+        return
+    try:
+        check_plot_path(path)
+    except (PlotDependencyError, ValueError) as error:
+        raise SystemExit(f"specdec {command} --plot: {error}") from None
+
+
+def write_plot(command: str, draw: Callable[[], str]) -> None:
+    """Call ``draw()`` (it writes a figure and returns its path) and say where the figure went, on stderr."""
+    try:
+        path = draw()
+    except ValueError as error:
+        raise SystemExit(f"specdec {command} --plot: {error}") from None
+    print(f"specdec {command}: wrote {path}", file=sys.stderr)
 
 
 def figure_pixels(rows: int) -> Tuple[int, int]:

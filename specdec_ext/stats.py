@@ -1,14 +1,8 @@
-"""Statistics of a speculative generation and the cost model they are checked against.
+"""Statistics of a speculative generation and the cost model (cost_model.py) they are checked against.
 
-Cost model (mission note, DESIGN.md): with per-token acceptance a and k drafted tokens per step,
-
-    E[tokens per target pass] = (1 - a^(k+1)) / (1 - a)          (= k + 1 when a = 1)
-    speedup over plain decoding = E / (v + k c)
-
-where c is the cost of one draft forward and v the cost of one verify step (target forward over k+1
-tokens plus the verifier and bookkeeping), both relative to one plain decode step of the target.
 The measured acceptance a is the fraction of drafted positions that were reached and accepted
-(the maximum-likelihood estimate of an i.i.d. per-token acceptance).
+(the maximum-likelihood estimate of an i.i.d. per-token acceptance); the draft cost c and the verify
+cost v are measured per step, relative to one plain decode step of the target.
 """
 from __future__ import annotations
 
@@ -19,17 +13,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-
-def expected_tokens_per_pass(acceptance: float, k: int) -> float:
-    """E = (1 - a^(k+1)) / (1 - a): tokens emitted per target pass (accepted + the recovered/bonus)."""
-    if acceptance >= 1.0:
-        return float(k + 1)
-    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
-
-
-def predicted_speedup(acceptance: float, k: int, draft_cost: float, verify_cost: float) -> float:
-    """speedup = E / (v + k c), costs relative to one plain target decode step."""
-    return expected_tokens_per_pass(acceptance, k) / (verify_cost + k * draft_cost)
+from .cost_model import expected_tokens_per_pass, predicted_speedup
+from .plots import plot_generation
 
 
 def synchronize(device: torch.device) -> None:
@@ -193,8 +178,6 @@ class GenerationStats:
         """Draw acceptance by draft position and tokens per target pass against the cost model into ``path``
         (a .png, 1200 x 450 pixels; ``label`` names the pair in the title) and return ``path``. Needs
         matplotlib: ``pip install ".[plot]"`` in the checkout; raises ValueError when nothing was drafted."""
-        from .plots import plot_generation
-
         return plot_generation(self, path, label=label)
 
     def as_dict(self) -> Dict[str, object]:

@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -181,24 +182,21 @@ void cache_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::T
   attend(isa_or_throw(), q, k_cache, v_cache, start, visible, scale, out, nullptr);
 }
 
-// Biases first .. first + count - 1 of a layer (an empty list when the model has none).
-c10::List<c10::optional<at::Tensor>> bias_slice(const c10::List<c10::optional<at::Tensor>>& biases, int64_t first,
-                                                int64_t count) {
-  c10::List<c10::optional<at::Tensor>> out;
-  if (biases.size() == 0) return out;
-  for (int64_t i = 0; i < count; ++i) out.push_back(biases.get(first + i));
+// The biases of the projections a fused_linear call reads (an empty list when none has one).
+OptionalTensors biases_of(std::initializer_list<const Projection*> projections) {
+  OptionalTensors out;
+  bool any = false;
+  for (const Projection* p : projections) any = any || p->bias.has_value();
+  if (!any) return out;
+  for (const Projection* p : projections) out.push_back(p->bias);
   return out;
 }
 
 // One call for the whole stack: the per-op Python dispatch (some 5 us a call, 37 calls a pass for a
 // 6-layer model) cost more than a draft model's kernels. weights_cached: see gemm_tiles.
-void decoder_layers_on(at::Tensor& x, at::TensorList weights, const c10::List<c10::optional<at::Tensor>>& biases,
-                       at::ArrayRef<double> norm_eps, bool bf16_activations, const at::Tensor& cos,
-                       const at::Tensor& sin, const at::Tensor& positions, const at::Tensor& cache_rows,
-                       const at::Tensor& cache_positions, at::Tensor& k_cache, at::Tensor& v_cache,
-                       const at::Tensor& start, const c10::optional<at::Tensor>& visible, double scale,
-                       bool weights_cached) {
-  const DecoderLayersShape s = check_decoder_layers(x, weights, biases, norm_eps, cache_rows, k_cache, v_cache, start);
+void decoder_layers_on(at::Tensor& x, const LlamaModelView& model, bool bf16_activations, const RopeCache& state,
+                       const PassLayout& pass, bool weights_cached) {
+  const DecoderLayersShape s = check_decoder_layers(x, model, state, pass);
   const int64_t M = x.size(0), HD = s.heads * s.head_dim, HkD = s.kv_heads * s.head_dim;
   const auto f32 = x.options();
   at::Tensor q = at::empty({M, HD}, f32), k = at::empty({M, HkD}, f32), v = at::empty({M, HkD}, f32);
@@ -209,32 +207,33 @@ void decoder_layers_on(at::Tensor& x, at::TensorList weights, const c10::List<c1
   at::Tensor attended_blocks = attended.view({s.batch, s.tokens, s.heads, s.head_dim});
   // Every index checked before the first layer writes anything (the per-op checks repeat them per layer).
   constexpr const char* op = "decoder_layers";
-  check_index_vector(op, "positions", positions, M, x);
-  check_index_vector(op, "cache_positions", cache_positions, M, x);
-  check_index_range("positions", positions, cos.size(0), "the rows of cos", op);
-  check_index_range("cache_rows", cache_rows, k_cache.size(1), "k_cache dimension 1", op);
-  check_index_range("cache_positions", cache_positions, k_cache.size(3), "k_cache dimension 3", op);
-  const int64_t* starts = start.data_ptr<int64_t>();
+  const at::Tensor& k_cache = state.k_cache;
+  check_index_vector(op, "positions", pass.positions, M, x);
+  check_index_vector(op, "cache_positions", pass.cache_positions, M, x);
+  check_index_range("positions", pass.positions, state.cos.size(0), "the rows of cos", op);
+  check_index_range("cache_rows", pass.cache_rows, k_cache.size(1), "k_cache dimension 1", op);
+  check_index_range("cache_positions", pass.cache_positions, k_cache.size(3), "k_cache dimension 3", op);
+  const int64_t* starts = pass.start.data_ptr<int64_t>();
   for (int64_t b = 0; b < s.batch; ++b)
     TORCH_CHECK(starts[b] >= 0 && starts[b] + s.tokens <= k_cache.size(3), op, ": start[", b, "] = ", starts[b],
                 " must be in [0, capacity - T] = [0, ", k_cache.size(3) - s.tokens, "]");
   std::vector<int64_t> rows(s.batch);
-  for (int64_t b = 0; b < s.batch; ++b) rows[b] = cache_rows.data_ptr<int64_t>()[b * s.tokens];
+  for (int64_t b = 0; b < s.batch; ++b) rows[b] = pass.cache_rows.data_ptr<int64_t>()[b * s.tokens];
   const std::string store = "store", add = "add", swiglu = "swiglu";
   const Isa isa = isa_or_throw();
   for (int64_t l = 0; l < s.layers; ++l) {
-    const at::Tensor* w = weights.data() + l * kLayerWeights;
-    const int64_t b0 = l * kLayerBiases;
-    at::Tensor k_layer = k_cache.select(0, l), v_layer = v_cache.select(0, l);
-    linear_on(isa, x, w[0], norm_eps[l * kLayerNormEps], {w[1], w[2], w[3]}, bias_slice(biases, b0, 3), store,
-              bf16_activations, {q, k, v}, weights_cached);
-    rope_cache_write(q_heads, k_heads, v_heads, cos, sin, positions, cache_rows, cache_positions, k_layer, v_layer);
-    attend(isa, q_blocks, k_layer, v_layer, start, visible, scale, attended_blocks, rows.data());
-    linear_on(isa, attended, c10::nullopt, 0.0, {w[4]}, bias_slice(biases, b0 + 3, 1), add, bf16_activations, {x},
+    const LlamaLayerView& w = model.layers[l];
+    at::Tensor k_layer = k_cache.select(0, l), v_layer = state.v_cache.select(0, l);
+    linear_on(isa, x, w.input_norm, w.input_norm_eps, {w.q.weight, w.k.weight, w.v.weight},
+              biases_of({&w.q, &w.k, &w.v}), store, bf16_activations, {q, k, v}, weights_cached);
+    rope_cache_write(q_heads, k_heads, v_heads, state.cos, state.sin, pass.positions, pass.cache_rows,
+                     pass.cache_positions, k_layer, v_layer);
+    attend(isa, q_blocks, k_layer, v_layer, pass.start, pass.visible, model.scale, attended_blocks, rows.data());
+    linear_on(isa, attended, c10::nullopt, 0.0, {w.o.weight}, biases_of({&w.o}), add, bf16_activations, {x},
               weights_cached);
-    linear_on(isa, x, w[5], norm_eps[l * kLayerNormEps + 1], {w[6], w[7]}, bias_slice(biases, b0 + 4, 2), swiglu,
+    linear_on(isa, x, w.post_norm, w.post_norm_eps, {w.gate.weight, w.up.weight}, biases_of({&w.gate, &w.up}), swiglu,
               bf16_activations, {act}, weights_cached);
-    linear_on(isa, act, c10::nullopt, 0.0, {w[8]}, bias_slice(biases, b0 + 6, 1), add, bf16_activations, {x},
+    linear_on(isa, act, c10::nullopt, 0.0, {w.down.weight}, biases_of({&w.down}), add, bf16_activations, {x},
               weights_cached);
   }
 }
@@ -243,19 +242,22 @@ void decoder_layers_on(at::Tensor& x, at::TensorList weights, const c10::List<c1
 // (a quarter of a 32-MB L3, which the target's stream shares), so their passes read them as cached.
 constexpr int64_t kCachedModelBytes = 8 << 20;
 
-int64_t bytes_of(at::TensorList tensors) {
+// The bytes a pass over the layers streams: the norms and the projections' weights.
+int64_t layer_bytes(const LlamaModelView& model) {
   int64_t total = 0;
-  for (const at::Tensor& t : tensors) total += static_cast<int64_t>(t.nbytes());
+  for (const LlamaLayerView& w : model.layers)
+    for (const at::Tensor* t : {&w.input_norm, &w.q.weight, &w.k.weight, &w.v.weight, &w.o.weight, &w.post_norm,
+                                &w.gate.weight, &w.up.weight, &w.down.weight})
+      total += static_cast<int64_t>(t->nbytes());
   return total;
 }
 
-void decoder_layers(at::Tensor& x, at::TensorList weights, const c10::List<c10::optional<at::Tensor>>& biases,
-                    at::ArrayRef<double> norm_eps, bool bf16_activations, const at::Tensor& cos, const at::Tensor& sin,
-                    const at::Tensor& positions, const at::Tensor& cache_rows, const at::Tensor& cache_positions,
-                    at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& start,
-                    const c10::optional<at::Tensor>& visible, double scale) {
-  decoder_layers_on(x, weights, biases, norm_eps, bf16_activations, cos, sin, positions, cache_rows, cache_positions,
-                    k_cache, v_cache, start, visible, scale, bytes_of(weights) <= kCachedModelBytes);
+void decoder_layers(at::Tensor& x, const OptionalTensors& weights, at::ArrayRef<double> scalars, bool bf16_activations,
+                    at::TensorList rope, at::TensorList cache, at::TensorList layout,
+                    const c10::optional<at::Tensor>& visible) {
+  const LlamaModelView model = llama_model_view("decoder_layers", weights, scalars);
+  decoder_layers_on(x, model, bf16_activations, rope_cache("decoder_layers", rope, cache), pass_layout(layout, visible),
+                    layer_bytes(model) <= kCachedModelBytes);
 }
 
 // The lowest index of the row's largest value, a NaN before anything (torch.argmax's answers).
@@ -298,63 +300,83 @@ void argmax_rows(const at::Tensor& logits, int64_t vocab_limit, bool check_logit
   }
 }
 
+// The final norm and head of the rows x [B, d] into logits [B, V], and each row's argmax into column
+// `column` of tokens [B, n] (step: the chain step, for check_logits' message).
+struct ChainHead {
+  Isa isa;
+  const LlamaModelView& model;
+  OptionalTensors biases;
+  bool bf16_activations, cached, check_logits;
+  int64_t vocab_limit;
+  at::Tensor logits;  // [B, V] fp32
+
+  void argmax(const at::Tensor& x, int64_t step, int64_t* token, int64_t n, int64_t column) {
+    linear_on(isa, x, model.norm, model.norm_eps, {model.head.weight}, biases, "store", bf16_activations, {logits},
+              cached);
+    argmax_rows(logits, vocab_limit, check_logits, step, token, n, column);
+  }
+};
+
+// The feed's pass: feed [B, W] at slots start[b] .. start[b] + W - 1 (a row's padding columns, past
+// its count, are written beyond its tokens, where the chain overwrites them); x [B, d] gets each row's
+// last real column and chain_start[b] moves past its count.
+void feed_pass(const ChainRows& rows, bool bf16_activations, const RopeCache& state, ChainHead& head, at::Tensor& x,
+               std::vector<int64_t>& chain_start) {
+  const LlamaModelView& model = head.model;
+  const int64_t B = x.size(0), d = x.size(1), W = rows.feed->size(1);
+  const int64_t* counts = rows.feed_counts->data_ptr<int64_t>();
+  at::Tensor block = at::empty({B * W, d}, x.options());
+  at::Tensor block_slots = at::empty({B * W}, rows.start.options());
+  at::Tensor block_rows = at::empty({B * W}, rows.start.options());
+  for (int64_t m = 0; m < B * W; ++m) {
+    block_slots.data_ptr<int64_t>()[m] = chain_start[m / W] + m % W;
+    block_rows.data_ptr<int64_t>()[m] = rows.cache_rows.data_ptr<int64_t>()[m / W];
+  }
+  embed_rows(model.embed, rows.feed->data_ptr<int64_t>(), B * W, block.data_ptr<float>());
+  decoder_layers_on(block, model, bf16_activations, state,
+                    {block_slots, block_rows, block_slots, rows.start, c10::nullopt}, head.cached);
+  for (int64_t b = 0; b < B; ++b) {
+    std::copy_n(block.data_ptr<float>() + (b * W + counts[b] - 1) * d, d, x.data_ptr<float>() + b * d);
+    chain_start[b] += counts[b];
+  }
+}
+
 // A greedy draft in one call: the Python of a draft step (forward, argmax, commit: some 20 torch calls)
 // cost more than the draft model's kernels, which this runs back to back, the same calls as the steps.
 // With feed, the pass over the committed tokens the draft has not seen is the chain's first (a separate
 // forward cost a draft step about as much again as the chain's passes).
-void greedy_chain(at::Tensor& tokens, int64_t steps, const at::Tensor& embed, at::TensorList weights,
-                  const c10::List<c10::optional<at::Tensor>>& biases, at::ArrayRef<double> norm_eps,
-                  bool bf16_activations, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& cache_rows,
-                  at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& start, double scale,
-                  const at::Tensor& norm_weight, double final_norm_eps, const at::Tensor& head_weight,
-                  const c10::optional<at::Tensor>& head_bias, int64_t vocab_limit, bool check_logits,
-                  const c10::optional<at::Tensor>& feed, const c10::optional<at::Tensor>& feed_counts) {
-  check_greedy_chain(tokens, steps, embed, cache_rows, start, k_cache, norm_weight, head_weight, head_bias, vocab_limit,
-                     feed, feed_counts);
-  const int64_t B = tokens.size(0), n = tokens.size(1), d = embed.size(1), V = head_weight.size(0);
-  const auto f32 = embed.options().dtype(at::kFloat);
-  at::Tensor x = at::empty({B, d}, f32), logits = at::empty({B, V}, f32);
-  at::Tensor slots = at::empty({B}, start.options());
+void greedy_chain(at::Tensor& tokens, int64_t steps, const OptionalTensors& weights, at::ArrayRef<double> scalars,
+                  bool bf16_activations, at::TensorList rope, at::TensorList cache, at::TensorList rows,
+                  int64_t vocab_limit, bool check_logits) {
+  constexpr const char* op = "greedy_chain";
+  const LlamaModelView model = llama_model_view(op, weights, scalars);
+  const RopeCache state = rope_cache(op, rope, cache);
+  const ChainRows chain = chain_rows(rows);
+  check_greedy_chain(tokens, steps, model, state.k_cache, chain, vocab_limit);
+  const int64_t B = tokens.size(0), n = tokens.size(1), d = model.embed.size(1), V = model.head.weight.size(0);
+  const auto f32 = model.embed.options().dtype(at::kFloat);
+  at::Tensor x = at::empty({B, d}, f32);
+  at::Tensor slots = at::empty({B}, chain.start.options());
   int64_t* token = tokens.data_ptr<int64_t>();
   int64_t* slot = slots.data_ptr<int64_t>();
-  const Isa isa = isa_or_throw();
-  c10::List<c10::optional<at::Tensor>> head_biases;
-  if (head_bias.has_value()) head_biases.push_back(head_bias);
-  const bool cached = bytes_of(weights) + static_cast<int64_t>(head_weight.nbytes()) <= kCachedModelBytes;
-  std::vector<int64_t> chain_start(start.data_ptr<int64_t>(), start.data_ptr<int64_t>() + B);
-  if (feed.has_value()) {
-    // feed [B, W] at slots start[b] .. start[b] + W - 1; a row's padding columns (past its count) are
-    // written beyond its tokens, where the chain overwrites them.
-    const int64_t W = feed->size(1);
-    const int64_t* counts = feed_counts->data_ptr<int64_t>();
-    at::Tensor block = at::empty({B * W, d}, f32);
-    at::Tensor block_slots = at::empty({B * W}, start.options()), block_rows = at::empty({B * W}, start.options());
-    for (int64_t m = 0; m < B * W; ++m) {
-      block_slots.data_ptr<int64_t>()[m] = chain_start[m / W] + m % W;
-      block_rows.data_ptr<int64_t>()[m] = cache_rows.data_ptr<int64_t>()[m / W];
-    }
-    embed_rows(embed, feed->data_ptr<int64_t>(), B * W, block.data_ptr<float>());
-    decoder_layers_on(block, weights, biases, norm_eps, bf16_activations, cos, sin, block_slots, block_rows,
-                      block_slots, k_cache, v_cache, start, c10::nullopt, scale, cached);
-    for (int64_t b = 0; b < B; ++b) {
-      std::copy_n(block.data_ptr<float>() + (b * W + counts[b] - 1) * d, d, x.data_ptr<float>() + b * d);
-      chain_start[b] += counts[b];
-    }
-    linear_on(isa, x, norm_weight, final_norm_eps, {head_weight}, head_biases, "store", bf16_activations, {logits},
-              cached);
-    argmax_rows(logits, vocab_limit, check_logits, 0, token, n, 0);
+  const int64_t head_bytes = static_cast<int64_t>(model.head.weight.nbytes());
+  ChainHead head{isa_or_throw(), model, biases_of({&model.head}), bf16_activations,
+                 layer_bytes(model) + head_bytes <= kCachedModelBytes, check_logits, vocab_limit,
+                 at::empty({B, V}, f32)};
+  std::vector<int64_t> chain_start(chain.start.data_ptr<int64_t>(), chain.start.data_ptr<int64_t>() + B);
+  if (chain.feed.has_value()) {
+    feed_pass(chain, bf16_activations, state, head, x, chain_start);
+    head.argmax(x, 0, token, n, 0);
   }
   for (int64_t i = 1; i < steps; ++i) {
     for (int64_t b = 0; b < B; ++b) {
-      embed_rows(embed, token + b * n + i - 1, 1, x.data_ptr<float>() + b * d);
+      embed_rows(model.embed, token + b * n + i - 1, 1, x.data_ptr<float>() + b * d);
       slot[b] = chain_start[b] + i - 1;
     }
     // A chain token sits at its slot's rotary position; decoder_layers checks the slots and rows.
-    decoder_layers_on(x, weights, biases, norm_eps, bf16_activations, cos, sin, slots, cache_rows, slots, k_cache,
-                      v_cache, slots, c10::nullopt, scale, cached);
-    linear_on(isa, x, norm_weight, final_norm_eps, {head_weight}, head_biases, "store", bf16_activations, {logits},
-              cached);
-    argmax_rows(logits, vocab_limit, check_logits, i, token, n, i);
+    decoder_layers_on(x, model, bf16_activations, state, {slots, chain.cache_rows, slots, slots, c10::nullopt},
+                      head.cached);
+    head.argmax(x, i, token, n, i);
   }
 }
 

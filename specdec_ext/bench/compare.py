@@ -41,7 +41,8 @@ from typing import Dict, List, Optional
 
 import torch
 
-from ..plots import BenchPanel, BenchPoint
+from ..cost_model import expected_tokens_per_pass, predicted_speedup
+from ..plots import BenchPanel, BenchPoint, check_plot_option, pair_label, plot_bench, write_plot
 from ..progress import hf_progress_bars_off, progress_bar, progress_wanted
 from .workloads import WORKLOADS, workload_prompts
 
@@ -171,9 +172,6 @@ def parse_trees(text: str) -> List[tuple]:
 
 
 def main(argv=None) -> int:
-    from ..cli import check_plot_option, write_plot
-    from ..plots import pair_label, plot_bench
-
     args = parse_args(sys.argv[1:] if argv is None else argv)
     check_plot_option("bench", args.plot)
     torch.set_num_threads(args.threads)
@@ -325,8 +323,6 @@ def run_methods(methods, prompts, counter, args, description: str = "bench") -> 
 
 def report(results: Dict[str, Measure], ks, ngram_ks) -> None:
     """The side-by-side table, the cost-model check of the model chain, and the targets."""
-    from ..stats import expected_tokens_per_pass, predicted_speedup
-
     reference_name = "HF plain greedy" if "HF plain greedy" in results else "ours plain (k=0)"
     reference = results[reference_name]
     print(f"\n{'method':<26} {'tok/s':>8} {'speedup':>8} {'tok/pass':>9} {'identical':>10}")

@@ -15,19 +15,42 @@ from typing import List, Tuple
 WORKLOADS = ("code", "edit")
 
 
-def _heldout_paths() -> List[Tuple[str, str]]:
+def _heldout_listing() -> str:
     from specdec_ext.default_pair import PAIR_DIR
 
+    return os.path.join(PAIR_DIR, "heldout_files.txt")
+
+
+def _heldout_paths() -> List[Tuple[str, str]]:
+    """(name, path) of the bundled pair's held-out stdlib files that exist here, in the listing's order."""
     stdlib = sysconfig.get_paths()["stdlib"]
-    with open(os.path.join(PAIR_DIR, "heldout_files.txt"), encoding="utf-8") as f:
+    with open(_heldout_listing(), encoding="utf-8") as f:
         names = [line.strip() for line in f if line.strip().startswith("stdlib/")]
     return [(n, os.path.join(stdlib, n[len("stdlib/"):])) for n in names
             if os.path.isfile(os.path.join(stdlib, n[len("stdlib/"):]))]
 
 
-def code_prompts(count: int, lines: int) -> List[str]:
-    from specdec_ext.cli import heldout_prompts
+def heldout_prompts(files: int, lines: int) -> List[Tuple[str, str]]:
+    """(name, prompt) from the bundled pair's held-out list: the first ``lines`` lines of held-out stdlib
+    files (the pair never trained on them); ``specdec demo``'s prompts and the code workload's."""
+    out = []
+    for name, path in _heldout_paths():
+        try:
+            with open(path, encoding="utf-8") as src:
+                text = "".join(src.readlines()[:lines])
+        except OSError:
+            continue
+        if text.strip():
+            out.append((name, text))
+        if len(out) == files:
+            break
+    if not out:
+        raise SystemExit(f"specdec demo: none of the held-out files in {_heldout_listing()} exist under "
+                         f"{sysconfig.get_paths()['stdlib']}")
+    return out
 
+
+def code_prompts(count: int, lines: int) -> List[str]:
     return [text for _, text in heldout_prompts(count, lines)]
 
 

@@ -17,6 +17,10 @@ HF draft model (chains or trees), n-gram / suffix lookup, or heads on the target
                                            worth timing)
     drafter.close()                        once, when the loop ends (releases hooks on the target)
 
+Declared flags (class attributes of ``Drafter``, read instead of probing the object): ``slots``,
+``is_tree``, ``model`` (the draft model or None), ``device_steps`` (``reserve_step`` / ``sync_host``
+run a step on the device: a draft model on the paged runner in host mode, serving under CUDA graphs).
+
 Continuous batching (the serving engine, specdec_ext/serve/): rows join and leave a running batch.
 
     drafter.start_rows(rows, prompts, meta)
@@ -36,46 +40,11 @@ so a row's proposals do not depend on which rows share the batch.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
-
-from ..metadata import Proposal, SpecDecodeMetadata, Verdict
-
-
-class Drafter:
-    """Base class of the drafter interface (see the module docstring)."""
-
-    slots: int  # draft slots per step: a chain's k, a tree's N nodes
-    is_tree: bool = False  # proposals carry tree parents
-
-    def prefill(self, prompts: Sequence[Sequence[int]], meta: SpecDecodeMetadata) -> None:
-        raise NotImplementedError
-
-    def propose(self, meta: SpecDecodeMetadata, budget: Optional[Sequence[int]] = None) -> Proposal:
-        raise NotImplementedError
-
-    def skip(self, meta: SpecDecodeMetadata) -> None:
-        raise NotImplementedError(f"{type(self).__name__} does not support adaptive k (skip)")
-
-    def commit(self, meta: SpecDecodeMetadata, verdict: Verdict) -> None:
-        raise NotImplementedError
-
-    def start_rows(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], meta: SpecDecodeMetadata) -> None:
-        raise NotImplementedError(f"{type(self).__name__} does not support continuous batching (start_rows)")
-
-    def free_rows(self, rows: Sequence[int]) -> None:
-        raise NotImplementedError(f"{type(self).__name__} does not support continuous batching (free_rows)")
-
-    def checkpoint(self) -> Optional[Callable[[], None]]:
-        """An undo for the cost probes' proposals, or None (nothing worth timing)."""
-        return None
-
-    def close(self) -> None:
-        """Release what the drafter holds on the models (nothing by default)."""
-
-
-from .model_drafter import ModelDrafter  # noqa: E402
-from .ngram import NgramDrafter  # noqa: E402
-from .tree_drafter import TreeModelDrafter  # noqa: E402  (proposes a tree)
-from .heads_drafter import HeadsDrafter  # noqa: E402  (a tree from heads on the target)
+from ..metadata import Proposal
+from .base import Drafter
+from .heads_drafter import HeadsDrafter  # a tree from heads on the target
+from .model_drafter import ModelDrafter
+from .ngram import NgramDrafter
+from .tree_drafter import TreeModelDrafter  # proposes a tree
 
 __all__ = ["Drafter", "ModelDrafter", "NgramDrafter", "TreeModelDrafter", "HeadsDrafter", "Proposal"]

@@ -24,7 +24,7 @@ import torch
 
 from ..heads import MedusaHeads, lm_head_of
 from ..metadata import Proposal, SpecDecodeMetadata, Verdict
-from . import Drafter
+from .base import Drafter
 from .calibration import NodeCalibration
 from .tree_drafter import DraftTree, beam_widths, grow_tree, observe_tree, tree_num_nodes
 

@@ -23,7 +23,7 @@ from .. import ops
 from ..metadata import Proposal, SpecDecodeMetadata, Verdict
 from ..runners import ModelRunner
 from ..sampling import filtered_probs, filtered_probs_per_row, sample_inverse_cdf
-from . import Drafter
+from .base import Drafter
 
 MAX_DRAFT_FEED = 2  # committed tokens a model drafter may not have seen: the bonus/recovered token and,
 # when every draft was accepted, the last draft token (which it proposed but never fed)
@@ -33,6 +33,8 @@ RunnerFactory = Callable[..., ModelRunner]  # (max_batch_size=, max_seq_len=) ->
 
 class ModelDrafter(Drafter):
     """A HF draft model behind a model runner made by ``runner_factory(max_batch_size=, max_seq_len=)``."""
+
+    device_steps = True  # proposes on the device (needs a runner with device steps: the paged one in host mode)
 
     def __init__(self, model, runner_factory: RunnerFactory, *, k: int, vocab_size: int,
                  confidence_threshold: float = 0.0):
@@ -46,6 +48,7 @@ class ModelDrafter(Drafter):
         self.slots = int(k)
         self.vocab_size = int(vocab_size)  # the target's V: proposals and q rows live in it
         self.runner: Optional[ModelRunner] = None
+        self.greedy_chains = False  # the draft runner drafts a greedy chain in one call (greedy_chain)
         self.token_ids: Optional[torch.Tensor] = None  # the proposal buffers, made for the loop's rows
         self._fed_drafts = 0  # draft tokens fed to the draft cache in the last propose (<= k - 1)
         self._skipped = 0  # adaptive k: steps skipped since the last feed (each commits <= 1 token per row)
@@ -55,6 +58,8 @@ class ModelDrafter(Drafter):
     def _ensure_runner(self, batch: int, seq_len: int) -> None:
         if self.runner is None or self.runner.max_batch_size < batch or self.runner.max_seq_len < seq_len:
             self.runner = self.runner_factory(max_batch_size=batch, max_seq_len=seq_len)
+            # the runner's declared capabilities (the plan's draft_capabilities), read once
+            self.greedy_chains = self.runner.capabilities.greedy_chain
 
     def prefill(self, prompts: Sequence[Sequence[int]], meta: SpecDecodeMetadata) -> None:
         self._prepare(meta)
@@ -136,7 +141,7 @@ class ModelDrafter(Drafter):
             num_draft.copy_(torch.tensor([min(k, b) for b in budget], dtype=torch.int32))
         drafting = torch.ones_like(meta.active) if self.confidence_threshold > 0 else None  # [B] bool
         self._fed_drafts, self._skipped_step = 0, False
-        if greedy and drafting is None and steps >= 1 and getattr(self.runner, "chains_greedy", False):
+        if greedy and drafting is None and steps >= 1 and self.greedy_chains:
             # the lean CPU runner feeds the unseen tokens and drafts the whole chain in one op call, bit
             # for bit the loop below
             feed, num_feed = self._unseen(meta)  # [B, W], [B]
@@ -195,8 +200,8 @@ class ModelDrafter(Drafter):
         """Continuous batching under CUDA graphs: the draft runner gets the pages one step can write (the
         unseen tokens and k - 1 drafts per row) and runs the step on the device over rows 0..width-1
         (runners/paged.py ``reserve_step``); ``sync_host`` ends it."""
-        if not hasattr(self.runner, "reserve_step"):
-            raise ValueError(f"device steps need the paged draft runner, not {type(self.runner).__name__}")
+        if not self.runner.capabilities.device_steps:
+            raise ValueError(f"device steps need the paged draft runner in host mode, not {type(self.runner).__name__}")
         self.runner.reserve_step(width, MAX_DRAFT_FEED + self.slots - 1)
 
     def sync_host(self) -> None:

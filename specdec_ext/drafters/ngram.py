@@ -23,7 +23,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from ..metadata import Proposal, SpecDecodeMetadata, Verdict
-from . import Drafter
+from .base import Drafter
 
 # A one-token match is a weak signal, but a proposal costs only verify width (the pass covers the
 # longest proposal + 1): on the bundled pair 1 verified 2-6% more tokens per pass than 2 at equal or

@@ -213,6 +213,7 @@ class TreeModelDrafter(ModelDrafter):
     """Top-b draft tree from a HF draft model. ``slots`` is the number of nodes N' (<= N)."""
 
     is_tree = True
+    device_steps = False  # a tree's forwards vary per step (eager)
 
     def __init__(self, model, runner_factory: RunnerFactory, *, branch: int, depth: int, budget: int,
                  vocab_size: int, calibration: Optional[NodeCalibration] = None):

@@ -1,15 +1,22 @@
 """The lean runner's CPU forward ops: fused_linear, rope_cache_write, cache_attention, decoder_layers,
-greedy_chain, cpu_isa (typed wrappers and fake kernels).
+greedy_chain, cpu_isa (typed wrappers and fake kernels), and the model they read: ``LlamaWeights``.
 
 CPU only. The kernels (csrc/cpu/small_gemm.h, fused_linear.h, rope_cache.h, attention.h) read each
 weight once per call for all the rows of a pass, accumulate in fp32 and give every row the same
 result whatever else is in the pass (batch invariance: a verification pass reproduces a one-token
 pass bit for bit). ``SPECDEC_CPU_ISA=avx512bf16|avx2|neon|portable`` forces an instruction-set path (read
 at every call); ``cpu_isa()`` says which one a call takes now. The contract is csrc/lean_forward.h.
+
+``LlamaWeights`` (with ``LlamaLayerWeights`` and ``Linear``) names a Llama-family model's tensors by
+field; the lean runner builds it once from the HF model and both of its forwards read it (the torch
+one in runners/lean_torch.py, the kernels through ``decoder_layers`` / ``greedy_chain`` / ``llama_head``).
+Its ``flat()`` is the one place that writes the ops' order of the model's tensors (csrc/lean_forward.h);
+the C++ side reads them back by name (``LlamaModelView``).
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -19,9 +26,95 @@ EPILOGUES = ("store", "add", "swiglu")
 # The ops of this module: registered for CPU only (a CUDA build has no kernel for them, by design;
 # tools/cuda_compile_check.sh requires a CUDA kernel for every other op).
 CPU_ONLY_OPS = ("cache_attention", "cpu_isa", "decoder_layers", "fused_linear", "greedy_chain", "rope_cache_write")
-LAYER_WEIGHTS = ("input_norm", "q", "k", "v", "o", "post_attention_norm", "gate", "up", "down")  # per layer, in order
-LAYER_BIASES = ("q", "k", "v", "o", "gate", "up", "down")
-LAYER_NORM_EPS = ("input_norm", "post_attention_norm")
+
+# Bound once: the runner calls these at every pass (an attribute walk through torch.ops costs a little each time).
+_FUSED_LINEAR = torch.ops.specdec_ext.fused_linear.default
+_DECODER_LAYERS = torch.ops.specdec_ext.decoder_layers.default
+_GREEDY_CHAIN = torch.ops.specdec_ext.greedy_chain.default
+
+
+@dataclass(frozen=True, eq=False)
+class Linear:
+    """A projection ``y = x W^T + b``. Shape: weight [N, K], bias [N] or None."""
+
+    weight: torch.Tensor
+    bias: Optional[torch.Tensor] = None
+
+
+@dataclass(frozen=True, eq=False)
+class LlamaLayerWeights:
+    """One Llama-family decoder layer: ``x += o(attention(rope(q(n1(x))), rope(k(n1(x))), v(n1(x))))``,
+    ``x += down(silu(gate(n2(x))) * up(n2(x)))`` with n1, n2 the RMSNorms ``input_norm``, ``post_norm``.
+    Shapes: input_norm, post_norm [d]; q [H*D, d]; k, v [Hk*D, d]; o [d, H*D]; gate, up [I, d]; down [d, I]."""
+
+    input_norm: torch.Tensor
+    input_norm_eps: float
+    q: Linear
+    k: Linear
+    v: Linear
+    o: Linear
+    post_norm: torch.Tensor
+    post_norm_eps: float
+    gate: Linear
+    up: Linear
+    down: Linear
+
+
+@dataclass(frozen=True, eq=False)
+class LlamaWeights:
+    """A Llama-family causal LM as its forward reads it: the embedding, the layers, the final RMSNorm,
+    the LM head, default RoPE (``inv_freq`` [D/2] fp32, times ``rope_scaling``) and the attention heads.
+    Shapes: embed [V_in, d]; norm [d]; head [V_out, d] (bias [V_out] or None); H = heads,
+    Hk = kv_heads, D = head_dim. The tensors are the model's own or copies in the dtype its forward
+    computes in; for the kernels, the norms and biases in fp32 (the ops convert others at every call)."""
+
+    embed: torch.Tensor
+    layers: Tuple[LlamaLayerWeights, ...]
+    norm: torch.Tensor
+    norm_eps: float
+    head: Linear
+    inv_freq: torch.Tensor
+    rope_scaling: float
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+    @property
+    def scale(self) -> float:
+        """The attention's score scale (head_dim ** -0.5, as HF's Llama attention)."""
+        return self.head_dim ** -0.5
+
+    def flat(self) -> Tuple[List[Optional[torch.Tensor]], List[float]]:
+        """``decoder_layers`` / ``greedy_chain``'s ``weights`` and ``scalars`` (csrc/lean_forward.h), built
+        on the first call and shared afterwards (do not change them):
+
+        weights: embed; per layer input_norm, q.weight, q.bias, k.weight, k.bias, v.weight, v.bias,
+        o.weight, o.bias, post_norm, gate.weight, gate.bias, up.weight, up.bias, down.weight, down.bias;
+        then norm, head.weight, head.bias (biases may be None). scalars: per layer input_norm_eps,
+        post_norm_eps; then norm_eps and ``scale``."""
+        built = self.__dict__.get("_flat")
+        if built is None:
+            tensors: List[Optional[torch.Tensor]] = [self.embed]
+            scalars: List[float] = []
+            for w in self.layers:
+                tensors += [w.input_norm, w.q.weight, w.q.bias, w.k.weight, w.k.bias, w.v.weight, w.v.bias,
+                            w.o.weight, w.o.bias, w.post_norm, w.gate.weight, w.gate.bias, w.up.weight, w.up.bias,
+                            w.down.weight, w.down.bias]
+                scalars += [float(w.input_norm_eps), float(w.post_norm_eps)]
+            tensors += [self.norm, self.head.weight, self.head.bias]
+            scalars += [float(self.norm_eps), float(self.scale)]
+            built = (tensors, scalars)
+            object.__setattr__(self, "_flat", built)  # (frozen: the cache is not a field)
+        return built
+
+
+def rope_tables(weights: LlamaWeights, capacity: int) -> List[torch.Tensor]:
+    """The kernels' rotary tables of positions 0 .. capacity - 1, as HF's rotary embedding computes them
+    (fp32, attention scaling folded in): [cos, sin], ``rope`` of ``decoder_layers`` / ``greedy_chain``.
+
+    Shape: [capacity, D/2] each."""
+    freqs = torch.arange(capacity, dtype=torch.float32)[:, None] * weights.inv_freq.cpu()
+    return [(freqs.cos() * weights.rope_scaling).contiguous(), (freqs.sin() * weights.rope_scaling).contiguous()]
 
 
 def fused_linear(
@@ -181,63 +274,40 @@ def cache_attention(
 
 def decoder_layers(
     x: torch.Tensor,
-    weights: Sequence[torch.Tensor],
-    norm_eps: Sequence[float],
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    start: torch.Tensor,
-    positions: torch.Tensor,
-    cache_rows: torch.Tensor,
-    cache_positions: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    scale: float,
-    *,
-    biases: Optional[Sequence[Optional[torch.Tensor]]] = None,
+    weights: LlamaWeights,
+    bf16_activations: bool,
+    rope: Sequence[torch.Tensor],
+    cache: Sequence[torch.Tensor],
+    layout: Sequence[torch.Tensor],
     visible: Optional[torch.Tensor] = None,
-    bf16_activations: bool = False,
 ) -> torch.Tensor:
-    """L Llama-family decoder layers in one call: per layer, what ``fused_linear`` (RMSNorm + q, k, v),
-    ``rope_cache_write``, ``cache_attention``, ``fused_linear`` (o + residual), ``fused_linear``
-    (RMSNorm + gate, up, SwiGLU) and ``fused_linear`` (down + residual) give, bit for bit, without a
-    Python call per op.
+    """The L decoder layers of ``weights`` in one call: per layer, what ``fused_linear`` (RMSNorm + q, k, v),
+    ``rope_cache_write``, ``cache_attention``, ``fused_linear`` (o + residual), ``fused_linear`` (RMSNorm +
+    gate, up, SwiGLU) and ``fused_linear`` (down + residual) give, bit for bit, without a Python call per op.
 
     Parameters
     ----------
     x : torch.Tensor
         The residual stream of the B blocks of T tokens (M = B * T), fp32 contiguous; updated in place.
         Shape: [M, d]
-    weights : sequence of torch.Tensor
-        ``LAYER_WEIGHTS`` per layer: input norm, q, k, v, o, post-attention norm, gate, up, down.
-        Shape: [d], [H*D, d], [Hk*D, d], [Hk*D, d], [d, H*D], [d], [I, d], [I, d], [d, I]
-    norm_eps : sequence of float
-        ``LAYER_NORM_EPS`` per layer: the input and post-attention norms' epsilons.
-    k_cache, v_cache : torch.Tensor
-        Every layer's cache (fp32, bf16 or fp16), written in place.
-        Shape: [L, Bc, Hk, capacity, D]
-    start : torch.Tensor
-        First slot of each block, int64, as ``cache_attention``.
-        Shape: [B]
-    positions, cache_positions : torch.Tensor
-        Rotary position and cache slot of each token, int64.
-        Shape: [M]
-    cache_rows : torch.Tensor
-        Cache row of each token, int64; the T tokens of a block share one (batch row b reads cache row
-        cache_rows[b * T]).
-        Shape: [M]
-    cos, sin : torch.Tensor
-        As ``rope_cache_write``.
+    weights : LlamaWeights
+        The model (its layers are read; projections of one dtype, norms and biases best in fp32).
+    bf16_activations : bool
+        As ``fused_linear``.
+    rope : sequence of torch.Tensor
+        [cos, sin], as ``rope_cache_write`` (``rope_tables``).
         Shape: [P, D/2]
-    scale : float
-        Attention score scale.
-    biases : sequence of (torch.Tensor or None), optional
-        ``LAYER_BIASES`` per layer (q, k, v, o, gate, up, down), or None for a model without biases.
-        Shape: [N_i]
+    cache : sequence of torch.Tensor
+        [k_cache, v_cache]: every layer's cache (fp32, bf16 or fp16), written in place.
+        Shape: [L, Bc, Hk, capacity, D]
+    layout : sequence of torch.Tensor
+        [positions, cache_rows, cache_positions, start], int64: each token's rotary position, cache row
+        and cache slot ([M]; the T tokens of a block share one cache row: batch row b reads cache row
+        cache_rows[b * T]) and each block's first slot ([B], as ``cache_attention``).
+        Shape: [M], [M], [M], [B]
     visible : torch.Tensor, optional
         A tree's visibility, as ``cache_attention`` (None: causal).
         Shape: [B, T, T]
-    bf16_activations : bool
-        As ``fused_linear``.
 
     Returns
     -------
@@ -245,90 +315,67 @@ def decoder_layers(
         ``x``, after the layers.
         Shape: [M, d]
     """
-    torch.ops.specdec_ext.decoder_layers(x, list(weights), [] if biases is None else list(biases),
-                                         [float(e) for e in norm_eps], bool(bf16_activations), cos, sin, positions,
-                                         cache_rows, cache_positions, k_cache, v_cache, start, visible, float(scale))
+    tensors, scalars = weights.flat()
+    _DECODER_LAYERS(x, tensors, scalars, bf16_activations, rope, cache, layout, visible)
     return x
+
+
+def llama_head(x: torch.Tensor, weights: LlamaWeights, bf16_activations: bool) -> torch.Tensor:
+    """The final RMSNorm and the LM head of ``weights`` over the rows ``x`` (``fused_linear``), fp32 logits.
+
+    Shape: x [N, d] fp32 contiguous -> [N, V_out]."""
+    logits = torch.empty((x.shape[0], weights.head.weight.shape[0]))
+    bias = weights.head.bias
+    _FUSED_LINEAR(x, weights.norm, weights.norm_eps, [weights.head.weight], [] if bias is None else [bias], "store",
+                  bf16_activations, [logits])
+    return logits
 
 
 def greedy_chain(
     tokens: torch.Tensor,
     steps: int,
-    embed: torch.Tensor,
-    weights: Sequence[torch.Tensor],
-    norm_eps: Sequence[float],
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    start: torch.Tensor,
-    cache_rows: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    scale: float,
-    norm_weight: torch.Tensor,
-    final_norm_eps: float,
-    head_weight: torch.Tensor,
-    *,
-    head_bias: Optional[torch.Tensor] = None,
+    weights: LlamaWeights,
+    bf16_activations: bool,
+    rope: Sequence[torch.Tensor],
+    cache: Sequence[torch.Tensor],
+    rows: Sequence[torch.Tensor],
     vocab_limit: Optional[int] = None,
-    biases: Optional[Sequence[Optional[torch.Tensor]]] = None,
-    bf16_activations: bool = False,
     check_logits: bool = False,
-    feed: Optional[torch.Tensor] = None,
-    feed_counts: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """A greedy draft chain in one call: for i = 1 .. steps - 1, the one-token pass of tokens[:, i - 1]
-    (embedding, ``decoder_layers``, final RMSNorm + head by ``fused_linear``) at slot start[b] + i - 1,
-    and tokens[:, i] = its logits' argmax, bit for bit what those calls and ``torch.argmax`` give one
-    step at a time. The fed tokens' keys and values are in the caches afterwards.
+    (embedding, ``decoder_layers``, ``llama_head``) at slot start[b] + i - 1, and tokens[:, i] = its
+    logits' argmax, bit for bit what those calls and ``torch.argmax`` give one step at a time. The fed
+    tokens' keys and values are in the caches afterwards.
 
-    With ``feed``, a first pass feeds each row's block of committed tokens (the draft's unseen ones) and
-    gives tokens[:, 0] (the argmax at the row's last real column); the chain then starts at slot
-    start[b] + feed_counts[b]: bit for bit a ``decoder_layers`` pass over the block, the head and
+    With a feed (``rows`` of four), a first pass feeds each row's block of committed tokens (the draft's
+    unseen ones) and gives tokens[:, 0] (the argmax at the row's last real column); the chain then starts
+    at slot start[b] + feed_counts[b]: bit for bit a ``decoder_layers`` pass over the block, the head and
     ``torch.argmax``, then the chain.
 
     Parameters
     ----------
     tokens : torch.Tensor
-        int64, contiguous; column 0 given (each row's first draft token; with ``feed``: written), columns
+        int64, contiguous; column 0 given (each row's first draft token; with a feed: written), columns
         1 .. steps - 1 written.
         Shape: [B, n]
     steps : int
         Tokens per row in the chain, 1 <= steps <= n (steps - 1 passes).
-    embed : torch.Tensor
-        The input embedding (fp32, bf16 or fp16).
-        Shape: [V_in, d]
-    weights, norm_eps, biases, bf16_activations, cos, sin, scale, k_cache, v_cache
-        As ``decoder_layers``.
+    weights, bf16_activations, rope, cache
+        As ``decoder_layers`` (the embedding, the layers, the final norm and the head are read).
         Shape: as ``decoder_layers``
-    start : torch.Tensor
-        int64: each row's first free slot (its committed length); start[b] + W <= capacity and
-        start[b] + feed_counts[b] + steps - 1 <= capacity (W, feed_counts = 0 without a feed).
-        Shape: [B]
-    cache_rows : torch.Tensor
-        int64: each row's cache row.
-        Shape: [B]
-    norm_weight : torch.Tensor
-        The final RMSNorm's weight.
-        Shape: [d]
-    final_norm_eps : float
-        Its epsilon.
-    head_weight : torch.Tensor
-        The LM head.
-        Shape: [V_out, d]
-    head_bias : torch.Tensor, optional
-        Shape: [V_out]
+    rows : sequence of torch.Tensor
+        [cache_rows, start] or [cache_rows, start, feed, feed_counts], int64: each row's cache row and
+        first free slot (its committed length; start[b] + W <= capacity and start[b] + feed_counts[b] +
+        steps - 1 <= capacity, W and feed_counts 0 without a feed); feed: tokens fed in one pass before
+        the chain, at slots start[b] .. start[b] + W - 1 (a row's columns from feed_counts[b] on are
+        padding: written past its tokens, then overwritten), contiguous; feed_counts in [1, W]: each
+        row's real columns.
+        Shape: [B], [B], [B, W], [B]
     vocab_limit : int, optional
         The argmax reads logits [:vocab_limit] (default V_out): the target's vocabulary when it is smaller.
     check_logits : bool
         A target's greedy decoding: logits with a NaN or +inf, or all -inf, raise ``ValueError`` naming
         the row (``chain_verify``'s check) instead of giving an argmax (a NaN's index, as torch.argmax).
-    feed : torch.Tensor, optional
-        int64, contiguous: tokens fed in one pass before the chain, at slots start[b] .. start[b] + W - 1
-        (a row's columns from feed_counts[b] on are padding: written past its tokens, then overwritten).
-        Shape: [B, W]
-    feed_counts : torch.Tensor, optional
-        int64 in [1, W], with ``feed``: each row's real columns.
-        Shape: [B]
 
     Returns
     -------
@@ -336,11 +383,9 @@ def greedy_chain(
         ``tokens``.
         Shape: [B, n]
     """
-    limit = head_weight.shape[0] if vocab_limit is None else int(vocab_limit)
-    torch.ops.specdec_ext.greedy_chain(tokens, int(steps), embed, list(weights), [] if biases is None else list(biases),
-                                       [float(e) for e in norm_eps], bool(bf16_activations), cos, sin, cache_rows,
-                                       k_cache, v_cache, start, float(scale), norm_weight, float(final_norm_eps),
-                                       head_weight, head_bias, limit, bool(check_logits), feed, feed_counts)
+    tensors, scalars = weights.flat()
+    limit = weights.head.weight.shape[0] if vocab_limit is None else vocab_limit
+    _GREEDY_CHAIN(tokens, steps, tensors, scalars, bf16_activations, rope, cache, rows, limit, check_logits)
     return tokens
 
 
@@ -367,13 +412,11 @@ def _cache_attention_fake(q, k_cache, v_cache, start, visible, scale, out):
 
 
 @torch.library.register_fake("specdec_ext::decoder_layers")
-def _decoder_layers_fake(x, weights, biases, norm_eps, bf16_activations, cos, sin, positions, cache_rows,
-                         cache_positions, k_cache, v_cache, start, visible, scale):
+def _decoder_layers_fake(x, weights, scalars, bf16_activations, rope, cache, layout, visible=None):
     return None
 
 
 @torch.library.register_fake("specdec_ext::greedy_chain")
-def _greedy_chain_fake(tokens, steps, embed, weights, biases, norm_eps, bf16_activations, cos, sin, cache_rows,
-                       k_cache, v_cache, start, scale, norm_weight, final_norm_eps, head_weight, head_bias,
-                       vocab_limit, check_logits=False, feed=None, feed_counts=None):
+def _greedy_chain_fake(tokens, steps, weights, scalars, bf16_activations, rope, cache, rows, vocab_limit,
+                       check_logits=False):
     return None

@@ -16,8 +16,8 @@ import torch
 from typing_extensions import Unpack
 
 from .. import _C  # noqa: F401  (loads the library: registers torch.ops.specdec_ext)
-from .._status import raise_for_row_status
-from ._common import RowParam, SamplingKeywords, row_tensor, sampling_op_args, with_sampling_parameters_doc
+from .sampling import (RowParam, SamplingKeywords, check_operand_devices, raise_if_a_row_failed, row_tensor,
+                       sampling_op_args, with_sampling_parameters_doc)
 
 
 def build_tree_mask(
@@ -71,9 +71,9 @@ def build_tree_mask(
     torch.ops.specdec_ext.build_tree_mask(parents, counts, mask, depth)
     if check_status:
         if nodes > 0:
-            raise_for_row_status("build_tree_mask", depth[:, 0])
+            raise_if_a_row_failed("build_tree_mask", depth[:, 0])
         elif counts is not None and bool((counts != 0).any()):
-            raise_for_row_status("build_tree_mask", torch.where(counts != 0, -10, 0))
+            raise_if_a_row_failed("build_tree_mask", torch.where(counts != 0, -10, 0))
     return mask, depth
 
 
@@ -172,17 +172,17 @@ def tree_verify(
         num_accepted,
     )
     if check_status:
-        raise_for_row_status("tree_verify", num_accepted)
+        raise_if_a_row_failed("tree_verify", num_accepted)
     return path, tokens, num_accepted
 
 
-# Fake kernels: both ops mutate their outputs in place and return nothing.
+# Fake kernels: both ops mutate their outputs in place and return nothing; the fakes repeat the
+# device check (sampling.check_operand_devices).
 @torch.library.register_fake("specdec_ext::build_tree_mask")
-def _build_tree_mask_fake(parents, num_nodes, mask, depth):
-    return None
+def _build_tree_mask_fake(parents, *operands):
+    check_operand_devices("build_tree_mask", (parents, *operands))
 
 
 @torch.library.register_fake("specdec_ext::tree_verify")
-def _tree_verify_fake(target_logits, tree_token_ids, parents, draft_probs, num_nodes, temperature,
-                      top_k, top_p, seed, offset, uniforms, path, tokens, num_accepted):
-    return None
+def _tree_verify_fake(target_logits, *operands):
+    check_operand_devices("tree_verify", (target_logits, *operands))

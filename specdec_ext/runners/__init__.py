@@ -23,6 +23,18 @@ Continuous batching (the serving engine, specdec_ext/serve/; runners/rows.py):
 After them the batch B spans rows 0 .. the highest row in use; a free row inside it is empty (length 0)
 and the caller freezes it. The paged runner does this in host mode only (not static shapes).
 
+Optional capabilities (``runner.capabilities``, a ``RunnerCapabilities``; ``capabilities_of(kind, model)``
+says before building what a runner will have, and the plan resolves it into its fields):
+
+    capability      methods                                 who has it      plan field that uses it
+    greedy_chain    greedy_chain(tokens, steps, vocab_limit, lean on the CPU   target_capabilities: plain
+                    check_logits, feed, feed_counts):       kernels, head   greedy decoding as chains
+                    n greedy one-token passes in one call   not hooked      (decode.py); draft_capabilities:
+                                                                            a greedy draft in one call
+                                                                            (drafters/model_drafter.py)
+    device_steps    reserve_step(width, tokens),            paged, host     cuda_graphs of a server plan
+                    sync_host(): one step on the device     mode            (serve/batcher.py, step.py)
+
 Implementations (``make_runner(kind, ...)``):
 
     "lean"       runners/lean.py: the CPU kernels (a pure-torch forward off the CPU) over the HF weights
@@ -39,12 +51,13 @@ from typing import Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
+from .capabilities import RunnerCapabilities
 from .checks import output_vocab_size, text_config
-from .lean import LeanLlamaRunner, unsupported_reason
+from .lean import LeanLlamaRunner, lean_capabilities, unsupported_reason
 from .paged import PagedModelRunner, PoolFullError
 from .recompute import RecomputeRunner
 
-__all__ = ["ModelRunner", "make_runner", "RUNNER_KINDS", "LeanLlamaRunner", "PagedModelRunner", "RecomputeRunner",
+__all__ = ["ModelRunner", "make_runner", "capabilities_of", "RunnerCapabilities", "RUNNER_KINDS", "LeanLlamaRunner", "PagedModelRunner", "RecomputeRunner",
            "PoolFullError", "unsupported_reason", "output_vocab_size", "text_config"]
 
 RUNNER_KINDS = ("lean", "paged", "recompute")
@@ -59,6 +72,9 @@ class ModelRunner(Protocol):
     vocab_size: int
     max_batch_size: int
     max_seq_len: int
+
+    @property
+    def capabilities(self) -> RunnerCapabilities: ...
 
     @property
     def batch_size(self) -> int: ...
@@ -93,4 +109,19 @@ def make_runner(kind: str, model, *, max_batch_size: int, max_seq_len: int,
         return PagedModelRunner(model, static_shapes=static_shapes, **sizes)
     if kind == "recompute":
         return RecomputeRunner(model, **sizes)
+    raise ValueError(f"runner kind must be one of {RUNNER_KINDS}, got {kind!r}")
+
+
+def capabilities_of(kind: str, model, *, compute_dtype: Optional[torch.dtype] = None, static_shapes: bool = False,
+                    head_hooked: bool = False) -> RunnerCapabilities:
+    """The capabilities a runner of ``kind`` over ``model`` will have, before it is built (the plan's
+    question). ``head_hooked``: something will hook the model's LM head (heads on the target), which
+    keeps the CPU kernels' greedy chains off."""
+    if kind == "lean":
+        capabilities = lean_capabilities(model, compute_dtype)
+        return RunnerCapabilities(greedy_chain=capabilities.greedy_chain and not head_hooked)
+    if kind == "paged":
+        return RunnerCapabilities(device_steps=not static_shapes)
+    if kind == "recompute":
+        return RunnerCapabilities()
     raise ValueError(f"runner kind must be one of {RUNNER_KINDS}, got {kind!r}")

@@ -3,52 +3,53 @@ kernels on a CPU, pure torch elsewhere.
 
 Why: a 2-layer d=128 draft costs ~1.3 ms per one-token HF forward on one CPU thread, nearly all of it
 module/Python overhead (hooks, the attention-interface dispatch, masks, our paged-cache gather), not
-arithmetic. This runner runs the same math directly over the HF model's own weight tensors (no
-copies; optionally ``compute_dtype=torch.float32`` over fp32 copies made once per weight version,
-which the plan chooses for a bf16/fp16 draft on the CPU): RMSNorm, default RoPE, GQA
-attention with ``scaled_dot_product_attention``, a SiLU-gated MLP, the LM head; linear biases are
-used when the modules have them (Qwen2's q/k/v, Llama's ``attention_bias`` / ``mlp_bias``). When
-hooks are registered on the model's LM head (the heads drafter reads its input through one) the LM
-head module itself is called, so they see what they would see under the HF forward.
+arithmetic. This runner runs the same math directly over the HF model's own weight tensors, read once
+into a ``LlamaWeights`` (ops/lean_forward.py: the embedding, each layer's norms and projections by
+name, the final norm, the head, the rotary frequencies) that both forwards read:
+
+* on a CPU, the CPU kernels (``_kernel_forward`` below; runners/lean_cpu.py says why a runner does not
+  use them and holds the numerics): one ``decoder_layers`` op call for the whole stack (six fused kernels
+  per layer that read each weight once per pass near the memory bandwidth, an fp32 residual stream, the
+  cache in the model's half precision, bit-for-bit batch invariance), then ``llama_head``; a greedy
+  draft of k tokens is one ``greedy_chain`` call. The weights are the model's own tensors (the kernels
+  widen bf16/fp16 weights themselves), the norms and biases fp32 copies.
+* elsewhere, or with ``SPECDEC_CPU_KERNELS=0``, the pure-torch forward of runners/lean_torch.py, over
+  the model's own tensors (``compute_dtype=torch.float32``: over fp32 copies made once per weight
+  version, which the plan chooses for a bf16/fp16 draft on the CPU).
 
 Cache: contiguous, preallocated per row, ``[layers, B, kv_heads, capacity, head_dim]`` (K and V),
 in the compute dtype (the CPU kernels read a half-precision cache and accumulate in fp32), except for
-a bf16/fp16 model on the torch path on a CPU: there the cache and the attention are fp32 (the cached
-k and v are the model-dtype values, exact in fp32; torch's CPU bf16 SDPA is slow for a single query). Row b's
-committed tokens are positions 0 .. lengths[b]-1; a ``forward`` writes its T tokens TENTATIVELY at
-lengths[b] + t (padding columns too, harmlessly past the row's tokens); ``commit`` / ``truncate`` only
-move ``lengths`` (rollback is metadata only). The host holds the
+a bf16/fp16 model on the torch path on a CPU: there the cache and the attention are fp32
+(lean_torch.py). Row b's committed tokens are positions 0 .. lengths[b]-1; a ``forward`` writes its T
+tokens TENTATIVELY at lengths[b] + t (padding columns too, harmlessly past the row's tokens);
+``commit`` / ``truncate`` only move ``lengths`` (rollback is metadata only). The host holds the
 lengths (source of truth); ``lengths`` returns them as a device tensor.
-
-Positions and the attention mask of a ragged or tree forward come from ``layout.step_layout``, as in
-the paged runner; when every row starts at the same position one shared [T, S] mask (or none) is used.
-
-On the CPU the forward runs on the CPU kernels instead (runners/lean_cpu.py: six fused ops per layer
-that read each weight once per pass near the memory bandwidth, an fp32 residual stream, the cache in
-the model's half precision, bit-for-bit batch invariance); ``SPECDEC_CPU_KERNELS=0`` keeps the torch
-forward below, and ``kernels_reason`` says why a runner does not use them.
 
 Supported: ``llama`` / ``mistral`` / ``qwen2`` model types with default RoPE, SiLU MLP, full attention
 (a sliding window is accepted only when it covers max_seq_len). ``unsupported_reason(model)`` says why
-not otherwise (the plan then picks the paged runner).
+not otherwise (the plan then picks the paged runner); ``lean_capabilities(model)`` what a runner over
+it can do beyond the ``ModelRunner`` contract.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ..ops.lean_forward import (Linear, LlamaLayerWeights, LlamaWeights, decoder_layers, greedy_chain, llama_head,
+                                rope_tables)
+from .capabilities import RunnerCapabilities
 from .checks import (check_forward_inputs, check_row_counts, check_start_prompts, output_vocab_size,
                      tensor_parallel_size,
                      text_config)
-from .layout import additive_mask, step_layout
-from .lean_cpu import CpuKernelForward, kernels_reason
+from .lean_cpu import call_head_hooks, kernels_reason
+from .lean_torch import TorchForward
 from .rows import RowsInUse
 from .trees import token_tree_inputs, tree_commit_plan
 
-__all__ = ["LeanLlamaRunner", "unsupported_reason", "SUPPORTED_MODEL_TYPES"]
+__all__ = ["LeanLlamaRunner", "unsupported_reason", "lean_capabilities", "SUPPORTED_MODEL_TYPES"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 CAPACITY_SLACK = 16  # cache positions past max_seq_len for padding columns of a forward
@@ -119,13 +120,56 @@ def _head_dim(cfg) -> int:
     return int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
 
 
+def _kernels_reason(model, compute_dtype: Optional[torch.dtype]) -> Optional[str]:
+    """kernels_reason for a runner over ``model`` computing in ``compute_dtype`` (None: its weights' dtype)."""
+    weight = model.model.embed_tokens.weight
+    return kernels_reason(weight.device, weight.dtype, compute_dtype or weight.dtype,
+                          _head_dim(text_config(model.config)))
+
+
 def forward_description(model) -> str:
     """What the lean runner's forward of a supported ``model`` runs on, for the decode plan: "the CPU
     kernels" or "a pure-torch forward (why not the kernels)"."""
-    weight = model.model.embed_tokens.weight
     # A runner computes in its weights' dtype or in fp32, both of which the kernels take.
-    reason = kernels_reason(weight.device, weight.dtype, weight.dtype, _head_dim(text_config(model.config)))
+    reason = _kernels_reason(model, None)
     return "the CPU kernels (csrc/cpu)" if reason is None else f"a pure-torch forward (not the CPU kernels: {reason})"
+
+
+def _head_hooked(model) -> bool:
+    head = model.lm_head
+    return bool(head._forward_pre_hooks or head._forward_hooks)
+
+
+def lean_capabilities(model, compute_dtype: Optional[torch.dtype] = None) -> RunnerCapabilities:
+    """What a ``LeanLlamaRunner(model, compute_dtype=compute_dtype)`` could do beyond the ``ModelRunner``
+    contract, before it is built (its ``capabilities`` then): greedy chains in one call where its forward
+    runs on the CPU kernels and nothing is hooked on the model's LM head now."""
+    chains = _kernels_reason(model, compute_dtype) is None and not _head_hooked(model)
+    return RunnerCapabilities(greedy_chain=chains)
+
+
+def _llama_weights(model, cfg, cast: Callable, small: Callable) -> LlamaWeights:
+    """``model``'s tensors by name: the projections, embedding and head through ``cast``, the norms and
+    biases through ``small``."""
+    base = model.model
+    lin = lambda m: Linear(cast(m.weight), small(m.bias))  # noqa: E731
+    layers = []
+    for layer in base.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        layers.append(LlamaLayerWeights(
+            input_norm=small(layer.input_layernorm.weight), input_norm_eps=_eps(layer.input_layernorm, cfg),
+            q=lin(attn.q_proj), k=lin(attn.k_proj), v=lin(attn.v_proj), o=lin(attn.o_proj),
+            post_norm=small(layer.post_attention_layernorm.weight),
+            post_norm_eps=_eps(layer.post_attention_layernorm, cfg),
+            gate=lin(mlp.gate_proj), up=lin(mlp.up_proj), down=lin(mlp.down_proj)))
+    embed = cast(base.embed_tokens.weight)
+    rotary = base.rotary_emb
+    heads = int(cfg.num_attention_heads)
+    return LlamaWeights(
+        embed=embed, layers=tuple(layers), norm=small(base.norm.weight), norm_eps=_eps(base.norm, cfg),
+        head=lin(model.lm_head), inv_freq=rotary.inv_freq.detach().to(device=embed.device, dtype=torch.float32),
+        rope_scaling=float(getattr(rotary, "attention_scaling", 1.0) or 1.0), heads=heads,
+        kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads), head_dim=_head_dim(cfg))
 
 
 class LeanLlamaRunner:
@@ -141,85 +185,54 @@ class LeanLlamaRunner:
             raise NotImplementedError(f"LeanLlamaRunner: {reason}")
         self.model = model
         self.max_batch_size, self.max_seq_len = int(max_batch_size), int(max_seq_len)
-        cfg = text_config(model.config)
-        base = model.model
-        weight_dtype = base.embed_tokens.weight.dtype
+        weight_dtype = model.model.embed_tokens.weight.dtype
         # compute_dtype None: the model's own weight tensors (no copies). Otherwise, on the torch path,
         # the weights are cast once (a copy: torch's half-precision GEMVs are slow on a CPU); the CPU
-        # kernels read them as they are.
+        # kernels read them as they are, and their norms and biases in fp32 (converted once here, not per call).
         self.dtype = compute_dtype or weight_dtype
-        self.num_heads = int(cfg.num_attention_heads)
-        self.kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.num_heads)
-        self.head_dim = _head_dim(cfg)
-        self.gqa = self.kv_heads != self.num_heads
-        self.scale = self.head_dim ** -0.5
-        # On the CPU the forward runs on the kernels of lean_cpu.py (why not otherwise: kernels_reason),
-        # which read bf16/fp16 weights as they are even when computing in fp32: no fp32 copy then.
-        self.kernels_reason = kernels_reason(base.embed_tokens.weight.device, weight_dtype, self.dtype,
-                                             self.head_dim)
+        self.kernels_reason = _kernels_reason(model, self.dtype)
         on_kernels = self.kernels_reason is None
-        same = self.dtype == weight_dtype or on_kernels
-        cast = (lambda w: w) if same else (lambda w: _cast(w, self.dtype))
-        self.embed = cast(base.embed_tokens.weight)
-        self.device = self.embed.device
-        # The KV cache and the attention in fp32 for a half-precision model on the CPU: the cached
-        # keys and values are the model-dtype k and v (exact in fp32), and attention accumulates in
-        # fp32 as half-precision SDPA kernels do inside, but torch's CPU SDPA has a slow bf16 path
-        # for a single query (360 us against 44 us in fp32 at 500 positions, 8 heads of 64, one
-        # thread: a third of a decode step of the bundled target on the edit workload). The kernels'
-        # attention reads a half-precision cache itself (half the bytes of fp32) and accumulates in fp32.
-        half_on_cpu = self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16)
-        self.attn_dtype = torch.float32 if half_on_cpu and not on_kernels else self.dtype
+        if on_kernels:
+            cast, small = (lambda w: w), _f32
+        elif self.dtype == weight_dtype:
+            cast = small = (lambda w: w)
+        else:
+            cast = small = (lambda w: _cast(w, self.dtype))
+        self.weights = _llama_weights(model, text_config(model.config), cast, small)
+        self.device = self.weights.embed.device
         self.vocab_size: int = output_vocab_size(model)
-        lin = lambda m: (cast(m.weight), cast(m.bias))
-        self.layers = []
-        for layer in base.layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            self.layers.append((
-                cast(layer.input_layernorm.weight), _eps(layer.input_layernorm, cfg),
-                lin(attn.q_proj), lin(attn.k_proj), lin(attn.v_proj), lin(attn.o_proj),
-                cast(layer.post_attention_layernorm.weight), _eps(layer.post_attention_layernorm, cfg),
-                lin(mlp.gate_proj), lin(mlp.up_proj), lin(mlp.down_proj)))
-        self.norm_weight, self.norm_eps = cast(base.norm.weight), _eps(base.norm, cfg)
-        self.head_weight, self.head_bias = cast(model.lm_head.weight), cast(model.lm_head.bias)
-        rotary = base.rotary_emb
-        self._inv_freq = rotary.inv_freq.detach().to(device=self.device, dtype=torch.float32)
-        self._rope_scaling = float(getattr(rotary, "attention_scaling", 1.0) or 1.0)
+        # bf16 activations for a bf16 model computed in bf16 (VDPBF16PS where the CPU has it)
+        self.bf16_activations = on_kernels and self.dtype == weight_dtype == torch.bfloat16
+        self._torch = None if on_kernels else TorchForward(self.weights, self.dtype, model.lm_head,
+                                                           self.max_batch_size)
+        self._cache_dtype = self.dtype if on_kernels else self._torch.attn_dtype
         self._batch = 0
         self._len: List[int] = []         # committed tokens per row (host: the source of truth)
         self._tentative: List[int] = []   # tokens written by the last forward, per row
         self._tree = False                # whether the last forward was a tree
         self._in_use = RowsInUse(self.max_batch_size)  # continuous batching: start_rows / free_rows
-        self._rows = torch.arange(self.max_batch_size, device=self.device)
-        self._kernels: Optional[CpuKernelForward] = None
+        self._rows = torch.arange(self.max_batch_size, dtype=torch.int64)  # the kernels' cache rows 0 .. B-1
+        self.k_cache: Optional[torch.Tensor] = None
         self._alloc(self.max_seq_len + CAPACITY_SLACK)
-        if on_kernels:
-            self._kernels = CpuKernelForward(self)
 
     # ------------------------------------------------------------------ storage
     def _alloc(self, capacity: int) -> None:
-        shape = (len(self.layers), self.max_batch_size, self.kv_heads, capacity, self.head_dim)
-        old = getattr(self, "k_cache", None)
-        k = torch.zeros(shape, dtype=self.attn_dtype, device=self.device)
-        v = torch.zeros(shape, dtype=self.attn_dtype, device=self.device)
-        if old is not None:
-            n = old.shape[3]
+        w = self.weights
+        shape = (len(w.layers), self.max_batch_size, w.kv_heads, capacity, w.head_dim)
+        k = torch.zeros(shape, dtype=self._cache_dtype, device=self.device)
+        v = torch.zeros(shape, dtype=self._cache_dtype, device=self.device)
+        if self.k_cache is not None:
+            n = self.k_cache.shape[3]
             k[:, :, :, :n] = self.k_cache
             v[:, :, :, :n] = self.v_cache
         self.k_cache, self.v_cache = k, v
+        self._cache = [k, v]  # the ops' cache list
         self.capacity = capacity
-        # RoPE tables exactly as HF's rotary embedding computes them (fp32, then the model dtype);
-        # rotate_half's sign is folded into sin so that q_rot = q * cos + roll(q, D/2) * sin.
-        freqs = torch.arange(capacity, device=self.device, dtype=torch.float32)[:, None] * self._inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        half = self.head_dim // 2
-        self._cos = (emb.cos() * self._rope_scaling).to(self.dtype)  # [capacity, D]
-        sin = (emb.sin() * self._rope_scaling).to(self.dtype)
-        sin[:, :half] = -sin[:, :half]
-        self._sin = sin
         self._arange = torch.arange(capacity, device=self.device)
-        if self._kernels is not None:
-            self._kernels.tables(capacity)
+        if self._torch is None:
+            self._rope = rope_tables(w, capacity)  # the kernels' [cos, sin]
+        else:
+            self._torch.resize(capacity)
 
     # ------------------------------------------------------------------ state
     @property
@@ -232,13 +245,6 @@ class LeanLlamaRunner:
         return torch.tensor(self._len, dtype=torch.int64, device=self.device)
 
     # ------------------------------------------------------------------ the model
-    def _rms(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, weight.shape, weight, eps)
-        h = x.float()  # HF: normalise in fp32, cast back, then scale in the model dtype
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-        return weight * h.to(x.dtype)
-
     def _model(self, ids: torch.Tensor, start: List[int], keep: Optional[torch.Tensor],
                tree: Optional[tuple] = None, counts: Optional[Sequence[int]] = None,
                cache_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -248,67 +254,43 @@ class LeanLlamaRunner:
         [B, T, T] bool, depth [B, T] int64; see trees.token_tree_inputs): at position start[b] + depth[b, t],
         seeing the prefix and its ancestors. keep: None (logits of every token, [B, T, V]) or column
         indices [B] ([B, V]). fp32 logits."""
-        B, T = ids.shape
-        H, Hk, D = self.num_heads, self.kv_heads, self.head_dim
-        S = max(start) + T
+        S = max(start) + ids.shape[1]
         if S > self.capacity:
             self._alloc(S + CAPACITY_SLACK)
-        if self._kernels is not None:
-            return self._kernels(ids, start, keep, tree, counts, cache_rows)
-        uniform = tree is None and all(s == start[0] for s in start)
-        # a slice keeps the cache a view; an index (rows joining a running batch) gathers a copy
-        rows_of_cache = slice(0, B) if cache_rows is None else cache_rows
-        if uniform:  # every row at the same position: one shared [T, S] mask (or none)
-            s0 = start[0]
-            cos, sin = self._cos[s0:S], self._sin[s0:S]  # [T, D]
-            if T == 1:
-                mask, causal = None, False
-            elif s0 == 0:
-                mask, causal = None, True  # square causal (top-left == bottom-right alignment)
-            else:
-                visible = self._arange[None, :S] <= self._arange[s0:S, None]  # [T, S]
-                mask = additive_mask(visible[None], self.attn_dtype)[0, 0]
-                causal = False
+        if self._torch is not None:
+            return self._torch(ids, start, keep, tree, counts, cache_rows, self._cache)
+        return self._kernel_forward(ids, start, keep, tree, cache_rows)
+
+    def _kernel_forward(self, ids: torch.Tensor, start: Sequence[int], keep: Optional[torch.Tensor],
+                        tree: Optional[tuple], cache_rows: Optional[torch.Tensor]) -> torch.Tensor:
+        """``_model`` on the CPU kernels (padding columns need no count: they are written past the rows'
+        tokens). The head's hooks, when it has some, are called around the kernel's logits
+        (lean_cpu.call_head_hooks), never torch's head, whose half-precision GEMM differs with the rows."""
+        B, T = ids.shape
+        M = B * T
+        begin = torch.tensor(start, dtype=torch.int64)
+        one = T == 1  # a one-token pass (a draft or plain step): each row's slot is its start
+        slots = begin if one else (begin[:, None] + torch.arange(T, dtype=torch.int64)).reshape(M)
+        if tree is None:
+            positions, visible = slots, None
         else:
-            lengths = torch.tensor(start, dtype=torch.int64, device=self.device)
-            num_tokens = torch.tensor(counts if counts is not None else [T] * B, dtype=torch.int64, device=self.device)
-            layout = step_layout(lengths, num_tokens, T, S, self._arange, tree=tree)
-            store, pos = layout.storage, layout.positions  # [B, T]
-            cos, sin = self._cos[pos].unsqueeze(1), self._sin[pos].unsqueeze(1)  # [B, 1, T, D]
-            mask, causal = additive_mask(layout.visible, self.attn_dtype), False
-            rows = (self._rows[:B] if cache_rows is None else cache_rows)[:, None]  # [B, 1]
-        half = D // 2
-        x = F.embedding(ids, self.embed)  # [B, T, d]
-        for l, (w_in, eps_in, (wq, bq), (wk, bk), (wv, bv), (wo, bo), w_post, eps_post,
-                (wg, bg), (wu, bu), (wd, bd)) in enumerate(self.layers):
-            h = self._rms(x, w_in, eps_in)
-            q = F.linear(h, wq, bq).view(B, T, H, D).transpose(1, 2)  # [B, H, T, D]
-            k = F.linear(h, wk, bk).view(B, T, Hk, D)
-            v = F.linear(h, wv, bv).view(B, T, Hk, D)
-            q = q * cos + q.roll(half, -1) * sin
-            k = k.transpose(1, 2)  # [B, Hk, T, D]
-            k = k * cos + k.roll(half, -1) * sin
-            kc, vc = self.k_cache[l], self.v_cache[l]  # [Bmax, Hk, cap, D]
-            if uniform:
-                kc[rows_of_cache, :, s0:S] = k.to(kc.dtype)
-                vc[rows_of_cache, :, s0:S] = v.transpose(1, 2).to(vc.dtype)
-            else:
-                kc[rows, :, store] = k.transpose(1, 2).to(kc.dtype)
-                vc[rows, :, store] = v.to(vc.dtype)
-            a = F.scaled_dot_product_attention(q.to(kc.dtype), kc[rows_of_cache, :, :S], vc[rows_of_cache, :, :S],
-                                               attn_mask=mask,
-                                               is_causal=causal, scale=self.scale,
-                                               enable_gqa=self.gqa).to(self.dtype)  # [B, H, T, D]
-            x = x + F.linear(a.transpose(1, 2).reshape(B, T, H * D), wo, bo)
-            h = self._rms(x, w_post, eps_post)
-            x = x + F.linear(F.silu(F.linear(h, wg, bg)) * F.linear(h, wu, bu), wd, bd)
+            ancestors, depth = tree
+            positions = (begin[:, None] + depth.to(torch.int64)).reshape(M)
+            visible = ancestors.contiguous()
+        rows = self._rows[:B] if cache_rows is None else cache_rows.to("cpu", torch.int64)
+        w = self.weights
+        x = F.embedding(ids.reshape(M), w.embed).float()  # [M, d], the residual stream
+        decoder_layers(x, w, self.bf16_activations, self._rope, self._cache,
+                       [positions, rows if one else rows.repeat_interleave(T), slots, begin], visible)
         if keep is not None:
-            x = x[self._rows[:B], keep]  # [B, d]
-        x = self._rms(x, self.norm_weight, self.norm_eps)
+            x = x.view(B, T, -1)[self._rows[:B], keep]  # [B, d]
+        logits = llama_head(x, w, self.bf16_activations)  # [M or B, V]
+        shaped = (lambda t: t) if keep is not None else (lambda t: t.view(B, T, -1))
         head = self.model.lm_head
-        if head._forward_pre_hooks or head._forward_hooks:  # e.g. heads on the target read its input
-            return head(x.to(head.weight.dtype)).float()
-        return F.linear(x, self.head_weight, self.head_bias).float()
+        if head._forward_pre_hooks or head._forward_hooks:  # heads on the target read its input
+            h = F.rms_norm(x, w.norm.shape, w.norm, w.norm_eps).to(head.weight.dtype)
+            call_head_hooks(head, shaped(h), shaped(logits))
+        return shaped(logits)
 
     # ------------------------------------------------------------------ API
     def start(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -388,7 +370,13 @@ class LeanLlamaRunner:
     @property
     def chains_greedy(self) -> bool:
         """Whether ``greedy_chain`` runs here (the CPU kernels, and nothing hooked on the head)."""
-        return self._kernels is not None and not self._kernels.head_hooked()
+        head = self.model.lm_head
+        return self._torch is None and not (head._forward_pre_hooks or head._forward_hooks)
+
+    @property
+    def capabilities(self) -> RunnerCapabilities:
+        """What this runner does beyond the ``ModelRunner`` contract (``lean_capabilities`` before it exists)."""
+        return RunnerCapabilities(greedy_chain=self.chains_greedy)
 
     def greedy_chain(self, tokens: torch.Tensor, steps: int, vocab_limit: Optional[int] = None,
                      check_logits: bool = False, feed: Optional[torch.Tensor] = None,
@@ -409,16 +397,18 @@ class LeanLlamaRunner:
         if tokens.dim() != 2 or tokens.shape[0] != self._batch:
             raise ValueError(f"greedy_chain: tokens must be [B, n] with B = {self._batch}, got {list(tokens.shape)}")
         fed = [max(steps - 1, 0)] * self._batch
+        rows = [self._rows[:self._batch], torch.tensor(self._len, dtype=torch.int64)]
         if feed is not None:
             counts = self._feed_counts(feed, feed_counts)
             fed = [f + c for f, c in zip(fed, counts)]
-            feed_counts = torch.tensor(counts, dtype=torch.int64)
+            rows += [feed.to("cpu", torch.int64).contiguous(), torch.tensor(counts, dtype=torch.int64)]
         for b, length in enumerate(self._len):
             if length + fed[b] > self.max_seq_len:
                 raise ValueError(f"row {b} would hold {length + fed[b]} tokens, more than max_seq_len={self.max_seq_len}")
         limit = self.vocab_size if vocab_limit is None else vocab_limit
         with torch.no_grad():
-            self._kernels.greedy_chain(tokens, steps, self._len, limit, check_logits, feed, feed_counts)
+            greedy_chain(tokens, steps, self.weights, self.bf16_activations, self._rope, self._cache, rows, limit,
+                         check_logits)
         self._len = [length + f for length, f in zip(self._len, fed)]
         self._tentative = [0] * self._batch
         self._tree = False
@@ -479,6 +469,11 @@ def _cast(weight: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.
     copy = weight.detach().to(dtype)
     _CASTS[weight] = (key, copy)
     return copy
+
+
+def _f32(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """A norm or bias for the kernels: fp32, once (the ops would convert it at every call otherwise)."""
+    return None if t is None else t.detach().float().contiguous()
 
 
 def _eps(norm, cfg) -> float:

@@ -40,6 +40,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from . import hf_paged
+from .capabilities import RunnerCapabilities
 from .checks import check_forward_inputs, check_row_counts, check_start_prompts, output_vocab_size
 from .hf_paged import PagedCache, PagedStep
 from .kv_cache import PagedKVCache, PoolFullError
@@ -98,6 +99,12 @@ class PagedModelRunner:
         self._arange = torch.arange(max(max_seq_len, pages_per_row * page_size) + 1, device=self.device)
 
     # ------------------------------------------------------------------ state
+    @property
+    def capabilities(self) -> RunnerCapabilities:
+        """Device steps (``reserve_step`` / ``sync_host``) in host mode; the static-shapes mode gives every
+        row all its pages up front instead."""
+        return RunnerCapabilities(device_steps=not self.static_shapes)
+
     @property
     def batch_size(self) -> int:
         return self._batch

@@ -18,6 +18,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from .capabilities import RunnerCapabilities
 from .checks import check_row_counts, check_start_prompts, output_vocab_size
 from .rows import RowsInUse
 
@@ -41,6 +42,10 @@ class RecomputeRunner:
         self._in_use = RowsInUse(self.max_batch_size)  # continuous batching: start_rows / free_rows
 
     # ------------------------------------------------------------------ state
+    @property
+    def capabilities(self) -> RunnerCapabilities:
+        return RunnerCapabilities()
+
     @property
     def batch_size(self) -> int:
         return len(self._committed)

@@ -4,11 +4,11 @@
                  the rejections (queue full, too large, shutting down)
     budget.py    CacheBudget: what a request needs of the target's cache; admission never overcommits it
     batcher.py   ContinuousBatcher: a fixed number of slots, rows joining (prefill_rows) and leaving
-                 (free_rows) between steps, one decode step over the slots in use (decode.py's draft,
-                 verify and commit); no threads
+                 (free_rows) between steps, one decode step over the slots in use (step.Stepper.step,
+                 the step generate() runs); no threads
     engine.py    Engine: the batcher in its own thread; submit / cancel from any thread, queue limit,
                  graceful shutdown
-    build.py     build_engine(models, options): the plan's runners and drafter, sized for the slots
+    build.py     build_engine(models, options): plan.plan_server, then its runners and drafter
     metrics.py   ServeMetrics: counters and histograms in the Prometheus text format
     text.py      TextStream: a request's text in pieces as its tokens arrive (what generate() streams)
     protocol.py  the OpenAI request bodies (pydantic) and response objects

@@ -1,10 +1,10 @@
-"""ContinuousBatcher: continuous batching over the speculative loop's step functions (decode.py).
+"""ContinuousBatcher: continuous batching over the decode step (step.py), the one generate() runs.
 
 A fixed number of slots (the most rows that run at once): slot b is row b of the loop's metadata, of
 the target's runner and of the drafter. Between steps requests join (``admit``: decode.prefill_rows
 prefills their slots while the other rows keep their caches, and samples each one's first token) and
 rows leave (``end``: the runner and the drafter free the slot and its cache at once). ``step`` runs one
-draft -> verify -> commit over rows 0..width-1, the width being one past the highest slot in use
+``Stepper.step`` (draft -> verify -> read -> commit -> stats -> stops) over rows 0..width-1, the width being one past the highest slot in use
 (slots are taken lowest first); a free slot inside it is a frozen one-token dummy that commits nothing.
 
 Per row: its own filter (the verifier kernels take temperature / top-k / top-p per row, and the model
@@ -17,11 +17,12 @@ floating-point kernels (a different batch can round a logit differently; only a 
 CUDA graphs by batch-size bucket (``graphs=True``: the plan's rule, on a CUDA device with the paged
 runners and a draft model or no drafter). A step covers ``plan.bucket_size(width)`` rows (at most
 max_rows) instead of ``width``; the draft, verify and commit steps of each (bucket, filter) pair are
-captured once (decode.DecodeSteps) and replayed for the server's life; the filter part of the key is
+captured once (step.DecodeSteps) and replayed for the server's life; the filter part of the key is
 whether every row is greedy and whether any row truncates (top-k / top-p), the two host decisions a
 step makes. Pages cannot be handed out inside a graph, so before each replay the host gives every
 running row the pages the step can write (runners/paged.py ``reserve_step``: length + k + 1) and after
-it reads the lengths back (``sync_host``, the pages past them are freed); everything a step reads per
+it reads the lengths back (``sync_host``, the pages past them are freed): the runners' and the draft
+model's ``device_steps`` capability, which the server plan (plan.plan_server) requires for graphs; everything a step reads per
 row (filters, seeds, Philox offsets, active flags) sits in the metadata's device tensors. Eager steps
 (``graphs=False``) run the same step functions over ``width`` rows in the runners' host mode.
 
@@ -37,13 +38,13 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .._status import ROW_STATUS_MESSAGES
-from ..decode import FIRST_DECODE_STEP, DecodeSteps, lossless_verify, prefill_rows, read_step
+from ..decode import FIRST_DECODE_STEP, prefill_rows
 from ..drafters import Drafter
 from ..metadata import SpecDecodeMetadata
 from ..plan import bucket_size
 from ..runners import ModelRunner
 from ..sampling import SamplingParams
-from ..stats import StepOutcome
+from ..step import StepOptions, Stepper
 from ..stops import RowState, apply_stops
 from .budget import CacheBudget
 from .metrics import ServeMetrics
@@ -80,15 +81,15 @@ class ContinuousBatcher:
         if drafter is not None and drafter.is_tree:
             raise ValueError(f"continuous batching runs chain drafters (a draft model, ngram) or none, not "
                              f"{type(drafter).__name__} (a tree)")
-        if graphs and not hasattr(target, "reserve_step"):
+        if graphs and not target.capabilities.device_steps:
             raise ValueError(f"CUDA graphs in continuous batching need the paged target runner, not "
                              f"{type(target).__name__}")
-        if graphs and drafter is not None and not hasattr(drafter, "reserve_step"):
+        if graphs and drafter is not None and not drafter.device_steps:
             raise ValueError(f"CUDA graphs in continuous batching need a draft model or no drafter: "
                              f"{type(drafter).__name__} proposes on the host")
         self.target, self.drafter = target, drafter
         self.graphs, self.graph_backend = bool(graphs), graph_backend
-        self._steps: Dict[tuple, Tuple[SpecDecodeMetadata, DecodeSteps]] = {}  # step key -> (rows view, steps)
+        self._steps: Dict[tuple, Stepper] = {}  # step key -> the Stepper of its rows view
         self.max_rows, self.max_seq_len = int(max_rows), int(max_seq_len)
         self.budget = CacheBudget(target, max_rows=max_rows, slots=slots, max_seq_len=max_seq_len)
         self.metrics = metrics if metrics is not None else ServeMetrics(slots)
@@ -97,10 +98,9 @@ class ContinuousBatcher:
         self.meta = SpecDecodeMetadata.allocate(batch_size=max_rows, slots=slots, max_seq_len=max_seq_len,
                                                 sampling=GREEDY, seeds=torch.zeros((max_rows,), dtype=torch.int64,
                                                                                    device=device))
-        self.meta.row_sampling = [GREEDY] * max_rows
+        self.meta.set_row_sampling([GREEDY] * max_rows)
         if slots:  # a verify pass narrower than slots + 1 (ngram) is widened into it: no allocation per step
-            self.meta.verify_logits = torch.zeros((max_rows, slots + 1, target.vocab_size), dtype=torch.float32,
-                                                  device=device)  # [max_rows, n+1, V]
+            self.meta.reserve_verify_logits(target.vocab_size)
         self.rows: List[Optional[Row]] = [None] * max_rows
         self._clear_slots(range(max_rows))
 
@@ -126,7 +126,7 @@ class ContinuousBatcher:
             units = self.budget.units(len(request.prompt), request.max_new_tokens)
             self.budget.take(units)
             row = self.rows[slot] = Row(request, sink, slot, units, submitted_at)
-            self._set_filter(slot, request)
+            self.meta.set_row(slot, request.sampling, request.seed)
             joining.append(row)
         first, status = prefill_rows(self.target, self.drafter, slots, [r.request.prompt for r in joining], self.meta)
         now = self.clock()
@@ -155,8 +155,8 @@ class ContinuousBatcher:
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
     def step(self) -> None:
-        """One draft -> verify -> commit over the slots in use; each running row gets its new tokens, and
-        rows that finish leave at once."""
+        """One step over the slots in use (Stepper.step); each running row gets its new tokens, and rows
+        that finish or fail leave at once."""
         running = self.running
         if not running:
             return
@@ -164,57 +164,40 @@ class ContinuousBatcher:
         if self.graphs:
             width = min(bucket_size(width), self.max_rows)
         rows = self.rows[:width]
-        view, steps = self._steps_for(width)
-        active = [row is not None for row in rows]
-        view.active.copy_(torch.tensor(active))
-        view.set_row_steps(torch.tensor([row.steps if row is not None else 0 for row in rows]))
-        if self.graphs:
-            self.target.reserve_step(width, self.meta.slots + 1)
-            if self.drafter is not None:
-                self.drafter.reserve_step(width)
-        steps.draft()
-        steps.verify()
-        proposal, verdict = steps.proposal, steps.verdict
-        host, num_accepted, num_draft = read_step(proposal, verdict)
-        failed = {b for b in range(width) if active[b] and num_accepted[b] < 0}
-        if failed:  # a failed row commits nothing and leaves; the others go on
-            active = [live and b not in failed for b, live in enumerate(active)]
-            view.active.copy_(torch.tensor(active))
-        steps.commit()
-        if self.graphs:
-            self.target.sync_host()
-            if self.drafter is not None:
-                self.drafter.sync_host()
-        self.metrics.record_step(StepOutcome.of(num_accepted, num_draft, active))
+        stepper = self._stepper_for(width)
+        stepper.meta.set_row_steps(torch.tensor([row.steps if row is not None else 0 for row in rows]))
+        result = stepper.step([None if row is None else row.state for row in rows],
+                              [None if row is None else row.request.stop for row in rows])
         for b, row in enumerate(rows):
             if row is None:
                 continue
-            if b in failed:
-                self.end(row, FAILED, message=_status_message(num_accepted[b], b))
+            if b in result.failed:
+                self.end(row, FAILED, message=_status_message(result.failed[b], b))
                 continue
             row.steps += 1
-            self._emit(row, apply_stops(row.state, host[b][2: 3 + num_accepted[b]], row.request.stop))
+            self._emit(row, result.new_tokens[b])
 
     @property
     def graphs_captured(self) -> int:
         """Step graphs captured so far (0 without CUDA graphs); read from other threads (/metrics)."""
-        return sum(sum(steps.captured.values()) for _, steps in list(self._steps.values()))
+        return sum(sum(stepper.parts.captured.values()) for stepper in list(self._steps.values()))
 
     # ------------------------------------------------------------------ helpers
-    def _steps_for(self, width: int) -> Tuple[SpecDecodeMetadata, DecodeSteps]:
-        """The view of rows 0..width-1 and its step functions, made once per key: the width, and under
-        graphs the host decisions baked into a capture (all rows greedy, any row truncating)."""
+    def _stepper_for(self, width: int) -> Stepper:
+        """The Stepper over the view of rows 0..width-1, made once per key: the width, and under graphs
+        the host decisions baked into a capture (all rows greedy, any row truncating)."""
         sampling = self.meta.row_sampling[:width]
         key: tuple = (width,)
         if self.graphs:
             key += (all(p.greedy for p in sampling), any(p.top_k > 0 or p.top_p < 1.0 for p in sampling))
         if key not in self._steps:
-            view = self.meta.rows(width)
-            self._steps[key] = view, DecodeSteps(self.target, self.drafter, view, lossless_verify,
-                                                 graphs=self.graphs, backend=self.graph_backend)
-        view, steps = self._steps[key]
-        view.row_sampling = sampling  # the views share the tensors; the host filters are refreshed here
-        return view, steps
+            options = StepOptions(graphs=self.graphs, device_steps=self.graphs, isolate_failures=True,
+                                  graph_backend=self.graph_backend)
+            self._steps[key] = Stepper(self.target, self.drafter, self.meta.rows(width), options,
+                                          recorder=self.metrics)
+        stepper = self._steps[key]
+        stepper.meta.set_row_sampling(sampling)  # the views share the tensors; the host filters are refreshed
+        return stepper
 
     def _emit(self, row: Row, tokens: List[int]) -> None:
         self.metrics.record_tokens(len(tokens))
@@ -228,14 +211,6 @@ class ContinuousBatcher:
             row.sink(event)
         except Exception:  # a client's sink must not stop the other rows
             log.exception("specdec serve: delivering an event of request %s failed", row.request.request_id)
-
-    def _set_filter(self, slot: int, request: GenerationRequest) -> None:
-        sampling, meta = request.sampling, self.meta
-        meta.temperature[slot] = float(sampling.temperature)
-        meta.top_k[slot] = int(sampling.top_k)
-        meta.top_p[slot] = float(sampling.top_p)
-        meta.seed[slot] = int(request.seed)
-        meta.row_sampling[slot] = sampling
 
     def _release(self, row: Row) -> None:
         """Free the row's slot in the runner and the drafter, give its budget back, clear its buffers."""
@@ -251,20 +226,8 @@ class ContinuousBatcher:
         self._clear_slots([row.slot])
 
     def _clear_slots(self, slots: Sequence[int]) -> None:
-        """Free slots as frozen one-token rows: the model drafter re-feeds the token and rolls it back, the
-        target forwards it and commits nothing (a length of 0 would make the drafter's rollback negative)."""
-        meta = self.meta
-        index = torch.tensor(list(slots), dtype=torch.int64, device=meta.device)
-        meta.token_buffer[index, 0] = FREE_SLOT_TOKEN
-        meta.seq_lens[index] = 1
-        meta.prompt_lens[index] = 0
-        meta.active[index] = False
-        meta.temperature[index] = 0.0
-        meta.top_k[index] = 0
-        meta.top_p[index] = 1.0
-        meta.seed[index] = 0
-        for slot in slots:
-            meta.row_sampling[slot] = GREEDY
+        """Free slots as frozen one-token greedy rows (metadata.clear_rows)."""
+        self.meta.clear_rows(slots, FREE_SLOT_TOKEN, GREEDY)
 
 
 def _status_message(code: int, slot: int) -> str:

@@ -1,26 +1,20 @@
 """build_engine: the target's runner, the drafter and the batcher for a pair, sized for the server's slots.
 
-The runners and the draft model's compute dtype are chosen by the same rules as generate()'s
-(plan.make_plan); the server then differs in three ways: the draft length is a fixed k (adaptive k
-follows measured times and the batch, so a seeded request would not reproduce, and each row's Philox
-counters assume a fixed k), the runners stay in host mode between steps (rows join and leave a shared
-page pool; where the plan turns CUDA graphs on, each step runs on the device by batch-size bucket: see
-batcher.py), and the caches are sized for ``max_rows`` slots of ``max_seq_len`` positions (the paged
-pool for ``cache_tokens`` if given).
+The server's plan (plan.plan_server: the runners, a fixed k, CUDA graphs by batch bucket, by the same
+rules as generate()'s) is built here; the caches are sized for ``max_rows`` slots of ``max_seq_len``
+positions (the paged pool for ``cache_tokens`` if given).
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import List, Optional
 
 from ..build import build_drafter
 from ..generate import eos_token_ids_of  # generate()'s EOS rule, so that a response ends where generate() would
 from ..models import Models
-from ..plan import FIXED_K, make_plan, required_cache_len
+from ..plan import FIXED_K, plan_server
 from ..runners import PagedModelRunner, make_runner
 from ..runners.paged import DEFAULT_PAGE_SIZE
-from ..sampling import SamplingParams
 from . import DEFAULT_MAX_QUEUE, DEFAULT_MAX_ROWS
 from .batcher import ContinuousBatcher
 from .engine import DEFAULT_MAX_PREFILL_TOKENS, Engine
@@ -61,35 +55,22 @@ class EngineOptions:
 def build_engine(models: Models, options: EngineOptions = EngineOptions()) -> Engine:
     """An Engine (not started) over ``models``: a draft model, "ngram" or no drafter ("none")."""
     options.validate()
-    if models.drafter == "heads":
-        raise ValueError("specdec serve runs chain drafters (a draft model or ngram) or none: the heads drafter "
-                         "proposes trees, which continuous batching does not run")
     seq_len = options.max_seq_len or _model_positions(models) or FALLBACK_MAX_SEQ_LEN
-    slots = 0 if models.drafter == "none" else options.draft_length
-    # make_plan sizes the cache from a prompt and max_new_tokens: ask for exactly seq_len positions
-    room = seq_len - required_cache_len(1, 0, slots)
-    if room < 0:
-        raise ValueError(f"max_seq_len={seq_len} leaves no room for a token with {slots} draft slots "
-                         f"(a row needs {required_cache_len(1, 1, slots)} positions for a one-token prompt)")
-    plan = make_plan(models.target, models.draft, drafter=models.drafter, prompt_lengths=[1], max_new_tokens=room,
-                     k=None if models.drafter == "none" else options.draft_length, runner=options.runner,
-                     sampling=SamplingParams(), seeded=True, max_seq_len=seq_len)
-    graphs = plan.cuda_graphs
-    # the runners are built in host mode (the static-shapes mode gives every row all its pages up front,
-    # which a shared pool cannot); the batcher runs each step on the device when graphs are on
-    plan = dataclasses.replace(plan, cuda_graphs=False)
+    plan = plan_server(models.target, models.draft, drafter=models.drafter, k=options.draft_length,
+                       runner=options.runner, max_rows=options.max_rows, max_seq_len=seq_len)
     target = _target_runner(models, plan.target_runner, options, seq_len)
     drafter = build_drafter(plan, models)
     metrics = ServeMetrics(plan.slots)
     batcher = ContinuousBatcher(target, drafter, max_rows=options.max_rows, slots=plan.slots, max_seq_len=seq_len,
-                                metrics=metrics, graphs=graphs)
+                                metrics=metrics, graphs=plan.cuda_graphs)
     engine = Engine(batcher, max_queue=options.max_queue, max_prefill_tokens=options.max_prefill_tokens)
     engine.description = (f"target runner {plan.target_runner}, drafter {models.drafter}"
                           + (f" (k={plan.slots}, draft runner {plan.draft_runner})" if plan.slots else "")
                           + f"; {options.max_rows} rows of {seq_len} positions, queue {options.max_queue}; "
                           + f"cache budget {batcher.budget.capacity} {batcher.budget.unit}; "
-                          + ("steps in CUDA graphs by batch bucket" if graphs else
+                          + ("steps in CUDA graphs by batch bucket" if plan.cuda_graphs else
                              f"steps eager ({dict(plan.reasons).get('cuda graphs', 'cuda graphs off')})"))
+    engine.plan = plan
     return engine
 
 

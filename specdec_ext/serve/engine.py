@@ -72,6 +72,7 @@ class Engine:
         self._deadline = math.inf  # while draining: when the running rows are aborted
         self.failure: Optional[str] = None
         self.description = ""  # what runs, for the server's start-up line (build.build_engine)
+        self.plan = None  # the server's DecodePlan (plan.plan_server), set by build.build_engine
         self._thread: Optional[threading.Thread] = None
 
     # ------------------------------------------------------------------ the server's side
