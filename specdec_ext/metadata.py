@@ -180,9 +180,7 @@ class SpecDecodeMetadata:
         self.top_k[row] = int(sampling.top_k)
         self.top_p[row] = float(sampling.top_p)
         self.seed[row] = int(seed)
-        row_sampling = list(self.row_sampling) if self.row_sampling is not None else [self.sampling] * self.batch_size
-        row_sampling[row] = sampling
-        self.set_row_sampling(row_sampling)
+        self._set_rows_sampling([row], sampling)
 
     def set_prompts(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> None:
         """Rows ``rows`` hold ``prompts`` (token_buffer, prompt_lens), nothing generated yet."""
@@ -212,6 +210,10 @@ class SpecDecodeMetadata:
         self.top_k[index] = int(sampling.top_k)
         self.top_p[index] = float(sampling.top_p)
         self.seed[index] = 0
+        self._set_rows_sampling(rows, sampling)
+
+    def _set_rows_sampling(self, rows: Sequence[int], sampling: SamplingParams) -> None:
+        """``row_sampling`` with ``rows`` set to ``sampling`` (the other rows keep theirs)."""
         row_sampling = list(self.row_sampling) if self.row_sampling is not None else [self.sampling] * self.batch_size
         for row in rows:
             row_sampling[row] = sampling

@@ -123,10 +123,7 @@ class PlanRequest:
     tp_check: str = "broadcast"
 
     def validate(self) -> None:
-        if self.drafter not in DRAFTER_KINDS:
-            raise ValueError(f"drafter must be one of {DRAFTER_KINDS}, got {self.drafter!r}")
-        if self.runner != "auto" and self.runner not in RUNNER_KINDS:
-            raise ValueError(f"runner must be 'auto' or one of {RUNNER_KINDS}, got {self.runner!r}")
+        _check_kinds(self.drafter, self.runner)
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an int >= 0, got {self.max_new_tokens!r}")
         if not 0.0 <= self.draft_confidence < 1.0:
@@ -134,6 +131,13 @@ class PlanRequest:
         if self.tp_check not in TP_CHECKS:
             raise ValueError(f"tp_check must be one of {TP_CHECKS}, got {self.tp_check!r}")
         self.sampling.validate()
+
+
+def _check_kinds(drafter: str, runner: str) -> None:
+    if drafter not in DRAFTER_KINDS:
+        raise ValueError(f"drafter must be one of {DRAFTER_KINDS}, got {drafter!r}")
+    if runner != "auto" and runner not in RUNNER_KINDS:
+        raise ValueError(f"runner must be 'auto' or one of {RUNNER_KINDS}, got {runner!r}")
 
 
 @dataclass(frozen=True)
@@ -210,10 +214,7 @@ def plan_server(target_model, draft_model, *, drafter: str, k: int, runner: str,
     if drafter == "heads":
         raise ValueError("specdec serve runs chain drafters (a draft model or ngram) or none: the heads drafter "
                          "proposes trees, which continuous batching does not run")
-    if drafter not in DRAFTER_KINDS:
-        raise ValueError(f"drafter must be one of {DRAFTER_KINDS}, got {drafter!r}")
-    if runner != "auto" and runner not in RUNNER_KINDS:
-        raise ValueError(f"runner must be 'auto' or one of {RUNNER_KINDS}, got {runner!r}")
+    _check_kinds(drafter, runner)
     models = _Models.of(target_model, draft_model)
     slots = 0 if drafter == "none" else int(k)
     if required_cache_len(1, 0, slots) > max_seq_len:
