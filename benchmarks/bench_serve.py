@@ -1,17 +1,21 @@
 """specdec serve under load: N concurrent clients on the bundled pair, speculative against plain decoding.
 
-Each mode starts `specdec serve` in its own process on 127.0.0.1 (speculative: the bundled draft with a
-fixed k; plain: the same server with ``--draft none``), sends one warm-up request, then runs N closed-loop
-clients (each sends its next request when the previous one ended) for every N in --clients. Requests are
+Each mode starts `specdec serve` in its own process on 127.0.0.1 with its flags (MODES: "speculative" the
+server's defaults, k by load and chunked prefill; "plain" the same with ``--draft none``; "whole" k by
+load with whole-prompt prefill, ``--prefill-chunk 0``; "fixed" ``-k 4`` with whole-prompt prefill, the
+server before issue 30), sends one warm-up request, then runs N closed-loop clients (each sends its next
+request when the previous one ended) for every N in --clients. With --repeats R the modes run R times,
+interleaved (mode 1, mode 2, ..., mode 1, ...), and the table gives each figure's median over the runs. Requests are
 streamed completions of held-out code prompts (the first lines of stdlib files the pair never saw), greedy
 by default, ``ignore_eos`` so that every request returns exactly --max-tokens tokens.
 
 Reported per (mode, N): requests/s and output tokens/s over the wall time of the N clients, p50 / p99
 time to first token (request sent -> first streamed text), p50 / p99 time per output token (per request:
-(last token - first token) / (tokens - 1)), and the server's tokens per target pass (/metrics).
+(last token - first token) / (tokens - 1)), the server's tokens per target pass and its draft lengths
+(mean k per decode step, share of plain steps; /metrics).
 
-    python benchmarks/bench_serve.py                       # N = 1, 4, 16; 3 requests per client
-    python benchmarks/bench_serve.py --clients 1,4 --requests-per-client 2 --max-tokens 32
+    python benchmarks/bench_serve.py                       # N = 1, 4, 16, 32; 3 requests per client
+    python benchmarks/bench_serve.py --clients 1,4 --requests-per-client 2 --max-tokens 32 --modes speculative,plain
 """
 from __future__ import annotations
 
@@ -23,15 +27,18 @@ import platform
 import socket
 import subprocess
 import sys
+import statistics
 import time
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import httpx
 
 from specdec_ext.cli import BUNDLED_MODEL_NAME, heldout_prompts
 
 START_TIMEOUT_S = 300.0
+MODES = {"speculative": [], "plain": ["--draft", "none"], "whole": ["--prefill-chunk", "0"],
+         "fixed": ["-k", "4", "--prefill-chunk", "0"]}
 REQUEST_TIMEOUT_S = 600.0
 
 
@@ -48,12 +55,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(plain: bool, args) -> tuple:
+def start_server(mode: str, args) -> tuple:
     """`specdec serve` in a child process; (process, url) once /health answers."""
     port = _free_port()
     command = [sys.executable, "-m", "specdec_ext", "serve", "--port", str(port), "--threads", str(args.threads),
                "--max-rows", str(args.max_rows), "--max-seq-len", str(args.max_seq_len), "--log-level", "warning"]
-    command += ["--draft", "none"] if plain else ["-k", str(args.k)]
+    command += MODES[mode]
+    if args.prefill_chunk is not None and "--prefill-chunk" not in MODES[mode]:
+        command += ["--prefill-chunk", str(args.prefill_chunk)]
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -113,13 +122,26 @@ def _percentile(values: List[float], q: float) -> float:
 
 
 def _counters(url: str) -> dict:
-    """The server's unlabelled counters (/metrics), by name."""
-    out = {}
+    """The server's unlabelled counters (/metrics), by name, and its decode steps by draft length under
+    "k=<k>"."""
+    out: Dict[str, float] = {}
     for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line.startswith("specdec_") and "{" not in line and line.split()[0].endswith("_total"):
-            name, value = line.split()
+        name, _, value = line.rpartition(" ")
+        if line.startswith("specdec_draft_length_steps_total{"):
+            k = name.split('k="')[1].split('"')[0]
+            out[f"k={k}"] = out.get(f"k={k}", 0.0) + float(value)
+        elif line.startswith("specdec_") and "{" not in line and name.endswith("_total"):
             out[name] = float(value)
     return out
+
+
+def _draft_lengths(before: dict, after: dict) -> Tuple[float, float]:
+    """(mean k per decode step, share of steps with k = 0) over a run."""
+    steps = {int(name[2:]): after[name] - before.get(name, 0.0) for name in after if name.startswith("k=")}
+    total = sum(steps.values())
+    if not total:
+        return float("nan"), float("nan")
+    return sum(k * n for k, n in steps.items()) / total, steps.get(0, 0.0) / total
 
 
 def _tokens_per_pass(before: dict, after: dict, requests: int) -> float:
@@ -130,44 +152,75 @@ def _tokens_per_pass(before: dict, after: dict, requests: int) -> float:
     return (delta("specdec_generated_tokens_total") - requests) / passes if passes else float("nan")
 
 
+def run_mode(mode: str, clients: List[int], prompts: List[str], args) -> Dict[int, dict]:
+    """One server of ``mode``: a warm-up request, then every N of ``clients``; {N: figures}."""
+    process, url = start_server(mode, args)
+    out = {}
+    try:
+        asyncio.run(run_clients(url, 1, prompts[:1], argparse.Namespace(**{**vars(args), "requests_per_client": 1})))
+        for n in clients:
+            before = _counters(url)
+            timings, wall = asyncio.run(run_clients(url, n, prompts, args))
+            after = _counters(url)
+            ttft = [t.first_token_s * 1e3 for t in timings]
+            tpot = [t.per_token_s * 1e3 for t in timings if t.per_token_s is not None]
+            mean_k, off = _draft_lengths(before, after)
+            out[n] = {"requests/s": len(timings) / wall, "tokens/s": sum(t.tokens for t in timings) / wall,
+                      "ttft50": _percentile(ttft, 0.5), "ttft99": _percentile(ttft, 0.99),
+                      "tpot50": _percentile(tpot, 0.5), "tpot99": _percentile(tpot, 0.99),
+                      "per_pass": _tokens_per_pass(before, after, len(timings)), "mean_k": mean_k, "off": off}
+            print(f"# run: {mode} N={n}: " + ", ".join(f"{k} {v:.3g}" for k, v in out[n].items()), flush=True)
+    finally:
+        process.terminate()
+        process.wait(60)
+    return out
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--clients", default="1,4,16", help="concurrent clients, comma-separated (default: 1,4,16)")
+    parser.add_argument("--clients", default="1,4,16,32", help="concurrent clients, comma-separated (default: 1,4,16,32)")
     parser.add_argument("--requests-per-client", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("-k", "--k", type=int, default=4, dest="k", help="draft tokens per step (default: 4)")
     parser.add_argument("--max-rows", type=int, default=16)
     parser.add_argument("--max-seq-len", type=int, default=1024)
     parser.add_argument("--threads", type=int, default=1, help="the server's torch threads (default: 1)")
     parser.add_argument("--prompt-lines", type=int, default=20)
-    parser.add_argument("--modes", default="speculative,plain")
+    parser.add_argument("--modes", default="speculative,plain,whole", help=f"of {', '.join(MODES)} (default: "
+                        "speculative,plain,whole)")
+    parser.add_argument("--prefill-chunk", type=int, default=None,
+                        help="the servers' --prefill-chunk where the mode does not set it (default: theirs)")
+    parser.add_argument("--repeats", type=int, default=1, help="interleaved runs of every mode (default: 1)")
     args = parser.parse_args(argv)
     clients = [int(x) for x in args.clients.split(",")]
+    modes = args.modes.split(",")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise SystemExit(f"bench_serve: unknown mode {unknown[0]!r}: choose from {', '.join(MODES)}")
     prompts = [text for _, text in heldout_prompts(8, args.prompt_lines)]
     print(f"# {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} CPUs, python {platform.python_version()};"
-          f" {args.max_tokens} tokens per request, T={args.temperature}, k={args.k}, {args.requests_per_client} "
-          f"requests per client, server threads {args.threads}")
-    print("| mode | clients | requests/s | output tokens/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | tokens/pass |")
-    print("|---|---|---|---|---|---|---|")
-    for mode in args.modes.split(","):
-        process, url = start_server(mode == "plain", args)
-        try:
-            asyncio.run(run_clients(url, 1, prompts[:1], argparse.Namespace(**{**vars(args), "requests_per_client": 1})))
+          f" {args.max_tokens} tokens per request, T={args.temperature}, {args.requests_per_client} requests per "
+          f"client, server threads {args.threads}, prefill chunk {args.prefill_chunk or 'default'}, {args.repeats} interleaved run(s) per mode (medians)")
+    runs: Dict[str, List[Dict[int, dict]]] = {m: [] for m in modes}
+    for _ in range(args.repeats):
+        for mode in modes:
+            runs[mode].append(run_mode(mode, clients, prompts, args))
+    print("| mode | clients | requests/s | output tokens/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | tokens/pass "
+          "| mean k / plain steps |")
+    print("|---|---|---|---|---|---|---|---|")
+    for mode in modes:
+        for n in clients:
+            m = {key: statistics.median(run[n][key] for run in runs[mode]) for key in runs[mode][0][n]}
+            print(f"| {mode} | {n} | {m['requests/s']:.2f} | {m['tokens/s']:.1f} | {m['ttft50']:.0f} / "
+                  f"{m['ttft99']:.0f} | {m['tpot50']:.1f} / {m['tpot99']:.1f} | {m['per_pass']:.2f} | "
+                  f"{m['mean_k']:.2f} / {100 * m['off']:.0f}% |")
+    if "plain" in modes:
+        print("\nratios to plain (medians): output tokens/s, TPOT p99")
+        for mode in (m for m in modes if m != "plain"):
             for n in clients:
-                before = _counters(url)
-                timings, wall = asyncio.run(run_clients(url, n, prompts, args))
-                per_pass = _tokens_per_pass(before, _counters(url), len(timings))
-                ttft = [t.first_token_s * 1e3 for t in timings]
-                tpot = [t.per_token_s * 1e3 for t in timings if t.per_token_s is not None]
-                tokens = sum(t.tokens for t in timings)
-                print(f"| {mode} | {n} | {len(timings) / wall:.2f} | {tokens / wall:.1f} | "
-                      f"{_percentile(ttft, 0.5):.0f} / {_percentile(ttft, 0.99):.0f} | "
-                      f"{_percentile(tpot, 0.5):.1f} / {_percentile(tpot, 0.99):.1f} | {per_pass:.2f} |",
-                      flush=True)
-        finally:
-            process.terminate()
-            process.wait(60)
+                med = lambda key, which: statistics.median(run[n][key] for run in runs[which])
+                print(f"  {mode} N={n}: {med('tokens/s', mode) / med('tokens/s', 'plain'):.2f}x tok/s, "
+                      f"TPOT p99 {med('tpot99', mode):.1f} vs {med('tpot99', 'plain'):.1f} ms")
     return 0
 
 

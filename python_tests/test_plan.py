@@ -114,8 +114,8 @@ def test_the_plan_resolves_the_runners_capabilities_before_they_are_built(pair):
     from specdec_ext.runners import RunnerCapabilities
     target, draft = pair
     plan = make_plan(target, draft, drafter="model", prompt_lengths=[5], max_new_tokens=8, runner="lean")
-    assert plan.target_capabilities == RunnerCapabilities(greedy_chain=True)
-    assert plan.draft_capabilities == RunnerCapabilities(greedy_chain=True)
+    assert plan.target_capabilities == RunnerCapabilities(greedy_chain=True, chunked_prefill=True)
+    assert plan.draft_capabilities == RunnerCapabilities(greedy_chain=True, chunked_prefill=True)
     assert "greedy chains" in dict(plan.reasons)["capabilities"]
     runner, drafter = build(plan, Models(target, "model", draft=draft))
     assert runner.capabilities == plan.target_capabilities
@@ -136,3 +136,27 @@ def test_a_server_is_planned_without_a_fake_workload(pair):
         plan_server(target, None, drafter="heads", k=3, runner="auto", max_rows=4, max_seq_len=64)
     with pytest.raises(ValueError, match="leaves no room for a token"):
         plan_server(target, draft, drafter="model", k=3, runner="auto", max_rows=4, max_seq_len=5)
+
+
+def test_a_server_plans_k_by_load_and_chunked_prefill_where_the_runner_can(pair):
+    """plan_server (issue 30): k=None is the draft length by load (adaptive, k_max slots), an int fixes it;
+    the lean runner prefills in chunks (default DEFAULT_PREFILL_CHUNK, 0: whole prompts), the paged runner
+    cannot and an explicit chunk there is refused; explain() says each."""
+    from specdec_ext.plan import DEFAULT_PREFILL_CHUNK, plan_server
+    from specdec_ext.adaptive import DEFAULT_K_MAX
+    target, draft = pair
+    plan = plan_server(target, draft, drafter="model", k=None, runner="lean", max_rows=4, max_seq_len=128)
+    assert (plan.slots, plan.adaptive, plan.prefill_chunk) == (DEFAULT_K_MAX, True, DEFAULT_PREFILL_CHUNK)
+    assert "k by load" in dict(plan.reasons)["drafter"] and "in chunks" in dict(plan.reasons)["prefill"]
+    whole = plan_server(target, draft, drafter="model", k=None, runner="lean", max_rows=4, max_seq_len=128,
+                        prefill_chunk=0)
+    assert whole.prefill_chunk == 0 and "whole prompts" in dict(whole.reasons)["prefill"]
+    paged = plan_server(target, None, drafter="none", k=None, runner="paged", max_rows=4, max_seq_len=128)
+    assert (paged.slots, paged.adaptive, paged.prefill_chunk) == (0, False, 0)
+    assert "paged runner prefills whole prompts" in dict(paged.reasons)["prefill"]
+    with pytest.raises(ValueError, match="chunked prefill needs a target runner with extend_rows"):
+        plan_server(target, None, drafter="none", k=None, runner="paged", max_rows=4, max_seq_len=128, prefill_chunk=64)
+    with pytest.raises(ValueError, match="prefill_chunk must be an int >= 0"):
+        plan_server(target, draft, drafter="model", k=None, runner="lean", max_rows=4, max_seq_len=128, prefill_chunk=-1)
+    with pytest.raises(ValueError, match="k \\(draft tokens per step\\) must be an int >= 1"):
+        plan_server(target, draft, drafter="model", k=0, runner="lean", max_rows=4, max_seq_len=128)

@@ -253,6 +253,20 @@ def expected_tokens_table(acceptance: np.ndarray) -> np.ndarray:
     return 1.0 + np.concatenate([zeros, np.cumsum(reach, axis=-1)], axis=-1)
 
 
+def acceptance_by_position(reached: np.ndarray, accepted: np.ndarray, shape: np.ndarray, m: float) -> np.ndarray:
+    """a_i per row from the decayed counts (the module docstring's estimate): a_1 = A_1 / R_1, and a deep
+    position with little data shrinks towards the one before it times s_i.
+
+    reached, accepted [B, K]; shape [K] -> [B, K]
+    """
+    out = np.empty_like(reached)
+    out[:, 0] = accepted[:, 0] / np.maximum(reached[:, 0], 1e-12)
+    for i in range(1, reached.shape[1]):
+        shrunk = np.minimum(shape[i] * out[:, i - 1], 1.0)  # [B]: the position before, in the prior's shape
+        out[:, i] = (accepted[:, i] + m * shrunk) / (reached[:, i] + m)
+    return out
+
+
 class VerifyCosts:
     """What is known of V(t), the verify step's time over t tokens per row, at one batch size.
 
@@ -315,7 +329,7 @@ def _moving_average(old: float, new: float, weight: float) -> float:
     return (1.0 - weight) * old + weight * min(new, SPIKE_CAP * old)
 
 
-def _nonneg_line(x: Sequence[float], y: Sequence[float], w: Sequence[float]):
+def nonneg_line(x: Sequence[float], y: Sequence[float], w: Sequence[float]):
     """(intercept, slope) of the weighted least-squares line through (x, y) with slope >= 0 (the
     weighted mean and 0 when the free fit descends or x takes a single value). A dozen points at
     most: plain Python is cheaper than numpy here."""
@@ -494,13 +508,7 @@ class AdaptiveK:
     # ------------------------------------------------------------------ estimates
     def acceptance(self) -> np.ndarray:
         """a_i per row: [B, k_max] (see the module docstring)."""
-        out = np.empty_like(self.reached)
-        m, shape = self.prior_strength, self.shape
-        out[:, 0] = self.accepted[:, 0] / np.maximum(self.reached[:, 0], 1e-12)
-        for i in range(1, self.k_max):
-            shrunk = np.minimum(shape[i] * out[:, i - 1], 1.0)  # [B]: the position before, in the prior's shape
-            out[:, i] = (self.accepted[:, i] + m * shrunk) / (self.reached[:, i] + m)
-        return out
+        return acceptance_by_position(self.reached, self.accepted, self.shape, self.prior_strength)
 
     def verify_times(self) -> np.ndarray:
         """V(t) for t = 1..k_max+1 in seconds: [k_max+1] (index t-1), or all NaN before any measurement."""
@@ -511,7 +519,7 @@ class AdaptiveK:
                    if not math.isnan(v) and costs.step - obs_step[t] <= COST_MEMORY_STEPS]
         if not points:
             return np.full(self.k_max + 1, np.nan)
-        first, slope = _nonneg_line(*zip(*points))
+        first, slope = nonneg_line(*zip(*points))
         return np.maximum(first + slope * np.arange(self.k_max + 1), 1e-9)
 
     def step_times(self) -> np.ndarray:
@@ -564,7 +572,7 @@ class AdaptiveK:
         if len({x for x, _, _ in points}) == 1:
             x, _, _ = points[0]
             return s * (sum(w * v for _, v, w in points) / sum(w for _, _, w in points)) / x
-        fixed, per_token = _nonneg_line(*zip(*points))
+        fixed, per_token = nonneg_line(*zip(*points))
         curve = np.maximum(fixed + per_token * s, 0.0)
         curve[0] = 0.0
         return curve

@@ -185,8 +185,13 @@ def _serve_parser(sub) -> None:
                    help="the model id clients ask for (default: the target directory's name, or "
                    f"{BUNDLED_MODEL_NAME!r} for the bundled pair)")
     s.add_argument("-k", "--k", type=int, default=None, dest="k",
-                   help="draft tokens per step, fixed so that seeded requests reproduce (default: the fixed k "
-                   "generate() takes where adaptive k is off)")
+                   help="draft tokens per step, fixed (default: by load: each step drafts the k that maximises the "
+                   "measured tokens/s at the running batch width, 0 where speculation does not pay; seeded "
+                   "requests draft a fixed k so that they reproduce)")
+    s.add_argument("--prefill-chunk", type=int, default=None, dest="prefill_chunk",
+                   help="prompt tokens prefilled per decode step for joining requests, so running rows keep "
+                   "emitting while a long prompt joins; 0 prefills whole prompts before the next step (default: "
+                   "256 where the target runner can, lean or recompute)")
     s.add_argument("--max-rows", type=int, default=DEFAULT_MAX_ROWS,
                    help=f"rows that decode at once (slots; default: {DEFAULT_MAX_ROWS})")
     s.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
@@ -404,7 +409,7 @@ def cmd_serve(args) -> int:
     else:
         models = load_models(*_pair_args(args))
     options = EngineOptions(max_rows=args.max_rows, max_queue=args.max_queue, k=args.k, max_seq_len=args.max_seq_len,
-                            cache_tokens=args.cache_tokens, runner=args.runner)
+                            cache_tokens=args.cache_tokens, runner=args.runner, prefill_chunk=args.prefill_chunk)
     try:
         engine = build_engine(models, options)
         name = args.model_name or (os.path.basename(os.path.normpath(args.target)) if args.target else BUNDLED_MODEL_NAME)

@@ -88,15 +88,22 @@ def prefill(target: ModelRunner, drafter: Optional[Drafter], prompts: Sequence[S
 def prefill_rows(target: ModelRunner, drafter: Optional[Drafter], rows: Sequence[int],
                  prompts: Sequence[Sequence[int]], meta: SpecDecodeMetadata) -> Tuple[List[int], List[int]]:
     """Continuous batching: what ``prefill`` does for a whole batch, for some free rows (slots) while
-    the other rows keep their caches. ``meta`` covers every slot and already holds the joining rows'
-    sampling parameters and seeds (``meta.set_row``); each row's first token is drawn with its own
-    filter at its own Philox step 0, so it is the token ``prefill`` would give it in a batch of its own.
+    the other rows keep their caches (``target.start_rows``, then ``join_rows``).
 
     Returns (the first token, the RowStatus) of each joining row; a status < 0 means its prompt's
     logits were invalid (e.g. NaN), and the caller frees it."""
+    return join_rows(drafter, rows, prompts, target.start_rows(rows, prompts), meta)
+
+
+def join_rows(drafter: Optional[Drafter], rows: Sequence[int], prompts: Sequence[Sequence[int]],
+              logits: torch.Tensor, meta: SpecDecodeMetadata) -> Tuple[List[int], List[int]]:
+    """Rows whose prompts are in the target's cache (whole, or chunk by chunk: serve/batcher.py) join the
+    loop: ``logits`` [n, V] at each prompt's last token. ``meta`` covers every slot and already holds
+    the joining rows' sampling parameters and seeds (``meta.set_row``); each row's first token is drawn
+    with its own filter at its own Philox step 0, so it is the token ``prefill`` would give it in a batch
+    of its own; then the drafter prefills the rows. Returns (first tokens, RowStatus) as prefill_rows."""
     n = len(rows)
     index = torch.tensor(list(rows), dtype=torch.int64, device=meta.device)  # [n]
-    logits = target.start_rows(rows, prompts)  # [n, V]
     meta.set_prompts(rows, prompts)
     joining = meta.select(index)  # the rows' own filters and seeds
     joining.set_row_steps(torch.zeros((n,), dtype=torch.int64))

@@ -196,6 +196,14 @@ class SpecDecodeMetadata:
         self.seq_lens[index] = lengths + 1
         self.target_input[index, 0] = tokens
 
+    def hold_rows(self, rows: Sequence[int], token: int) -> None:
+        """Rows ``rows`` joined but their prompts are still being prefilled (chunked prefill): each holds a
+        one-token prompt ``token`` and the same token pending, which a drafter can take as a stand-in
+        prompt (it keeps the pending token unfed); frozen in the steps until ``set_prompts``."""
+        index = torch.tensor(list(rows), dtype=torch.int64, device=self.device)
+        self.set_prompts(rows, [[token]] * len(rows))
+        self.set_first_tokens(index, torch.full((len(rows),), token, dtype=torch.int64, device=self.device))
+
     def clear_rows(self, rows: Sequence[int], token: int, sampling: SamplingParams) -> None:
         """Rows ``rows`` leave: each becomes a frozen one-token row (``token``), greedy with seed 0, so that
         a drafter re-feeds the token and rolls it back and the target forwards it and commits nothing (a

@@ -47,6 +47,8 @@ from .runners.support import unsupported_reason as paged_unsupported_reason
 from .sampling import SamplingParams
 
 AUTO_K = "auto"  # k= value: the draft length chosen per step (adaptive.py); what k=None means by default
+DEFAULT_PREFILL_CHUNK = 256  # a server's prompt tokens per step of chunked prefill (BENCHMARKS.md, issue 30)
+MIN_PREFILL_CHUNK = 32  # ... at least this many, whatever the running rows' verify tokens take of it
 FIXED_K = 4  # what k=None means where adaptive k is not used: seeded sampling, CUDA-graph-captured steps
 HEADS_TREE = (3, 3, 8)  # default (b, d, N) of a heads tree (BENCHMARKS.md: heads trees on the bundled pair)
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # batch sizes CUDA graphs are captured for
@@ -94,6 +96,7 @@ class DecodePlan:
     tensor_parallel: int = 1  # ranks the target is sharded over (every rank runs this plan)
     tp_check: str = "broadcast"  # how the ranks are kept on rank 0's decisions (distributed.RankSync)
     reasons: Tuple[Tuple[str, str], ...] = ()  # (choice, why), in the order they were made
+    prefill_chunk: int = 0  # a server's prompt tokens prefilled per step (0: whole prompts)
     controller: Optional[adaptive_k.AdaptiveK] = field(default=None, compare=False, repr=False)
 
     @property
@@ -202,40 +205,83 @@ def make_plan(target_model, draft_model, **request) -> DecodePlan:
                       controller=controller)
 
 
-def plan_server(target_model, draft_model, *, drafter: str, k: int, runner: str, max_rows: int,
-                max_seq_len: int) -> DecodePlan:
-    """The plan of ``specdec serve``: the runners, draft length and CUDA graphs of a continuous batcher of
-    ``max_rows`` slots of ``max_seq_len`` positions. It differs from a generate() plan in three ways:
-    the draft length is a fixed k (adaptive k follows measured times and the batch, so a seeded request
-    would not reproduce, and each row's Philox counters assume a fixed k); the runners stay in host mode
-    between steps (rows join and leave a shared page pool), so where CUDA graphs are on the batcher runs
-    each step on the device by batch-size bucket (``static_shapes`` False, ``cuda_graphs`` True); the
-    sampling filter is each request's own."""
+def plan_server(target_model, draft_model, *, drafter: str, k: Optional[int], runner: str, max_rows: int,
+                max_seq_len: int, prefill_chunk: Optional[int] = None) -> DecodePlan:
+    """The plan of ``specdec serve``: the runners, draft length, prefill and CUDA graphs of a continuous
+    batcher of ``max_rows`` slots of ``max_seq_len`` positions. It differs from a generate() plan in four
+    ways: ``k`` None is the draft length by load (``adaptive``: serve/draft_length.py chooses 0..k_max per
+    step from the step costs measured at the running width; seeded requests draft FIXED_K every step) and
+    an int fixes it; the runners stay in host mode between steps (rows join and leave a shared page pool),
+    so where CUDA graphs are on the batcher runs each step on the device by batch-size bucket
+    (``static_shapes`` False, ``cuda_graphs`` True) with a fixed k; a joining prompt is prefilled in chunks
+    of ``prefill_chunk`` tokens between decode steps where the target runner can (``chunked_prefill``;
+    None: DEFAULT_PREFILL_CHUNK, 0: whole prompts); the sampling filter is each request's own."""
     if drafter == "heads":
         raise ValueError("specdec serve runs chain drafters (a draft model or ngram) or none: the heads drafter "
                          "proposes trees, which continuous batching does not run")
     _check_kinds(drafter, runner)
+    if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
+                                      or prefill_chunk < 0):
+        raise ValueError(f"prefill_chunk must be an int >= 0 (0: whole prompts) or None, got {prefill_chunk!r}")
     models = _Models.of(target_model, draft_model)
-    slots = 0 if drafter == "none" else int(k)
+    reasons: List[Tuple[str, str]] = []
+    runners = _runners(drafter, runner, None, models, max_seq_len, reasons)
+    graphs, why = _graphs(models.graphs_ok, models.graphs_reason, drafter, None, None, runners)
+    slots, by_load = _server_draft_length(drafter, k, graphs, models.tensor_parallel, reasons)
     if required_cache_len(1, 0, slots) > max_seq_len:
         raise ValueError(f"max_seq_len={max_seq_len} leaves no room for a token with {slots} draft slots "
                          f"(a row needs {required_cache_len(1, 1, slots)} positions for a one-token prompt)")
-    reasons: List[Tuple[str, str]] = [("drafter", f"{drafter}" + (f" chain, k={slots}: fixed (each row's Philox "
-                                                                  "counters assume it)" if slots else
-                                                                  ": plain decoding"))]
-    runners = _runners(drafter, runner, None, models, max_seq_len, reasons)
-    graphs, why = _graphs(models.graphs_ok, models.graphs_reason, drafter, None, None, runners)
     reasons.append(("cuda graphs", f"{'on, by batch-size bucket: ' if graphs else 'off: '}{why}"))
     reasons.append(("batch", f"{max_rows} slots of {max_seq_len} positions"))
     capabilities = _capabilities(runners, drafter, models, static_shapes=False)
     reasons.append(("capabilities", _describe_capabilities(*capabilities, None)))
-    return DecodePlan(drafter=drafter, tree=None, slots=slots, adaptive=False, target_runner=runners.target,
+    chunk = _server_prefill_chunk(prefill_chunk, capabilities[0], runners.target, graphs, reasons)
+    return DecodePlan(drafter=drafter, tree=None, slots=slots, adaptive=by_load, target_runner=runners.target,
                       draft_runner=runners.draft, draft_compute_dtype=runners.draft_dtype, cuda_graphs=graphs,
                       static_shapes=False, device=models.device, target_dtype=models.target_dtype,
                       sampling=SamplingParams(), batch_size=max_rows, padded_batch_size=max_rows,
                       max_seq_len=max_seq_len, max_new_tokens=max_seq_len - required_cache_len(1, 0, slots),
                       draft_confidence=0.0, target_capabilities=capabilities[0], draft_capabilities=capabilities[1],
-                      tensor_parallel=models.tensor_parallel, reasons=tuple(reasons))
+                      tensor_parallel=models.tensor_parallel, reasons=tuple(reasons), prefill_chunk=chunk)
+
+
+def _server_draft_length(drafter: str, k: Optional[int], graphs: bool, tensor_parallel: int,
+                         reasons: List[Tuple[str, str]]) -> Tuple[int, bool]:
+    """(slots, by load) of a server plan."""
+    if drafter == "none":
+        reasons.append(("drafter", "none: plain decoding"))
+        return 0, False
+    if k is not None:
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"k (draft tokens per step) must be an int >= 1 or None (by load), got {k!r}")
+        reasons.append(("drafter", f"{drafter} chain, k={k}: fixed, as asked"))
+        return k, False
+    if graphs or tensor_parallel > 1:
+        where = "CUDA graphs capture one draft length" if graphs else "the ranks would disagree on measured times"
+        reasons.append(("drafter", f"{drafter} chain, k={FIXED_K}: fixed ({where})"))
+        return FIXED_K, False
+    reasons.append(("drafter", f"{drafter} chain, k by load: 0..{adaptive_k.DEFAULT_K_MAX} per step, the length that "
+                               f"maximises measured tokens/s at the running width (seeded requests: {FIXED_K})"))
+    return adaptive_k.DEFAULT_K_MAX, True
+
+
+def _server_prefill_chunk(asked: Optional[int], target: RunnerCapabilities, kind: str, graphs: bool,
+                          reasons: List[Tuple[str, str]]) -> int:
+    """Prompt tokens prefilled per step for a joining request (0: whole prompts before the next step)."""
+    if asked == 0:
+        reasons.append(("prefill", "whole prompts before the next step (prefill_chunk=0)"))
+        return 0
+    if not target.chunked_prefill or graphs:
+        why = "CUDA-graph steps" if graphs else f"the {kind} runner prefills whole prompts"
+        if asked is not None:
+            raise ValueError(f"prefill_chunk={asked}: chunked prefill needs a target runner with extend_rows "
+                             f"(lean, recompute) and eager steps, not {why}; pass 0 or leave it out")
+        reasons.append(("prefill", f"whole prompts before the next step ({why})"))
+        return 0
+    chunk = DEFAULT_PREFILL_CHUNK if asked is None else asked
+    reasons.append(("prefill", f"in chunks: {chunk} tokens per step, less the running rows' verify tokens "
+                               f"(at least {MIN_PREFILL_CHUNK}), between decode steps"))
+    return chunk
 
 
 def _draft_length(ask: PlanRequest, tree, models: _Models, reasons: List[Tuple[str, str]]

@@ -34,6 +34,8 @@ says before building what a runner will have, and the plan resolves it into its 
                                                                             (drafters/model_drafter.py)
     device_steps    reserve_step(width, tokens),            paged, host     cuda_graphs of a server plan
                     sync_host(): one step on the device     mode            (serve/batcher.py, step.py)
+    chunked_prefill extend_rows(rows, chunks): append a     lean,           chunked_prefill of a server
+                    prompt's next chunk to rows in use      recompute       plan (serve/batcher.py)
 
 Implementations (``make_runner(kind, ...)``):
 
@@ -119,9 +121,9 @@ def capabilities_of(kind: str, model, *, compute_dtype: Optional[torch.dtype] = 
     keeps the CPU kernels' greedy chains off."""
     if kind == "lean":
         capabilities = lean_capabilities(model, compute_dtype)
-        return RunnerCapabilities(greedy_chain=capabilities.greedy_chain and not head_hooked)
+        return RunnerCapabilities(greedy_chain=capabilities.greedy_chain and not head_hooked, chunked_prefill=True)
     if kind == "paged":
         return RunnerCapabilities(device_steps=not static_shapes)
     if kind == "recompute":
-        return RunnerCapabilities()
+        return RunnerCapabilities(chunked_prefill=True)
     raise ValueError(f"runner kind must be one of {RUNNER_KINDS}, got {kind!r}")

@@ -16,8 +16,9 @@ class RunnerCapabilities:
 
     greedy_chain: bool = False  # greedy_chain(tokens, steps, ...): n greedy one-token passes in one call
     device_steps: bool = False  # reserve_step(width, tokens) / sync_host(): one step runs on the device
+    chunked_prefill: bool = False  # extend_rows(rows, chunks): a prompt prefilled in chunks between steps
 
     def describe(self) -> str:
-        names = [name for name, on in (("greedy chains", self.greedy_chain), ("device steps", self.device_steps))
-                 if on]
+        names = [name for name, on in (("greedy chains", self.greedy_chain), ("device steps", self.device_steps),
+                                       ("chunked prefill", self.chunked_prefill)) if on]
         return ", ".join(names) if names else "none"

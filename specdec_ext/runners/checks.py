@@ -54,6 +54,16 @@ def check_start_prompts(prompts: Sequence[Sequence[int]], max_batch_size: int, m
             raise ValueError(f"start: prompt {b} has {len(p)} tokens, more than max_seq_len={max_seq_len}")
 
 
+def check_extend_chunks(chunks: Sequence[Sequence[int]], lengths: Sequence[int], max_seq_len: int) -> None:
+    """``extend_rows``'s checks: no empty chunk, none past max_seq_len (``lengths``: each row's length now)."""
+    for i, (chunk, length) in enumerate(zip(chunks, lengths)):
+        if len(chunk) == 0:
+            raise ValueError(f"extend_rows: chunk {i} is empty")
+        if length + len(chunk) > max_seq_len:
+            raise ValueError(f"extend_rows: chunk {i} would take its row to {length + len(chunk)} tokens, more than "
+                             f"max_seq_len={max_seq_len}")
+
+
 def check_forward_inputs(input_ids: torch.Tensor, num_tokens: Optional[torch.Tensor],
                          tree_parents: Optional[torch.Tensor], batch: int) -> Tuple[int, int, List[int]]:
     """``forward``'s checks; returns (B, T, tokens used per row). ``batch``: rows the runner holds

@@ -41,7 +41,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..ops.lean_forward import (Linear, LlamaLayerWeights, LlamaWeights, decoder_layers, greedy_chain, llama_head,
                                 rope_tables)
 from .capabilities import RunnerCapabilities
-from .checks import (check_forward_inputs, check_row_counts, check_start_prompts, output_vocab_size,
+from .checks import (check_extend_chunks, check_forward_inputs, check_row_counts, check_start_prompts, output_vocab_size,
                      tensor_parallel_size,
                      text_config)
 from .lean_cpu import call_head_hooks, kernels_reason
@@ -145,7 +145,7 @@ def lean_capabilities(model, compute_dtype: Optional[torch.dtype] = None) -> Run
     contract, before it is built (its ``capabilities`` then): greedy chains in one call where its forward
     runs on the CPU kernels and nothing is hooked on the model's LM head now."""
     chains = _kernels_reason(model, compute_dtype) is None and not _head_hooked(model)
-    return RunnerCapabilities(greedy_chain=chains)
+    return RunnerCapabilities(greedy_chain=chains, chunked_prefill=True)
 
 
 def _llama_weights(model, cfg, cast: Callable, small: Callable) -> LlamaWeights:
@@ -318,6 +318,25 @@ class LeanLlamaRunner:
             self._len[row] = len(prompt)
         return logits
 
+    def extend_rows(self, rows: Sequence[int], chunks: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Chunked prefill: append ``chunks`` to the caches of ``rows`` (in use; between steps, nothing
+        tentative), the other rows untouched; returns the logits at each chunk's last token, fp32 [n, V].
+        A prompt prefilled as start_rows(its first chunk) then extend_rows(the next ones) leaves the cache
+        and the last logits that start_rows(the whole prompt) does. lengths[rows[i]] += len(chunks[i])."""
+        rows = self._in_use.check_used("extend_rows", rows, len(chunks))
+        begin = [self._len[row] for row in rows]
+        check_extend_chunks(chunks, begin, self.max_seq_len)
+        ids = torch.zeros((len(chunks), max(len(c) for c in chunks)), dtype=torch.int64)
+        for i, chunk in enumerate(chunks):
+            ids[i, : len(chunk)] = torch.as_tensor(list(chunk), dtype=torch.int64)
+        last = torch.tensor([len(c) - 1 for c in chunks], dtype=torch.int64, device=self.device)
+        with torch.no_grad():
+            logits = self._model(ids.to(self.device), begin, last,
+                                 cache_rows=torch.tensor(rows, dtype=torch.int64, device=self.device))
+        for row, chunk in zip(rows, chunks):
+            self._len[row] += len(chunk)
+        return logits
+
     def free_rows(self, rows: Sequence[int]) -> None:
         """Continuous batching: release ``rows`` (length 0); the batch shrinks to the highest row still in use."""
         for row in self._in_use.remove("free_rows", rows):
@@ -376,7 +395,7 @@ class LeanLlamaRunner:
     @property
     def capabilities(self) -> RunnerCapabilities:
         """What this runner does beyond the ``ModelRunner`` contract (``lean_capabilities`` before it exists)."""
-        return RunnerCapabilities(greedy_chain=self.chains_greedy)
+        return RunnerCapabilities(greedy_chain=self.chains_greedy, chunked_prefill=True)
 
     def greedy_chain(self, tokens: torch.Tensor, steps: int, vocab_limit: Optional[int] = None,
                      check_logits: bool = False, feed: Optional[torch.Tensor] = None,

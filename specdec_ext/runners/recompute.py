@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from .capabilities import RunnerCapabilities
-from .checks import check_row_counts, check_start_prompts, output_vocab_size
+from .checks import check_extend_chunks, check_row_counts, check_start_prompts, output_vocab_size
 from .rows import RowsInUse
 
 
@@ -44,7 +44,7 @@ class RecomputeRunner:
     # ------------------------------------------------------------------ state
     @property
     def capabilities(self) -> RunnerCapabilities:
-        return RunnerCapabilities()
+        return RunnerCapabilities(chunked_prefill=True)
 
     @property
     def batch_size(self) -> int:
@@ -102,6 +102,17 @@ class RecomputeRunner:
         self._resize(self._in_use.width)
         for row, prompt in zip(rows, prompts):
             self._committed[row] = prompt
+        return torch.stack([r[0] for r in logits])
+
+    def extend_rows(self, rows: Sequence[int], chunks: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Chunked prefill: append ``chunks`` to ``rows`` (in use, between steps); fp32 logits at each
+        chunk's last token [n, V]."""
+        chunks = [[int(t) for t in c] for c in chunks]
+        rows = self._in_use.check_used("extend_rows", rows, len(chunks))
+        check_extend_chunks(chunks, [len(self._committed[row]) for row in rows], self.max_seq_len)
+        for row, chunk in zip(rows, chunks):
+            self._committed[row] = self._committed[row] + chunk
+        logits = self._last_logits([self._committed[row] for row in rows], [1] * len(rows))
         return torch.stack([r[0] for r in logits])
 
     def free_rows(self, rows: Sequence[int]) -> None:

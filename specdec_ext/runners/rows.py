@@ -46,6 +46,17 @@ class RowsInUse:
             raise ValueError(f"{op}: row {taken[0]} is in use (free_rows it first)")
         return rows
 
+    def check_used(self, op: str, rows: Sequence[int], num_chunks: int) -> List[int]:
+        """``rows`` as ints, one per chunk, each in use (ValueError naming the row otherwise): what a
+        runner checks before it extends a row's cache (``extend_rows``)."""
+        if len(rows) != num_chunks:
+            raise ValueError(f"{op}: {len(rows)} rows for {num_chunks} chunks")
+        rows = self._checked(op, rows)
+        idle = [r for r in rows if r not in self._used]
+        if idle:
+            raise ValueError(f"{op}: row {idle[0]} is not in use (start_rows it first)")
+        return rows
+
     def add(self, rows: Sequence[int]) -> None:
         """Mark rows (checked by ``check_free``) in use."""
         self._used.update(rows)

@@ -111,7 +111,8 @@ class OpenAIService:
         stop = StopCriteria(max_new_tokens=max_tokens, eos_token_ids=[] if body.ignore_eos else self.eos_token_ids,
                             stop_strings=list(body.stop or []), decode_text=self.tokenizer.decode)
         seed = body.seed if body.seed is not None else secrets.randbits(SEED_BITS)
-        return GenerationRequest(prompt=list(prompt), sampling=sampling, seed=seed, stop=stop)
+        return GenerationRequest(prompt=list(prompt), sampling=sampling, seed=seed, stop=stop,
+                                 seeded=body.seed is not None)
 
     # ------------------------------------------------------------------ responses
     async def _respond(self, body, prompt: List[int], max_tokens: int, http: Request, *, chat: bool):

@@ -14,6 +14,19 @@ on when it joined), and its own stop checks (stops.apply_stops with its StopCrit
 tokens are therefore those generate() gives it alone with the same k, up to the batch invariance of the
 floating-point kernels (a different batch can round a logit differently; only a near-tie could flip).
 
+Draft length (``draft_length``, a LoadGatedK; None: every row drafts the server's k): each step's k
+comes from the step costs measured at the running width and each row's acceptance, 0 (a plain step)
+where speculation does not pay at this load (serve/draft_length.py); seeded requests draft a fixed k.
+
+Chunked prefill (``prefill_chunk`` > 0, a target runner with ``extend_rows``): a joining request takes its
+slot at once but is prefilled a chunk per step (``prefill``: start_rows of the first chunk, extend_rows of
+the next ones, up to ``prefill_chunk`` tokens less the running rows' verify tokens, at least
+MIN_PREFILL_CHUNK, first come first served), so the running rows keep emitting while a long prompt joins.
+Until its last chunk the row is frozen in the steps (it commits nothing) and the drafter holds a
+one-token stand-in for it (so both runners span the same width); after the last chunk its first token
+is sampled as a whole-prompt prefill samples it (decode.join_rows) and the drafter gets the prompt.
+Each step appends a ``StepRecord`` (width, k and why, prefill chunks, tokens per row) to ``step_log``.
+
 CUDA graphs by batch-size bucket (``graphs=True``: the plan's rule, on a CUDA device with the paged
 runners and a draft model or no drafter). A step covers ``plan.bucket_size(width)`` rows (at most
 max_rows) instead of ``width``; the draft, verify and commit steps of each (bucket, filter) pair are
@@ -32,21 +45,23 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from .._status import ROW_STATUS_MESSAGES
-from ..decode import FIRST_DECODE_STEP, prefill_rows
+from ..decode import FIRST_DECODE_STEP, join_rows, prefill_rows
 from ..drafters import Drafter
 from ..metadata import SpecDecodeMetadata
-from ..plan import bucket_size
+from ..plan import MIN_PREFILL_CHUNK, bucket_size
 from ..runners import ModelRunner
 from ..sampling import SamplingParams
 from ..step import StepOptions, Stepper
 from ..stops import RowState, apply_stops
 from .budget import CacheBudget
+from .draft_length import FIXED, DraftChoice, LoadGatedK
 from .metrics import ServeMetrics
 from .request import FAILED, EventSink, GenerationRequest, RowEvent
 
@@ -56,6 +71,7 @@ GREEDY = SamplingParams()  # the filter of a free slot
 FREE_SLOT_TOKEN = 0  # the one token of a free slot's dummy row (any valid id would do)
 
 Admission = Tuple[GenerationRequest, EventSink, float]  # (request, where its events go, when it was submitted)
+STEP_LOG_LENGTH = 4096  # StepRecords kept (the newest)
 
 
 @dataclass
@@ -70,6 +86,31 @@ class Row:
     state: RowState = field(default_factory=RowState)
     steps: int = FIRST_DECODE_STEP  # the Philox step index of its next decode step (0 drew its first token)
     first_token_at: Optional[float] = None
+    prefilled: int = 0  # prompt tokens in the target's cache (chunked prefill; the prompt's length once decoding)
+
+    @property
+    def decoding(self) -> bool:
+        return self.prefilled == len(self.request.prompt)
+
+
+@dataclass(frozen=True)
+class Scheduling:
+    """How the batcher schedules its steps (the server plan's choices)."""
+
+    draft_length: Optional[LoadGatedK] = None  # k by load; None: every row drafts the server's k
+    prefill_chunk: int = 0  # prompt tokens prefilled per step (0: whole prompts at admission)
+
+
+@dataclass
+class StepRecord:
+    """What one step of the batcher did (``ContinuousBatcher.step_log``)."""
+
+    width: int  # rows the step covered (0: no decode step ran, only prefill)
+    k: int  # drafts per row of the widest budget (0: a plain step)
+    reason: str  # why that k (serve/draft_length.REASONS)
+    prefilled: Dict[int, int]  # slot -> prompt tokens prefilled before the step
+    emitted: Dict[int, int]  # slot -> tokens the step gave the row
+    rates: Optional[Tuple[float, float]] = None  # k by load: (plain's, the chosen k's) estimated tokens/s
 
 
 class ContinuousBatcher:
@@ -77,7 +118,8 @@ class ContinuousBatcher:
 
     def __init__(self, target: ModelRunner, drafter: Optional[Drafter], *, max_rows: int, slots: int,
                  max_seq_len: int, metrics: Optional[ServeMetrics] = None,
-                 clock: Callable[[], float] = time.perf_counter, graphs: bool = False, graph_backend=None):
+                 clock: Callable[[], float] = time.perf_counter, graphs: bool = False, graph_backend=None,
+                 scheduling: Scheduling = Scheduling()):
         if drafter is not None and drafter.is_tree:
             raise ValueError(f"continuous batching runs chain drafters (a draft model, ngram) or none, not "
                              f"{type(drafter).__name__} (a tree)")
@@ -87,7 +129,15 @@ class ContinuousBatcher:
         if graphs and drafter is not None and not drafter.device_steps:
             raise ValueError(f"CUDA graphs in continuous batching need a draft model or no drafter: "
                              f"{type(drafter).__name__} proposes on the host")
+        draft_length, prefill_chunk = scheduling.draft_length, scheduling.prefill_chunk
+        if prefill_chunk and not target.capabilities.chunked_prefill:
+            raise ValueError(f"chunked prefill needs a target runner with extend_rows, not {type(target).__name__}")
+        if graphs and (draft_length is not None or prefill_chunk):
+            raise ValueError("CUDA-graph steps run a fixed k and whole-prompt prefill")
         self.target, self.drafter = target, drafter
+        self.draft_length, self.prefill_chunk = draft_length, int(prefill_chunk)
+        self.step_log: Deque[StepRecord] = deque(maxlen=STEP_LOG_LENGTH)
+        self._last_k = slots
         self.graphs, self.graph_backend = bool(graphs), graph_backend
         self._steps: Dict[tuple, Stepper] = {}  # step key -> the Stepper of its rows view
         self.max_rows, self.max_seq_len = int(max_rows), int(max_seq_len)
@@ -107,7 +157,14 @@ class ContinuousBatcher:
     # ------------------------------------------------------------------ state
     @property
     def running(self) -> List[Row]:
+        """Every request holding a slot (decoding or still prefilling)."""
         return [row for row in self.rows if row is not None]
+
+    @property
+    def prefilling(self) -> List[Row]:
+        """Requests whose prompts are still being prefilled (chunked prefill), first come first."""
+        return sorted((row for row in self.rows if row is not None and not row.decoding),
+                      key=lambda row: row.submitted_at)
 
     @property
     def free_slots(self) -> int:
@@ -116,8 +173,9 @@ class ContinuousBatcher:
     # ------------------------------------------------------------------ joining and leaving
     @torch.no_grad()  # grad mode is per thread: the engine's thread needs its own
     def admit(self, admissions: Sequence[Admission]) -> None:
-        """Prefill requests into the lowest free slots and deliver each one's first token. The caller
-        checked that they fit (``free_slots``, ``budget.fits`` of their ``budget.units``)."""
+        """Requests take the lowest free slots. Whole-prompt prefill: their prompts are prefilled now and
+        each one's first token delivered; chunked prefill: ``prefill`` feeds them chunk by chunk. The
+        caller checked that they fit (``free_slots``, ``budget.fits`` of their ``budget.units``)."""
         slots = [b for b, row in enumerate(self.rows) if row is None][: len(admissions)]
         if len(slots) < len(admissions):
             raise RuntimeError(f"admit: {len(admissions)} requests for {len(slots)} free slots")
@@ -127,10 +185,68 @@ class ContinuousBatcher:
             self.budget.take(units)
             row = self.rows[slot] = Row(request, sink, slot, units, submitted_at)
             self.meta.set_row(slot, request.sampling, request.seed)
+            if self.draft_length is not None:
+                self.draft_length.join(slot)
             joining.append(row)
+        if self.prefill_chunk:
+            return
         first, status = prefill_rows(self.target, self.drafter, slots, [r.request.prompt for r in joining], self.meta)
+        for row in joining:
+            row.prefilled = len(row.request.prompt)
+        self._started(joining, first, status)
+
+    @torch.no_grad()
+    def prefill(self) -> Dict[int, int]:
+        """Chunked prefill: the next chunks of the prefilling rows, first come first, within this step's
+        token budget; rows whose last chunk this was get their first token. Returns slot -> tokens fed."""
+        rows = self.prefilling
+        if not rows:
+            return {}
+        decoding = sum(1 for row in self.rows if row is not None and row.decoding)
+        left = max(self.prefill_chunk - decoding * (self._last_k + 1), MIN_PREFILL_CHUNK)
+        fed: Dict[int, int] = {}
+        done: List[Tuple[Row, torch.Tensor]] = []
+        for row in rows:
+            if left <= 0:
+                break
+            prompt = row.request.prompt
+            chunk = prompt[row.prefilled: row.prefilled + left]
+            try:
+                logits = self._feed_chunk(row, chunk)
+            except Exception as error:  # this request's prompt only: the other rows go on
+                log.exception("specdec serve: prefilling request %s failed", row.request.request_id)
+                self.end(row, FAILED, message=f"its prefill failed ({type(error).__name__}: {error})")
+                continue
+            row.prefilled += len(chunk)
+            fed[row.slot] = len(chunk)
+            left -= len(chunk)
+            if row.decoding:
+                done.append((row, logits))
+        if done:
+            joined = [row for row, _ in done]
+            if self.drafter is not None:
+                self.drafter.free_rows([row.slot for row in joined])  # its stand-in (_feed_chunk)
+            first, status = join_rows(self.drafter, [row.slot for row in joined],
+                                      [row.request.prompt for row in joined],
+                                      torch.cat([logits for _, logits in done]), self.meta)
+            self._started(joined, first, status)
+        return fed
+
+    def _feed_chunk(self, row: Row, chunk: List[int]) -> torch.Tensor:
+        """One chunk of ``row``'s prompt into the target's cache; its first chunk also gives the drafter a
+        one-token stand-in for the row. Logits at the chunk's last token [1, V]."""
+        if row.prefilled:
+            return self.target.extend_rows([row.slot], [chunk])
+        logits = self.target.start_rows([row.slot], [chunk])
+        if self.drafter is not None:
+            self.meta.hold_rows([row.slot], FREE_SLOT_TOKEN)
+            self.drafter.start_rows([row.slot], [[FREE_SLOT_TOKEN]], self.meta)
+        return logits
+
+    def _started(self, rows: Sequence[Row], first: Sequence[int], status: Sequence[int]) -> None:
+        """Rows whose prompts are prefilled: deliver each first token (or end a row whose logits failed)."""
         now = self.clock()
-        for row, token, code in zip(joining, first, status):
+        for row, token, code in zip(rows, first, status):
             if code < 0:
                 self.end(row, FAILED, message=_status_message(code, row.slot))
                 continue
@@ -142,6 +258,8 @@ class ContinuousBatcher:
         self._send(row, RowEvent(list(tokens), finished=True, finish_reason=reason,
                                  stop_text_end=row.state.stop_text_end, message=message))
         self._release(row)
+        if self.draft_length is not None:
+            self.draft_length.leave(row.slot)
         now = self.clock()
         count = len(row.state.tokens)
         first = None if row.first_token_at is None else row.first_token_at - row.submitted_at
@@ -155,19 +273,33 @@ class ContinuousBatcher:
     # ------------------------------------------------------------------ the step
     @torch.no_grad()
     def step(self) -> None:
-        """One step over the slots in use (Stepper.step); each running row gets its new tokens, and rows
-        that finish or fail leave at once."""
-        running = self.running
-        if not running:
+        """The prefill chunks (chunked prefill), then one decode step over the slots in use
+        (Stepper.step) if a row is decoding; each decoding row gets its new tokens, and rows that finish
+        or fail leave at once. A prefilling row is frozen in the step."""
+        prefilled = self.prefill() if self.prefill_chunk else {}
+        started = [row for row in self.running if row.prefilled]  # (in both runners: they span these slots)
+        if not any(row.decoding for row in started):
+            if prefilled:
+                self.step_log.append(StepRecord(0, 0, FIXED, prefilled, {}))
             return
-        width = max(row.slot for row in running) + 1
+        width = max(row.slot for row in started) + 1
         if self.graphs:
             width = min(bucket_size(width), self.max_rows)
-        rows = self.rows[:width]
+        rows = [row if row is not None and row.decoding else None for row in self.rows[:width]]
+        choice = self._choose(width, rows)
         stepper = self._stepper_for(width)
         stepper.meta.set_row_steps(torch.tensor([row.steps if row is not None else 0 for row in rows]))
+        begin = self.clock()
         result = stepper.step([None if row is None else row.state for row in rows],
-                              [None if row is None else row.request.stop for row in rows])
+                              [None if row is None else row.request.stop for row in rows],
+                              None if self.draft_length is None else choice.budget)
+        if self.draft_length is not None:
+            host = self.clock() - begin - result.draft_time - result.verify_time
+            self.draft_length.observe(width, choice, result.outcome, verify_width=result.width,
+                                      draft_time=result.draft_time, verify_time=result.verify_time, host_time=host)
+        self._last_k = choice.k
+        self.metrics.record_draft_length(choice.k, choice.reason)
+        emitted: Dict[int, int] = {}
         for b, row in enumerate(rows):
             if row is None:
                 continue
@@ -175,7 +307,18 @@ class ContinuousBatcher:
                 self.end(row, FAILED, message=_status_message(result.failed[b], b))
                 continue
             row.steps += 1
+            emitted[b] = len(result.new_tokens[b])
             self._emit(row, result.new_tokens[b])
+        self.step_log.append(StepRecord(width, choice.k, choice.reason, prefilled, emitted, choice.rates))
+
+    def _choose(self, width: int, rows: Sequence[Optional[Row]]) -> DraftChoice:
+        """This step's draft lengths: the LoadGatedK's choice, or the server's k for every row."""
+        running = [b for b, row in enumerate(rows) if row is not None]
+        if self.draft_length is None:
+            k = self.meta.slots
+            return DraftChoice(k, FIXED, [k if row is not None else 0 for row in rows])
+        seeded = [b for b in running if rows[b].request.seeded]
+        return self.draft_length.choose(width, running, seeded)
 
     @property
     def graphs_captured(self) -> int:

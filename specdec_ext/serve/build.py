@@ -1,7 +1,7 @@
 """build_engine: the target's runner, the drafter and the batcher for a pair, sized for the server's slots.
 
-The server's plan (plan.plan_server: the runners, a fixed k, CUDA graphs by batch bucket, by the same
-rules as generate()'s) is built here; the caches are sized for ``max_rows`` slots of ``max_seq_len``
+The server's plan (plan.plan_server: the runners, the draft length by load or a fixed k, chunked prefill,
+CUDA graphs by batch bucket, by the same rules as generate()'s) is built here; the caches are sized for ``max_rows`` slots of ``max_seq_len``
 positions (the paged pool for ``cache_tokens`` if given).
 """
 from __future__ import annotations
@@ -16,7 +16,8 @@ from ..plan import FIXED_K, plan_server
 from ..runners import PagedModelRunner, make_runner
 from ..runners.paged import DEFAULT_PAGE_SIZE
 from . import DEFAULT_MAX_QUEUE, DEFAULT_MAX_ROWS
-from .batcher import ContinuousBatcher
+from .batcher import ContinuousBatcher, Scheduling
+from .draft_length import LoadGatedK, describe
 from .engine import DEFAULT_MAX_PREFILL_TOKENS, Engine
 from .metrics import ServeMetrics
 
@@ -29,24 +30,21 @@ class EngineOptions:
 
     max_rows: int = DEFAULT_MAX_ROWS  # slots: the most rows that decode at once
     max_queue: int = DEFAULT_MAX_QUEUE  # requests that may wait for a slot (then 429)
-    k: Optional[int] = None  # draft tokens per step (None: plan.FIXED_K)
+    k: Optional[int] = None  # draft tokens per step (None: by load, serve/draft_length.py)
     max_seq_len: Optional[int] = None  # positions per row (default: the models' max_position_embeddings)
     cache_tokens: Optional[int] = None  # paged runner: positions in the target's page pool (default: every slot full)
     runner: str = "auto"  # as generate()'s runner=
-    max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS
-
-    @property
-    def draft_length(self) -> int:
-        return FIXED_K if self.k is None else self.k
+    max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS  # whole-prompt prefill: prompt tokens per admission
+    prefill_chunk: Optional[int] = None  # chunked prefill: tokens per step (None: plan.DEFAULT_PREFILL_CHUNK, 0: off)
 
     def validate(self) -> None:
-        for name in ("max_rows", "draft_length", "max_prefill_tokens"):
+        for name in ("max_rows", "max_prefill_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if isinstance(self.max_queue, bool) or not isinstance(self.max_queue, int) or self.max_queue < 0:
             raise ValueError(f"max_queue must be an int >= 0, got {self.max_queue!r}")
-        for name in ("max_seq_len", "cache_tokens"):
+        for name in ("k", "max_seq_len", "cache_tokens"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be an int >= 1 or None, got {value!r}")
@@ -56,16 +54,21 @@ def build_engine(models: Models, options: EngineOptions = EngineOptions()) -> En
     """An Engine (not started) over ``models``: a draft model, "ngram" or no drafter ("none")."""
     options.validate()
     seq_len = options.max_seq_len or _model_positions(models) or FALLBACK_MAX_SEQ_LEN
-    plan = plan_server(models.target, models.draft, drafter=models.drafter, k=options.draft_length,
-                       runner=options.runner, max_rows=options.max_rows, max_seq_len=seq_len)
+    plan = plan_server(models.target, models.draft, drafter=models.drafter, k=options.k, runner=options.runner,
+                       max_rows=options.max_rows, max_seq_len=seq_len, prefill_chunk=options.prefill_chunk)
     target = _target_runner(models, plan.target_runner, options, seq_len)
     drafter = build_drafter(plan, models)
     metrics = ServeMetrics(plan.slots)
+    draft_length = LoadGatedK(plan.slots, rows=options.max_rows, pinned_k=FIXED_K) if plan.adaptive else None
     batcher = ContinuousBatcher(target, drafter, max_rows=options.max_rows, slots=plan.slots, max_seq_len=seq_len,
-                                metrics=metrics, graphs=plan.cuda_graphs)
+                                metrics=metrics, graphs=plan.cuda_graphs,
+                                scheduling=Scheduling(draft_length, plan.prefill_chunk))
     engine = Engine(batcher, max_queue=options.max_queue, max_prefill_tokens=options.max_prefill_tokens)
     engine.description = (f"target runner {plan.target_runner}, drafter {models.drafter}"
-                          + (f" (k={plan.slots}, draft runner {plan.draft_runner})" if plan.slots else "")
+                          + (f" (draft runner {plan.draft_runner})" if plan.slots else "")
+                          + f"; {describe(draft_length, plan.slots)}; "
+                          + (f"prefill in chunks of {plan.prefill_chunk} tokens per step" if plan.prefill_chunk
+                             else "whole-prompt prefill")
                           + f"; {options.max_rows} rows of {seq_len} positions, queue {options.max_queue}; "
                           + f"cache budget {batcher.budget.capacity} {batcher.budget.unit}; "
                           + ("steps in CUDA graphs by batch bucket" if plan.cuda_graphs else

@@ -201,7 +201,8 @@ class Engine:
         while self._waiting and len(taken) < free_slots:
             request = self._waiting[0][0]
             units = budget.units(len(request.prompt), request.max_new_tokens)
-            if units > free_units or (taken and tokens + len(request.prompt) > self.max_prefill_tokens):
+            whole = not self.batcher.prefill_chunk  # (chunked prefill bounds each step's prompt tokens itself)
+            if units > free_units or (whole and taken and tokens + len(request.prompt) > self.max_prefill_tokens):
                 break
             taken.append(self._waiting.popleft())
             free_units -= units

@@ -56,12 +56,18 @@ class ServeMetrics:
         self.ttft = Histogram(TTFT_BUCKETS_S)
         self.tpot = Histogram(TPOT_BUCKETS_S)
         self.mean_request_s: Optional[float] = None
+        self.draft_lengths: Counter = Counter()  # (k, reason) -> decode steps
 
     # ------------------------------------------------------------------ recording (engine thread)
     def record_step(self, outcome: StepOutcome) -> None:
         """One target pass over the running rows."""
         with self._lock:
             self.steps.record_step(outcome)
+
+    def record_draft_length(self, k: int, reason: str) -> None:
+        """One decode step drafted ``k`` per row (the widest budget; 0: a plain step), for ``reason``."""
+        with self._lock:
+            self.draft_lengths[(k, reason)] += 1
 
     def record_tokens(self, count: int) -> None:
         with self._lock:
@@ -109,6 +115,12 @@ class ServeMetrics:
             _family(out, "tokens_per_target_pass", "gauge",
                     "Tokens the verifier emitted per row per target pass (accepted drafts + 1), since start.",
                     [({}, self.tokens_per_target_pass())])
+            _family(out, "draft_length_steps_total", "counter",
+                    "Decode steps by draft length k (0: a plain step, speculation off) and why it was chosen "
+                    "(measured, explore, refresh, pinned, fixed).",
+                    [({"k": str(k), "reason": r}, n) for (k, r), n in sorted(self.draft_lengths.items())])
+            _family(out, "speculation_off_steps_total", "counter", "Decode steps that drafted nothing.",
+                    [({}, sum(n for (k, _), n in self.draft_lengths.items() if k == 0))])
             positions = [{"position": str(i + 1)} for i in range(self.draft_slots)]
             _family(out, "draft_reached_total", "counter", "Row-steps that reached draft position i.",
                     list(zip(positions, steps.reached)))

@@ -23,6 +23,7 @@ class GenerationRequest:
     seed: int  # Philox key of the row: its draws depend on (seed, its own step), not on the batch
     stop: StopCriteria  # max_new_tokens, EOS ids, stop strings (and their decode_text)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    seeded: bool = False  # the client chose the seed: its tokens must not depend on the load (a fixed k)
 
     @property
     def max_new_tokens(self) -> int:

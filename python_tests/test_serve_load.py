@@ -1,0 +1,266 @@
+"""Speculation co-scheduled with continuous batching (issue 30): the server's draft length by load
+(serve/draft_length.py) and chunked prefill (runners' extend_rows, serve/batcher.py).
+
+The controller is tested on synthetic step costs (a memory-bound pass whose width is nearly free, a
+compute-bound one whose time grows with its tokens); the engine end to end on the tiny pair: greedy
+tokens equal generate()'s whatever k each step chose, a seeded sample equals itself alone, a long prompt
+joins chunk by chunk while another row keeps emitting (the step log), and its tokens equal a whole-prompt
+prefill's.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specdec_ext import plain_generate
+from specdec_ext.models import Models
+from specdec_ext.runners import LeanLlamaRunner, RecomputeRunner
+from specdec_ext.sampling import SamplingParams
+from specdec_ext.serve.build import EngineOptions, build_engine
+from specdec_ext.serve.draft_length import (EXPLORE, EXPLORE_EVERY, PINNED, REFRESH, STALE_STEPS, CostCurve,
+                                           DraftCosts, LoadGatedK)
+from specdec_ext.serve.request import GenerationRequest
+from specdec_ext.stats import StepOutcome
+from specdec_ext.stops import StopCriteria
+from serve_utils import tiny_pair
+from test_serve_engine import Collector, _run_to_end
+
+pytestmark = pytest.mark.usefixtures("single_thread")  # conftest.py: one CPU thread per module
+
+K_MAX = 8
+MS = 1e-3
+
+
+# ------------------------------------------------------------------------------------------ the controller
+def _simulate(controller: LoadGatedK, width: int, steps: int, verify_s, acceptance: float, rng,
+              draft_s: float = 0.2 * MS, seeded=()):
+    """Run ``steps`` choices at ``width`` rows with step costs verify_s(tokens in the pass) and
+    draft_s per drafted token, each draft accepted with probability ``acceptance``; the choices."""
+    running = list(range(width))
+    choices = []
+    for _ in range(steps):
+        choice = controller.choose(width, running, list(seeded))
+        drafted = [choice.budget[b] for b in running]
+        accepted = []
+        for d in drafted:
+            n = 0
+            while n < d and rng.random() < acceptance:
+                n += 1
+            accepted.append(n)
+        controller.observe(width, choice, StepOutcome(running, drafted, accepted), verify_width=choice.k + 1,
+                           draft_time=choice.k * draft_s, verify_time=verify_s(width * (choice.k + 1)),
+                           host_time=0.05 * MS)
+        choices.append(choice)
+    return choices
+
+
+def memory_bound(tokens: int) -> float:
+    """A pass that reads the weights once: nearly flat in its tokens up to 16, then compute-bound."""
+    return 10 * MS + 0.02 * MS * tokens + 0.5 * MS * max(tokens - 16, 0)
+
+
+def test_k_by_load_speculates_on_a_narrow_batch_turns_off_on_a_wide_one_and_back_on_when_it_shrinks():
+    """The regime map, measured: at one row a pass of 9 tokens costs about what a pass of 1 does, so with
+    acceptance 0.8 the controller drafts long; at 32 rows a pass costs in proportion to its tokens and
+    speculation turns off (plain steps); back at one row it turns on again."""
+    rng = np.random.default_rng(0)
+    controller = LoadGatedK(K_MAX, rows=32, pinned_k=4)
+    narrow = _simulate(controller, 1, 60, memory_bound, 0.8, rng)
+    assert np.mean([c.k for c in narrow[-20:]]) >= 5
+    wide = _simulate(controller, 32, 80, memory_bound, 0.8, rng)
+    tail = wide[-30:]
+    assert sum(c.k == 0 for c in tail) >= 25, [c.k for c in tail]  # off, but for explorations
+    assert all(c.k == 0 or c.reason == EXPLORE for c in tail)
+    back = _simulate(controller, 1, 40, memory_bound, 0.8, rng)
+    assert np.mean([c.k for c in back[-10:]]) >= 5
+
+
+def test_low_acceptance_switches_speculation_off_and_explorations_keep_measuring():
+    """A row whose drafts are never accepted gets plain steps; while off, a step every EXPLORE_EVERY
+    steps (backing off) drafts to measure again."""
+    rng = np.random.default_rng(1)
+    controller = LoadGatedK(K_MAX, rows=4, pinned_k=4)
+    choices = _simulate(controller, 1, 200, memory_bound, 0.0, rng)
+    tail = choices[50:]
+    assert sum(c.k == 0 for c in tail) > 0.9 * len(tail)
+    explored = [i for i, c in enumerate(choices) if c.reason == EXPLORE]
+    assert explored and min(np.diff(explored), default=EXPLORE_EVERY) >= EXPLORE_EVERY
+
+
+def test_a_seeded_row_drafts_the_pinned_length_whatever_the_load():
+    """Seeded rows' tokens must not depend on the load: they draft pinned_k every step even where the
+    others are off."""
+    rng = np.random.default_rng(2)
+    controller = LoadGatedK(K_MAX, rows=32, pinned_k=4)
+    choices = _simulate(controller, 32, 60, memory_bound, 0.8, rng, seeded=[3])
+    assert all(c.budget[3] == 4 for c in choices)
+    off = [c for c in choices[20:] if c.budget[0] == 0]
+    assert off and all(c.reason == PINNED and c.k == 4 for c in off)
+
+
+def test_a_close_call_measures_plain_decoding_again_when_its_cost_is_stale():
+    """While speculating where the choice is close (acceptance 0.45 on a pass whose time grows with its
+    tokens) and plain's V(w) was last measured more than STALE_STEPS steps ago, one plain step
+    (REFRESH) measures it again, and speculation goes on after it."""
+    rng = np.random.default_rng(3)
+    controller = LoadGatedK(K_MAX, rows=8, pinned_k=4)
+    steep = lambda tokens: 10 * MS + 0.6 * MS * tokens
+    choices = _simulate(controller, 2, 150, steep, 0.45, rng)
+    refreshes = [i for i, c in enumerate(choices) if c.reason == REFRESH]
+    assert refreshes and all(i > STALE_STEPS for i in refreshes)
+    assert all(choices[i + 1].k > 0 for i in refreshes if i + 1 < len(choices))
+
+
+def test_cost_curve_interpolates_and_extrapolates_optimistically():
+    """Between the sizes seen: linear; outside: what looks cheapest within reason (flat above a single
+    point, proportional below it; the end segments' slopes with two or more, never below proportional)."""
+    curve = CostCurve(smoothing=1.0)
+    assert curve.at(4) is None
+    curve.observe(4, 2.0, step=1)
+    assert curve.at(1) == pytest.approx(0.5) and curve.at(8) == 2.0
+    curve.observe(8, 3.0, step=2)
+    assert curve.at(6) == pytest.approx(2.5)
+    assert curve.at(16) == pytest.approx(5.0)  # the last segment's slope
+    assert curve.at(2) == pytest.approx(1.5)  # the first segment's slope (proportional would be 1.0)
+    assert curve.at(1) == pytest.approx(1.25)
+    curve.observe(8, 100.0, step=3)  # a spike counts as SPIKE_CAP x the average
+    assert curve.times[8] == pytest.approx(6.0)
+    assert curve.fresh(8, step=3) and not curve.fresh(4, step=2 + STALE_STEPS)
+
+
+def test_draft_costs_fit_a_fixed_part_and_a_per_token_part_per_width():
+    """D(w, K) = d_0 + K c per width (through the origin from one K); a width without data takes the
+    nearest measured one's line."""
+    costs = DraftCosts(smoothing=1.0)
+    assert costs.line(1) is None
+    costs.observe(1, 4, 4e-3)
+    assert costs.line(1) == pytest.approx((0.0, 1e-3))
+    costs.observe(1, 1, 2e-3)
+    fitted = pytest.approx((4e-3 / 3, 2e-3 / 3))  # through (1, 2 ms) and (4, 4 ms)
+    assert costs.line(1) == fitted
+    costs.observe(8, 2, 6e-3)
+    assert costs.line(6) == pytest.approx((0.0, 3e-3)) and costs.line(3) == fitted
+
+
+def test_load_gated_k_refuses_a_pinned_length_outside_its_slots():
+    with pytest.raises(ValueError, match="pinned_k must lie in"):
+        LoadGatedK(4, rows=2, pinned_k=5)
+
+
+# ------------------------------------------------------------------------------------------ extend_rows
+@pytest.fixture(scope="module")
+def pair():
+    return tiny_pair()
+
+
+@pytest.mark.parametrize("kind", ["lean", "recompute"])
+def test_a_prompt_prefilled_in_chunks_leaves_what_a_whole_prefill_leaves(pair, kind):
+    """start_rows(first chunk) + extend_rows(next chunks) against start_rows(whole prompt), beside another
+    running row: the same last logits and the same logits of the next pass."""
+    target = pair[0]
+    make = (lambda: LeanLlamaRunner(target, max_batch_size=2, max_seq_len=128)) if kind == "lean" else (
+        lambda: RecomputeRunner(target, max_batch_size=2, max_seq_len=128))
+    prompt = [int(t) for t in torch.randint(1, 60, (50,), generator=torch.Generator().manual_seed(0))]
+    other = [5, 6, 7]
+    whole, chunked = make(), make()
+    for runner in (whole, chunked):
+        runner.start_rows([0], [other])
+    last_whole = whole.start_rows([1], [prompt])
+    chunked.start_rows([1], [prompt[:17]])
+    chunked.extend_rows([1], [prompt[17:40]])
+    last_chunked = chunked.extend_rows([1], [prompt[40:]])
+    torch.testing.assert_close(last_chunked, last_whole, rtol=1e-5, atol=1e-5)
+    assert whole.lengths.tolist() == chunked.lengths.tolist() == [3, 50]
+    step = torch.tensor([[8, 9], [10, 11]])
+    torch.testing.assert_close(chunked.forward(step), whole.forward(step), rtol=1e-5, atol=1e-5)
+
+
+def test_extend_rows_refuses_a_free_row_an_empty_chunk_and_a_full_row(pair):
+    runner = LeanLlamaRunner(pair[0], max_batch_size=2, max_seq_len=16)
+    runner.start_rows([0], [[1, 2, 3]])
+    with pytest.raises(ValueError, match="row 1 is not in use"):
+        runner.extend_rows([1], [[4]])
+    with pytest.raises(ValueError, match="chunk 0 is empty"):
+        runner.extend_rows([0], [[]])
+    with pytest.raises(ValueError, match="17 tokens, more than max_seq_len=16"):
+        runner.extend_rows([0], [list(range(14))])
+    assert runner.lengths.tolist() == [3]
+
+
+# ------------------------------------------------------------------------------------------ the engine
+def _engine(pair, **options):
+    target, draft, tokenizer = pair
+    models = Models(target, "model", draft=draft, tokenizer=tokenizer)
+    return build_engine(models, EngineOptions(max_seq_len=256, **options))
+
+
+def _request(tokenizer, prompt, *, max_new, sampling=SamplingParams(), seed=0, seeded=False):
+    ids = prompt if isinstance(prompt, list) else tokenizer(prompt)["input_ids"]
+    return GenerationRequest(list(ids), sampling, seed, StopCriteria(max_new, [], []), seeded=seeded)
+
+
+def _run(engine, requests):
+    return [sink.tokens for sink in _run_to_end(engine, requests)]
+
+
+PROMPTS = ["def fib(n):\n    return", "import os\nimport sys\n", "x = [1, 2, 3]\nprint(x", "a", "class a:\n  def",
+           "for i in range(10):\n    print(i)\n", "while True:\n  x", "y = {'a': 1}\n"]
+
+
+def test_k_by_load_gives_every_greedy_request_its_plain_greedy_tokens(pair):
+    """Eight greedy requests through four slots with the draft length by load (the default): each equals
+    plain greedy decoding of its prompt alone; /metrics counts every step under a draft length."""
+    tokenizer = pair[2]
+    engine = _engine(pair, max_rows=4)
+    assert "k by load" in engine.description
+    got = _run(engine, [_request(tokenizer, p, max_new=40) for p in PROMPTS])
+    for prompt, tokens in zip(PROMPTS, got):
+        want = plain_generate([prompt], pair[0], max_new_tokens=40, eos_token_id=False, tokenizer=tokenizer)
+        assert tokens == want.token_ids[0], prompt
+    batcher = engine.batcher
+    steps = sum(1 for record in batcher.step_log if record.width)
+    text = batcher.metrics.render({})
+    counted = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                  if line.startswith("specdec_draft_length_steps_total{"))
+    assert counted == steps > 0
+    assert "specdec_speculation_off_steps_total" in text
+
+
+def test_a_seeded_sample_equals_itself_alone_under_k_by_load(pair):
+    """A seeded request at T = 1 returns the same tokens alone and beside seven others (greedy and
+    unseeded samples) while the others' draft length follows the load."""
+    tokenizer = pair[2]
+    seeded = lambda: _request(tokenizer, PROMPTS[0], max_new=48, sampling=SamplingParams(1.0), seed=77, seeded=True)
+    alone = _run(_engine(pair, max_rows=8), [seeded()])[0]
+    others = [_request(tokenizer, p, max_new=48, sampling=SamplingParams(1.0 if i % 2 else 0.0), seed=i)
+              for i, p in enumerate(PROMPTS[1:])]
+    batched = _run(_engine(pair, max_rows=8), [others[0], others[1], seeded()] + others[2:])[2]
+    assert batched == alone
+
+
+def test_a_long_prompt_joins_in_chunks_while_a_running_row_keeps_emitting(pair):
+    """A 200-token prompt with a chunk budget of 40 joins over several steps; the running row emits in
+    every one of them (the step log), and the long request's tokens equal a whole-prompt prefill's and
+    plain greedy decoding's."""
+    target, _, tokenizer = pair
+    long_prompt = tokenizer("for i in range(10):\n    print(i)\n" * 7)["input_ids"][:200]
+    assert len(long_prompt) == 200
+    engine = _engine(pair, max_rows=2, prefill_chunk=40)
+    running, joining = Collector(), Collector()
+    engine.submit(_request(tokenizer, PROMPTS[1], max_new=150), running)
+    engine.start()
+    try:
+        running.next()  # its first token: it is decoding
+        engine.submit(_request(tokenizer, long_prompt, max_new=20), joining)
+        running.wait()
+        joining.wait()
+    finally:
+        engine.stop()
+    log = list(engine.batcher.step_log)
+    chunks = [record for record in log if 1 in record.prefilled]
+    assert len(chunks) >= 4 and sum(r.prefilled[1] for r in chunks) == 200
+    assert all(record.emitted.get(0, 0) >= 1 for record in chunks), [(r.prefilled, r.emitted) for r in chunks]
+    whole = _run(_engine(pair, max_rows=2, prefill_chunk=0), [_request(tokenizer, long_prompt, max_new=20)])[0]
+    plain = plain_generate([long_prompt], target, max_new_tokens=20, eos_token_id=False).token_ids[0]
+    assert joining.tokens == whole == plain

@@ -1,0 +1,293 @@
+"""LoadGatedK: the server's draft length per step, chosen from what the steps cost at the load it runs.
+
+generate()'s k="auto" (adaptive.py) chooses k for one batch whose size is fixed for the generation. A
+server's batch changes at every join and leave, and the regime map's crossover is a function of it: as
+the batch widens, a verify pass of w rows x (K + 1) tokens stops being memory-bound and the drafted
+tokens stop paying for it. So each step makes the same choice as k="auto", at the current width w:
+
+    K* = argmax_K  sum_{b running} E_b(K) / time(w, K)            K in 0..k_max  (0: a plain step)
+
+    E_b(K)     = 1 + sum_{i<=K} prod_{j<=i} a_{b,j}               (adaptive.expected_tokens_table)
+    time(w, K) = V(w (K + 1)) + D(w, K) + H                       (K = 0: V(w) + H, no draft pass)
+
+with the costs keyed by the load:
+
+- V(n): a verify step (the target pass, the verifier, the commit) as a function of the tokens n = w x t
+  it forwards: a moving average per n the server ran, interpolated linearly between them and extrapolated
+  optimistically outside them (above the largest: the last segment's slope, flat from a single point;
+  below the smallest: the first segment's slope, never below proportional to n): an option whose cost
+  was never measured looks cheap, gets chosen and is then measured, so no option stays untried because
+  a guess made it look dear. Keyed by tokens, not by (w, t): the GEMMs of a 16 x 1 pass see the 16 rows a 4 x 4
+  pass does, so what one width measured serves the others (attention over the context differs, and the
+  measurements at each n correct for the mix the server runs).
+- D(w, K): a draft step's time at w rows drafting K tokens (K sequential passes of [w, 1] and a fixed
+  part: feeding the committed tokens, host work): per width, the least-squares line d_0 + K c (c >= 0,
+  adaptive.nonneg_line) through the moving averages per K drafted there, through the origin while one K
+  was; a width without data takes the nearest measured width's line (before any draft pass was timed,
+  K x DEFAULT_PRIOR_DRAFT_COST x V(w)). A per-token cost measured at K = 1 alone carries the fixed part
+  and made longer drafts look dear (measured: k = 1 chosen at one client, where k = 4 is 1.2x faster).
+- H: the moving average of a step's host time outside the draft and verify parts.
+- a_{b,j}: row b's acceptance by position, forgetting counts as in adaptive.py; a row that joins starts
+  from the acceptance pooled over the rows that ended before it (p0 before any).
+
+The pass is shared and padded ([w, K + 1]): a row drafting fewer than K saves nothing, so every row
+drafts K* (adaptive.padded_batch_cap, with k="auto"'s guards: the longest K within LONGER_TOLERANCE of
+the best, the K in use kept within SWITCH_MARGIN, switching on only when the best beats plain decoding
+by SWITCH_ON_MARGIN; switching off is never delayed).
+
+Measurements are kept fresh two ways. While speculation is off, every EXPLORE_EVERY steps (doubling up to
+EXPLORE_BACKOFF x that while explorations leave it off) one step drafts EXPLORE_K tokens: the cheapest
+look, it measures the rows' first-position acceptance and V at 2w, whose slope from V(w) extrapolates
+the longer drafts (measured at 16 rows: exploring with the best K, often 8, cost a [16, 9] pass each
+time, 2-3 plain steps). Only where the estimate is near: the best K's rate at least EXPLORE_BAND x plain
+decoding's. An exploration's draft pass first feeds the draft model every token committed since its last
+pass (the whole plain stretch, w rows of it), so exploring where speculation is far from paying would
+charge the draft model's cost for every token decoded while off (measured: 0.95x plain at 16 clients);
+a batch that shrinks changes the estimate (the costs are interpolated at the new width), not an
+exploration. While on, where the choice is close (the best K within
+REFRESH_BAND of plain decoding) and V(w) was not measured in the last STALE_STEPS steps, one plain step
+measures it again (with k="auto"'s 64 steps, a plain cost measured during a moment of load on the shared
+CPU kept speculation on at 0.90x plain for a whole 32-client run).
+
+Seeded rows. A request that gave a seed (``GenerationRequest.seeded``) drafts ``pinned_k`` tokens every
+step whatever the load, so that its tokens are the same alone and batched: its Philox draws follow its
+own steps, and the draft lengths decide which draw serves which position. The pass is then at least
+pinned_k + 1 wide. Greedy rows' tokens never depend on k, and an unseeded sample is distributed exactly
+as the target's whatever k is (every choice verifies with the same lossless rule).
+"""
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ..adaptive import (DEFAULT_COST_SMOOTHING, DEFAULT_FORGETTING, DEFAULT_PRIOR_ACCEPTANCE,
+                        DEFAULT_PRIOR_DRAFT_COST, DEFAULT_PRIOR_STRENGTH, EXPLORE_BACKOFF, GENERATION_SMOOTHING,
+                        LONGER_TOLERANCE, REFRESH_BAND, SPIKE_CAP, SWITCH_MARGIN, SWITCH_ON_MARGIN,
+                        acceptance_by_position, expected_tokens_table, nonneg_line, padded_batch_cap)
+from ..stats import StepOutcome
+
+EXPLORE_EVERY = 16  # steps between explorations while speculation is off
+STALE_STEPS = 16  # a plain step's cost (V(w)) older than this is measured again where the choice is close
+EXPLORE_K = 1  # drafts per row of an exploration
+EXPLORE_BAND = 0.97  # ... made only where the best K's estimated rate is at least this x plain decoding's (near)
+# Why a step drafted what it did (the /metrics label of each choice)
+MEASURED = "measured"  # the argmax of the measured rates
+EXPLORE = "explore"  # off: one step drafts the best K >= 1 to measure it
+REFRESH = "refresh"  # on, close call: one plain step measures V(w) again
+PINNED = "pinned"  # a seeded row is running: it drafts pinned_k (the others K*)
+FIXED = "fixed"  # -k N: no choice
+REASONS = (MEASURED, EXPLORE, REFRESH, PINNED, FIXED)
+
+
+@dataclass(frozen=True)
+class DraftChoice:
+    """One step's draft lengths."""
+
+    k: int  # the widest budget: the verify pass is [w, k + 1] (0: a plain step)
+    reason: str  # one of REASONS
+    budget: List[int]  # [w] drafts per row (0 for free slots)
+    rates: Optional[Tuple[float, float]] = None  # (plain's, K*'s) estimated tokens/s, when estimated
+
+
+class CostCurve:
+    """A time as a function of a size: a moving average per size seen, interpolated (module docstring)."""
+
+    def __init__(self, smoothing: float = DEFAULT_COST_SMOOTHING):
+        self.smoothing = smoothing
+        self.sizes: List[int] = []  # sorted
+        self.times: Dict[int, float] = {}  # size -> seconds (moving average)
+        self.seen: Dict[int, int] = {}  # size -> the step it was last observed
+
+    def observe(self, size: int, seconds: float, step: int) -> None:
+        if seconds <= 0 or size <= 0:
+            return
+        old = self.times.get(size)
+        if old is None:
+            bisect.insort(self.sizes, size)
+            self.times[size] = seconds
+        else:  # a spike (a time slice lost to another process) counts as SPIKE_CAP x the average
+            self.times[size] = (1 - self.smoothing) * old + self.smoothing * min(seconds, SPIKE_CAP * old)
+        self.seen[size] = step
+
+    def fresh(self, size: int, step: int) -> bool:
+        return step - self.seen.get(size, -10 ** 9) <= STALE_STEPS
+
+    def at(self, size: int) -> Optional[float]:
+        """The interpolated time at ``size`` (None before any observation; optimistic outside the sizes seen)."""
+        sizes = self.sizes
+        if not sizes:
+            return None
+        first, last = sizes[0], sizes[-1]
+        if size <= first:
+            proportional = self.times[first] * size / first
+            if len(sizes) == 1:
+                return proportional
+            slope = max(0.0, (self.times[sizes[1]] - self.times[first]) / (sizes[1] - first))
+            return max(self.times[first] - slope * (first - size), proportional)
+        if size >= last:
+            if len(sizes) == 1:
+                return self.times[last]
+            slope = max(0.0, (self.times[last] - self.times[sizes[-2]]) / (last - sizes[-2]))
+            return self.times[last] + slope * (size - last)
+        i = bisect.bisect_left(sizes, size)
+        lo, hi = sizes[i - 1], sizes[i]
+        if hi == size:
+            return self.times[hi]
+        f = (size - lo) / (hi - lo)
+        return (1 - f) * self.times[lo] + f * self.times[hi]
+
+
+class DraftCosts:
+    """D(w, K), a draft step's time at w rows drafting K tokens (module docstring)."""
+
+    def __init__(self, smoothing: float = DEFAULT_COST_SMOOTHING):
+        self.smoothing = smoothing
+        self.times: Dict[int, Dict[int, float]] = {}  # width -> {K: seconds (moving average)}
+
+    def observe(self, width: int, drafted: int, seconds: float) -> None:
+        if seconds <= 0 or drafted <= 0:
+            return
+        at = self.times.setdefault(width, {})
+        old = at.get(drafted)
+        at[drafted] = seconds if old is None else (
+            (1 - self.smoothing) * old + self.smoothing * min(seconds, SPIKE_CAP * old))
+
+    def line(self, width: int) -> Optional[Tuple[float, float]]:
+        """(d_0, c) at ``width`` (the nearest measured width's; None before any observation)."""
+        if not self.times:
+            return None
+        nearest = min(self.times, key=lambda w: (abs(w - width), w))
+        points = self.times[nearest]
+        if len(points) == 1:
+            (k, seconds), = points.items()
+            return 0.0, seconds / k
+        ks = list(points)
+        return nonneg_line(ks, [points[k] for k in ks], [1.0] * len(ks))
+
+
+class LoadGatedK:
+    """The draft length of each server step (see the module docstring). ``k_max``: the server's draft
+    slots; ``pinned_k``: what seeded rows draft; ``rows``: the slots."""
+
+    def __init__(self, k_max: int, *, rows: int, pinned_k: int, explore_every: int = EXPLORE_EVERY):
+        if not 1 <= pinned_k <= k_max:
+            raise ValueError(f"pinned_k must lie in [1, k_max={k_max}], got {pinned_k}")
+        self.k_max, self.pinned_k, self.explore_every = int(k_max), int(pinned_k), max(int(explore_every), 1)
+        self.m, self.g = DEFAULT_PRIOR_STRENGTH, DEFAULT_FORGETTING
+        self.reached = np.zeros((rows, k_max))  # R_i per slot, decayed
+        self.accepted = np.zeros((rows, k_max))  # A_i per slot, decayed
+        self.pooled = np.full(k_max, DEFAULT_PRIOR_ACCEPTANCE)  # acceptance of the rows that ended
+        self.shape = np.ones(k_max)  # s_i of the pooled acceptance (adaptive.acceptance_by_position)
+        self._prefix = np.tri(k_max + 1, k_max, k=-1)  # row j: j ones, then zeros
+        self.verify, self.draft = CostCurve(), DraftCosts()
+        self.host = math.nan
+        self.step = 0
+        self._cap = 0  # K* of the last measured choice (0: speculation off)
+        self._interval = self.explore_every
+        self._next_explore = self.explore_every
+        self._after_plain = True  # the last step drafted nothing: the next draft pass also feeds its tokens
+        self._drafted = np.zeros(rows, dtype=bool)  # the slot's row drafted since it joined
+        for slot in range(rows):
+            self.join(slot)
+
+    # ------------------------------------------------------------------ rows
+    def join(self, slot: int) -> None:
+        """A request takes ``slot``: its counts start from the pooled prior."""
+        self.reached[slot] = 0.0
+        self.accepted[slot] = 0.0
+        self._drafted[slot] = False
+        self.reached[slot, 0] = self.m
+        self.accepted[slot, 0] = self.m * self.pooled[0]
+
+    def leave(self, slot: int) -> None:
+        """The row in ``slot`` ended; a row that drafted moves the pooled prior towards its acceptance."""
+        if self._drafted[slot]:
+            mine = self.acceptance()[slot]
+            self.pooled = (1 - GENERATION_SMOOTHING) * self.pooled + GENERATION_SMOOTHING * mine
+            a = self.pooled
+            self.shape[1:] = np.where(a[:-1] > 0, a[1:] / np.maximum(a[:-1], 1e-12), 1.0)
+
+    def acceptance(self) -> np.ndarray:
+        """a_i per slot: [rows, k_max]."""
+        return acceptance_by_position(self.reached, self.accepted, self.shape, self.m)
+
+    # ------------------------------------------------------------------ costs
+    def step_times(self, width: int) -> Optional[np.ndarray]:
+        """time(width, K) for K = 0..k_max in seconds: [k_max+1]; None before any verify step was timed."""
+        verify = [self.verify.at(width * (K + 1)) for K in range(self.k_max + 1)]
+        if verify[0] is None:
+            return None
+        line = self.draft.line(width)
+        fixed, per_token = line if line is not None else (0.0, DEFAULT_PRIOR_DRAFT_COST * verify[0])
+        drafts = np.maximum(fixed + per_token * np.arange(self.k_max + 1), 0.0)
+        drafts[0] = 0.0  # no draft pass
+        host = 0.0 if math.isnan(self.host) else self.host
+        return np.array(verify) + drafts + host
+
+    # ------------------------------------------------------------------ the batcher's calls
+    def choose(self, width: int, running: Sequence[int], seeded: Sequence[int]) -> DraftChoice:
+        """This step's draft lengths over slots 0..width-1: ``running`` the slots decoding, ``seeded``
+        those of them whose request gave a seed."""
+        self.step += 1
+        times = self.step_times(width)
+        reason, rates = MEASURED, None
+        if times is None:  # nothing timed yet: draft the pinned length once to measure it
+            cap = self.pinned_k
+        else:
+            expected = expected_tokens_table(self.acceptance()[list(running)])  # [r, k_max+1]
+            active = np.ones(len(running), dtype=bool)
+            switch_on = SWITCH_ON_MARGIN if self._cap == 0 else 0.0
+            current = self._cap if self._cap > 0 else None
+            cap = padded_batch_cap(expected, times, active, LONGER_TOLERANCE, current, SWITCH_MARGIN, switch_on)
+            all_rates = expected.sum(axis=0) / times  # [k_max+1]
+            best = int(np.argmax(all_rates[1:])) + 1
+            rates = (float(all_rates[0]), float(all_rates[cap if cap > 0 else best]))
+            self._cap = cap
+            if cap > 0:
+                self._interval, self._next_explore = self.explore_every, self.step + self.explore_every
+                if all_rates[best] < (1 + REFRESH_BAND) * all_rates[0] and not self.verify.fresh(width, self.step):
+                    cap, reason = 0, REFRESH
+            elif self.step >= self._next_explore and all_rates[best] >= EXPLORE_BAND * all_rates[0]:
+                cap, reason = min(EXPLORE_K, self.k_max), EXPLORE
+                self._next_explore = self.step + self._interval
+                self._interval = min(2 * self._interval, EXPLORE_BACKOFF * self.explore_every)
+        budget = [0] * width
+        seeded_set = set(seeded)
+        for slot in running:
+            budget[slot] = self.pinned_k if slot in seeded_set else cap
+        if seeded_set and cap != self.pinned_k:
+            reason = PINNED
+        return DraftChoice(max(budget, default=0), reason, budget, rates)
+
+    def observe(self, width: int, choice: DraftChoice, outcome: StepOutcome, *, verify_width: int,
+                draft_time: float, verify_time: float, host_time: float) -> None:
+        """The step ``choice`` ran: its outcome, the verify pass's tokens per row and the parts' times."""
+        self.verify.observe(width * verify_width, verify_time, self.step)
+        drafted = choice.k
+        if drafted > 0 and not self._after_plain:  # (after a plain step the draft pass also fed its tokens)
+            self.draft.observe(width, drafted, draft_time)
+        self._after_plain = drafted == 0
+        if host_time > 0:
+            self.host = host_time if math.isnan(self.host) else (
+                (1 - DEFAULT_COST_SMOOTHING) * self.host + DEFAULT_COST_SMOOTHING * min(host_time, SPIKE_CAP * self.host))
+        live = [i for i, d in enumerate(outcome.drafted) if d > 0]
+        if live:
+            rows = [outcome.rows[i] for i in live]
+            self._drafted[rows] = True
+            reached, accepted = outcome.reached, outcome.accepted
+            self.reached[rows] = self.g * self.reached[rows] + self._prefix[[reached[i] for i in live]]
+            self.accepted[rows] = self.g * self.accepted[rows] + self._prefix[[accepted[i] for i in live]]
+
+
+def describe(controller: Optional[LoadGatedK], slots: int) -> str:
+    """The startup line's words for the draft length."""
+    if slots == 0:
+        return "no drafts (plain decoding)"
+    if controller is None:
+        return f"k={slots} fixed"
+    return (f"k by load: 0..{controller.k_max} per step from measured step costs at the running width "
+            f"(seeded requests draft {controller.pinned_k})")
