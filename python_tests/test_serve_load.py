@@ -21,6 +21,7 @@ from specdec_ext.serve.build import EngineOptions, build_engine
 from specdec_ext.serve.draft_length import (EXPLORE, EXPLORE_EVERY, PINNED, REFRESH, STALE_STEPS, CostCurve,
                                            DraftCosts, LoadGatedK)
 from specdec_ext.serve.request import GenerationRequest
+from specdec_ext.serve.slo import TpotSlo
 from specdec_ext.stats import StepOutcome
 from specdec_ext.stops import StopCriteria
 from serve_utils import tiny_pair
@@ -264,3 +265,56 @@ def test_a_long_prompt_joins_in_chunks_while_a_running_row_keeps_emitting(pair):
     whole = _run(_engine(pair, max_rows=2, prefill_chunk=0), [_request(tokenizer, long_prompt, max_new=20)])[0]
     plain = plain_generate([long_prompt], target, max_new_tokens=20, eos_token_id=False).token_ids[0]
     assert joining.tokens == whole == plain
+
+
+# ------------------------------------------------------------------------------------------ TPOT target
+def test_tpot_slo_cuts_the_prefill_chunk_and_gates_admission_on_measured_times():
+    """serve/slo.py: the chunk is what the target leaves after the decode step (at least the floor); a width
+    whose measured time per token is above the target is not admitted (an unmeasured one is)."""
+    slo = TpotSlo(0.050)
+    assert slo.chunk_budget(256, 32, decoding=True) == 256  # prefill cost unmeasured
+    slo.observe_prefill(100, 0.100)  # 1 ms per prompt token
+    slo.observe_step(4, step_s=0.030, prefill_s=0.0, mean_tokens=2.0)  # 15 ms per token at width 4
+    assert slo.chunk_budget(256, 32, decoding=True) == 70  # (50 ms x 2 tokens - 30 ms) / 1 ms
+    assert slo.chunk_budget(256, 32, decoding=False) == 256  # nobody to stall
+    slo.observe_step(8, step_s=0.100, prefill_s=0.060, mean_tokens=2.0)  # 80 ms per token at width 8
+    assert slo.chunk_budget(256, 32, decoding=True) == 32  # nothing left: the floor
+    assert slo.admits(4) and slo.admits(6) and not slo.admits(8) and not slo.admits(12)
+    assert slo.admits(2)  # flat below the narrowest width measured
+    assert slo.missed(0.051) and not slo.missed(0.049) and not slo.missed(None)
+    with pytest.raises(ValueError, match="must be > 0"):
+        TpotSlo(0.0)
+
+
+def test_a_tpot_target_the_batch_cannot_meet_keeps_one_row_running_and_counts_the_misses(pair):
+    """With a target no batch can meet (1 microsecond per token), requests that arrive while a row runs
+    wait for it: every step covers one row; every request still gets its plain greedy tokens, and each
+    one's miss is counted in /metrics."""
+    tokenizer = pair[2]
+    engine = _engine(pair, max_rows=4, tpot_slo_ms=1e-3)
+    assert "TPOT target" in engine.description
+    first, rest = Collector(), [Collector() for _ in range(3)]
+    engine.submit(_request(tokenizer, PROMPTS[0], max_new=30), first)
+    engine.start()
+    try:
+        first.next()
+        first.next()  # a step was measured
+        for sink, prompt in zip(rest, PROMPTS[1:4]):
+            engine.submit(_request(tokenizer, prompt, max_new=30), sink)
+        for sink in [first] + rest:
+            sink.wait()
+    finally:
+        engine.stop()
+    assert {record.width for record in engine.batcher.step_log if record.width} == {1}
+    for sink, prompt in zip([first] + rest, PROMPTS[:4]):
+        want = plain_generate([prompt], pair[0], max_new_tokens=30, eos_token_id=False, tokenizer=tokenizer)
+        assert sink.tokens == want.token_ids[0]
+    assert "specdec_tpot_slo_misses_total 4" in engine.batcher.metrics.render({})
+
+
+def test_a_loose_tpot_target_lets_the_batch_widen(pair):
+    tokenizer = pair[2]
+    engine = _engine(pair, max_rows=4, tpot_slo_ms=10_000)
+    _run(engine, [_request(tokenizer, p, max_new=30) for p in PROMPTS[:4]])
+    assert max(record.width for record in engine.batcher.step_log) == 4
+    assert "specdec_tpot_slo_misses_total 0" in engine.batcher.metrics.render({})

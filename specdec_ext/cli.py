@@ -192,6 +192,10 @@ def _serve_parser(sub) -> None:
                    help="prompt tokens prefilled per decode step for joining requests, so running rows keep "
                    "emitting while a long prompt joins; 0 prefills whole prompts before the next step (default: "
                    "256 where the target runner can, lean or recompute)")
+    s.add_argument("--tpot-slo-ms", type=float, default=None, dest="tpot_slo_ms",
+                   help="a target time per output token: each step's prefill chunk is cut to what the target "
+                   "leaves after the decode step, and a waiting request joins only while the batch it would make "
+                   "is measured to meet it; misses are counted in /metrics (default: no target)")
     s.add_argument("--max-rows", type=int, default=DEFAULT_MAX_ROWS,
                    help=f"rows that decode at once (slots; default: {DEFAULT_MAX_ROWS})")
     s.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
@@ -409,7 +413,8 @@ def cmd_serve(args) -> int:
     else:
         models = load_models(*_pair_args(args))
     options = EngineOptions(max_rows=args.max_rows, max_queue=args.max_queue, k=args.k, max_seq_len=args.max_seq_len,
-                            cache_tokens=args.cache_tokens, runner=args.runner, prefill_chunk=args.prefill_chunk)
+                            cache_tokens=args.cache_tokens, runner=args.runner, prefill_chunk=args.prefill_chunk,
+                            tpot_slo_ms=args.tpot_slo_ms)
     try:
         engine = build_engine(models, options)
         name = args.model_name or (os.path.basename(os.path.normpath(args.target)) if args.target else BUNDLED_MODEL_NAME)

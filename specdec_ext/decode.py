@@ -85,23 +85,18 @@ def prefill(target: ModelRunner, drafter: Optional[Drafter], prompts: Sequence[S
             drafter.prefill(prompts, meta)
 
 
-def prefill_rows(target: ModelRunner, drafter: Optional[Drafter], rows: Sequence[int],
-                 prompts: Sequence[Sequence[int]], meta: SpecDecodeMetadata) -> Tuple[List[int], List[int]]:
-    """Continuous batching: what ``prefill`` does for a whole batch, for some free rows (slots) while
-    the other rows keep their caches (``target.start_rows``, then ``join_rows``).
+def join_rows(rows: Sequence[int], prompts: Sequence[Sequence[int]], logits: torch.Tensor,
+              meta: SpecDecodeMetadata) -> Tuple[List[int], List[int]]:
+    """Continuous batching: what ``prefill`` does for a whole batch, for rows (slots) whose prompts are
+    now in the target's cache (``start_rows``, or chunk by chunk with ``extend_rows``: serve/batcher.py)
+    while the other rows keep theirs: ``logits`` [n, V] at each prompt's last token. ``meta`` covers
+    every slot and already holds the joining rows' sampling parameters and seeds (``meta.set_row``);
+    each row's first token is drawn with its own filter at its own Philox step 0, so it is the token
+    ``prefill`` would give it in a batch of its own. The caller prefills the drafter after it has
+    delivered the first tokens.
 
     Returns (the first token, the RowStatus) of each joining row; a status < 0 means its prompt's
     logits were invalid (e.g. NaN), and the caller frees it."""
-    return join_rows(drafter, rows, prompts, target.start_rows(rows, prompts), meta)
-
-
-def join_rows(drafter: Optional[Drafter], rows: Sequence[int], prompts: Sequence[Sequence[int]],
-              logits: torch.Tensor, meta: SpecDecodeMetadata) -> Tuple[List[int], List[int]]:
-    """Rows whose prompts are in the target's cache (whole, or chunk by chunk: serve/batcher.py) join the
-    loop: ``logits`` [n, V] at each prompt's last token. ``meta`` covers every slot and already holds
-    the joining rows' sampling parameters and seeds (``meta.set_row``); each row's first token is drawn
-    with its own filter at its own Philox step 0, so it is the token ``prefill`` would give it in a batch
-    of its own; then the drafter prefills the rows. Returns (first tokens, RowStatus) as prefill_rows."""
     n = len(rows)
     index = torch.tensor(list(rows), dtype=torch.int64, device=meta.device)  # [n]
     meta.set_prompts(rows, prompts)
@@ -112,8 +107,6 @@ def join_rows(drafter: Optional[Drafter], rows: Sequence[int], prompts: Sequence
     sample_plain(logits.unsqueeze(1).contiguous(), joining, first, status, check=False)
     first = first[:, 0].clamp(min=0)  # (a failed row's token is never used)
     meta.set_first_tokens(index, first)
-    if drafter is not None:
-        drafter.start_rows(rows, prompts, meta)
     return first.tolist(), status.tolist()
 
 

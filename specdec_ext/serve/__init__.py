@@ -3,7 +3,7 @@
     request.py   GenerationRequest (one request, as the engine sees it), RowEvent (what a step tells it),
                  the rejections (queue full, too large, shutting down)
     budget.py    CacheBudget: what a request needs of the target's cache; admission never overcommits it
-    batcher.py   ContinuousBatcher: a fixed number of slots, rows joining (prefill_rows) and leaving
+    batcher.py   ContinuousBatcher: a fixed number of slots, rows joining (start_rows, decode.join_rows) and leaving
                  (free_rows) between steps, one decode step over the slots in use (step.Stepper.step,
                  the step generate() runs); no threads
     engine.py    Engine: the batcher in its own thread; submit / cancel from any thread, queue limit,

@@ -1,8 +1,9 @@
 """ContinuousBatcher: continuous batching over the decode step (step.py), the one generate() runs.
 
 A fixed number of slots (the most rows that run at once): slot b is row b of the loop's metadata, of
-the target's runner and of the drafter. Between steps requests join (``admit``: decode.prefill_rows
-prefills their slots while the other rows keep their caches, and samples each one's first token) and
+the target's runner and of the drafter. Between steps requests join (``admit``: the target's start_rows
+prefills their slots while the other rows keep their caches, decode.join_rows samples each one's first
+token, which is delivered before the drafter prefills the rows) and
 rows leave (``end``: the runner and the drafter free the slot and its cache at once). ``step`` runs one
 ``Stepper.step`` (draft -> verify -> read -> commit -> stats -> stops) over rows 0..width-1, the width being one past the highest slot in use
 (slots are taken lowest first); a free slot inside it is a frozen one-token dummy that commits nothing.
@@ -52,7 +53,7 @@ from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .._status import ROW_STATUS_MESSAGES
-from ..decode import FIRST_DECODE_STEP, join_rows, prefill_rows
+from ..decode import FIRST_DECODE_STEP, join_rows
 from ..drafters import Drafter
 from ..metadata import SpecDecodeMetadata
 from ..plan import MIN_PREFILL_CHUNK, bucket_size
@@ -62,6 +63,7 @@ from ..step import StepOptions, Stepper
 from ..stops import RowState, apply_stops
 from .budget import CacheBudget
 from .draft_length import FIXED, DraftChoice, LoadGatedK
+from .slo import TpotSlo
 from .metrics import ServeMetrics
 from .request import FAILED, EventSink, GenerationRequest, RowEvent
 
@@ -99,6 +101,7 @@ class Scheduling:
 
     draft_length: Optional[LoadGatedK] = None  # k by load; None: every row drafts the server's k
     prefill_chunk: int = 0  # prompt tokens prefilled per step (0: whole prompts at admission)
+    tpot_slo: Optional[float] = None  # seconds per output token to meet (serve/slo.py); None: no target
 
 
 @dataclass
@@ -136,6 +139,7 @@ class ContinuousBatcher:
             raise ValueError("CUDA-graph steps run a fixed k and whole-prompt prefill")
         self.target, self.drafter = target, drafter
         self.draft_length, self.prefill_chunk = draft_length, int(prefill_chunk)
+        self.slo = None if scheduling.tpot_slo is None else TpotSlo(scheduling.tpot_slo)
         self.step_log: Deque[StepRecord] = deque(maxlen=STEP_LOG_LENGTH)
         self._last_k = slots
         self.graphs, self.graph_backend = bool(graphs), graph_backend
@@ -170,6 +174,19 @@ class ContinuousBatcher:
     def free_slots(self) -> int:
         return sum(row is None for row in self.rows)
 
+    @property
+    def open_slots(self) -> int:
+        """Free slots requests may take now: with a TPOT target, only while the width they would make is
+        expected to meet it (serve/slo.py; one row always joins an empty batch)."""
+        free = self.free_slots
+        if self.slo is None:
+            return free
+        running = len(self.running)
+        opened = 0
+        while opened < free and (running + opened == 0 or self.slo.admits(running + opened + 1)):
+            opened += 1
+        return opened
+
     # ------------------------------------------------------------------ joining and leaving
     @torch.no_grad()  # grad mode is per thread: the engine's thread needs its own
     def admit(self, admissions: Sequence[Admission]) -> None:
@@ -190,10 +207,10 @@ class ContinuousBatcher:
             joining.append(row)
         if self.prefill_chunk:
             return
-        first, status = prefill_rows(self.target, self.drafter, slots, [r.request.prompt for r in joining], self.meta)
+        logits = self.target.start_rows(slots, [row.request.prompt for row in joining])
         for row in joining:
             row.prefilled = len(row.request.prompt)
-        self._started(joining, first, status)
+        self._join(joining, logits)
 
     @torch.no_grad()
     def prefill(self) -> Dict[int, int]:
@@ -204,6 +221,8 @@ class ContinuousBatcher:
             return {}
         decoding = sum(1 for row in self.rows if row is not None and row.decoding)
         left = max(self.prefill_chunk - decoding * (self._last_k + 1), MIN_PREFILL_CHUNK)
+        if self.slo is not None:
+            left = self.slo.chunk_budget(left, MIN_PREFILL_CHUNK, decoding > 0)
         fed: Dict[int, int] = {}
         done: List[Tuple[Row, torch.Tensor]] = []
         for row in rows:
@@ -211,12 +230,15 @@ class ContinuousBatcher:
                 break
             prompt = row.request.prompt
             chunk = prompt[row.prefilled: row.prefilled + left]
+            begin = self.clock()
             try:
                 logits = self._feed_chunk(row, chunk)
             except Exception as error:  # this request's prompt only: the other rows go on
                 log.exception("specdec serve: prefilling request %s failed", row.request.request_id)
                 self.end(row, FAILED, message=f"its prefill failed ({type(error).__name__}: {error})")
                 continue
+            if self.slo is not None:
+                self.slo.observe_prefill(len(chunk), self.clock() - begin)
             row.prefilled += len(chunk)
             fed[row.slot] = len(chunk)
             left -= len(chunk)
@@ -226,10 +248,7 @@ class ContinuousBatcher:
             joined = [row for row, _ in done]
             if self.drafter is not None:
                 self.drafter.free_rows([row.slot for row in joined])  # its stand-in (_feed_chunk)
-            first, status = join_rows(self.drafter, [row.slot for row in joined],
-                                      [row.request.prompt for row in joined],
-                                      torch.cat([logits for _, logits in done]), self.meta)
-            self._started(joined, first, status)
+            self._join(joined, torch.cat([logits for _, logits in done]))
         return fed
 
     def _feed_chunk(self, row: Row, chunk: List[int]) -> torch.Tensor:
@@ -243,8 +262,11 @@ class ContinuousBatcher:
             self.drafter.start_rows([row.slot], [[FREE_SLOT_TOKEN]], self.meta)
         return logits
 
-    def _started(self, rows: Sequence[Row], first: Sequence[int], status: Sequence[int]) -> None:
-        """Rows whose prompts are prefilled: deliver each first token (or end a row whose logits failed)."""
+    def _join(self, rows: Sequence[Row], logits: torch.Tensor) -> None:
+        """Rows whose prompts are in the target's cache (``logits`` [n, V] at their last tokens): deliver
+        each first token (or end a row whose logits failed), then prefill the drafter for those still
+        running (the client need not wait for the draft's prefill)."""
+        first, status = join_rows([row.slot for row in rows], [row.request.prompt for row in rows], logits, self.meta)
         now = self.clock()
         for row, token, code in zip(rows, first, status):
             if code < 0:
@@ -252,6 +274,9 @@ class ContinuousBatcher:
                 continue
             row.first_token_at = now
             self._emit(row, apply_stops(row.state, [token], row.request.stop))
+        staying = [row for row in rows if self.rows[row.slot] is row]
+        if self.drafter is not None and staying:
+            self.drafter.start_rows([row.slot for row in staying], [row.request.prompt for row in staying], self.meta)
 
     def end(self, row: Row, reason: str, *, message: Optional[str] = None, tokens: Sequence[int] = ()) -> None:
         """The row leaves: its last event (``tokens`` and why it ended), then its slot and cache are freed."""
@@ -264,6 +289,8 @@ class ContinuousBatcher:
         count = len(row.state.tokens)
         first = None if row.first_token_at is None else row.first_token_at - row.submitted_at
         per_token = (now - row.first_token_at) / (count - 1) if row.first_token_at is not None and count > 1 else None
+        if self.slo is not None and self.slo.missed(per_token):
+            self.metrics.record_slo_miss()
         self.metrics.record_end(reason, len(row.request.prompt), count, now - row.submitted_at, first, per_token)
 
     def end_all(self, reason: str, message: str) -> None:
@@ -276,6 +303,7 @@ class ContinuousBatcher:
         """The prefill chunks (chunked prefill), then one decode step over the slots in use
         (Stepper.step) if a row is decoding; each decoding row gets its new tokens, and rows that finish
         or fail leave at once. A prefilling row is frozen in the step."""
+        start = self.clock()
         prefilled = self.prefill() if self.prefill_chunk else {}
         started = [row for row in self.running if row.prefilled]  # (in both runners: they span these slots)
         if not any(row.decoding for row in started):
@@ -310,6 +338,8 @@ class ContinuousBatcher:
             emitted[b] = len(result.new_tokens[b])
             self._emit(row, result.new_tokens[b])
         self.step_log.append(StepRecord(width, choice.k, choice.reason, prefilled, emitted, choice.rates))
+        if self.slo is not None and emitted:
+            self.slo.observe_step(width, self.clock() - begin, begin - start, sum(emitted.values()) / len(emitted))
 
     def _choose(self, width: int, rows: Sequence[Optional[Row]]) -> DraftChoice:
         """This step's draft lengths: the LoadGatedK's choice, or the server's k for every row."""

@@ -36,6 +36,7 @@ class EngineOptions:
     runner: str = "auto"  # as generate()'s runner=
     max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS  # whole-prompt prefill: prompt tokens per admission
     prefill_chunk: Optional[int] = None  # chunked prefill: tokens per step (None: plan.DEFAULT_PREFILL_CHUNK, 0: off)
+    tpot_slo_ms: Optional[float] = None  # a target time per output token (serve/slo.py); None: none
 
     def validate(self) -> None:
         for name in ("max_rows", "max_prefill_tokens"):
@@ -44,6 +45,9 @@ class EngineOptions:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if isinstance(self.max_queue, bool) or not isinstance(self.max_queue, int) or self.max_queue < 0:
             raise ValueError(f"max_queue must be an int >= 0, got {self.max_queue!r}")
+        if self.tpot_slo_ms is not None and not (isinstance(self.tpot_slo_ms, (int, float))
+                                                 and not isinstance(self.tpot_slo_ms, bool) and self.tpot_slo_ms > 0):
+            raise ValueError(f"tpot_slo_ms must be a number > 0 or None, got {self.tpot_slo_ms!r}")
         for name in ("k", "max_seq_len", "cache_tokens"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -58,17 +62,19 @@ def build_engine(models: Models, options: EngineOptions = EngineOptions()) -> En
                        max_rows=options.max_rows, max_seq_len=seq_len, prefill_chunk=options.prefill_chunk)
     target = _target_runner(models, plan.target_runner, options, seq_len)
     drafter = build_drafter(plan, models)
-    metrics = ServeMetrics(plan.slots)
+    slo = None if options.tpot_slo_ms is None else options.tpot_slo_ms / 1e3
+    metrics = ServeMetrics(plan.slots, tpot_slo=slo)
     draft_length = LoadGatedK(plan.slots, rows=options.max_rows, pinned_k=FIXED_K) if plan.adaptive else None
     batcher = ContinuousBatcher(target, drafter, max_rows=options.max_rows, slots=plan.slots, max_seq_len=seq_len,
                                 metrics=metrics, graphs=plan.cuda_graphs,
-                                scheduling=Scheduling(draft_length, plan.prefill_chunk))
+                                scheduling=Scheduling(draft_length, plan.prefill_chunk, slo))
     engine = Engine(batcher, max_queue=options.max_queue, max_prefill_tokens=options.max_prefill_tokens)
     engine.description = (f"target runner {plan.target_runner}, drafter {models.drafter}"
                           + (f" (draft runner {plan.draft_runner})" if plan.slots else "")
                           + f"; {describe(draft_length, plan.slots)}; "
                           + (f"prefill in chunks of {plan.prefill_chunk} tokens per step" if plan.prefill_chunk
                              else "whole-prompt prefill")
+                          + (f"; TPOT target {options.tpot_slo_ms:g} ms (prefill chunks and admission)" if slo else "")
                           + f"; {options.max_rows} rows of {seq_len} positions, queue {options.max_queue}; "
                           + f"cache budget {batcher.budget.capacity} {batcher.budget.unit}; "
                           + ("steps in CUDA graphs by batch bucket" if plan.cuda_graphs else

@@ -35,6 +35,12 @@ drafts K* (adaptive.padded_batch_cap, with k="auto"'s guards: the longest K with
 the best, the K in use kept within SWITCH_MARGIN, switching on only when the best beats plain decoding
 by SWITCH_ON_MARGIN; switching off is never delayed).
 
+Catching up. A draft pass after plain steps first feeds the draft model every token committed since its
+last pass (w rows x the steps since); while off, time(w, K >= 1) is charged that catch-up spread over
+CATCH_UP_HORIZON steps, at the measured feed time per token (before one was measured, the draft's
+per-token cost at w rows / w): a switch on must repay it soon (measured at 16 rows: single on-steps
+scattered through plain stretches fed the draft every token and cost 3-10% of the throughput).
+
 Measurements are kept fresh two ways. While speculation is off, every EXPLORE_EVERY steps (doubling up to
 EXPLORE_BACKOFF x that while explorations leave it off) one step drafts EXPLORE_K tokens: the cheapest
 look, it measures the rows' first-position acceptance and V at 2w, whose slope from V(w) extrapolates
@@ -71,6 +77,7 @@ from ..adaptive import (DEFAULT_COST_SMOOTHING, DEFAULT_FORGETTING, DEFAULT_PRIO
 from ..stats import StepOutcome
 
 EXPLORE_EVERY = 16  # steps between explorations while speculation is off
+CATCH_UP_HORIZON = 16  # steps over which a switch on must repay the draft model's catch-up
 STALE_STEPS = 16  # a plain step's cost (V(w)) older than this is measured again where the choice is close
 EXPLORE_K = 1  # drafts per row of an exploration
 EXPLORE_BAND = 0.97  # ... made only where the best K's estimated rate is at least this x plain decoding's (near)
@@ -190,6 +197,8 @@ class LoadGatedK:
         self._interval = self.explore_every
         self._next_explore = self.explore_every
         self._after_plain = True  # the last step drafted nothing: the next draft pass also feeds its tokens
+        self._since_draft = 0  # plain steps since the last draft pass (its catch-up: width x this tokens)
+        self.feed_per_token = math.nan  # seconds per token the draft model's catch-up feed takes
         self._drafted = np.zeros(rows, dtype=bool)  # the slot's row drafted since it joined
         for slot in range(rows):
             self.join(slot)
@@ -238,6 +247,9 @@ class LoadGatedK:
         if times is None:  # nothing timed yet: draft the pinned length once to measure it
             cap = self.pinned_k
         else:
+            if self._cap == 0 and self._since_draft:
+                times = times.copy()
+                times[1:] += self._catch_up_s(width) / CATCH_UP_HORIZON
             expected = expected_tokens_table(self.acceptance()[list(running)])  # [r, k_max+1]
             active = np.ones(len(running), dtype=bool)
             switch_on = SWITCH_ON_MARGIN if self._cap == 0 else 0.0
@@ -263,6 +275,14 @@ class LoadGatedK:
             reason = PINNED
         return DraftChoice(max(budget, default=0), reason, budget, rates)
 
+    def _catch_up_s(self, width: int) -> float:
+        """What the next draft pass spends feeding the tokens committed since the last one."""
+        per_token = self.feed_per_token
+        if math.isnan(per_token):
+            line = self.draft.line(width)
+            per_token = 0.0 if line is None else line[1] / width
+        return width * self._since_draft * per_token
+
     def observe(self, width: int, choice: DraftChoice, outcome: StepOutcome, *, verify_width: int,
                 draft_time: float, verify_time: float, host_time: float) -> None:
         """The step ``choice`` ran: its outcome, the verify pass's tokens per row and the parts' times."""
@@ -270,7 +290,15 @@ class LoadGatedK:
         drafted = choice.k
         if drafted > 0 and not self._after_plain:  # (after a plain step the draft pass also fed its tokens)
             self.draft.observe(width, drafted, draft_time)
+        elif drafted > 0 and self._since_draft:  # a catch-up: its feed time per token, beyond the drafting
+            line = self.draft.line(width)
+            feed = draft_time - (0.0 if line is None else line[0] + drafted * line[1])
+            if feed > 0:
+                per_token = feed / (width * self._since_draft)
+                self.feed_per_token = per_token if math.isnan(self.feed_per_token) else (
+                    (1 - DEFAULT_COST_SMOOTHING) * self.feed_per_token + DEFAULT_COST_SMOOTHING * per_token)
         self._after_plain = drafted == 0
+        self._since_draft = self._since_draft + 1 if drafted == 0 else 0
         if host_time > 0:
             self.host = host_time if math.isnan(self.host) else (
                 (1 - DEFAULT_COST_SMOOTHING) * self.host + DEFAULT_COST_SMOOTHING * min(host_time, SPIKE_CAP * self.host))

@@ -196,7 +196,7 @@ class Engine:
     def _take_admissions(self) -> List[Admission]:
         """Pop the waiting requests that fit now, head first (under the lock)."""
         budget = self.batcher.budget
-        free_slots, free_units, tokens = self.batcher.free_slots, budget.capacity - budget.used, 0
+        free_slots, free_units, tokens = self.batcher.open_slots, budget.capacity - budget.used, 0
         taken: List[Admission] = []
         while self._waiting and len(taken) < free_slots:
             request = self._waiting[0][0]

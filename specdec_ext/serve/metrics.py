@@ -46,7 +46,7 @@ class Histogram:
 class ServeMetrics:
     """Counters and histograms of the serving engine (see the module docstring)."""
 
-    def __init__(self, draft_slots: int):
+    def __init__(self, draft_slots: int, tpot_slo: Optional[float] = None):
         self._lock = threading.Lock()
         self.draft_slots = int(draft_slots)
         self.finished: Counter = Counter()  # finish reason -> requests
@@ -57,6 +57,7 @@ class ServeMetrics:
         self.tpot = Histogram(TPOT_BUCKETS_S)
         self.mean_request_s: Optional[float] = None
         self.draft_lengths: Counter = Counter()  # (k, reason) -> decode steps
+        self.tpot_slo, self.slo_misses = tpot_slo, 0  # the TPOT target (seconds) and requests that missed it
 
     # ------------------------------------------------------------------ recording (engine thread)
     def record_step(self, outcome: StepOutcome) -> None:
@@ -68,6 +69,10 @@ class ServeMetrics:
         """One decode step drafted ``k`` per row (the widest budget; 0: a plain step), for ``reason``."""
         with self._lock:
             self.draft_lengths[(k, reason)] += 1
+
+    def record_slo_miss(self) -> None:
+        with self._lock:
+            self.slo_misses += 1
 
     def record_tokens(self, count: int) -> None:
         with self._lock:
@@ -121,6 +126,11 @@ class ServeMetrics:
                     [({"k": str(k), "reason": r}, n) for (k, r), n in sorted(self.draft_lengths.items())])
             _family(out, "speculation_off_steps_total", "counter", "Decode steps that drafted nothing.",
                     [({}, sum(n for (k, _), n in self.draft_lengths.items() if k == 0))])
+            if self.tpot_slo is not None:
+                _family(out, "tpot_slo_seconds", "gauge", "The target time per output token (--tpot-slo-ms).",
+                        [({}, self.tpot_slo)])
+                _family(out, "tpot_slo_misses_total", "counter",
+                        "Requests whose time per output token ended above the target.", [({}, self.slo_misses)])
             positions = [{"position": str(i + 1)} for i in range(self.draft_slots)]
             _family(out, "draft_reached_total", "counter", "Row-steps that reached draft position i.",
                     list(zip(positions, steps.reached)))
