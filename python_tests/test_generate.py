@@ -7,6 +7,7 @@ import torch
 
 import specdec_ext
 from specdec_ext import VocabularyMismatchError, generate
+from specdec_ext.models import check_vocabularies
 from specdec_ext.runners import PagedModelRunner, RecomputeRunner
 from specdec_ext.stats import expected_tokens_per_pass, predicted_speedup
 from test_generate_utils import ARCHS, CHAR_VOCAB, char_tokenizer, hf_greedy, noisy_copy, tiny_model
@@ -259,7 +260,11 @@ def test_vocabulary_mismatch_names_the_first_mismatching_tokens(text_pair):
     target, draft, tokenizer = text_pair
     swapped = char_tokenizer(chars=list("bacdefghijklmnopqrstuvwxyz0123456789 .,:;()[]=+-*/\n_'\"#<>!?"))
     with pytest.raises(VocabularyMismatchError, match=r"id 2: target 'a' vs draft 'b'.*id 3: target 'b' vs draft 'a'"):
-        generate("abc", target, draft, tokenizer=tokenizer, draft_tokenizer=swapped)
+        check_vocabularies(target, draft, tokenizer, swapped)
+    # generate() drafts through text with a tokenizer that differs (issue 29; python_tests/test_cross_tokenizer.py)
+    crossed = generate("abc", target, draft, tokenizer=tokenizer, draft_tokenizer=swapped, max_new_tokens=6, k=2)
+    assert crossed.plan.drafter == "cross-tokenizer"
+    assert crossed.token_ids == generate("abc", target, draft, tokenizer=tokenizer, max_new_tokens=6, k=2).token_ids
     small = tiny_model("llama", vocab=40)  # scores fewer tokens than the tokenizer has
     with pytest.raises(VocabularyMismatchError, match="draft model scores 40 tokens but the tokenizer has 61"):
         generate("abc", target, small, tokenizer=tokenizer, draft_tokenizer=tokenizer)

@@ -179,16 +179,17 @@ def plain_samples(model, prompt: List[int], count: int, positions: int, sampling
 
 
 def speculative_samples(target, draft, prompt: List[int], count: int, positions: int, sampling: SamplingParams,
-                        seed: int, runner, verifier=lossless_verify, progress=None) -> List[tuple]:
+                        seed: int, options: dict, progress=None) -> List[tuple]:
     """``count`` seeded speculative samples of the first ``positions`` tokens (k = AUDIT_K).
-    ``progress``: a bar advanced per sample."""
+    ``options``: generate()'s runner=, verifier= and, for a draft with another tokenizer, tokenizer= and
+    draft_tokenizer=; ``progress``: a bar advanced per sample."""
     out: List[tuple] = []
     for start in range(0, count, AUDIT_BATCH):
         rows = min(AUDIT_BATCH, count - start)
         result = generate([prompt] * rows, target, draft, max_new_tokens=positions, k=AUDIT_K,
                           temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                          seed=[seed + start + i for i in range(rows)], eos_token_id=False, runner=runner,
-                          cost_probe=False, verifier=verifier)
+                          seed=[seed + start + i for i in range(rows)], eos_token_id=False, cost_probe=False,
+                          **options)
         out.extend(tuple(t) for t in result.token_ids)
         if progress is not None:
             progress.update(rows)
@@ -207,14 +208,17 @@ def _test(prompt_index: int, label: str, spec: List, plain: List) -> Distributio
 
 # ------------------------------------------------------------------------------- break-even
 def break_even(target, draft, prompts: List[List[int]], sampling: SamplingParams, *, ks=DEFAULT_KS,
-               max_new_tokens: int = 48, runner="auto", seed: int = 0, progress: Optional[bool] = None):
+               max_new_tokens: int = 48, runner="auto", seed: int = 0, progress: Optional[bool] = None,
+               tokenizers=None):
     """Rows of the break-even table, the plain target step time and the pooled acceptance.
-    ``progress``: a bar of the timed runs on stderr (None: when stderr is a terminal)."""
+    ``progress``: a bar of the timed runs on stderr (None: when stderr is a terminal); ``tokenizers``: as in
+    ``speculative_samples``."""
     bench = prompts[:BENCH_PROMPTS]
     bar = progress_bar(len(bench) * (1 + len(ks)), "audit break-even", unit="run", show=progress)
     kw = dict(max_new_tokens=max_new_tokens, temperature=sampling.temperature, top_k=sampling.top_k,
               top_p=sampling.top_p, seed=seed, eos_token_id=False, runner=runner)
-    generate([bench[0]], target, draft, k=1, **{**kw, "max_new_tokens": 4})  # warm-up
+    draft_kw = tokenizers or {}
+    generate([bench[0]], target, draft, k=1, **{**kw, "max_new_tokens": 4}, **draft_kw)  # warm-up
     plain_steps, plain_time = 0, 0.0
     for p in bench:
         stats = plain_generate([p], target, **kw).stats
@@ -226,7 +230,7 @@ def break_even(target, draft, prompts: List[List[int]], sampling: SamplingParams
     for k in ks:
         runs = []
         for p in bench:
-            runs.append(generate([p], target, draft, k=k, **kw).stats)
+            runs.append(generate([p], target, draft, k=k, **kw, **draft_kw).stats)
             bar.update()
         acc = sum(sum(s.accepted) for s in runs) / max(sum(sum(s.reached) for s in runs), 1)
         accepted += sum(sum(s.accepted) for s in runs)
@@ -249,7 +253,8 @@ def break_even(target, draft, prompts: List[List[int]], sampling: SamplingParams
 def audit(target=None, draft=None, prompts=None, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
           positions: int = 3, samples: int = 1000, ks=DEFAULT_KS, bench_tokens: int = 48, alpha: float = DEFAULT_ALPHA,
           seed: int = 0, tokenizer=None, runner="auto", max_prompts: int = 2, run_break_even: bool = True,
-          verbose: bool = True, verifier=lossless_verify, progress: Optional[bool] = None) -> AuditReport:
+          verbose: bool = True, verifier=lossless_verify, progress: Optional[bool] = None,
+          draft_tokenizer=None) -> AuditReport:
     """Audit a (target, draft) pair: is speculative sampling lossless on it, and where does it break even?
 
     Parameters
@@ -267,6 +272,8 @@ def audit(target=None, draft=None, prompts=None, *, temperature: float = 1.0, to
     verbose : print the report
     verifier : the verification step audited (default: the lossless chain_verify)
     progress : progress bars of the sampling and the timed runs on stderr (None: when stderr is a terminal)
+    tokenizer, draft_tokenizer : the target's and the draft's tokenizers; a draft tokenizer that differs from
+        the target's audits the draft with another tokenizer (its intersection mode, at T > 0)
 
     Returns
     -------
@@ -282,11 +289,12 @@ def audit(target=None, draft=None, prompts=None, *, temperature: float = 1.0, to
     if prompts is None:
         raise ValueError("audit: pass prompts (text or token ids)")
     token_prompts = normalise_prompts(prompts, tokenizer)[0][:max_prompts]
+    tokenizers = None if draft_tokenizer is None else dict(tokenizer=tokenizer, draft_tokenizer=draft_tokenizer)
     tests: List[DistributionTest] = []
     bar = progress_bar(2 * samples * len(token_prompts), "audit sampling", unit="sample", show=progress)
     for i, prompt in enumerate(token_prompts):
-        spec = speculative_samples(target_model, draft_model, prompt, samples, positions, sampling, seed, runner,
-                                   verifier, progress=bar)
+        spec = speculative_samples(target_model, draft_model, prompt, samples, positions, sampling, seed,
+                                   dict(runner=runner, verifier=verifier, **(tokenizers or {})), progress=bar)
         plain = plain_samples(target_model, prompt, samples, positions, sampling, seed, progress=bar)
         for pos in range(positions):
             tests.append(_test(i, str(pos + 1), [s[pos] for s in spec], [s[pos] for s in plain]))
@@ -297,7 +305,7 @@ def audit(target=None, draft=None, prompts=None, *, temperature: float = 1.0, to
     if run_break_even:
         report.break_even, report.target_step_time, report.acceptance = break_even(
             target_model, draft_model, token_prompts, sampling, ks=ks, max_new_tokens=bench_tokens, runner=runner,
-            seed=seed, progress=progress)
+            seed=seed, progress=progress, tokenizers=tokenizers)
     if verbose:
         print(report.text())
     return report

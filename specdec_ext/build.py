@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
-from .drafters import Drafter, HeadsDrafter, ModelDrafter, NgramDrafter, TreeModelDrafter
+from .drafters import CrossTokenizerDrafter, Drafter, HeadsDrafter, ModelDrafter, NgramDrafter, TreeModelDrafter
 from .drafters.calibration import shared_calibration
 from .models import Models
 from .plan import DecodePlan
@@ -38,6 +38,10 @@ def build_drafter(plan: DecodePlan, models: Models) -> Optional[Drafter]:
         return make_runner(plan.draft_runner, models.draft, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
                            compute_dtype=plan.draft_compute_dtype, static_shapes=plan.static_shapes)
 
+    if plan.drafter == "cross-tokenizer":
+        return CrossTokenizerDrafter(models.draft, draft_runner, k=plan.slots, bridge=models.bridge,
+                                     mode=plan.cross_tokenizer,
+                                     max_draft_positions=getattr(models.draft.config, "max_position_embeddings", None))
     if plan.tree is not None:
         b, d, n = plan.tree
         return TreeModelDrafter(models.draft, draft_runner, branch=b, depth=d, budget=n, vocab_size=vocab_size,

@@ -47,7 +47,8 @@ def _tree_shape(value: str):
     return shape
 
 
-DRAFT_HELP = ("draft model sharing the target's vocabulary; 'ngram' for lookup drafting over the prompt and the "
+DRAFT_HELP = ("draft model sharing the target's vocabulary (generate: or with another tokenizer, see "
+              "--draft-tokenizer); 'ngram' for lookup drafting over the prompt and the "
               "generated tokens (no draft model); 'heads' for the bundled target's Medusa-style heads, or a heads "
               "directory (tools/train_heads.py) with --target (default: the bundled pair's draft)")
 
@@ -81,13 +82,8 @@ def _sampling_args(parser: argparse.ArgumentParser, temperature: float) -> None:
     parser.add_argument("--seed", type=int, default=None, help="Philox seed of every row (default: random)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="specdec", description="Lossless speculative decoding for Hugging Face models: a small draft "
-        "proposes k tokens, the target verifies them in one pass, and the output is distributed exactly as "
-        "sampling from the target.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,audit,bench,demo,serve}")
-
+def _generate_parser(sub) -> None:
+    """The ``specdec generate`` subcommand's flags."""
     g = sub.add_parser("generate", help="generate text (streamed) and print the stats",
                        description="Generate continuations of the prompts with speculative decoding, stream the "
                        "text as tokens are accepted, then print the stats (tokens per target pass, acceptance "
@@ -98,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt-file", action="append", default=[], help="a file whose content is one prompt (repeatable)")
     _model_args(g)
     g.add_argument("--max-new-tokens", type=int, default=128, help="exact cap on new tokens per prompt (default: 128)")
+    g.add_argument("--draft-tokenizer", metavar="PATH",
+                   help="the draft's tokenizer, when it differs from the target's (default: the one next to --draft): "
+                   "a draft with another tokenizer drafts through text when greedy and from the tokens both "
+                   "vocabularies share when sampling, still lossless (--explain names the mode)")
     g.add_argument("--tree", type=_tree_shape, default=None, metavar="B,D,N",
                    help="draft a token tree instead of a chain: top-B per node, D levels, N nodes (a draft model "
                    "or heads; heads default to 3,3,8); -k is then ignored")
@@ -122,6 +122,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the decode plan first: one line per choice (drafter, k, runners, CUDA graphs, "
                    "cache) and why")
     _report_args(g, "acceptance by draft position and tokens per pass against the cost model")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specdec", description="Lossless speculative decoding for Hugging Face models: a small draft "
+        "proposes k tokens, the target verifies them in one pass, and the output is distributed exactly as "
+        "sampling from the target.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,audit,bench,demo,serve}")
+
+    _generate_parser(sub)
 
     a = sub.add_parser("audit", help="check losslessness on your pair and where speculation breaks even",
                        description="For the first --positions generated tokens, compare speculative and plain "
@@ -252,6 +262,8 @@ def cmd_generate(args) -> int:
     kw = dict(max_new_tokens=args.max_new_tokens, k=args.k, temperature=args.temperature, top_k=args.top_k,
               top_p=args.top_p, seed=args.seed, eos_token_id=eos, stop=args.stop or None, runner=args.runner,
               draft_tree=args.tree, explain=args.explain)
+    if args.draft_tokenizer is not None:
+        kw["draft_tokenizer"] = _load_tokenizer_arg(args.draft_tokenizer)
     if args.tp is not None:
         _generate_tensor_parallel(args, prompts, target, draft, kw)
     check_plot_option("generate", args.plot)
@@ -275,6 +287,16 @@ def cmd_generate(args) -> int:
         pair = f"target / draft: {args.target or 'bundled'} / {args.draft or 'bundled'}"
         write_plot("generate", lambda: result.stats.plot(args.plot, label=pair))
     return 0
+
+
+def _load_tokenizer_arg(path: str):
+    """--draft-tokenizer PATH, loaded offline (exits with the reason when it cannot be)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, TypeError) as error:
+        raise SystemExit(f"specdec: could not load the draft tokenizer from {path!r} (offline): {error}") from error
 
 
 def _generate_tensor_parallel(args, prompts, target, draft, kw) -> NoReturn:

@@ -20,6 +20,7 @@ from .sampling import SamplingParams
 from .stats import GenerationStats
 from .step import Verifier, lossless_verify
 from .stops import RowState, StopCriteria
+from .vocab_bridge import check_round_trip
 
 Prompt = Union[str, Sequence[int]]
 SEED_BITS = 62  # random row seeds are drawn in [0, 2^62)
@@ -237,6 +238,13 @@ def generate(prompts, target: ModelSpec = None, draft: ModelSpec = None, *, max_
         Return a ``GenerationStream``: an iterator of ``TextPiece`` (str with ``.index``), with
         ``.result`` set once exhausted.
     tokenizer, draft_tokenizer : optional tokenizers (default: loaded next to the model paths)
+        A draft whose tokenizer spells some token id differently from the target's drafts through text
+        (issue 29, drafters/cross_tokenizer.py): greedy, its tokens are decoded and re-encoded as target
+        tokens at the committed boundary; sampling, it samples from its distribution moved onto the
+        tokens both vocabularies spell the same way (a true q over target ids, so still lossless).
+        Refused before any work when a tokenizer does not round-trip text (the probes and text
+        prompts) or, when sampling, when the vocabularies share fewer than
+        ``vocab_bridge.MIN_INTERSECTION`` tokens. Chains only (no ``draft_tree``).
     max_seq_len : int, optional
         Cache capacity per row (default: the target's max_position_embeddings); a prompt that does not
         fit with max_new_tokens and one step of drafts raises ValueError.
@@ -347,7 +355,7 @@ def _run(models: Models, prompts, request: RunRequest):
                      prompt_lengths=[len(p) for p in token_prompts], max_new_tokens=request.max_new_tokens,
                      k=request.k, draft_tree=request.draft_tree, runner=request.runner, sampling=request.sampling,
                      seeded=request.seed is not None, max_seq_len=request.max_seq_len,
-                     draft_confidence=request.draft_confidence, tp_check=request.tp_check)
+                     draft_confidence=request.draft_confidence, tp_check=request.tp_check, vocab_bridge=models.bridge)
     if request.explain and distributed.rank() == 0:
         print(plan.explain(), file=sys.stderr)
     B = len(token_prompts)
@@ -386,8 +394,12 @@ def _stop_strings(stop, tokenizer) -> List[str]:
 
 
 def _token_prompts(prompts, models: Models) -> List[List[int]]:
-    """The prompts as token ids, each id inside the target's vocabulary."""
-    token_prompts, _ = normalise_prompts(prompts, models.tokenizer)
+    """The prompts as token ids, each id inside the target's vocabulary (text prompts round-trip through
+    both tokenizers where a draft with another tokenizer drafts through text)."""
+    token_prompts, is_text = normalise_prompts(prompts, models.tokenizer)
+    if is_text and models.bridge is not None:
+        check_round_trip(models.tokenizer, models.bridge.draft_tokenizer, [prompts] if isinstance(prompts, str)
+                         else list(prompts))
     vocab_size = output_vocab_size(models.target)
     for b, p in enumerate(token_prompts):
         bad = [t for t in p if not 0 <= t < vocab_size]

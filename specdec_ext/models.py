@@ -1,5 +1,6 @@
 """What generate() runs on: the target, the drafter's model or heads, the tokenizer; loaded offline,
-the bundled pair once per process, and the draft's vocabulary checked against the target's."""
+the bundled pair once per process, and the draft's vocabulary checked against the target's (a draft whose
+tokenizer differs gets a vocab_bridge.VocabularyBridge and the "cross-tokenizer" drafter)."""
 from __future__ import annotations
 
 import functools
@@ -11,11 +12,13 @@ import torch
 
 from .heads import MedusaHeads
 from .runners import output_vocab_size
+from .vocab_bridge import VocabularyBridge
 
 ModelSpec = Union[None, str, os.PathLike, torch.nn.Module]
 
 NGRAM_DRAFT = "ngram"  # draft= value selecting suffix-automaton lookup over the prompt and output
 HEADS_DRAFT = "heads"  # draft= value selecting the bundled target's Medusa-style heads
+CROSS_TOKENIZER = "cross-tokenizer"  # Models.drafter of a draft model with another tokenizer than the target's
 MAX_MISMATCHES_REPORTED = 5  # mismatching token ids named in a vocabulary error
 
 
@@ -28,10 +31,11 @@ class Models:
     """The models of one generate() call."""
 
     target: torch.nn.Module
-    drafter: str  # "model", "ngram", "heads" or "none" (plain decoding)
-    draft: Optional[torch.nn.Module] = None  # with drafter "model"
+    drafter: str  # "model", "cross-tokenizer", "ngram", "heads" or "none" (plain decoding)
+    draft: Optional[torch.nn.Module] = None  # with drafter "model" or "cross-tokenizer"
     heads: Optional[MedusaHeads] = None  # with drafter "heads", on the target's device and dtype
     tokenizer: object = None  # the target's tokenizer, or None (token-id prompts only)
+    bridge: Optional[VocabularyBridge] = None  # with drafter "cross-tokenizer": the two tokenizers' bridge
 
 
 def load_models(target: ModelSpec = None, draft: Union[ModelSpec, MedusaHeads] = None, *, tokenizer=None,
@@ -39,7 +43,9 @@ def load_models(target: ModelSpec = None, draft: Union[ModelSpec, MedusaHeads] =
     """The target and the drafter's model for generate(): both None is the bundled pair; ``draft`` a
     path, a model, "ngram", "heads" (the bundled target's heads) or a MedusaHeads; ``plain`` loads the
     target alone (no drafter); ``tp_size`` loads a target path sharded over that many ranks (the draft
-    replicated on each, on the target's device)."""
+    replicated on each, on the target's device). ``draft_tokenizer`` (default: the one next to a draft
+    path) that spells some token id differently from ``tokenizer`` makes the drafter "cross-tokenizer"
+    (drafters/cross_tokenizer.py), refused here unless both tokenizers round-trip text."""
     if tp_size is not None:
         target = _tensor_parallel_target(target, tp_size)
         if tokenizer is None:
@@ -56,6 +62,9 @@ def load_models(target: ModelSpec = None, draft: Union[ModelSpec, MedusaHeads] =
         draft_tokenizer = _load_tokenizer(draft)
     if draft_tokenizer is None and target is None and draft is None:
         draft_tokenizer = tokenizer  # the bundled pair shares one tokenizer
+    if tokenizer is not None and draft_tokenizer is not None and _mismatching_ids(tokenizer, draft_tokenizer):
+        bridge = cross_tokenizer_bridge(target_model, draft_model, tokenizer, draft_tokenizer)
+        return Models(target_model, CROSS_TOKENIZER, draft=draft_model, tokenizer=tokenizer, bridge=bridge)
     check_vocabularies(target_model, draft_model, tokenizer, draft_tokenizer)
     return Models(target_model, "model", draft=draft_model, tokenizer=tokenizer)
 
@@ -180,6 +189,24 @@ def _id_to_token(tokenizer) -> dict:
     return {i: t for t, i in tokenizer.get_vocab().items()}
 
 
+def _mismatching_ids(target_tokenizer, draft_tokenizer) -> list:
+    """The token ids the two tokenizers spell differently (or only one of them has)."""
+    ids_t, ids_d = _id_to_token(target_tokenizer), _id_to_token(draft_tokenizer)
+    return [i for i in sorted(set(ids_t) | set(ids_d)) if ids_t.get(i) != ids_d.get(i)]
+
+
+def cross_tokenizer_bridge(target_model, draft_model, target_tokenizer, draft_tokenizer) -> VocabularyBridge:
+    """The bridge for a draft whose tokenizer differs from the target's (issue 29): each model must score
+    its own tokenizer's tokens, and both tokenizers must round-trip text (vocab_bridge.check_round_trip
+    raises TokenizerRoundTripError naming what was tried)."""
+    for role, model, tokenizer in (("target", target_model, target_tokenizer), ("draft", draft_model, draft_tokenizer)):
+        size, real = output_vocab_size(model), len(tokenizer)
+        if size < real:
+            raise VocabularyMismatchError(f"the {role} model scores {size} tokens but its tokenizer has {real}")
+    return VocabularyBridge.build(target_tokenizer, draft_tokenizer, output_vocab_size(target_model),
+                                  output_vocab_size(draft_model))
+
+
 def check_vocabularies(target_model, draft_model, target_tokenizer=None, draft_tokenizer=None) -> None:
     """Raise VocabularyMismatchError unless the draft and the target share a vocabulary.
 
@@ -189,7 +216,7 @@ def check_vocabularies(target_model, draft_model, target_tokenizer=None, draft_t
     v_target, v_draft = output_vocab_size(target_model), output_vocab_size(draft_model)
     if target_tokenizer is not None and draft_tokenizer is not None:
         ids_t, ids_d = _id_to_token(target_tokenizer), _id_to_token(draft_tokenizer)
-        bad = [i for i in sorted(set(ids_t) | set(ids_d)) if ids_t.get(i) != ids_d.get(i)]
+        bad = _mismatching_ids(target_tokenizer, draft_tokenizer)
         if bad:
             shown = ", ".join(f"id {i}: target {ids_t.get(i)!r} vs draft {ids_d.get(i)!r}"
                               for i in bad[:MAX_MISMATCHES_REPORTED])

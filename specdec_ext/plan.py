@@ -7,9 +7,11 @@ here, with the reason for each (``plan.explain()``, ``specdec generate --explain
 
 The rules, in the order ``make_plan`` applies them:
 
-1. drafter: "model" (a HF draft model), "ngram" (lookup), "heads" (Medusa-style heads on the target)
-   or "none" (plain decoding); heads always draft a tree (``HEADS_TREE`` by default), a draft model a
-   tree when ``draft_tree`` is given, otherwise a chain.
+1. drafter: "model" (a HF draft model), "cross-tokenizer" (a HF draft model with another tokenizer:
+   greedy-through-text when greedy, the vocabularies' intersection when sampling; chains only, on the
+   host), "ngram" (lookup), "heads" (Medusa-style heads on the target) or "none" (plain decoding); heads
+   always draft a tree (``HEADS_TREE`` by default), a draft model a tree when ``draft_tree`` is given,
+   otherwise a chain.
 2. draft length of a chain: an int k, or "auto" (adaptive k, adaptive.py: the length is chosen per
    step up to k_max); k=None means "auto" except where adaptive k would cost something: a seeded
    sample at T > 0 (adaptive choices follow measured times, so the seed would not reproduce it) and a
@@ -37,6 +39,7 @@ import torch
 
 from . import adaptive as adaptive_k
 from .cuda_graphs import graphs_available
+from .drafters.cross_tokenizer import GREEDY_THROUGH_TEXT, INTERSECTION
 from .drafters.tree_drafter import tree_num_nodes
 from .metadata import SCRATCH_COLUMNS
 from .distributed import TP_CHECKS
@@ -52,7 +55,8 @@ MIN_PREFILL_CHUNK = 32  # ... at least this many, whatever the running rows' ver
 FIXED_K = 4  # what k=None means where adaptive k is not used: seeded sampling, CUDA-graph-captured steps
 HEADS_TREE = (3, 3, 8)  # default (b, d, N) of a heads tree (BENCHMARKS.md: heads trees on the bundled pair)
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # batch sizes CUDA graphs are captured for
-DRAFTER_KINDS = ("model", "ngram", "heads", "none")
+DRAFTER_KINDS = ("model", "cross-tokenizer", "ngram", "heads", "none")  # cross-tokenizer: a draft model with
+# another tokenizer than the target's (drafters/cross_tokenizer.py)
 
 
 def bucket_size(batch: int) -> int:
@@ -74,7 +78,7 @@ def required_cache_len(max_prompt_len: int, max_new_tokens: int, slots: int) -> 
 class DecodePlan:
     """What one generate() call will run (see the module docstring for the rules)."""
 
-    drafter: str  # "model", "ngram", "heads" or "none" (plain decoding)
+    drafter: str  # DRAFTER_KINDS: "model", "cross-tokenizer", "ngram", "heads" or "none" (plain decoding)
     tree: Optional[Tuple[int, int, int]]  # (b, d, N) of a draft tree; None: a chain (or no drafts)
     slots: int  # draft slots per step: a chain's k (adaptive: k_max), a tree's N'; 0 without drafts
     adaptive: bool  # the draft length is chosen per step (adaptive.py), at most ``slots``
@@ -97,6 +101,7 @@ class DecodePlan:
     tp_check: str = "broadcast"  # how the ranks are kept on rank 0's decisions (distributed.RankSync)
     reasons: Tuple[Tuple[str, str], ...] = ()  # (choice, why), in the order they were made
     prefill_chunk: int = 0  # a server's prompt tokens prefilled per step (0: whole prompts)
+    cross_tokenizer: Optional[str] = None  # drafter "cross-tokenizer": "greedy-through-text" or "intersection"
     controller: Optional[adaptive_k.AdaptiveK] = field(default=None, compare=False, repr=False)
 
     @property
@@ -124,9 +129,12 @@ class PlanRequest:
     max_seq_len: Optional[int] = None
     draft_confidence: float = 0.0
     tp_check: str = "broadcast"
+    vocab_bridge: object = None  # drafter "cross-tokenizer": its vocab_bridge.VocabularyBridge
 
     def validate(self) -> None:
         _check_kinds(self.drafter, self.runner)
+        if (self.drafter == "cross-tokenizer") != (self.vocab_bridge is not None):
+            raise ValueError("drafter 'cross-tokenizer' needs vocab_bridge= (and only it takes one)")
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an int >= 0, got {self.max_new_tokens!r}")
         if not 0.0 <= self.draft_confidence < 1.0:
@@ -176,6 +184,7 @@ def make_plan(target_model, draft_model, **request) -> DecodePlan:
     reasons: List[Tuple[str, str]] = []
     tree = _tree_shape(ask.drafter, ask.draft_tree)
     slots, controller = _draft_length(ask, tree, models, reasons)
+    cross_mode = _cross_tokenizer_mode(ask, reasons)
     cache_len = required_cache_len(max(ask.prompt_lengths), ask.max_new_tokens, slots)
     runners = _runners(ask.drafter, ask.runner, tree, models, cache_len, reasons)
     graphs, why = _graphs(models.graphs_ok, models.graphs_reason, ask.drafter, tree, controller, runners)
@@ -202,7 +211,7 @@ def make_plan(target_model, draft_model, **request) -> DecodePlan:
                       max_new_tokens=ask.max_new_tokens, draft_confidence=float(ask.draft_confidence),
                       target_capabilities=capabilities[0], draft_capabilities=capabilities[1],
                       tensor_parallel=models.tensor_parallel, tp_check=ask.tp_check, reasons=tuple(reasons),
-                      controller=controller)
+                      cross_tokenizer=cross_mode, controller=controller)
 
 
 def plan_server(target_model, draft_model, *, drafter: str, k: Optional[int], runner: str, max_rows: int,
@@ -219,6 +228,9 @@ def plan_server(target_model, draft_model, *, drafter: str, k: Optional[int], ru
     if drafter == "heads":
         raise ValueError("specdec serve runs chain drafters (a draft model or ngram) or none: the heads drafter "
                          "proposes trees, which continuous batching does not run")
+    if drafter == "cross-tokenizer":
+        raise ValueError("specdec serve needs a draft sharing the target's tokenizer: a draft with another "
+                         "tokenizer runs in generate() only (its rows cannot join and leave a running batch)")
     _check_kinds(drafter, runner)
     if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
                                       or prefill_chunk < 0):
@@ -378,7 +390,9 @@ def _check_cache(ask: PlanRequest, slots: int, models: _Models) -> None:
     """Rule 5: every prompt fits max_seq_len (or the models' max_position_embeddings) with its tokens."""
     limit = ask.max_seq_len
     if limit is None:
-        limits = [m for m in (_max_positions(x) for x in (models.target, models.draft) if x is not None) if m]
+        # a draft with another tokenizer counts its own positions (a row that outgrows them stops drafting)
+        bounded = (models.target,) if ask.drafter == "cross-tokenizer" else (models.target, models.draft)
+        limits = [m for m in (_max_positions(x) for x in bounded if x is not None) if m]
         limit = min(limits) if limits else None
     if limit is None:
         return
@@ -398,10 +412,30 @@ def _tree_shape(drafter: str, draft_tree) -> Optional[Tuple[int, int, int]]:
             raise ValueError(f"draft_tree must be a tuple (b, d, N) of ints >= 1, got {draft_tree!r}")
         if drafter == "ngram":
             raise ValueError("draft_tree needs a draft model or heads, not the n-gram drafter")
+        if drafter == "cross-tokenizer":
+            raise ValueError("draft_tree needs a draft sharing the target's tokenizer: a draft with another "
+                             "tokenizer drafts chains")
         if drafter == "none":
             raise ValueError("draft_tree needs a draft model or heads (plain decoding drafts nothing)")
         return tuple(draft_tree)
     return HEADS_TREE if drafter == "heads" else None
+
+
+def _cross_tokenizer_mode(ask: PlanRequest, reasons: List[Tuple[str, str]]) -> Optional[str]:
+    """A draft with another tokenizer: greedy rows draft through text, sampled ones from the intersection
+    of the vocabularies (refused, with its size, when too small)."""
+    bridge = ask.vocab_bridge
+    if bridge is None:
+        return None
+    shared = f"{bridge.intersection_size} tokens spelt the same in both vocabularies"
+    if ask.sampling.greedy:
+        reasons.append(("vocabularies", f"differ: {GREEDY_THROUGH_TEXT} (greedy draft tokens decoded to text and "
+                                        f"re-encoded as target tokens at the committed boundary; {shared}, unused)"))
+        return GREEDY_THROUGH_TEXT
+    bridge.check_intersection()
+    reasons.append(("vocabularies", f"differ: {INTERSECTION} (the draft samples from its distribution moved onto "
+                                    f"the {shared}, renormalised: q over target ids)"))
+    return INTERSECTION
 
 
 def _default_draft_length(drafter: str, sampling: SamplingParams, seeded: bool, runner: str,
@@ -452,7 +486,7 @@ def _graphs(graphs_ok: bool, graphs_reason: Optional[str], drafter: str, tree, c
         return False, "adaptive k changes the verify width per step (eager)"
     if target_runner != "paged":
         return False, f"the {target_runner} target runner syncs with the host"
-    if drafter in ("ngram", "heads"):
+    if drafter in ("ngram", "heads", "cross-tokenizer"):
         return False, f"the {drafter} drafter proposes on the host"
     if drafter == "model" and draft_runner != "paged":
         return False, f"the {draft_runner} draft runner syncs with the host"

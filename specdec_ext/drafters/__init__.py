@@ -31,7 +31,7 @@ Continuous batching (the serving engine, specdec_ext/serve/): rows join and leav
 
 Between them ``propose`` / ``commit`` get a view of rows 0 .. the highest row in use
 (``SpecDecodeMetadata.rows``), whose ``row_sampling`` may differ per row. ModelDrafter and NgramDrafter
-implement them; tree drafters do not.
+implement them; tree drafters and CrossTokenizerDrafter do not.
 
 Contract: the drafter samples only what the verifier checks. A stochastic drafter returns the exact
 (filtered) distribution q each token was sampled from; a deterministic one returns None (q is then
@@ -42,9 +42,11 @@ from __future__ import annotations
 
 from ..metadata import Proposal
 from .base import Drafter
+from .cross_tokenizer import CrossTokenizerDrafter  # a draft model with another tokenizer (through text)
 from .heads_drafter import HeadsDrafter  # a tree from heads on the target
 from .model_drafter import ModelDrafter
 from .ngram import NgramDrafter
 from .tree_drafter import TreeModelDrafter  # proposes a tree
 
-__all__ = ["Drafter", "ModelDrafter", "NgramDrafter", "TreeModelDrafter", "HeadsDrafter", "Proposal"]
+__all__ = ["Drafter", "ModelDrafter", "CrossTokenizerDrafter", "NgramDrafter", "TreeModelDrafter", "HeadsDrafter",
+           "Proposal"]
