@@ -322,7 +322,7 @@ def drafter_key(drafter) -> tuple:
     return ("drafter", type(drafter).__module__, type(drafter).__qualname__)
 
 
-def _moving_average(old: float, new: float, weight: float) -> float:
+def moving_average(old: float, new: float, weight: float) -> float:
     """The update of a moving average of times (``old`` NaN: none yet), a spike capped at SPIKE_CAP x it."""
     if math.isnan(old):
         return new
@@ -653,7 +653,7 @@ class AdaptiveK:
         """The drafter's deferred prefill took ``seconds`` for ``tokens`` tokens (``plan``'s ``prefill``)."""
         if tokens > 0 and seconds > 0:
             previous = math.nan if self.prefill_per_token is None else self.prefill_per_token
-            self.prefill_per_token = _moving_average(previous, seconds / tokens, self.cost_smoothing)
+            self.prefill_per_token = moving_average(previous, seconds / tokens, self.cost_smoothing)
 
     def observe(self, budget: Sequence[int], outcome: StepOutcome, *, draft_time: float, verify_time: float,
                 drafted: int, width: int, host_time: float = 0.0) -> None:
@@ -666,7 +666,7 @@ class AdaptiveK:
         costs.step += 1
         w = self.cost_smoothing
         if host_time > 0:
-            costs.host = _moving_average(costs.host, host_time, w)
+            costs.host = moving_average(costs.host, host_time, w)
         plain = self.plain_time()
         if plain is not None:
             costs.step_plain = plain  # (while off, the steps' costs follow P's moves from here)
@@ -676,18 +676,18 @@ class AdaptiveK:
         self._prev_off = drafted == 0
         if drafted > 0 and draft_time > 0 and not caught_up:
             previous = math.nan if self.draft_per_token is None else self.draft_per_token
-            self.draft_per_token = _moving_average(previous, draft_time / drafted, w)
+            self.draft_per_token = moving_average(previous, draft_time / drafted, w)
             if drafted <= self.k_max:
                 old = float(self.draft_obs[drafted])
                 if costs.step - self.draft_obs_step[drafted] > COST_MEMORY_STEPS:
                     old = math.nan  # a stale average is left to the probe, not updated
-                self.draft_obs[drafted] = _moving_average(old, draft_time, w)
+                self.draft_obs[drafted] = moving_average(old, draft_time, w)
                 self.draft_obs_step[drafted] = costs.step
         if 1 <= width <= self.k_max + 1 and verify_time > 0:
             old = float(costs.obs[width]) if costs.step - costs.obs_step[width] <= COST_MEMORY_STEPS else math.nan
             if not math.isnan(old):
                 verify_time = min(verify_time, SPIKE_CAP * old)
-            costs.obs[width] = _moving_average(old, verify_time, w)
+            costs.obs[width] = moving_average(old, verify_time, w)
             costs.obs_step[width] = costs.step
             probe = self._probe_at(width)
             if probe is not None:
@@ -732,7 +732,7 @@ class AdaptiveK:
         w = self.cost_smoothing
         per_pass = seconds / passes
         if per_pass > 0:
-            costs.plain_obs = _moving_average(costs.plain_obs, per_pass, w)
+            costs.plain_obs = moving_average(costs.plain_obs, per_pass, w)
             costs.plain_obs_step = costs.step
         self._prev_off = True  # the next draft pass also feeds the segment's tokens: not timed
         self.history[0] = self.history.get(0, 0) + passes

@@ -72,8 +72,9 @@ import numpy as np
 
 from ..adaptive import (DEFAULT_COST_SMOOTHING, DEFAULT_FORGETTING, DEFAULT_PRIOR_ACCEPTANCE,
                         DEFAULT_PRIOR_DRAFT_COST, DEFAULT_PRIOR_STRENGTH, EXPLORE_BACKOFF, GENERATION_SMOOTHING,
-                        LONGER_TOLERANCE, REFRESH_BAND, SPIKE_CAP, SWITCH_MARGIN, SWITCH_ON_MARGIN,
-                        acceptance_by_position, expected_tokens_table, nonneg_line, padded_batch_cap)
+                        LONGER_TOLERANCE, REFRESH_BAND, SWITCH_MARGIN, SWITCH_ON_MARGIN,
+                        acceptance_by_position, expected_tokens_table, moving_average, nonneg_line,
+                        padded_batch_cap)
 from ..stats import StepOutcome
 
 EXPLORE_EVERY = 16  # steps between explorations while speculation is off
@@ -112,12 +113,9 @@ class CostCurve:
     def observe(self, size: int, seconds: float, step: int) -> None:
         if seconds <= 0 or size <= 0:
             return
-        old = self.times.get(size)
-        if old is None:
+        if size not in self.times:
             bisect.insort(self.sizes, size)
-            self.times[size] = seconds
-        else:  # a spike (a time slice lost to another process) counts as SPIKE_CAP x the average
-            self.times[size] = (1 - self.smoothing) * old + self.smoothing * min(seconds, SPIKE_CAP * old)
+        self.times[size] = moving_average(self.times.get(size, math.nan), seconds, self.smoothing)
         self.seen[size] = step
 
     def fresh(self, size: int, step: int) -> bool:
@@ -159,9 +157,7 @@ class DraftCosts:
         if seconds <= 0 or drafted <= 0:
             return
         at = self.times.setdefault(width, {})
-        old = at.get(drafted)
-        at[drafted] = seconds if old is None else (
-            (1 - self.smoothing) * old + self.smoothing * min(seconds, SPIKE_CAP * old))
+        at[drafted] = moving_average(at.get(drafted, math.nan), seconds, self.smoothing)
 
     def line(self, width: int) -> Optional[Tuple[float, float]]:
         """(d_0, c) at ``width`` (the nearest measured width's; None before any observation)."""
@@ -196,8 +192,7 @@ class LoadGatedK:
         self._cap = 0  # K* of the last measured choice (0: speculation off)
         self._interval = self.explore_every
         self._next_explore = self.explore_every
-        self._after_plain = True  # the last step drafted nothing: the next draft pass also feeds its tokens
-        self._since_draft = 0  # plain steps since the last draft pass (its catch-up: width x this tokens)
+        self._since_draft = 0  # plain steps since the last draft pass: the next one also feeds their tokens
         self.feed_per_token = math.nan  # seconds per token the draft model's catch-up feed takes
         self._drafted = np.zeros(rows, dtype=bool)  # the slot's row drafted since it joined
         for slot in range(rows):
@@ -288,20 +283,17 @@ class LoadGatedK:
         """The step ``choice`` ran: its outcome, the verify pass's tokens per row and the parts' times."""
         self.verify.observe(width * verify_width, verify_time, self.step)
         drafted = choice.k
-        if drafted > 0 and not self._after_plain:  # (after a plain step the draft pass also fed its tokens)
+        if drafted > 0 and not self._since_draft:
             self.draft.observe(width, drafted, draft_time)
-        elif drafted > 0 and self._since_draft:  # a catch-up: its feed time per token, beyond the drafting
+        elif drafted > 0:  # a catch-up: its feed time per token, beyond the drafting
             line = self.draft.line(width)
             feed = draft_time - (0.0 if line is None else line[0] + drafted * line[1])
             if feed > 0:
-                per_token = feed / (width * self._since_draft)
-                self.feed_per_token = per_token if math.isnan(self.feed_per_token) else (
-                    (1 - DEFAULT_COST_SMOOTHING) * self.feed_per_token + DEFAULT_COST_SMOOTHING * per_token)
-        self._after_plain = drafted == 0
+                self.feed_per_token = moving_average(self.feed_per_token, feed / (width * self._since_draft),
+                                                     DEFAULT_COST_SMOOTHING)
         self._since_draft = self._since_draft + 1 if drafted == 0 else 0
         if host_time > 0:
-            self.host = host_time if math.isnan(self.host) else (
-                (1 - DEFAULT_COST_SMOOTHING) * self.host + DEFAULT_COST_SMOOTHING * min(host_time, SPIKE_CAP * self.host))
+            self.host = moving_average(self.host, host_time, DEFAULT_COST_SMOOTHING)
         live = [i for i, d in enumerate(outcome.drafted) if d > 0]
         if live:
             rows = [outcome.rows[i] for i in live]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+from ..adaptive import moving_average
 from .draft_length import CostCurve
 
 PREFILL_SMOOTHING = 0.3  # weight of a new chunk's time per token in its moving average
@@ -48,9 +49,7 @@ class TpotSlo:
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         if tokens > 0 and seconds > 0:
-            new = seconds / tokens
-            old = self.prefill_per_token
-            self.prefill_per_token = new if math.isnan(old) else (1 - PREFILL_SMOOTHING) * old + PREFILL_SMOOTHING * new
+            self.prefill_per_token = moving_average(self.prefill_per_token, seconds / tokens, PREFILL_SMOOTHING)
 
     def chunk_budget(self, ceiling: int, floor: int, decoding: bool) -> int:
         """Prompt tokens this step may prefill: what the target leaves after the decode step."""
