@@ -40,8 +40,8 @@ def test_python_dash_m_help_lists_the_commands():
 
 
 @pytest.mark.parametrize("command,flags", [
-    ("generate", ["--target", "--draft", "--draft-tokenizer", "--max-new-tokens", "--k", "--temperature", "--top-k", "--top-p", "--seed",
-                  "--eos-token-id", "--no-eos", "--stop", "--no-stream", "--json", "--threads", "--runner",
+    ("generate", ["--target", "--draft", "--draft-tokenizer", "--max-new-tokens", "--k", "--temperature", "--top-k",
+                  "--top-p", "--seed", "--eos-token-id", "--no-eos", "--stop", "--no-stream", "--json", "--threads", "--runner",
                   "--prompt-file", "--plot", "--quiet"]),
     ("audit", ["--positions", "--samples", "--ks", "--bench-tokens", "--alpha", "--max-prompts", "--no-break-even",
                "--temperature", "--top-p", "--plot", "--quiet"]),

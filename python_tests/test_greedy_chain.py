@@ -221,17 +221,18 @@ def test_errors_leave_the_runner_as_it_was(monkeypatch):
 def test_capabilities_say_whether_it_chains_before_the_runner_exists(monkeypatch):
     model = tiny("llama", **SHAPE).to(torch.bfloat16)
     runner, _ = _runners(model)
-    assert lean_capabilities(model) == runner.capabilities == RunnerCapabilities(greedy_chain=True)
+    chains, no_chains = (RunnerCapabilities(greedy_chain=on, chunked_prefill=True) for on in (True, False))
+    assert lean_capabilities(model) == runner.capabilities == chains
     assert lean_capabilities(model, torch.float32).greedy_chain  # fp32 over bf16 weights: the kernels too
     assert not lean_capabilities(model, torch.float16).greedy_chain  # the torch path
     handle = model.lm_head.register_forward_pre_hook(lambda module, args: None)
     try:
-        assert lean_capabilities(model) == runner.capabilities == RunnerCapabilities(greedy_chain=False)
+        assert lean_capabilities(model) == runner.capabilities == no_chains
     finally:
         handle.remove()
     monkeypatch.setenv("SPECDEC_CPU_KERNELS", "0")
     torch_path, _ = _runners(model)
-    assert lean_capabilities(model) == torch_path.capabilities == RunnerCapabilities(greedy_chain=False)
+    assert lean_capabilities(model) == torch_path.capabilities == no_chains
 
 
 def _op_state(runner, weights=None):

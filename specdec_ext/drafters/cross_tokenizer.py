@@ -10,7 +10,8 @@ The draft reads and writes its own tokens; text (vocab_bridge.py) carries them t
    tokenisation of exactly the committed text rather than kept as proposed. Greedy, the last draft token
    of that tokenisation is dropped too (its text, the row's ``tail``, may be a word the target has
    committed only in part, which the draft never saw as a token of its own): the draft re-drafts it, and
-   its text must start with the tail (else the row proposes nothing this step).
+   its text must start with the tail; where the draft's first choice would leave the committed text, the
+   held-back token is fed instead (``_keep_to_the_tail``).
 2. draft, in one of two modes (the plan's ``cross_tokenizer``):
    * greedy-through-text (greedy rows): k + 1 greedy draft tokens (the first usually re-drafts the tail);
      their text after the tail is re-encoded with the target's tokenizer after the committed tokens
@@ -72,6 +73,7 @@ class CrossTokenizerDrafter(Drafter):
         self.contexts: List[List[int]] = []  # per row: the draft tokens of its committed text at the last step
         self.context_texts: List[str] = []  # per row: that text
         self.tails: List[str] = []  # per row: committed text after the context (greedy: its last draft token's)
+        self.held_tokens: List[int] = []  # per row: the draft token held back as the tail
         self.max_draft_positions = max_draft_positions  # the draft model's position limit (None: none)
         self.max_draft_len = 0  # draft cache positions per row (set with the runner)
         self.lookup: Optional[torch.Tensor] = None  # [V]: a shared target id's draft id (intersection mode)
@@ -96,6 +98,7 @@ class CrossTokenizerDrafter(Drafter):
         self.context_texts = ["" for _ in texts]
         self.contexts = [[] for _ in texts]
         self.tails = ["" for _ in texts]
+        self.held_tokens = [0 for _ in texts]
         contexts = [self.draft_context(b, text) for b, text in enumerate(texts)]
         # a text too long for the draft cache: its first token stands in (the row never drafts; _realign)
         self.fed = [c if len(c) < self.max_draft_len else c[:1] for c in contexts]
@@ -117,7 +120,7 @@ class CrossTokenizerDrafter(Drafter):
         if self.mode == GREEDY_THROUGH_TEXT and len(tokens) > 1:
             stable_text = self.bridge.draft_text(tokens[:-1])
             if text.startswith(stable_text):
-                tokens, tail = tokens[:-1], text[len(stable_text):]
+                tokens, tail, self.held_tokens[row] = tokens[:-1], text[len(stable_text):], tokens[-1]
         self.contexts[row], self.context_texts[row], self.tails[row] = tokens, text, tail
         return tokens
 
@@ -196,6 +199,8 @@ class CrossTokenizerDrafter(Drafter):
         special = set(self.bridge.draft_tokenizer.all_special_ids)
         for i in range(steps):
             token = logits[:, : self.bridge.draft_vocab_size].argmax(-1)  # [B]
+            if i == 0:
+                token = self._keep_to_the_tail(token, drafting)
             for b, t in enumerate(token.tolist()):
                 drafts[b].append(t)
             if i + 1 < steps:
@@ -214,6 +219,21 @@ class CrossTokenizerDrafter(Drafter):
             out.append([t for t in self.bridge.target_continuation(self._committed[b], text[len(tail):])
                         if t < self.bridge.target_vocab_size])
         return out
+
+    def _keep_to_the_tail(self, first: torch.Tensor, drafting: List[bool]) -> torch.Tensor:
+        """The first greedy draft token [B] of each row, or the held-back token where the draft's own choice
+        would leave the committed text (its text neither starts with the tail nor is a start of it): the
+        draft then goes on from the committed text as it is, rather than proposing nothing this step."""
+        tokens = first.tolist()
+        for b, token in enumerate(tokens):
+            tail = self.tails[b]
+            if not drafting[b] or not tail or token == self.held_tokens[b]:
+                continue
+            context = self.contexts[b]
+            piece = self.bridge.draft_text(context + [token])[len(self.bridge.draft_text(context)):]
+            if not (piece.startswith(tail) or tail.startswith(piece)):
+                tokens[b] = self.held_tokens[b]
+        return torch.tensor(tokens, dtype=first.dtype, device=first.device)
 
     def _sample_intersection(self, logits: torch.Tensor, steps: int, meta: SpecDecodeMetadata) -> None:
         """``steps`` target tokens per row sampled from the draft's q over the shared tokens (filtered like
