@@ -43,7 +43,7 @@ def test_python_dash_m_help_lists_the_commands():
     ("generate", ["--target", "--draft", "--draft-tokenizer", "--max-new-tokens", "--k", "--temperature", "--top-k",
                   "--top-p", "--seed", "--eos-token-id", "--no-eos", "--stop", "--no-stream", "--json", "--threads", "--runner",
                   "--prompt-file", "--plot", "--quiet"]),
-    ("audit", ["--positions", "--samples", "--ks", "--bench-tokens", "--alpha", "--max-prompts", "--no-break-even",
+    ("audit", ["--draft-tokenizer", "--positions", "--samples", "--ks", "--bench-tokens", "--alpha", "--max-prompts", "--no-break-even",
                "--temperature", "--top-p", "--plot", "--quiet"]),
     ("demo", ["--files", "--lines", "--max-new-tokens", "--k", "--dtype"]),
     ("bench", ["--ks", "--prompts", "--lines", "--max-new-tokens", "--repeats", "--threads", "--dtype", "--no-hf",

@@ -282,18 +282,33 @@ def test_refused_before_any_work(bigram_pair, monkeypatch):
         generate("the quick", target, draft, tokenizer=tokenizer, draft_tokenizer=draft_tokenizer, draft_tree=(2, 2, 3))
 
 
-def test_cli_generate_with_a_draft_tokenizer(bigram_pair, tmp_path, capsys):
-    from specdec_ext import cli
-
+def _saved_pair(bigram_pair, tmp_path) -> list:
+    """The pair saved under tmp_path; the CLI flags that name it."""
     target, draft, tokenizer, draft_tokenizer = bigram_pair
     target.save_pretrained(tmp_path / "target")
     tokenizer.save_pretrained(tmp_path / "target")
     draft.save_pretrained(tmp_path / "draft")
     draft_tokenizer.save_pretrained(tmp_path / "draft-tokenizer")
-    code = cli.main(["generate", PROMPTS[0], "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"),
-                     "--draft-tokenizer", str(tmp_path / "draft-tokenizer"), "--max-new-tokens", "12", "-k", "4",
+    return ["--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"),
+            "--draft-tokenizer", str(tmp_path / "draft-tokenizer")]
+
+
+def test_cli_generate_with_a_draft_tokenizer(bigram_pair, tmp_path, capsys):
+    from specdec_ext import cli
+
+    code = cli.main(["generate", PROMPTS[0], *_saved_pair(bigram_pair, tmp_path), "--max-new-tokens", "12", "-k", "4",
                      "--no-stream", "--explain"])
     assert code == 0
     captured = capsys.readouterr()
     assert " brown fox jumps" in captured.out
     assert "greedy-through-text" in captured.err
+
+
+def test_cli_audit_with_a_draft_tokenizer(bigram_pair, tmp_path, capsys):
+    """`specdec audit --draft-tokenizer`: the intersection mode audited from the command line."""
+    from specdec_ext import cli
+
+    code = cli.main(["audit", PROMPTS[0], *_saved_pair(bigram_pair, tmp_path), "--positions", "2", "--samples", "200",
+                     "--max-prompts", "1", "--no-break-even", "--quiet"])
+    assert code == 0
+    assert "PASS" in capsys.readouterr().out.upper()

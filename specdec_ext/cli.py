@@ -94,10 +94,7 @@ def _generate_parser(sub) -> None:
     g.add_argument("--prompt-file", action="append", default=[], help="a file whose content is one prompt (repeatable)")
     _model_args(g)
     g.add_argument("--max-new-tokens", type=int, default=128, help="exact cap on new tokens per prompt (default: 128)")
-    g.add_argument("--draft-tokenizer", metavar="PATH",
-                   help="the draft's tokenizer, when it differs from the target's (default: the one next to --draft): "
-                   "a draft with another tokenizer drafts through text when greedy and from the tokens both "
-                   "vocabularies share when sampling, still lossless (--explain names the mode)")
+    _draft_tokenizer_arg(g)
     g.add_argument("--tree", type=_tree_shape, default=None, metavar="B,D,N",
                    help="draft a token tree instead of a chain: top-B per node, D levels, N nodes (a draft model "
                    "or heads; heads default to 3,3,8); -k is then ignored")
@@ -141,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("prompts", nargs="*", help="prompt texts (default: two short code prompts)")
     _model_args(a)
     _sampling_args(a, temperature=1.0)
+    _draft_tokenizer_arg(a)
     a.add_argument("--positions", type=int, default=3, help="generated positions compared (default: 3)")
     a.add_argument("--samples", type=int, default=1000,
                    help="samples per prompt of each sampler, speculative and plain (default: 1000)")
@@ -289,6 +287,13 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _draft_tokenizer_arg(parser) -> None:
+    parser.add_argument("--draft-tokenizer", metavar="PATH",
+                        help="the draft's tokenizer, when it differs from the target's (default: the one next to "
+                        "--draft): a draft with another tokenizer drafts through text when greedy and from the "
+                        "tokens both vocabularies share when sampling, still lossless (--explain names the mode)")
+
+
 def _load_tokenizer_arg(path: str):
     """--draft-tokenizer PATH, loaded offline (exits with the reason when it cannot be)."""
     from transformers import AutoTokenizer
@@ -352,7 +357,8 @@ def cmd_audit(args) -> int:
                    top_k=args.top_k, top_p=args.top_p, positions=args.positions, samples=args.samples, ks=ks,
                    bench_tokens=args.bench_tokens, alpha=args.alpha, seed=args.seed or 0, runner=args.runner,
                    max_prompts=args.max_prompts, run_break_even=not args.no_break_even,
-                   progress=progress_wanted(args.quiet))
+                   progress=progress_wanted(args.quiet),
+                   draft_tokenizer=None if args.draft_tokenizer is None else _load_tokenizer_arg(args.draft_tokenizer))
     if args.plot:
         write_plot("audit", lambda: report.plot(args.plot))
     return 0 if report.passed else 1
