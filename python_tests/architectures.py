@@ -90,7 +90,7 @@ def _shrink(config) -> None:
 
 def tiny_config(model_type: str, vocab: int = VOCAB):
     """The config class's defaults shrunk (module docstring), with a vocabulary of ``vocab`` tokens."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig, PretrainedConfig
 
     config = AutoConfig.for_model(model_type)
     configs = [config]
@@ -100,6 +100,8 @@ def tiny_config(model_type: str, vocab: int = VOCAB):
             configs.append(text)
     except (ValueError, AttributeError):
         pass
+    # the other sub-models too (vision, audio encoders): built at their default sizes they cost a minute
+    configs += [v for v in vars(config).values() if isinstance(v, PretrainedConfig) and all(v is not c for c in configs)]
     for c in configs:
         _shrink(c)
         if hasattr(c, "vocab_size"):
