@@ -38,6 +38,10 @@ TORCH_LIBRARY(specdec_ext, m) {
         "Tensor(b!)[] cache, Tensor[] layout, Tensor? visible=None) -> ()");
   m.def("greedy_chain(Tensor(a!) tokens, int steps, Tensor?[] weights, float[] scalars, bool bf16_activations, "
         "Tensor[] rope, Tensor(b!)[] cache, Tensor[] rows, int vocab_limit, bool check_logits=False) -> ()");
+  // The OpenAI sampling surface in place on a verification pass's logits [B, P, V]: logit bias,
+  // repetition / frequency / presence penalties counting each column's draft prefix, a grammar
+  // bitmask, min_p (csrc/logits_processing.h).
+  m.def("process_logits(Tensor(a!) logits, Tensor draft_tokens, Tensor? parents, Tensor num_draft, Tensor? output_counts, Tensor? prompt_mask, Tensor? logit_bias, Tensor? allowed, Tensor? presence_penalty, Tensor? frequency_penalty, Tensor? repetition_penalty, Tensor? min_p, Tensor? temperature) -> ()");
   // The instruction-set path the CPU forward kernels take now (SPECDEC_CPU_ISA or the best available).
   m.def("cpu_isa() -> str");
 }

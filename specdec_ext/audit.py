@@ -13,11 +13,16 @@
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence
 
 import torch
 
+from .grammar import compile_grammar, grammar_spec
+from .ops import GREEDY_TEMPERATURE
+from .processing import Processing
+from .runners import output_vocab_size
 from .step import lossless_verify
 from .generate import generate, normalise_prompts, plain_generate
 from .models import load_pair
@@ -159,18 +164,26 @@ def _counts(values) -> dict:
 # ------------------------------------------------------------------------------- sampling
 @torch.no_grad()
 def plain_samples(model, prompt: List[int], count: int, positions: int, sampling: SamplingParams,
-                  seed: int, progress=None) -> List[tuple]:
+                  seed: int, progress=None, processors: Optional["PlainProcessors"] = None) -> List[tuple]:
     """``count`` plain samples of the first ``positions`` tokens: full HF forwards, filtered softmax,
-    torch.multinomial (nothing of the speculative machinery). ``progress``: a bar advanced per sample."""
+    torch.multinomial (nothing of the speculative machinery). ``progress``: a bar advanced per sample;
+    ``processors``: the logits processors, applied by this module's own reference (``PlainProcessors``)."""
     generator = torch.Generator().manual_seed(seed)
     device = next(model.parameters()).device
     out: List[tuple] = []
     for start in range(0, count, AUDIT_BATCH):
         rows = min(AUDIT_BATCH, count - start)
         ids = torch.tensor([prompt] * rows, dtype=torch.int64, device=device)
+        grammars = processors.new_rows(rows) if processors is not None else None
         for _ in range(positions):
-            probs = filtered_probs(model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[:, -1], sampling)
+            logits = model(input_ids=ids, use_cache=False, logits_to_keep=1).logits[:, -1].float()  # [rows, V]
+            if processors is not None:
+                logits = processors.apply(logits, ids, len(prompt), sampling.temperature, grammars)
+            probs = filtered_probs(logits, sampling)
             token = torch.multinomial(probs.cpu(), 1, generator=generator).to(device)
+            if grammars is not None:
+                for grammar, t in zip(grammars, token[:, 0].tolist()):
+                    grammar.commit([t])
             ids = torch.cat([ids, token], dim=1)
         out.extend(tuple(r) for r in ids[:, len(prompt):].tolist())
         if progress is not None:
@@ -178,11 +191,45 @@ def plain_samples(model, prompt: List[int], count: int, positions: int, sampling
     return out
 
 
+@dataclass
+class PlainProcessors:
+    """The audit's own reference of the logits processors (processing.py states the semantics; this is
+    written apart from ops.process_logits on purpose, over whole sequences, so that the audit checks the
+    kernel and its draft-prefix bookkeeping instead of repeating them)."""
+
+    processing: Processing
+    grammar: object = None  # grammar.CompiledGrammar, or None
+
+    def new_rows(self, rows: int) -> Optional[list]:
+        return None if self.grammar is None else [self.grammar.new_row() for _ in range(rows)]
+
+    def apply(self, logits: torch.Tensor, ids: torch.Tensor, prompt_len: int, temperature: float,
+              grammars: Optional[list]) -> torch.Tensor:
+        """logits [R, V] fp32 after ids [R, t] (the prompt is the first prompt_len) -> processed [R, V]."""
+        p, V = self.processing, logits.shape[-1]
+        for token, bias in p.logit_bias:
+            logits[:, token] += bias
+        generated = torch.zeros_like(logits).scatter_add_(1, ids[:, prompt_len:],
+                                                          torch.ones_like(ids[:, prompt_len:], dtype=logits.dtype))
+        seen = (generated > 0) | torch.zeros_like(logits, dtype=torch.bool).scatter_(1, ids[:, :prompt_len], True)
+        r = p.repetition_penalty
+        logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
+        logits = logits - p.frequency_penalty * generated - p.presence_penalty * (generated > 0).to(logits.dtype)
+        if grammars is not None:
+            allowed = torch.stack([torch.as_tensor(g.mask_at_committed()).view(torch.int32) for g in grammars])
+            bits = (allowed[:, torch.arange(V) // 32] >> (torch.arange(V) % 32)) & 1  # [R, V]
+            logits = logits.masked_fill(bits == 0, -float("inf"))
+        if p.min_p > 0 and math.isfinite(temperature) and temperature >= GREEDY_TEMPERATURE:
+            top = logits.amax(-1, keepdim=True)
+            logits = logits.masked_fill(logits < top + temperature * math.log(p.min_p), -float("inf"))
+        return logits
+
+
 def speculative_samples(target, draft, prompt: List[int], count: int, positions: int, sampling: SamplingParams,
                         seed: int, options: dict, progress=None) -> List[tuple]:
     """``count`` seeded speculative samples of the first ``positions`` tokens (k = AUDIT_K).
-    ``options``: generate()'s runner=, verifier= and, for a draft with another tokenizer, tokenizer= and
-    draft_tokenizer=; ``progress``: a bar advanced per sample."""
+    ``options``: generate()'s runner=, verifier=, the processors and, for a draft with another tokenizer,
+    tokenizer= and draft_tokenizer=; ``progress``: a bar advanced per sample."""
     out: List[tuple] = []
     for start in range(0, count, AUDIT_BATCH):
         rows = min(AUDIT_BATCH, count - start)
@@ -204,6 +251,23 @@ def _test(prompt_index: int, label: str, spec: List, plain: List) -> Distributio
     noise = total_variation([pooled[i] for i in order[:half]], [pooled[i] for i in order[half:]])
     return DistributionTest(prompt_index, label, len(spec), len(plain), cats, chi2, dof, p,
                             total_variation(spec, plain), noise)
+
+
+def _plain_processors(processors: Optional[dict], tokenizer, target_model) -> Optional[PlainProcessors]:
+    """The plain sampler's reference of audit(processors=...) (None: no processors)."""
+    if not processors:
+        return None
+    fields = dict(processors)
+    spec = grammar_spec(json_schema=fields.pop("json_schema", None), regex=fields.pop("regex", None),
+                        grammar=fields.pop("grammar", None))
+    processing = Processing.of(grammar=spec, **fields)
+    processing.validate(output_vocab_size(target_model))
+    compiled = None
+    if spec is not None:
+        if tokenizer is None:
+            raise ValueError("audit: structured output needs the target's tokenizer")
+        compiled = compile_grammar(spec, tokenizer, output_vocab_size(target_model), eos_token_ids=[])
+    return PlainProcessors(processing, compiled)
 
 
 # ------------------------------------------------------------------------------- break-even
@@ -254,7 +318,7 @@ def audit(target=None, draft=None, prompts=None, *, temperature: float = 1.0, to
           positions: int = 3, samples: int = 1000, ks=DEFAULT_KS, bench_tokens: int = 48, alpha: float = DEFAULT_ALPHA,
           seed: int = 0, tokenizer=None, runner="auto", max_prompts: int = 2, run_break_even: bool = True,
           verbose: bool = True, verifier=lossless_verify, progress: Optional[bool] = None,
-          draft_tokenizer=None) -> AuditReport:
+          draft_tokenizer=None, processors: Optional[dict] = None) -> AuditReport:
     """Audit a (target, draft) pair: is speculative sampling lossless on it, and where does it break even?
 
     Parameters
@@ -274,6 +338,9 @@ def audit(target=None, draft=None, prompts=None, *, temperature: float = 1.0, to
     progress : progress bars of the sampling and the timed runs on stderr (None: when stderr is a terminal)
     tokenizer, draft_tokenizer : the target's and the draft's tokenizers; a draft tokenizer that differs from
         the target's audits the draft with another tokenizer (its intersection mode, at T > 0)
+    processors : generate()'s logits processors and structured output as keywords (min_p, logit_bias,
+        presence_penalty, frequency_penalty, repetition_penalty, json_schema, regex, grammar): the
+        speculative runs take them, the plain sampler applies them with the audit's own reference
 
     Returns
     -------
@@ -290,12 +357,17 @@ def audit(target=None, draft=None, prompts=None, *, temperature: float = 1.0, to
         raise ValueError("audit: pass prompts (text or token ids)")
     token_prompts = normalise_prompts(prompts, tokenizer)[0][:max_prompts]
     tokenizers = None if draft_tokenizer is None else dict(tokenizer=tokenizer, draft_tokenizer=draft_tokenizer)
+    reference = _plain_processors(processors, tokenizer, target_model)
+    options = dict(runner=runner, verifier=verifier, **(tokenizers or {}), **(processors or {}))
+    if reference is not None and reference.grammar is not None:
+        options["tokenizer"] = tokenizer
     tests: List[DistributionTest] = []
     bar = progress_bar(2 * samples * len(token_prompts), "audit sampling", unit="sample", show=progress)
     for i, prompt in enumerate(token_prompts):
         spec = speculative_samples(target_model, draft_model, prompt, samples, positions, sampling, seed,
-                                   dict(runner=runner, verifier=verifier, **(tokenizers or {})), progress=bar)
-        plain = plain_samples(target_model, prompt, samples, positions, sampling, seed, progress=bar)
+                                   options, progress=bar)
+        plain = plain_samples(target_model, prompt, samples, positions, sampling, seed, progress=bar,
+                              processors=reference)
         for pos in range(positions):
             tests.append(_test(i, str(pos + 1), [s[pos] for s in spec], [s[pos] for s in plain]))
         if positions > 1:

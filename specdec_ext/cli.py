@@ -107,6 +107,7 @@ def _generate_parser(sub) -> None:
                    help="stop a row at this token (repeatable; default: the target's EOS)")
     g.add_argument("--no-eos", action="store_true", help="do not stop at EOS")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable); excluded from the text")
+    _processing_args(g)
     g.add_argument("--no-stream", action="store_true", help="print each prompt's text at the end instead of streaming")
     g.add_argument("--json", action="store_true", help="print the stats as JSON instead of text")
     g.add_argument("--tp", type=int, default=None, metavar="N",
@@ -262,6 +263,7 @@ def cmd_generate(args) -> int:
               draft_tree=args.tree, explain=args.explain)
     if args.draft_tokenizer is not None:
         kw["draft_tokenizer"] = _load_tokenizer_arg(args.draft_tokenizer)
+    kw.update(_processing_kwargs(args))
     if args.tp is not None:
         _generate_tensor_parallel(args, prompts, target, draft, kw)
     check_plot_option("generate", args.plot)
@@ -285,6 +287,51 @@ def cmd_generate(args) -> int:
         pair = f"target / draft: {args.target or 'bundled'} / {args.draft or 'bundled'}"
         write_plot("generate", lambda: result.stats.plot(args.plot, label=pair))
     return 0
+
+
+def _processing_args(parser) -> None:
+    """generate()'s logits processors and structured output (specdec_ext/processing.py, grammar.py)."""
+    parser.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this x the top token's "
+                        "probability after temperature (default: 0, off)")
+    parser.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (default: 0)")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (default: 0)")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="HF's, > 0 (default: 1, off)")
+    parser.add_argument("--logit-bias", default=None, metavar="JSON",
+                        help='token id -> bias in [-100, 100], as JSON: \'{"11": 2.5, "25": -100}\'')
+    parser.add_argument("--json-schema", default=None, metavar="FILE|JSON",
+                        help="the output is JSON matching this schema (a file, or the schema's JSON text)")
+    parser.add_argument("--regex", default=None, help="the output matches this regular expression")
+    parser.add_argument("--grammar", default=None, metavar="FILE", help="the output follows this Lark grammar (a file)")
+
+
+def _processing_kwargs(args) -> dict:
+    """The processors' flags as generate() keywords (only those set); a bad JSON value exits naming the flag."""
+    kw = {}
+    for name, off in (("min_p", 0.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+                      ("repetition_penalty", 1.0)):
+        if getattr(args, name) != off:
+            kw[name] = getattr(args, name)
+    if args.logit_bias is not None:
+        kw["logit_bias"] = _json_flag("--logit-bias", args.logit_bias)
+    if args.json_schema is not None:
+        text = args.json_schema
+        if os.path.isfile(text):
+            with open(text, encoding="utf-8") as f:
+                text = f.read()
+        kw["json_schema"] = _json_flag("--json-schema", text)
+    if args.regex is not None:
+        kw["regex"] = args.regex
+    if args.grammar is not None:
+        with open(args.grammar, encoding="utf-8") as f:
+            kw["grammar"] = f.read()
+    return kw
+
+
+def _json_flag(flag: str, text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise SystemExit(f"specdec: {flag} is not valid JSON: {error}") from None
 
 
 def _draft_tokenizer_arg(parser) -> None:

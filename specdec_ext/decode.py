@@ -19,7 +19,7 @@ allocated once (metadata.py); with CUDA graphs the draft, verify and commit part
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -28,12 +28,13 @@ from .distributed import RankSync, rank_sync
 from .drafters import Drafter
 from .metadata import SpecDecodeMetadata, Verdict
 from .plan import DecodePlan
+from .processing import Processing, ProcessingState
 from .probes import probe_costs, probe_plain_chain, probe_target_step
 from .profiling import nvtx_range
 from .runners import ModelRunner
 from .sampling import SamplingParams
 from .stats import GenerationStats, StepOutcome, Timer
-from .step import StepOptions, Stepper, Verifier, append_tokens, lossless_verify, sample_plain
+from .step import StepOptions, Stepper, Verifier, append_tokens, emit, lossless_verify, read_logprobs, sample_plain
 from .stops import RowState, StopCriteria, apply_stops
 
 FIRST_DECODE_STEP = 1  # Philox step 0 samples the first token from the prefill logits
@@ -54,13 +55,24 @@ class LoopConfig:
     cost_probe: bool = True  # time a few plain target passes after prefill for the cost-model stats
     sync: Optional[RankSync] = None  # a tensor-parallel target: every rank takes rank 0's decisions
     step: StepOptions = field(default_factory=StepOptions)  # the verifier, CUDA graphs
+    processing: Optional[Processing] = None  # logits processors of every row (processing.py); None: none
+    top_logprobs: Optional[int] = None  # logprobs of the emitted tokens with this many top tokens; None: off
+    grammar_of: Optional[Callable[[int], object]] = None  # row -> its grammar matcher (processing.grammar)
 
     @classmethod
-    def of(cls, plan: DecodePlan, *, verifier: Verifier = lossless_verify, cost_probe: bool = True) -> "LoopConfig":
+    def of(cls, plan: DecodePlan, *, verifier: Verifier = lossless_verify, cost_probe: bool = True,
+           grammar_of: Optional[Callable[[int], object]] = None) -> "LoopConfig":
         return cls(slots=plan.slots, sampling=plan.sampling, max_seq_len=plan.max_seq_len,
                    adaptive=plan.controller, greedy_chains=plan.target_capabilities.greedy_chain,
                    cost_probe=cost_probe, sync=rank_sync(plan.tensor_parallel, plan.tp_check),
-                   step=StepOptions(verifier=verifier, graphs=plan.cuda_graphs))
+                   step=StepOptions(verifier=verifier, graphs=plan.cuda_graphs),
+                   processing=plan.processing, top_logprobs=plan.top_logprobs, grammar_of=grammar_of)
+
+    @property
+    def every_token_sampled(self) -> bool:
+        """Whether each token goes through the verifier's sampling (no greedy chains): processors change
+        the logits and logprobs read them, which a chain of argmaxes in the kernels does not."""
+        return (self.processing is not None and self.processing.active) or self.top_logprobs is not None
 
 
 # ------------------------------------------------------------------------------------------ prefill
@@ -86,7 +98,7 @@ def prefill(target: ModelRunner, drafter: Optional[Drafter], prompts: Sequence[S
 
 
 def join_rows(rows: Sequence[int], prompts: Sequence[Sequence[int]], logits: torch.Tensor,
-              meta: SpecDecodeMetadata) -> Tuple[List[int], List[int]]:
+              meta: SpecDecodeMetadata) -> Tuple[List[int], List[int], List[Optional[list]]]:
     """Continuous batching: what ``prefill`` does for a whole batch, for rows (slots) whose prompts are
     now in the target's cache (``start_rows``, or chunk by chunk with ``extend_rows``: serve/batcher.py)
     while the other rows keep theirs: ``logits`` [n, V] at each prompt's last token. ``meta`` covers
@@ -95,8 +107,9 @@ def join_rows(rows: Sequence[int], prompts: Sequence[Sequence[int]], logits: tor
     ``prefill`` would give it in a batch of its own. The caller prefills the drafter after it has
     delivered the first tokens.
 
-    Returns (the first token, the RowStatus) of each joining row; a status < 0 means its prompt's
-    logits were invalid (e.g. NaN), and the caller frees it."""
+    Returns (the first token, the RowStatus, its logprobs or None) of each joining row; a status < 0
+    means its prompt's logits were invalid (e.g. NaN), and the caller frees it. The rows' processors
+    (``meta.processing``) are set before; each row's grammar then takes its first token."""
     n = len(rows)
     index = torch.tensor(list(rows), dtype=torch.int64, device=meta.device)  # [n]
     meta.set_prompts(rows, prompts)
@@ -107,7 +120,11 @@ def join_rows(rows: Sequence[int], prompts: Sequence[Sequence[int]], logits: tor
     sample_plain(logits.unsqueeze(1).contiguous(), joining, first, status, check=False)
     first = first[:, 0].clamp(min=0)  # (a failed row's token is never used)
     meta.set_first_tokens(index, first)
-    return first.tolist(), status.tolist()
+    tokens, codes = first.tolist(), status.tolist()
+    emitted = {i: [tokens[i]] for i in range(n) if codes[i] >= 0}
+    if joining.processing is not None and joining.processing.has_grammar:
+        joining.processing.commit_host(emitted)  # (one token: always the grammar's)
+    return tokens, codes, read_logprobs(joining, emitted, n)
 
 
 # ------------------------------------------------------------------------------------------ host time
@@ -150,7 +167,8 @@ def chainable(config: LoopConfig, meta: SpecDecodeMetadata) -> bool:
     """Whether greedy plain decoding can run as chains here: every row greedy, a target runner with the
     greedy-chain capability (the plan resolved it: LeanLlamaRunner on the CPU kernels, nothing hooked on
     its head), eager steps, one rank."""
-    return meta.all_greedy and config.greedy_chains and not config.step.graphs and config.sync is None
+    return (meta.all_greedy and config.greedy_chains and not config.step.graphs and config.sync is None
+            and not config.every_token_sampled)
 
 
 def chains_plain(drafter: Optional[Drafter], config: LoopConfig, meta: SpecDecodeMetadata) -> bool:
@@ -391,13 +409,13 @@ def decode(target: ModelRunner, drafter: Optional[Drafter], prompts: Sequence[Se
     tree = drafter is not None and drafter.is_tree
     meta = SpecDecodeMetadata.allocate(batch_size=B, slots=config.slots, max_seq_len=config.max_seq_len,
                                        sampling=config.sampling, seeds=seeds, tree=tree)
+    attach_processing(meta, config, prompts, rows, target.vocab_size)
     adaptive = config.adaptive if drafter is not None and not tree else None
     segments = adaptive is not None and chainable(config, meta)
     drafter_prefill = DrafterPrefill(drafter, meta, timer, stats, deferred=segments, adaptive=adaptive)
     start = timer.now()
     prefill(target, None if segments else drafter, prompts, meta, config.sync)
-    first = meta.pending_tokens()[:, 0].tolist()
-    new = [[] if rows[b].finished else apply_stops(rows[b], [first[b]], stop) for b in range(B)]
+    new = first_tokens(meta, rows, stop)
     stats.prefill_time = timer.now() - start
     stats.new_tokens = sum(len(n) for n in new)
     yield new
@@ -416,6 +434,28 @@ def decode(target: ModelRunner, drafter: Optional[Drafter], prompts: Sequence[Se
     stats.total_time = timer.now() - start
     if adaptive is not None:
         stats.adaptive = adaptive.finish()
+
+
+def attach_processing(meta: SpecDecodeMetadata, config: LoopConfig, prompts: Sequence[Sequence[int]],
+                      rows: List[RowState], vocab_size: int) -> None:
+    """The request fields beyond the filter on the loop's metadata: every real row's processors and
+    grammar (the padding rows of a CUDA-graph bucket stay unprocessed), and logprobs."""
+    meta.top_logprobs = config.top_logprobs
+    if config.processing is None or not config.processing.active:
+        return
+    meta.processing = ProcessingState.allocate(meta.batch_size, vocab_size, meta.device)
+    for b, prompt in enumerate(prompts):
+        if rows[b].finish_reason != "padding":
+            grammar = config.grammar_of(b) if config.grammar_of is not None else None
+            meta.processing.set_row(b, config.processing, prompt, grammar)
+
+
+def first_tokens(meta: SpecDecodeMetadata, rows: List[RowState], stop: StopCriteria) -> List[List[int]]:
+    """The first token of each row (sampled by ``prefill``) through the stop checks, with its logprobs
+    and into the row's grammar; returns each row's new tokens."""
+    B = len(rows)
+    first = meta.pending_tokens()[:, 0].tolist()
+    return emit(meta, rows, [stop] * B, {b: [first[b]] for b in range(B) if not rows[b].finished})
 
 
 def pad_batch(prompts: Sequence[Sequence[int]], seeds: torch.Tensor, rows: List[RowState],

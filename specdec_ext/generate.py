@@ -5,7 +5,7 @@ from __future__ import annotations
 import secrets
 import sys
 from dataclasses import dataclass, field
-from typing import Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -14,7 +14,10 @@ from .adaptive import AdaptiveK
 from .build import build
 from .decode import LoopConfig, decode, pad_batch
 from .models import MAX_MISMATCHES_REPORTED, ModelSpec, Models, load_models
+from .grammar import compile_grammar, grammar_spec
+from .logprobs import TokenLogprob
 from .plan import DecodePlan, make_plan
+from .processing import Processing
 from .runners import output_vocab_size
 from .sampling import SamplingParams
 from .stats import GenerationStats
@@ -37,6 +40,7 @@ class GenerationResult:
     stats: GenerationStats
     prompt_token_ids: List[List[int]] = field(default_factory=list)
     plan: Optional[DecodePlan] = None  # what ran and why (plan.explain())
+    logprobs: Optional[List[List[TokenLogprob]]] = None  # per prompt, one per new token (``logprobs=``)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -184,7 +188,14 @@ class _Finisher:
         texts = [self.row_text(r) for r in self.rows] if self.tokenizer is not None else None
         return GenerationResult(token_ids=[list(r.tokens) for r in self.rows], text=texts,
                                 finish_reasons=[r.finish_reason or "length" for r in self.rows],
-                                stats=self.stats, prompt_token_ids=self.prompts, plan=self.plan)
+                                stats=self.stats, prompt_token_ids=self.prompts, plan=self.plan,
+                                logprobs=self._logprobs())
+
+    def _logprobs(self) -> Optional[List[List[TokenLogprob]]]:
+        """Per row, one per returned token (None when logprobs were not asked for)."""
+        if self.plan is None or self.plan.top_logprobs is None:
+            return None
+        return [list(r.logprobs or [])[: len(r.tokens)] for r in self.rows]
 
 
 
@@ -195,7 +206,10 @@ def generate(prompts, target: ModelSpec = None, draft: ModelSpec = None, *, max_
              draft_tokenizer=None, max_seq_len: Optional[int] = None, runner: str = "auto",
              verifier: Verifier = lossless_verify, cost_probe: bool = True, draft_confidence: float = 0.0,
              draft_tree: Optional[Tuple[int, int, int]] = None, explain: bool = False,
-             tp_size: Optional[int] = None, tp_check: str = "broadcast") -> Union[GenerationResult, GenerationStream]:
+             tp_size: Optional[int] = None, tp_check: str = "broadcast", min_p: float = 0.0,
+             logit_bias: Optional[Mapping] = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+             repetition_penalty: float = 1.0, json_schema=None, regex: Optional[str] = None,
+             grammar: Optional[str] = None, logprobs: Optional[int] = None) -> Union[GenerationResult, GenerationStream]:
     """Lossless speculative generation: the tokens are distributed exactly as sampling from the target.
 
     Parameters
@@ -283,21 +297,51 @@ def generate(prompts, target: ModelSpec = None, draft: ModelSpec = None, *, max_
         already loaded with ``tp_plan`` / ``distributed_config`` needs nothing: it is detected.
     tp_check : "broadcast" (default), "verify" or "off"
         Under tensor parallelism, how the ranks are kept on rank 0's decisions (distributed.py).
+    min_p, logit_bias, presence_penalty, frequency_penalty, repetition_penalty : logits processors
+        OpenAI's and HF's (specdec_ext/processing.py), applied inside verification to the target's
+        logits at every draft position, each with the drafts before it counted, and to a draft model's
+        logits as it drafts, so the output is distributed exactly as sampling from the processed target.
+        min_p in [0, 1] (0 off; tokens below min_p x the top probability after temperature dropped);
+        logit_bias {token id: bias in [-100, 100]}; presence / frequency penalties in [-2, 2] over the
+        generated tokens; repetition_penalty > 0 (1 off) over the prompt and generated tokens.
+    json_schema, regex, grammar : structured output (at most one)
+        A JSON schema (dict or JSON text), a regular expression, or a Lark grammar (llguidance's
+        syntax): every row's output follows it (specdec_ext/grammar.py). The masks are filled on the
+        host per verify pass; drafts the grammar forbids are rejected, tokens it forces are accepted.
+        A row whose grammar reaches a dead end finishes with ``"grammar_dead_end"``. Needs a tokenizer.
+    logprobs : int in [0, 20], optional
+        Also return each new token's log-probability and the ``logprobs`` most likely tokens at its
+        position (``result.logprobs``: per prompt, one ``logprobs.TokenLogprob`` per token) under the
+        processed target at the row's temperature (specdec_ext/logprobs.py).
 
     Returns
     -------
     GenerationResult (``.token_ids``, ``.text``, ``.finish_reasons``, ``.stats``) or GenerationStream.
     """
+    processing = _processing(min_p=min_p, logit_bias=logit_bias, presence_penalty=presence_penalty,
+                             frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
+                             json_schema=json_schema, regex=regex, grammar=grammar)
     models = load_models(target, draft, tokenizer=tokenizer, draft_tokenizer=draft_tokenizer, tp_size=tp_size)
     return _run(models, prompts, RunRequest(
         max_new_tokens=max_new_tokens, sampling=_sampling(temperature, top_k, top_p), seed=seed,
         eos_token_id=eos_token_id, stop=stop, stream=stream, max_seq_len=max_seq_len, runner=runner, k=k,
         draft_tree=draft_tree, draft_confidence=draft_confidence, verifier=verifier, cost_probe=cost_probe,
-        explain=explain, tp_check=tp_check))
+        explain=explain, tp_check=tp_check, processing=processing, top_logprobs=logprobs))
+
+
+# generate()'s request fields beyond the filter (processing.py, grammar.py, logprobs.py), plain_generate()'s too
+PROCESSING_OPTIONS = ("min_p", "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                      "json_schema", "regex", "grammar", "logprobs")
+
+
+def _processing(*, json_schema=None, regex=None, grammar=None, **fields) -> Optional[Processing]:
+    """generate()'s processors and grammar as one Processing (None when they change nothing)."""
+    processing = Processing.of(grammar=grammar_spec(json_schema=json_schema, regex=regex, grammar=grammar), **fields)
+    return processing if processing.active else None
 
 
 PLAIN_OPTIONS = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "eos_token_id", "stop", "stream",
-                 "tokenizer", "max_seq_len", "runner", "explain", "tp_size")
+                 "tokenizer", "max_seq_len", "runner", "explain", "tp_size") + PROCESSING_OPTIONS
 
 
 def plain_generate(prompts, target: ModelSpec = None, **options):
@@ -315,7 +359,9 @@ def plain_generate(prompts, target: ModelSpec = None, **options):
         sampling=_sampling(options.get("temperature", 0.0), options.get("top_k", 0), options.get("top_p", 1.0)),
         seed=options.get("seed"), eos_token_id=options.get("eos_token_id"), stop=options.get("stop"),
         stream=options.get("stream", False), max_seq_len=options.get("max_seq_len"),
-        runner=options.get("runner", "auto"), cost_probe=False, explain=options.get("explain", False)))
+        runner=options.get("runner", "auto"), cost_probe=False, explain=options.get("explain", False),
+        processing=_processing(**{name: options[name] for name in PROCESSING_OPTIONS[:-1] if name in options}),
+        top_logprobs=options.get("logprobs")))
 
 
 def _sampling(temperature, top_k, top_p) -> SamplingParams:
@@ -344,6 +390,8 @@ class RunRequest:
     cost_probe: bool = True
     explain: bool = False
     tp_check: str = "broadcast"
+    processing: Optional[Processing] = None
+    top_logprobs: Optional[int] = None
 
 
 def _run(models: Models, prompts, request: RunRequest):
@@ -355,7 +403,8 @@ def _run(models: Models, prompts, request: RunRequest):
                      prompt_lengths=[len(p) for p in token_prompts], max_new_tokens=request.max_new_tokens,
                      k=request.k, draft_tree=request.draft_tree, runner=request.runner, sampling=request.sampling,
                      seeded=request.seed is not None, max_seq_len=request.max_seq_len,
-                     draft_confidence=request.draft_confidence, tp_check=request.tp_check, vocab_bridge=models.bridge)
+                     draft_confidence=request.draft_confidence, tp_check=request.tp_check, vocab_bridge=models.bridge,
+                     processing=request.processing, top_logprobs=request.top_logprobs)
     if request.explain and distributed.rank() == 0:
         print(plan.explain(), file=sys.stderr)
     B = len(token_prompts)
@@ -366,13 +415,14 @@ def _run(models: Models, prompts, request: RunRequest):
     if request.max_new_tokens == 0:
         events = iter(())
     else:
+        eos_ids = eos_token_ids_of(request.eos_token_id, models.target, tokenizer)
+        grammar_of = _grammar_rows(request.processing, tokenizer, output_vocab_size(models.target), eos_ids)
         target_runner, drafter = build(plan, models)
         stop_criteria = StopCriteria(
-            max_new_tokens=request.max_new_tokens,
-            eos_token_ids=eos_token_ids_of(request.eos_token_id, models.target, tokenizer), stop_strings=stop_strings,
+            max_new_tokens=request.max_new_tokens, eos_token_ids=eos_ids, stop_strings=stop_strings,
             decode_text=(lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer is not None else None)
         padded_prompts, padded_seeds, padded_rows = pad_batch(token_prompts, seeds, rows, plan.padded_batch_size)
-        config = LoopConfig.of(plan, verifier=request.verifier, cost_probe=request.cost_probe)
+        config = LoopConfig.of(plan, verifier=request.verifier, cost_probe=request.cost_probe, grammar_of=grammar_of)
         events = decode(target_runner, drafter, padded_prompts, padded_seeds, stop_criteria, config,
                         rows=padded_rows, stats=stats)
         events = _real_rows(events, B, drafter)
@@ -381,6 +431,17 @@ def _run(models: Models, prompts, request: RunRequest):
     for _ in events:
         pass
     return finisher.result()
+
+
+def _grammar_rows(processing: Optional[Processing], tokenizer, vocab_size: int, eos_ids: List[int]):
+    """A row -> grammar matcher factory for the loop (None without a grammar); the grammar is compiled
+    here, before any model work."""
+    if processing is None or processing.grammar is None:
+        return None
+    if tokenizer is None:
+        raise ValueError("structured output (json_schema, regex, grammar) needs the target's tokenizer")
+    compiled = compile_grammar(processing.grammar, tokenizer, vocab_size, eos_ids)
+    return lambda row: compiled.new_row()
 
 
 def _stop_strings(stop, tokenizer) -> List[str]:

@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
+from .processing import ProcessingState
 from .sampling import SamplingParams
 
 PHILOX_OFFSET_STRIDE = 2  # Philox counters reserved per step: one for verification, one for drafting
@@ -104,6 +105,13 @@ class SpecDecodeMetadata:
     row_sampling: Optional[List[SamplingParams]] = None  # each row's own filter (continuous batching;
     #   the tensors above hold the same values); None: ``sampling`` for every row
 
+    # request fields beyond the filter (issue 28) ---------------------------------------------------
+    processing: Optional[ProcessingState] = None  # logits processors per row (processing.py); None: none
+    top_logprobs: Optional[int] = None  # host: logprobs of the emitted tokens with this many top tokens
+    #   (logprobs.py); None: not computed
+    step_logprobs: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None  # the last verify's
+    #   (chosen [B, n+1], top ids [B, n+1, top], top values [B, n+1, top]); logprobs.step_logprobs
+
     @classmethod
     def allocate(cls, *, batch_size: int, slots: int, max_seq_len: int, sampling: SamplingParams,
                  seeds: torch.Tensor, tree: bool = False) -> "SpecDecodeMetadata":
@@ -144,17 +152,21 @@ class SpecDecodeMetadata:
         """Rows 0..width-1 as metadata of their own: every buffer a view (writes reach this one)."""
         view = self._map_rows(lambda t: t[:width])
         view.set_row_sampling(None if self.row_sampling is None else self.row_sampling[:width])
+        view.processing = None if self.processing is None else self.processing.rows(width)
         return view
 
     def select(self, index: torch.Tensor) -> "SpecDecodeMetadata":
         """Rows ``index`` [n] int64 as metadata of their own: every buffer a gathered copy."""
         picked = self._map_rows(lambda t: t[index])
         picked.set_row_sampling(None if self.row_sampling is None else [self.row_sampling[i] for i in index.tolist()])
+        picked.processing = None if self.processing is None else self.processing.select(index)
         return picked
 
     def _map_rows(self, take: Callable[[torch.Tensor], torch.Tensor]) -> "SpecDecodeMetadata":
         """A copy whose per-row buffers (every tensor field, the no-drafts proposal) are ``take`` of ours."""
         def part(value):
+            if isinstance(value, tuple):  # step_logprobs: a step's output, not row state
+                return None
             if isinstance(value, torch.Tensor):
                 return take(value)
             if isinstance(value, Proposal):
@@ -195,6 +207,8 @@ class SpecDecodeMetadata:
         self.token_buffer[index, lengths] = tokens
         self.seq_lens[index] = lengths + 1
         self.target_input[index, 0] = tokens
+        if self.processing is not None:
+            self.processing.record_rows(index, tokens)
 
     def hold_rows(self, rows: Sequence[int], token: int) -> None:
         """Rows ``rows`` joined but their prompts are still being prefilled (chunked prefill): each holds a
@@ -219,6 +233,9 @@ class SpecDecodeMetadata:
         self.top_p[index] = float(sampling.top_p)
         self.seed[index] = 0
         self._set_rows_sampling(rows, sampling)
+        if self.processing is not None:
+            for row in rows:
+                self.processing.clear_row(row)
 
     def _set_rows_sampling(self, rows: Sequence[int], sampling: SamplingParams) -> None:
         """``row_sampling`` with ``rows`` set to ``sampling`` (the other rows keep theirs)."""

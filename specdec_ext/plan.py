@@ -43,8 +43,10 @@ from .drafters.cross_tokenizer import GREEDY_THROUGH_TEXT, INTERSECTION
 from .drafters.tree_drafter import tree_num_nodes
 from .metadata import SCRATCH_COLUMNS
 from .distributed import TP_CHECKS
+from .logprobs import check_top_logprobs
+from .processing import Processing
 from .runners import RUNNER_KINDS, RunnerCapabilities, capabilities_of, unsupported_reason
-from .runners.checks import tensor_parallel_size
+from .runners.checks import output_vocab_size, tensor_parallel_size
 from .runners.lean import forward_description
 from .runners.support import unsupported_reason as paged_unsupported_reason
 from .sampling import SamplingParams
@@ -102,6 +104,8 @@ class DecodePlan:
     reasons: Tuple[Tuple[str, str], ...] = ()  # (choice, why), in the order they were made
     prefill_chunk: int = 0  # a server's prompt tokens prefilled per step (0: whole prompts)
     cross_tokenizer: Optional[str] = None  # drafter "cross-tokenizer": "greedy-through-text" or "intersection"
+    processing: Optional[Processing] = None  # every row's logits processors (processing.py); None: none
+    top_logprobs: Optional[int] = None  # logprobs of the emitted tokens with this many top tokens; None: off
     controller: Optional[adaptive_k.AdaptiveK] = field(default=None, compare=False, repr=False)
 
     @property
@@ -130,6 +134,8 @@ class PlanRequest:
     draft_confidence: float = 0.0
     tp_check: str = "broadcast"
     vocab_bridge: object = None  # drafter "cross-tokenizer": its vocab_bridge.VocabularyBridge
+    processing: Optional[Processing] = None  # logits processors (checked against the target's vocabulary)
+    top_logprobs: Optional[int] = None
 
     def validate(self) -> None:
         _check_kinds(self.drafter, self.runner)
@@ -142,6 +148,7 @@ class PlanRequest:
         if self.tp_check not in TP_CHECKS:
             raise ValueError(f"tp_check must be one of {TP_CHECKS}, got {self.tp_check!r}")
         self.sampling.validate()
+        check_top_logprobs(self.top_logprobs)
 
 
 def _check_kinds(drafter: str, runner: str) -> None:
@@ -188,6 +195,8 @@ def make_plan(target_model, draft_model, **request) -> DecodePlan:
     cache_len = required_cache_len(max(ask.prompt_lengths), ask.max_new_tokens, slots)
     runners = _runners(ask.drafter, ask.runner, tree, models, cache_len, reasons)
     graphs, why = _graphs(models.graphs_ok, models.graphs_reason, ask.drafter, tree, controller, runners)
+    if graphs and ask.processing is not None and ask.processing.grammar is not None:
+        graphs, why = False, "a grammar's masks are filled on the host between the draft and the verify pass"
     reasons.append(("cuda graphs", f"{'on' if graphs else 'off'}: {why}"))
     batch = len(ask.prompt_lengths)
     padded = bucket_size(batch) if graphs else batch
@@ -197,9 +206,11 @@ def make_plan(target_model, draft_model, **request) -> DecodePlan:
     reasons.append(("cache", f"{cache_len} positions per row (longest prompt {max(ask.prompt_lengths)} + "
                              f"{ask.max_new_tokens} new + two steps of drafts)"))
     capabilities = _capabilities(runners, ask.drafter, models, static_shapes=graphs)
-    reasons.append(("capabilities", _describe_capabilities(*capabilities, ask.sampling)))
+    every_token_sampled = (ask.processing is not None and ask.processing.active) or ask.top_logprobs is not None
+    reasons.append(("capabilities", _describe_capabilities(*capabilities, ask.sampling, every_token_sampled)))
     reasons.append(("sampling", "greedy" if ask.sampling.greedy else
                     f"T={ask.sampling.temperature}, top_k={ask.sampling.top_k}, top_p={ask.sampling.top_p}"))
+    _describe_processing(ask, models, reasons)
     if models.tensor_parallel > 1:
         reasons.append(("tensor parallel", f"the target is sharded over {models.tensor_parallel} ranks, each running "
                                            f"this loop with a replicated drafter; tp_check={ask.tp_check} "
@@ -211,7 +222,20 @@ def make_plan(target_model, draft_model, **request) -> DecodePlan:
                       max_new_tokens=ask.max_new_tokens, draft_confidence=float(ask.draft_confidence),
                       target_capabilities=capabilities[0], draft_capabilities=capabilities[1],
                       tensor_parallel=models.tensor_parallel, tp_check=ask.tp_check, reasons=tuple(reasons),
-                      cross_tokenizer=cross_mode, controller=controller)
+                      cross_tokenizer=cross_mode, processing=ask.processing, top_logprobs=ask.top_logprobs,
+                      controller=controller)
+
+
+def _describe_processing(ask: PlanRequest, models: _Models, reasons: List[Tuple[str, str]]) -> None:
+    """Check the processors against the target's vocabulary; say what runs."""
+    if ask.processing is not None and ask.processing.active:
+        ask.processing.validate(output_vocab_size(models.target))
+        reasons.append(("processing", f"{ask.processing.describe()}: on the target's logits at every position of "
+                                      "a verify pass (each with its drafts before it) and on a draft model's as it "
+                                      "drafts (processing.py)"))
+    if ask.top_logprobs is not None:
+        reasons.append(("logprobs", f"each emitted token's logprob and the top {ask.top_logprobs} under the "
+                                    "processed target at the row's temperature (logprobs.py)"))
 
 
 def plan_server(target_model, draft_model, *, drafter: str, k: Optional[int], runner: str, max_rows: int,
@@ -370,13 +394,14 @@ def _capabilities(runners: _Runners, drafter: str, models: _Models, *, static_sh
 
 
 def _describe_capabilities(target: RunnerCapabilities, draft: Optional[RunnerCapabilities],
-                           sampling: Optional[SamplingParams]) -> str:
+                           sampling: Optional[SamplingParams], every_token_sampled: bool = False) -> str:
     """The capabilities line of ``explain()``: what each runner offers and what the loop uses it for."""
     uses = []
     if target.greedy_chain:
-        uses.append("greedy plain decoding runs as greedy chains" if sampling is None or sampling.greedy else
+        uses.append("greedy chains unused (processors or logprobs)" if every_token_sampled else
+                    "greedy plain decoding runs as greedy chains" if sampling is None or sampling.greedy else
                     "greedy chains unused (sampling)")
-    if draft is not None and draft.greedy_chain:
+    if draft is not None and draft.greedy_chain and not every_token_sampled:
         uses.append("a greedy draft is one call")
     if target.device_steps:
         uses.append("device steps for serving under CUDA graphs")

@@ -21,6 +21,7 @@ metadata's, allocated once; with CUDA graphs the draft, verify and commit parts 
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -32,6 +33,7 @@ from ._status import raise_for_row_status
 from .cuda_graphs import StepGraph
 from .distributed import RankSync
 from .drafters import Drafter
+from .logprobs import host_logprobs, step_logprobs
 from .metadata import SCRATCH_COLUMNS, Proposal, SpecDecodeMetadata, Verdict
 from .profiling import nvtx_enabled, nvtx_range
 from .runners import ModelRunner
@@ -90,7 +92,22 @@ def verify(target: ModelRunner, meta: SpecDecodeMetadata, proposal: Proposal, ve
                             tree_parents=proposal.parents)  # [B, width, V]
     if width < meta.slots + 1:
         logits = widen_logits(meta, logits)  # [B, n+1, V]
-    return verifier(meta, proposal, logits)
+    logits = process(meta, logits, proposal)
+    verdict = verifier(meta, proposal, logits)
+    if meta.top_logprobs is not None:
+        meta.step_logprobs = step_logprobs(logits, verdict.tokens, verdict.path, meta.temperature, meta.top_logprobs)
+    return verdict
+
+
+def process(meta: SpecDecodeMetadata, logits: torch.Tensor, proposal: Proposal) -> torch.Tensor:
+    """The rows' logits processors (processing.py) on the target's logits [B, n+1, V], in place, each
+    column with its own prefix of drafts; unchanged when no row is processed."""
+    processing = meta.processing
+    if processing is None or not processing.any_active:
+        return logits
+    logits = logits.contiguous()
+    processing.apply(logits, proposal.token_ids, proposal.num_draft, meta.temperature, parents=proposal.parents)
+    return logits
 
 
 def widen_logits(meta: SpecDecodeMetadata, logits: torch.Tensor) -> torch.Tensor:
@@ -127,6 +144,8 @@ def append_tokens(meta: SpecDecodeMetadata, tokens: torch.Tensor) -> None:
     write = columns[None, :] < meta.num_kept[:, None]  # [B, w]
     positions = torch.where(write, meta.seq_lens[:, None] + columns, S - SCRATCH_COLUMNS)  # [B, w]
     meta.token_buffer.scatter_(1, positions, tokens)
+    if meta.processing is not None:
+        meta.processing.record(tokens, meta.num_kept)
     meta.seq_lens.add_(meta.num_kept)
     meta.target_input[:, :1].copy_(torch.gather(meta.token_buffer, 1, (meta.seq_lens - 1)[:, None]))
 
@@ -262,8 +281,8 @@ class Stepper:
         outcome = StepOutcome.of(num_accepted, num_draft, active)
         if self.recorder is not None:
             self.recorder.record_step(outcome)
-        new = [apply_stops(rows[b], host[b][2: 3 + num_accepted[b]], stops[b]) if active[b] else []
-               for b in range(len(rows))]
+        emitted = {b: host[b][2: 3 + num_accepted[b]] for b in range(len(rows)) if active[b]}
+        new = emit(meta, rows, stops, emitted)
         return StepResult(new, failed, outcome, verify_width(proposal), started, drafted - started, ended - drafted)
 
     def _failures(self, active: List[bool], num_accepted: List[int], verdict: Verdict) -> Dict[int, int]:
@@ -292,7 +311,44 @@ class Stepper:
 def sample_plain(logits: torch.Tensor, meta: SpecDecodeMetadata, tokens: torch.Tensor, status: torch.Tensor,
                  check: bool) -> None:
     """One token per row from one position of logits (a verify pass with no drafts): the prefill's first
-    token and the cost probe's plain step. logits [B, 1, V] -> tokens [B, 1], status [B]."""
+    token and the cost probe's plain step, processed as a step's column 0 is (``meta.step_logprobs`` set
+    when logprobs are asked for). logits [B, 1, V] -> tokens [B, 1], status [B]."""
     no_drafts = meta.no_drafts.token_ids[:, :0]  # [B, 0]
+    logits = process(meta, logits, dataclasses.replace(meta.no_drafts, token_ids=no_drafts, parents=None))
     ops.chain_verify(logits, no_drafts, None, temperature=meta.temperature, top_k=meta.top_k, top_p=meta.top_p,
                      seed=meta.seed, offset=meta.verify_offset, out=(tokens, status), check_status=check)
+    if meta.top_logprobs is not None:
+        meta.step_logprobs = step_logprobs(logits, tokens, None, meta.temperature, meta.top_logprobs)
+
+
+def read_logprobs(meta: SpecDecodeMetadata, emitted: Dict[int, List[int]], batch: int) -> List[Optional[list]]:
+    """Per row, the logprobs.TokenLogprob of its emitted tokens (None where not asked for or frozen)."""
+    if meta.top_logprobs is None or meta.step_logprobs is None:
+        return [None] * batch
+    tokens = [emitted.get(b, []) for b in range(batch)]
+    per_row = host_logprobs(tokens, *meta.step_logprobs)
+    return [per_row[b] if b in emitted else None for b in range(batch)]
+
+
+def emit(meta: SpecDecodeMetadata, rows: Sequence[Optional[RowState]], stops: Sequence[Optional[StopCriteria]],
+         emitted: Dict[int, List[int]]) -> List[List[int]]:
+    """The rows' emitted tokens (row -> tokens, the running rows) into their grammars (cut where a grammar
+    ends), with their logprobs, through their stop checks; a row whose grammar now lets nothing follow
+    ends. Returns each row's new tokens ([] for the others)."""
+    if meta.processing is not None and meta.processing.has_grammar:
+        emitted = meta.processing.commit_host(emitted)
+    logprobs = read_logprobs(meta, emitted, len(rows))
+    new = [apply_stops(rows[b], emitted[b], stops[b], logprobs[b]) if b in emitted else [] for b in range(len(rows))]
+    end_dead_grammars(meta, rows)
+    return new
+
+
+def end_dead_grammars(meta: SpecDecodeMetadata, rows: Sequence[Optional[RowState]]) -> None:
+    """A running row whose grammar lets nothing follow ends now (processing.grammar_ends: "stop" after a
+    complete match, "grammar_dead_end" otherwise)."""
+    if meta.processing is None or not meta.processing.has_grammar:
+        return
+    for b, reason in meta.processing.grammar_ends().items():
+        row = rows[b]
+        if row is not None and not row.finished:
+            row.finished, row.finish_reason = True, reason

@@ -25,10 +25,22 @@ class RowState:
     finished: bool = False
     finish_reason: Optional[str] = None  # "eos", "length", "stop"
     stop_text_end: Optional[int] = None  # with "stop": the text ends here (the stop string excluded)
+    logprobs: Optional[list] = None  # one logprobs.TokenLogprob per token, when asked for
 
 
-def apply_stops(row: RowState, new_tokens: List[int], stop: StopCriteria) -> List[int]:
-    """Append ``new_tokens`` to a row up to the first stop; returns the tokens actually appended."""
+def apply_stops(row: RowState, new_tokens: List[int], stop: StopCriteria, logprobs: Optional[list] = None) -> List[int]:
+    """Append ``new_tokens`` to a row up to the first stop; returns the tokens actually appended.
+    ``logprobs`` (one per new token) join ``row.logprobs`` for the tokens kept."""
+    before = len(row.tokens)
+    kept = _append_until_stop(row, new_tokens, stop)
+    if logprobs is not None:
+        if row.logprobs is None:
+            row.logprobs = []
+        row.logprobs.extend(logprobs[: len(row.tokens) - before])
+    return kept
+
+
+def _append_until_stop(row: RowState, new_tokens: List[int], stop: StopCriteria) -> List[int]:
     kept: List[int] = []
     for token in new_tokens:
         if len(row.tokens) + len(kept) >= stop.max_new_tokens:

@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv-tf5180/bin/python ]; then
   python3 -m venv .venv-tf5180
-  .venv-tf5180/bin/pip install -q torch==2.13.0 numpy pytest hypothesis scipy "transformers==5.18.0"
+  .venv-tf5180/bin/pip install -q torch==2.13.0 numpy pytest hypothesis scipy "llguidance>=1.9,<2" "transformers==5.18.0"
 fi
 if [ ! -x .venv-cuda/bin/python ]; then
   python3 -m venv .venv-cuda

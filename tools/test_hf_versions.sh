@@ -8,10 +8,9 @@ cd "$(dirname "$0")/.."
 ls specdec_ext/_C*.so >/dev/null 2>&1 || { echo "build the extension in place first (pip install -e .)" >&2; exit 1; }
 for version in ${SPECDEC_HF_VERSIONS:-5.18.0}; do
   venv=".venv-tf${version//./}"
-  if [ ! -x "$venv/bin/python" ]; then
-    python3 -m venv "$venv"
-    "$venv/bin/pip" install -q torch==2.13.0 numpy pytest hypothesis scipy "transformers==$version"
-  fi
+  [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+  # (a no-op where they are there already: tools/ci_side_venvs.sh installs the same list)
+  "$venv/bin/pip" install -q torch==2.13.0 numpy pytest hypothesis scipy "llguidance>=1.9,<2" "transformers==$version"
   echo "== transformers $("$venv/bin/python" -c 'import transformers; print(transformers.__version__)')"
   "$venv/bin/python" -m pytest python_tests/test_hf_paged.py python_tests/test_kv_ops.py \
     python_tests/test_kv_cache_hypothesis.py -q -p no:cacheprovider

@@ -141,7 +141,8 @@ class ModelDrafter(Drafter):
             num_draft.copy_(torch.tensor([min(k, b) for b in budget], dtype=torch.int32))
         drafting = torch.ones_like(meta.active) if self.confidence_threshold > 0 else None  # [B] bool
         self._fed_drafts, self._skipped_step = 0, False
-        if greedy and drafting is None and steps >= 1 and self.greedy_chains:
+        processing = meta.processing if meta.processing is not None and meta.processing.any_active else None
+        if greedy and drafting is None and steps >= 1 and self.greedy_chains and processing is None:
             # the lean CPU runner feeds the unseen tokens and drafts the whole chain in one op call, bit
             # for bit the loop below
             feed, num_feed = self._unseen(meta)  # [B, W], [B]
@@ -151,7 +152,10 @@ class ModelDrafter(Drafter):
             return Proposal(token_ids, probs, num_draft, longest=None if budget is None else steps)
         logits = self._fit_vocab(self._feed_unseen(meta))  # [B, V]
         uniforms = None if greedy else ops.philox_uniforms(meta.seed, meta.draft_offset, k)  # [B, k]
+        counts = processing.output_counts.clone() if processing is not None and processing.any_penalised else None
         for i in range(steps):
+            if processing is not None:  # the draft proposes from its processed q', as the target verifies p'
+                logits = processing.apply_draft_step(logits, token_ids[:, :i], meta.temperature, counts)
             if greedy:
                 token = logits.argmax(-1)  # [B]
                 if drafting is not None:
@@ -163,6 +167,8 @@ class ModelDrafter(Drafter):
                 if drafting is not None:
                     confidence = q.gather(1, token[:, None])[:, 0]  # [B]
             token_ids[:, i].copy_(token)
+            if counts is not None:
+                counts.scatter_add_(1, token[:, None], torch.ones_like(token[:, None], dtype=torch.int32))
             if drafting is not None:
                 stop = drafting & (confidence < self.confidence_threshold) & meta.active  # [B]
                 num_draft.masked_fill_(stop & (num_draft > i + 1), i + 1)

@@ -19,13 +19,15 @@ import asyncio
 import contextlib
 import json
 import secrets
-from typing import Any, AsyncIterator, Callable, List, Optional, Sequence
+from typing import Any, AsyncIterator, Callable, List, Optional, Sequence, Tuple
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from ..grammar import GrammarError, GrammarSpec, grammar_spec
+from ..processing import Processing
 from ..sampling import SamplingParams
 from ..stops import StopCriteria
 from . import protocol
@@ -38,6 +40,7 @@ DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's max_tokens default for /v1/completion
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 SEED_BITS = 62  # a request without a seed draws one in [0, 2^62)
+CHOICE_SEED_MULTIPLIER = 0x9E3779B97F4A7C15  # choice_seed: an odd 64-bit constant (the golden ratio's)
 
 
 class ApiError(Exception):
@@ -103,105 +106,196 @@ class OpenAIService:
             raise ApiError(404, f"the model {model!r} does not exist: this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
-    def _generation_request(self, body, prompt: List[int], max_tokens: int) -> GenerationRequest:
+    def _generation_requests(self, body, prompt: List[int], max_tokens: int) -> List[GenerationRequest]:
+        """One engine request per choice (``n``): the same prompt, each choice its own Philox stream (the
+        request's seed for choice 0, ``choice_seed`` for the others) and its own grammar matcher."""
         if not prompt:
             raise ApiError(400, "the prompt is empty (no tokens)", param="prompt")
+        if body.n > self.engine.batcher.max_rows:
+            raise ApiError(400, f"n = {body.n} choices need {body.n} rows but this server runs {self.engine.batcher.max_rows}",
+                           param="n")
         sampling = SamplingParams(DEFAULT_TEMPERATURE if body.temperature is None else float(body.temperature),
                                   max(0, body.top_k or 0), 1.0 if body.top_p is None else float(body.top_p))
         stop = StopCriteria(max_new_tokens=max_tokens, eos_token_ids=[] if body.ignore_eos else self.eos_token_ids,
                             stop_strings=list(body.stop or []), decode_text=self.tokenizer.decode)
         seed = body.seed if body.seed is not None else secrets.randbits(SEED_BITS)
-        return GenerationRequest(prompt=list(prompt), sampling=sampling, seed=seed, stop=stop,
-                                 seeded=body.seed is not None)
+        processing, compiled = self._processing(body)
+        try:
+            top_logprobs = body.top_logprobs_asked
+        except ValueError as error:
+            raise ApiError(400, str(error), param="top_logprobs") from None
+        return [GenerationRequest(prompt=list(prompt), sampling=sampling, seed=choice_seed(seed, choice), stop=stop,
+                                  seeded=body.seed is not None, processing=processing,
+                                  grammar=None if compiled is None else compiled.new_row(), top_logprobs=top_logprobs)
+                for choice in range(body.n)]
+
+    def _processing(self, body) -> Tuple[Optional[Processing], Optional[object]]:
+        """The request's logits processors and its compiled grammar (compiled here, before any work): a 400
+        naming the field for a value out of range, a logit_bias key that is not a token id, a schema,
+        regex or grammar the engine cannot compile."""
+        try:
+            spec = GrammarSpec.from_response_format(body.response_format)
+            extension = grammar_spec(regex=body.regex, grammar=body.grammar)
+            if spec is not None and extension is not None:
+                raise GrammarError(extension.field, "give either response_format or regex / grammar, not both")
+            spec = spec or extension
+            processing = Processing.of(
+                min_p=body.min_p or 0.0, presence_penalty=body.presence_penalty or 0.0,
+                frequency_penalty=body.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                logit_bias=body.logit_bias, grammar=spec)
+            processing.validate(self.vocab_size)
+            eos = [] if body.ignore_eos else self.eos_token_ids
+            grammar = None if spec is None else self.tokenizer.compile_grammar(spec, self.vocab_size, eos)
+        except GrammarError as error:
+            param = "response_format" if error.field == "json_schema" else error.field
+            raise ApiError(400, str(error), param=param) from None
+        except ValueError as error:
+            raise ApiError(400, str(error), param=str(error).split()[0].split("[")[0]) from None
+        return (processing if processing.active else None), grammar
 
     # ------------------------------------------------------------------ responses
     async def _respond(self, body, prompt: List[int], max_tokens: int, http: Request, *, chat: bool):
-        request = self._generation_request(body, prompt, max_tokens)
+        requests = self._generation_requests(body, prompt, max_tokens)
         loop = asyncio.get_running_loop()
-        events: asyncio.Queue = asyncio.Queue()
+        events: asyncio.Queue = asyncio.Queue()  # (choice, RowEvent)
+        handles = []
         try:
-            handle = self.engine.submit(request, lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
+            for choice, request in enumerate(requests):
+                sink = (lambda event, choice=choice: loop.call_soon_threadsafe(events.put_nowait, (choice, event)))
+                handles.append(self.engine.submit(request, sink))
         except RequestRejected as error:
+            for handle in handles:  # the choices already queued leave with the refused one
+                handle.cancel()
             headers = {"Retry-After": str(error.retry_after)} if isinstance(error, QueueFullError) else None
             raise ApiError(error.status, str(error), error.error_type, error.param, headers=headers) from None
-        reply = Reply(self, request, body, chat, TextStream(self.tokenizer.decode, request.stop.stop_strings))
+        reply = Reply(self, requests, body, chat)
+
+        def cancel() -> None:
+            for choice, handle in enumerate(handles):
+                if not reply.choices[choice].finished:
+                    handle.cancel()
+
         if body.stream:
-            return CancellingStream(reply.chunks(events), on_close=lambda: reply.finished or handle.cancel())
+            return CancellingStream(reply.chunks(events), on_close=cancel)
         try:
             return await reply.complete(events, http)
         finally:
-            if not reply.finished:
-                handle.cancel()
+            cancel()
+
+
+class Choice:
+    """One choice of a response: its request, its text so far, its logprobs, whether it has finished."""
+
+    def __init__(self, request: GenerationRequest, decode: Callable[[List[int]], str]):
+        self.request = request
+        self.text = TextStream(decode, request.stop.stop_strings)
+        self.logprobs: List = []  # logprobs.TokenLogprob of every token so far (when asked for)
+        self.logprob_text = 0  # completions: characters before the next token's text_offset
+        self.finished = False
+        self.last: Optional[RowEvent] = None  # its final event
 
 
 class Reply:
-    """One response: the finished body, or the stream of chunks."""
+    """One response over its ``n`` choices: the finished body, or the stream of chunks."""
 
-    def __init__(self, service: OpenAIService, request: GenerationRequest, body, chat: bool, text: TextStream):
-        self.service, self.request, self.body, self.chat, self.text = service, request, body, chat, text
+    def __init__(self, service: OpenAIService, requests: Sequence[GenerationRequest], body, chat: bool):
+        self.service, self.body, self.chat = service, body, chat
+        self.choices = [Choice(request, service.tokenizer.decode) for request in requests]
         self.id = protocol.new_id("chatcmpl" if chat else "cmpl")
         self.created = protocol.now()
-        self.finished = False
+
+    @property
+    def finished(self) -> bool:
+        return all(choice.finished for choice in self.choices)
 
     def _object(self, choice, *, chunk: bool, usage=None, choices=None) -> dict:
         return protocol.completion_object(self.id, self.service.model_name, self.created, choice, chunk=chunk,
                                           chat=self.chat, usage_fields=usage, choices=choices)
 
     def _usage(self) -> dict:
-        return protocol.usage(len(self.request.prompt), len(self.text.tokens))
+        """The prompt counted once, the completion tokens of every choice."""
+        return protocol.usage(len(self.choices[0].request.prompt), sum(len(c.text.tokens) for c in self.choices))
+
+    def _take(self, index: int, event: RowEvent) -> str:
+        """Choice ``index`` takes ``event``; returns its new piece of text."""
+        choice = self.choices[index]
+        piece = choice.text.push(event)
+        choice.logprobs += event.logprobs or []
+        if event.finished:
+            choice.finished, choice.last = True, event
+        return piece
 
     async def complete(self, events: asyncio.Queue, http: Request):
         clock = asyncio.get_running_loop().time
         checked = clock()
-        while True:
+        while not self.finished:
             try:
-                event: Optional[RowEvent] = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
+                index, event = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
                 event = None
             if clock() - checked >= DISCONNECT_POLL_S:  # whether events arrive or not
                 checked = clock()
                 if await http.is_disconnected():
-                    return PlainTextResponse("", status_code=499)  # nobody reads it; the row is cancelled
-            if event is None:
-                continue
-            self.text.push(event)
-            if event.finished:
-                self.finished = True
-                break
-        error = _event_error(event)
-        if error is not None:
-            return error.response()
-        reason = protocol.finish_reason(event.finish_reason)
-        choice = (protocol.chat_choice if self.chat else protocol.text_choice)(self.text.text, reason)
-        return JSONResponse(self._object(choice, chunk=False, usage=self._usage()))
+                    return PlainTextResponse("", status_code=499)  # nobody reads it; the rows are cancelled
+            if event is not None:
+                self._take(index, event)
+        for choice in self.choices:
+            error = _event_error(choice.last)
+            if error is not None:
+                return error.response()
+        body = [(protocol.chat_choice if self.chat else protocol.text_choice)(
+            c.text.text, protocol.finish_reason(c.last.finish_reason), self._logprobs_object(c, c.logprobs), index=i)
+            for i, c in enumerate(self.choices)]
+        return JSONResponse(self._object(None, chunk=False, usage=self._usage(), choices=body))
+
+    def _logprobs_object(self, choice: Choice, entries: List) -> Optional[dict]:
+        """A choice's ``logprobs`` for ``entries`` (None when the request did not ask for them)."""
+        top = choice.request.top_logprobs
+        if top is None:
+            return None
+        token_text = lambda token: self.service.tokenizer.decode([token])  # noqa: E731
+        if self.chat:
+            return protocol.chat_logprobs(entries, top, token_text)
+        body = protocol.completion_logprobs(entries, top, token_text, choice.logprob_text)
+        choice.logprob_text += sum(len(text) for text in body["tokens"])
+        return body
 
     async def chunks(self, events: asyncio.Queue) -> AsyncIterator[str]:
         if self.chat:
-            yield _sse(self._object(protocol.chat_delta({"role": "assistant", "content": ""}, None), chunk=True))
-        while True:
-            event: RowEvent = await events.get()
-            piece = self.text.push(event)
-            self.finished = event.finished
+            for index in range(len(self.choices)):
+                yield _sse(self._object(protocol.chat_delta({"role": "assistant", "content": ""}, None, index=index),
+                                        chunk=True))
+        while not self.finished:
+            index, event = await events.get()
+            piece = self._take(index, event)
             error = _event_error(event)
             if error is not None:
                 if piece:
-                    yield self._chunk(piece, None)
+                    yield self._chunk(index, piece, None)
                 yield _sse(protocol.error_body(str(error), error.error_type, code=error.code))
                 break
-            if piece or event.finished:
-                yield self._chunk(piece, protocol.finish_reason(event.finish_reason) if event.finished else None)
-            if event.finished:
-                if self.body.include_usage:
-                    yield _sse(self._object(None, chunk=True, usage=self._usage(), choices=[]))
-                break
+            if piece or event.finished or event.logprobs:
+                yield self._chunk(index, piece, protocol.finish_reason(event.finish_reason) if event.finished else None,
+                                  self._logprobs_object(self.choices[index], event.logprobs or []))
+        else:
+            if self.body.include_usage:
+                yield _sse(self._object(None, chunk=True, usage=self._usage(), choices=[]))
         yield "data: [DONE]\n\n"
 
-    def _chunk(self, piece: str, reason: Optional[str]) -> str:
+    def _chunk(self, index: int, piece: str, reason: Optional[str], logprobs: Optional[dict] = None) -> str:
         if self.chat:
-            choice = protocol.chat_delta({"content": piece} if piece or reason is None else {}, reason)
+            choice = protocol.chat_delta({"content": piece} if piece or reason is None else {}, reason, logprobs,
+                                         index=index)
         else:
-            choice = protocol.text_choice(piece, reason)
+            choice = protocol.text_choice(piece, reason, logprobs, index=index)
         return _sse(self._object(choice, chunk=True))
+
+
+def choice_seed(seed: int, choice: int) -> int:
+    """The Philox key of a request's choice ``choice``: the request's seed for the first, a distinct key for
+    each other (a stream of its own, reproducible from the seed)."""
+    return seed if choice == 0 else (seed * CHOICE_SEED_MULTIPLIER + choice) % (protocol.MAX_SEED + 1)
 
 
 class CancellingStream(StreamingResponse):

@@ -44,6 +44,7 @@ No threads here: engine.py runs a batcher in its own thread and feeds it.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -57,6 +58,7 @@ from ..decode import FIRST_DECODE_STEP, join_rows
 from ..drafters import Drafter
 from ..metadata import SpecDecodeMetadata
 from ..plan import MIN_PREFILL_CHUNK, bucket_size
+from ..processing import ProcessingState
 from ..runners import ModelRunner
 from ..sampling import SamplingParams
 from ..step import StepOptions, Stepper
@@ -65,7 +67,7 @@ from .budget import CacheBudget
 from .draft_length import FIXED, DraftChoice, LoadGatedK
 from .slo import TpotSlo
 from .metrics import ServeMetrics
-from .request import FAILED, EventSink, GenerationRequest, RowEvent
+from .request import FAILED, EventSink, GenerationRequest, RequestRejected, RowEvent
 
 log = logging.getLogger("specdec_ext.serve")
 
@@ -153,6 +155,7 @@ class ContinuousBatcher:
                                                 sampling=GREEDY, seeds=torch.zeros((max_rows,), dtype=torch.int64,
                                                                                    device=device))
         self.meta.set_row_sampling([GREEDY] * max_rows)
+        self.meta.processing = ProcessingState.allocate(max_rows, target.vocab_size, device)
         if slots:  # a verify pass narrower than slots + 1 (ngram) is widened into it: no allocation per step
             self.meta.reserve_verify_logits(target.vocab_size)
         self.rows: List[Optional[Row]] = [None] * max_rows
@@ -188,6 +191,20 @@ class ContinuousBatcher:
         return opened
 
     # ------------------------------------------------------------------ joining and leaving
+    def check_request(self, request: GenerationRequest) -> None:
+        """RequestRejected (a 400 naming the field) for what this batcher cannot run, before any work."""
+        processing = request.processing
+        if processing is not None:
+            try:
+                processing.validate(self.target.vocab_size)
+            except ValueError as error:
+                raise RequestRejected(str(error), param=str(error).split()[0].split("[")[0]) from None
+        if self.graphs and ((processing is not None and processing.active) or request.top_logprobs is not None):
+            field_name = "logprobs" if processing is None or not processing.active else "response_format"
+            raise RequestRejected("this server replays its steps as CUDA graphs, which run the plain filter only: "
+                                  "logits processors, structured output and logprobs need eager steps",
+                                  param=field_name)
+
     @torch.no_grad()  # grad mode is per thread: the engine's thread needs its own
     def admit(self, admissions: Sequence[Admission]) -> None:
         """Requests take the lowest free slots. Whole-prompt prefill: their prompts are prefilled now and
@@ -266,14 +283,22 @@ class ContinuousBatcher:
         """Rows whose prompts are in the target's cache (``logits`` [n, V] at their last tokens): deliver
         each first token (or end a row whose logits failed), then prefill the drafter for those still
         running (the client need not wait for the draft's prefill)."""
-        first, status = join_rows([row.slot for row in rows], [row.request.prompt for row in rows], logits, self.meta)
+        for row in rows:  # (after any chunked prefill's stand-in token: the counts start here)
+            self.meta.processing.set_row(row.slot, row.request.processing, row.request.prompt, row.request.grammar)
+        self.meta.top_logprobs = _widest_logprobs(rows)
+        first, status, logprobs = join_rows([row.slot for row in rows], [row.request.prompt for row in rows],
+                                            logits, self.meta)
         now = self.clock()
-        for row, token, code in zip(rows, first, status):
+        for row, token, code, entries in zip(rows, first, status, logprobs):
             if code < 0:
                 self.end(row, FAILED, message=_status_message(code, row.slot))
                 continue
             row.first_token_at = now
-            self._emit(row, apply_stops(row.state, [token], row.request.stop))
+            tokens = apply_stops(row.state, [token], row.request.stop, entries)
+            grammar_end = self.meta.processing.grammar_end(row.slot)
+            if grammar_end is not None and not row.state.finished:
+                row.state.finished, row.state.finish_reason = True, grammar_end
+            self._emit(row, tokens)
         staying = [row for row in rows if self.rows[row.slot] is row]
         if self.drafter is not None and staying:
             self.drafter.start_rows([row.slot for row in staying], [row.request.prompt for row in staying], self.meta)
@@ -281,7 +306,8 @@ class ContinuousBatcher:
     def end(self, row: Row, reason: str, *, message: Optional[str] = None, tokens: Sequence[int] = ()) -> None:
         """The row leaves: its last event (``tokens`` and why it ended), then its slot and cache are freed."""
         self._send(row, RowEvent(list(tokens), finished=True, finish_reason=reason,
-                                 stop_text_end=row.state.stop_text_end, message=message))
+                                 stop_text_end=row.state.stop_text_end, message=message,
+                                 logprobs=_last_logprobs(row, len(tokens))))
         self._release(row)
         if self.draft_length is not None:
             self.draft_length.leave(row.slot)
@@ -317,6 +343,7 @@ class ContinuousBatcher:
         choice = self._choose(width, rows)
         stepper = self._stepper_for(width)
         stepper.meta.set_row_steps(torch.tensor([row.steps if row is not None else 0 for row in rows]))
+        stepper.meta.top_logprobs = _widest_logprobs([row for row in rows if row is not None])
         begin = self.clock()
         result = stepper.step([None if row is None else row.state for row in rows],
                               [None if row is None else row.request.stop for row in rows],
@@ -370,6 +397,7 @@ class ContinuousBatcher:
                                           recorder=self.metrics)
         stepper = self._steps[key]
         stepper.meta.set_row_sampling(sampling)  # the views share the tensors; the host filters are refreshed
+        stepper.meta.processing.refresh_host(self.meta.processing)
         return stepper
 
     def _emit(self, row: Row, tokens: List[int]) -> None:
@@ -377,7 +405,7 @@ class ContinuousBatcher:
         if row.state.finished:
             self.end(row, row.state.finish_reason, tokens=tokens)
         elif tokens:
-            self._send(row, RowEvent(tokens))
+            self._send(row, RowEvent(tokens, logprobs=_last_logprobs(row, len(tokens))))
 
     def _send(self, row: Row, event: RowEvent) -> None:
         try:
@@ -401,6 +429,21 @@ class ContinuousBatcher:
     def _clear_slots(self, slots: Sequence[int]) -> None:
         """Free slots as frozen one-token greedy rows (metadata.clear_rows)."""
         self.meta.clear_rows(slots, FREE_SLOT_TOKEN, GREEDY)
+
+
+def _widest_logprobs(rows: Sequence[Row]) -> Optional[int]:
+    """The most alternatives any of ``rows`` asks for (None: no row asks for logprobs)."""
+    asked = [row.request.top_logprobs for row in rows if row.request.top_logprobs is not None]
+    return max(asked) if asked else None
+
+
+def _last_logprobs(row: Row, count: int) -> Optional[list]:
+    """The logprobs of the row's last ``count`` tokens, cut to the alternatives it asked for."""
+    top = row.request.top_logprobs
+    if top is None or row.state.logprobs is None:
+        return None
+    end = len(row.state.tokens)
+    return [dataclasses.replace(entry, top=entry.top[:top]) for entry in row.state.logprobs[end - count: end]]
 
 
 def _status_message(code: int, slot: int) -> str:

@@ -92,6 +92,7 @@ class Engine:
         """Queue ``request``; RequestRejected (with the HTTP status it maps to) when it cannot be taken."""
         try:
             self.batcher.budget.check(len(request.prompt), request.max_new_tokens)
+            self.batcher.check_request(request)
             with self._cond:
                 if self._state in (DRAINING, STOPPED):
                     raise ShuttingDownError("the server is shutting down and takes no new requests")
@@ -104,7 +105,8 @@ class Engine:
                 self._waiting.append((request, sink, self.clock()))
                 self._cond.notify()
         except RequestRejected as error:
-            reason = {RequestTooLargeError: "too_large", QueueFullError: "queue_full"}.get(type(error), "shutting_down")
+            reason = {RequestTooLargeError: "too_large", QueueFullError: "queue_full",
+                      RequestRejected: "invalid"}.get(type(error), "shutting_down")
             self.metrics.record_rejected(reason)
             raise
         return RequestHandle(request.request_id, self)

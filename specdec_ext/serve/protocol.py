@@ -1,20 +1,24 @@
 """The OpenAI request bodies (validated by pydantic: a bad field is named in the 400) and response objects.
 
 Supported request fields: prompt / messages, max_tokens (max_completion_tokens for chat), temperature,
-top_p, top_k (an extension: 0 or -1 is off), seed, stop, stream, stream_options.include_usage, n = 1,
-ignore_eos (an extension: generate exactly max_tokens). Fields this server does not implement are
-refused when they would change the output (logprobs, echo, best_of > 1, suffix, penalties, logit_bias,
-tools, a non-text response_format); other unknown fields are ignored.
+top_p, top_k (an extension: 0 or -1 is off), seed, stop, stream, stream_options.include_usage, n (one row per choice),
+ignore_eos (an extension: generate exactly max_tokens); the logits processors presence_penalty,
+frequency_penalty, logit_bias and the extensions min_p and repetition_penalty (specdec_ext/processing.py);
+structured output: response_format json_object / json_schema (with strict) and the extensions regex and
+grammar (a Lark grammar; specdec_ext/grammar.py); logprobs (completions: an int up to 20; chat: logprobs
+with top_logprobs up to 20). Fields this server does not implement are refused when they would change
+the output (echo, best_of > 1, suffix, tools); other unknown fields are ignored.
 """
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Dict, List, Literal, Optional, Union
+from typing import Any, Callable, Dict, List, Literal, Optional, Sequence, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 MAX_SEED = 2 ** 63 - 1  # Philox keys are int64
+MAX_TOP_LOGPROBS = 20  # logprobs.MAX_TOP_LOGPROBS (OpenAI's bound)
 
 
 class StreamOptions(BaseModel):
@@ -34,18 +38,16 @@ class SamplingFields(BaseModel):
     stop: Optional[Union[str, List[str]]] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    n: int = 1
+    response_format: Optional[Dict[str, Any]] = None  # {"type": "text" | "json_object" | "json_schema", ...}
+    n: int = Field(1, ge=1)  # choices: one row each (at most the server's rows: checked by the service)
     ignore_eos: bool = False
-    presence_penalty: Optional[float] = None
-    frequency_penalty: Optional[float] = None
-    logit_bias: Optional[Dict[str, float]] = None
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError(f"only n = 1 is supported (one choice per request), got {n}")
-        return n
+    presence_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    logit_bias: Optional[Dict[str, float]] = None  # token id (as a JSON key) -> bias in [-100, 100]
+    min_p: Optional[float] = Field(None, ge=0.0, le=1.0)  # an extension (vLLM, llama.cpp)
+    repetition_penalty: Optional[float] = Field(None, gt=0.0, allow_inf_nan=False)  # an extension (HF semantics)
+    regex: Optional[str] = None  # an extension: the output matches this regular expression
+    grammar: Optional[str] = None  # an extension: the output follows this Lark grammar
 
     @field_validator("stop")
     @classmethod
@@ -55,20 +57,6 @@ class SamplingFields(BaseModel):
             raise ValueError("stop strings must not be empty")
         return strings
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, value):
-        if value:
-            raise ValueError("penalties are not supported (they would change the target's distribution)")
-        return value
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_logit_bias(cls, value):
-        if value:
-            raise ValueError("logit_bias is not supported")
-        return value
-
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
@@ -77,23 +65,27 @@ class SamplingFields(BaseModel):
 class CompletionRequest(SamplingFields):
     prompt: Union[str, List[str], List[int], List[List[int]]]
     max_tokens: Optional[int] = Field(None, ge=1)
-    logprobs: Optional[int] = None
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     best_of: Optional[int] = None
     suffix: Optional[str] = None
 
-    @field_validator("logprobs", "echo", "best_of", "suffix")
+    @field_validator("echo", "best_of", "suffix")
     @classmethod
     def _unsupported(cls, value, info: ValidationInfo):
-        return _refuse_unless(value, {"logprobs": (None,), "echo": (False,), "best_of": (None, 1),
+        return _refuse_unless(value, {"echo": (False,), "best_of": (None, 1),
                                       "suffix": (None, "")}[info.field_name], info.field_name)
+
+    @property
+    def top_logprobs_asked(self) -> Optional[int]:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, prompt):
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
-                raise ValueError(f"one prompt per request (n = 1), got a list of {len(prompt)}")
+                raise ValueError(f"one prompt per request (n choices of it with n), got a list of {len(prompt)}")
             prompt = prompt[0]
         if len(prompt) == 0:
             raise ValueError("the prompt is empty")
@@ -122,16 +114,19 @@ class ChatRequest(SamplingFields):
     max_tokens: Optional[int] = Field(None, ge=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: Optional[bool] = None
-    top_logprobs: Optional[int] = None
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: Optional[List[Any]] = None
-    response_format: Optional[Dict[str, Any]] = None
 
-    @field_validator("logprobs", "top_logprobs", "tools", "response_format")
+    @field_validator("tools")
     @classmethod
     def _unsupported(cls, value, info: ValidationInfo):
-        allowed = {"logprobs": (None, False), "top_logprobs": (None, 0), "tools": (None, []),
-                   "response_format": (None, {"type": "text"})}[info.field_name]
-        return _refuse_unless(value, allowed, info.field_name)
+        return _refuse_unless(value, (None, []), info.field_name)
+
+    @property
+    def top_logprobs_asked(self) -> Optional[int]:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def token_limit(self) -> Optional[int]:
@@ -171,16 +166,41 @@ def completion_object(request_id: str, model: str, created: int, choice: Dict[st
     return body
 
 
-def text_choice(text: str, reason: Optional[str]) -> Dict[str, Any]:
-    return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+def text_choice(text: str, reason: Optional[str], logprobs: Optional[dict] = None, index: int = 0) -> Dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
 
-def chat_choice(text: str, reason: Optional[str]) -> Dict[str, Any]:
-    return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": reason}
+def chat_choice(text: str, reason: Optional[str], logprobs: Optional[dict] = None, index: int = 0) -> Dict[str, Any]:
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+            "finish_reason": reason}
 
 
-def chat_delta(delta: Dict[str, str], reason: Optional[str]) -> Dict[str, Any]:
-    return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+def chat_delta(delta: Dict[str, str], reason: Optional[str], logprobs: Optional[dict] = None,
+               index: int = 0) -> Dict[str, Any]:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+
+
+def chat_logprobs(entries: Sequence, top: int, token_text: Callable[[int], str]) -> Dict[str, Any]:
+    """Chat's ``logprobs`` object from logprobs.TokenLogprob entries (``top`` alternatives each)."""
+    def item(token: int, logprob: float) -> Dict[str, Any]:
+        text = token_text(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [dict(item(e.token, e.logprob), top_logprobs=[item(t, lp) for t, lp in e.top[:top]])
+                        for e in entries]}
+
+
+def completion_logprobs(entries: Sequence, top: int, token_text: Callable[[int], str],
+                        text_offset: int = 0) -> Dict[str, Any]:
+    """Completions' ``logprobs`` object (tokens, token_logprobs, top_logprobs, text_offset)."""
+    tokens = [token_text(e.token) for e in entries]
+    offsets, position = [], text_offset
+    for text in tokens:
+        offsets.append(position)
+        position += len(text)
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{token_text(t): lp for t, lp in e.top[:top]} for e in entries],
+            "text_offset": offsets}
 
 
 def error_body(message: str, error_type: str = "invalid_request_error", param: Optional[str] = None,

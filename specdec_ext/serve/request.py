@@ -5,10 +5,12 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional
 
+from ..logprobs import TokenLogprob
+from ..processing import Processing
 from ..sampling import SamplingParams
 from ..stops import StopCriteria
 
-# how a request ended, besides stops.RowState's "eos", "stop" and "length"
+# how a request ended, besides stops.RowState's "eos", "stop", "length" and grammar.FINISH_DEAD_END
 CANCELLED = "cancelled"  # the client went away (or cancelled it)
 ABORTED = "abort"  # the server is shutting down
 FAILED = "error"  # the row's step failed (e.g. the model gave NaN logits); other rows are unaffected
@@ -24,6 +26,9 @@ class GenerationRequest:
     stop: StopCriteria  # max_new_tokens, EOS ids, stop strings (and their decode_text)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     seeded: bool = False  # the client chose the seed: its tokens must not depend on the load (a fixed k)
+    processing: Optional[Processing] = None  # logits processors (checked against the vocabulary by the engine)
+    grammar: Optional[object] = None  # its grammar.RowGrammar (structured output), compiled by the caller
+    top_logprobs: Optional[int] = None  # logprobs of each new token with this many alternatives; None: off
 
     @property
     def max_new_tokens(self) -> int:
@@ -39,6 +44,7 @@ class RowEvent:
     finish_reason: Optional[str] = None  # "eos", "stop", "length", CANCELLED, ABORTED or FAILED
     stop_text_end: Optional[int] = None  # "stop": the text ends here (the stop string excluded)
     message: Optional[str] = None  # ABORTED / FAILED: why
+    logprobs: Optional[List[TokenLogprob]] = None  # one per token, when the request asked for them
 
 
 EventSink = Callable[[RowEvent], None]  # called from the engine thread; must not block

@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, Dict, List, Sequence
 
+from ..grammar import compile_grammar
 from .request import RowEvent
 
 INCOMPLETE_CHARACTER = "\ufffd"  # what the tokenizer decodes a partial UTF-8 sequence to
@@ -37,6 +38,11 @@ class SharedTokenizer:
         """Text of ``ids``, special tokens skipped (as generate()'s text)."""
         with self._lock:
             return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def compile_grammar(self, spec, vocab_size: int, eos_token_ids: Sequence[int]):
+        """grammar.compile_grammar under the lock (llguidance reads the tokenizer's vocabulary once, cached)."""
+        with self._lock:
+            return compile_grammar(spec, self.tokenizer, vocab_size, eos_token_ids)
 
     def chat_prompt(self, messages: List[Dict[str, Any]]) -> str:
         """The chat template applied to ``messages``, ending with the assistant's turn."""
