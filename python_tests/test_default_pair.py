@@ -2,6 +2,7 @@
 
 Needs neither the compiled extension nor a network: transformers loads local files only.
 """
+import hashlib
 import importlib
 import importlib.util
 import os
@@ -19,7 +20,8 @@ def _import_default_pair():
         # specdec_ext/__init__.py needs the compiled _C; the default pair itself does not, so load
         # the subpackage from its file to keep this test independent of the build.
         path = os.path.join(ROOT, "specdec_ext", "default_pair", "__init__.py")
-        spec = importlib.util.spec_from_file_location("_specdec_default_pair", path)
+        spec = importlib.util.spec_from_file_location("_specdec_default_pair", path,
+                                                      submodule_search_locations=[os.path.dirname(path)])
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         return module
@@ -80,8 +82,27 @@ def test_forward_gives_finite_logits(pair):
 def test_bf16_load_and_size_limit():
     target, draft, _ = dp.load_default_pair(dtype=torch.bfloat16)
     assert target.dtype == draft.dtype == torch.bfloat16
-    total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(dp.PAIR_DIR) for f in fs)
-    assert total <= 64 * 2 ** 20
+    total = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(dp.PAIR_DIR) for f in fs
+                if f.endswith((".json", ".safetensors", ".planes", ".md", ".txt")))
+    assert total <= 48 * 2 ** 20  # what ships (the target packed, packing.py); the tree's limit is 60 MiB
+
+
+def test_the_packed_target_unpacks_to_its_digest(tmp_path):
+    packing = importlib.import_module(dp.__name__ + ".packing")
+    packed = os.path.join(dp.PACKED_TARGET_DIR, "model.safetensors" + packing.PACKED_SUFFIX)
+    digest = packing.packed_digest(packed)
+    assert os.path.basename(dp.TARGET_DIR) == f"target-{digest[:16]}"
+    with open(os.path.join(dp.TARGET_DIR, "model.safetensors"), "rb") as f:
+        assert hashlib.sha256(f.read()).hexdigest() == digest
+    source = tmp_path / "w.safetensors"
+    source.write_bytes(open(os.path.join(dp.DRAFT_DIR, "model.safetensors"), "rb").read())
+    packing.pack(str(source), str(tmp_path / "w.planes"))
+    assert packing.unpack_bytes(str(tmp_path / "w.planes")) == source.read_bytes()
+    corrupt = bytearray((tmp_path / "w.planes").read_bytes())
+    corrupt[-100] ^= 0xFF
+    (tmp_path / "bad.planes").write_bytes(bytes(corrupt))
+    with pytest.raises(ValueError, match="is corrupt"):
+        packing.unpack_bytes(str(tmp_path / "bad.planes"))
 
 
 def test_missing_files_raise_clearly(monkeypatch, tmp_path):

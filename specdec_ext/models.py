@@ -10,6 +10,7 @@ from typing import Optional, Union
 
 import torch
 
+from .eagle.spec import eagle_head_for, is_eagle_draft
 from .heads import MedusaHeads
 from .runners import output_vocab_size
 from .vocab_bridge import VocabularyBridge
@@ -31,8 +32,8 @@ class Models:
     """The models of one generate() call."""
 
     target: torch.nn.Module
-    drafter: str  # "model", "cross-tokenizer", "ngram", "heads" or "none" (plain decoding)
-    draft: Optional[torch.nn.Module] = None  # with drafter "model" or "cross-tokenizer"
+    drafter: str  # "model", "cross-tokenizer", "ngram", "heads", "eagle" or "none" (plain decoding)
+    draft: Optional[torch.nn.Module] = None  # with drafter "model" or "cross-tokenizer"; "eagle": the Eagle3Model
     heads: Optional[MedusaHeads] = None  # with drafter "heads", on the target's device and dtype
     tokenizer: object = None  # the target's tokenizer, or None (token-id prompts only)
     bridge: Optional[VocabularyBridge] = None  # with drafter "cross-tokenizer": the two tokenizers' bridge
@@ -53,6 +54,9 @@ def load_models(target: ModelSpec = None, draft: Union[ModelSpec, MedusaHeads] =
     if plain or (isinstance(draft, str) and draft == NGRAM_DRAFT):
         target_model, tokenizer = _load_target(target, tokenizer)
         return Models(target_model, "none" if plain else "ngram", tokenizer=tokenizer)
+    if is_eagle_draft(draft):  # an EAGLE-3 head (specdec_ext/eagle/spec.py): checked against the target here
+        target_model, tokenizer = _load_target(target, tokenizer)
+        return Models(target_model, "eagle", draft=eagle_head_for(draft, target_model), tokenizer=tokenizer)
     if isinstance(draft, MedusaHeads) or (isinstance(draft, str) and draft == HEADS_DRAFT):
         return _load_heads(target, draft, tokenizer)
     target_model, draft_model, tokenizer = load_pair(target, draft, tokenizer)
@@ -141,7 +145,7 @@ def _load_model(spec: ModelSpec, role: str):
         return spec
     from transformers import AutoModelForCausalLM
 
-    path = os.fspath(spec)
+    path = bundled_path(os.fspath(spec))
     try:
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as error:
@@ -149,11 +153,18 @@ def _load_model(spec: ModelSpec, role: str):
     return model.eval()
 
 
+def bundled_path(path: str) -> str:
+    """``path``, or the bundled target's unpacked directory when ``path`` is its folder in the package (which
+    holds its weights packed: default_pair/packing.py)."""
+    from .default_pair import PACKED_TARGET_DIR, TARGET_DIR
+    return TARGET_DIR if os.path.realpath(path) == os.path.realpath(PACKED_TARGET_DIR) else path
+
+
 def _model_path(spec: ModelSpec) -> Optional[str]:
     """A local path for a model spec (a loaded model's name_or_path), or None."""
     if isinstance(spec, torch.nn.Module):
         spec = getattr(spec, "name_or_path", None) or getattr(spec.config, "_name_or_path", None)
-    return os.fspath(spec) if isinstance(spec, (str, os.PathLike)) and spec else None
+    return bundled_path(os.fspath(spec)) if isinstance(spec, (str, os.PathLike)) and spec else None
 
 
 def _load_tokenizer(spec: ModelSpec):

@@ -2,7 +2,9 @@
 
 Layout of this directory (weights are committed to git directly, bf16 safetensors)::
 
-    target/     LlamaForCausalLM save_pretrained dir (config.json, model.safetensors, generation_config.json)
+    target/     LlamaForCausalLM save_pretrained dir (config.json, generation_config.json); its weights are
+                committed packed (model.safetensors.planes, packing.py: 35 of 50.5 MiB) and unpacked on
+                first import into ~/.cache/specdec_ext/default_pair/target-<digest>/ (TARGET_DIR)
     heads/      Medusa-style draft heads for the target (specdec_ext/heads.py; tools/train_heads.py)
     draft/      LlamaForCausalLM save_pretrained dir, same tokenizer, distilled from the target
     tokenizer/  byte-level BPE PreTrainedTokenizerFast (tokenizer.json, tokenizer_config.json)
@@ -11,12 +13,39 @@ Layout of this directory (weights are committed to git directly, bf16 safetensor
 How they were trained and how well they do: ``MODEL_CARD.md``; rebuild with
 ``tools/train_default_pair.py``. This module imports neither the compiled extension nor the decode loop.
 """
+import filecmp
 import os
+import shutil
 
 import torch
 
+from .packing import PACKED_SUFFIX, packed_digest, unpacked
+
 PAIR_DIR = os.path.dirname(os.path.abspath(__file__))
-TARGET_DIR = os.path.join(PAIR_DIR, "target")
+PACKED_TARGET_DIR = os.path.join(PAIR_DIR, "target")  # config files and the packed weights (packing.py)
+TARGET_FILES = ("config.json", "generation_config.json")
+CACHE_ROOT = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.join(os.path.expanduser("~"), ".cache")),
+                          "specdec_ext", "default_pair")  # SPECDEC_CACHE_DIR overrides it
+
+
+def _target_dir() -> str:
+    """The target's save_pretrained directory with its weights unpacked: ``<cache>/target-<digest>/`` (the
+    package directory is never written: an uninstall leaves nothing behind in it), made on first use. A
+    rebuilt pair whose weights are not packed (no .planes file) is used where it is."""
+    packed = os.path.join(PACKED_TARGET_DIR, "model.safetensors" + PACKED_SUFFIX)
+    if not os.path.isfile(packed):
+        return PACKED_TARGET_DIR
+    folder = os.path.join(os.environ.get("SPECDEC_CACHE_DIR", CACHE_ROOT), f"target-{packed_digest(packed)[:16]}")
+    os.makedirs(folder, exist_ok=True)
+    for name in TARGET_FILES:
+        source, copy = os.path.join(PACKED_TARGET_DIR, name), os.path.join(folder, name)
+        if not os.path.isfile(copy) or not filecmp.cmp(source, copy, shallow=False):
+            shutil.copyfile(source, copy)
+    unpacked(packed, os.path.join(folder, "model.safetensors"))
+    return folder
+
+
+TARGET_DIR = _target_dir()
 DRAFT_DIR = os.path.join(PAIR_DIR, "draft")
 TOKENIZER_DIR = os.path.join(PAIR_DIR, "tokenizer")
 HEADS_DIR = os.path.join(PAIR_DIR, "heads")  # Medusa-style heads for the target (tools/train_heads.py)
