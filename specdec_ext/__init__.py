@@ -14,10 +14,11 @@ from . import ops  # noqa: E402
 from .adaptive import AdaptiveK  # noqa: E402
 from .audit import audit  # noqa: E402
 from .default_pair import load_default_pair  # noqa: E402
+from .eagle import EagleDrafterSpec, load_eagle  # noqa: E402
 from .generate import GenerationResult, generate, plain_generate  # noqa: E402
 from .models import VocabularyMismatchError, load_pair  # noqa: E402
 from .plan import DecodePlan  # noqa: E402
 
 __all__ = ["ops", "generate", "plain_generate", "audit", "load_pair", "load_default_pair", "AdaptiveK",
-           "GenerationResult", "DecodePlan", "VocabularyMismatchError"]
+           "GenerationResult", "DecodePlan", "VocabularyMismatchError", "EagleDrafterSpec", "load_eagle"]
 __version__ = "0.1.0"

@@ -25,7 +25,8 @@ from .processing import Processing
 from .runners import output_vocab_size
 from .step import lossless_verify
 from .generate import generate, normalise_prompts, plain_generate
-from .models import load_pair
+from .eagle.spec import is_eagle_draft
+from .models import load_models, load_pair
 from .plots import pair_label
 from .progress import progress_bar
 from .sampling import SamplingParams, filtered_probs
@@ -352,7 +353,11 @@ def audit(target=None, draft=None, prompts=None, *, temperature: float = 1.0, to
         raise ValueError("audit: temperature must be > 0 (greedy decoding is checked token for token instead)")
     if positions < 1 or samples < 2:
         raise ValueError(f"audit: positions must be >= 1 and samples >= 2, got {positions} and {samples}")
-    target_model, draft_model, tokenizer = load_pair(target, draft, tokenizer)
+    if is_eagle_draft(draft):  # an EAGLE-3 head: checked against and bound to the target (eagle/spec.py)
+        models = load_models(target, draft, tokenizer=tokenizer)
+        target_model, draft_model, tokenizer = models.target, models.draft, models.tokenizer
+    else:
+        target_model, draft_model, tokenizer = load_pair(target, draft, tokenizer)
     if prompts is None:
         raise ValueError("audit: pass prompts (text or token ids)")
     token_prompts = normalise_prompts(prompts, tokenizer)[0][:max_prompts]

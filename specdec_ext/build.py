@@ -5,6 +5,7 @@ from typing import Optional, Tuple
 
 from .drafters import CrossTokenizerDrafter, Drafter, HeadsDrafter, ModelDrafter, NgramDrafter, TreeModelDrafter
 from .drafters.calibration import shared_calibration
+from .eagle import EagleDrafter
 from .models import Models
 from .plan import DecodePlan
 from .runners import ModelRunner, make_runner, output_vocab_size
@@ -14,21 +15,25 @@ def build(plan: DecodePlan, models: Models) -> Tuple[ModelRunner, Optional[Draft
     """(the target's runner, the drafter or None) for ``plan``; the built target runner has the
     capabilities the plan resolved for it (checked: the plan is what the loop branches on)."""
     target = make_runner(plan.target_runner, models.target, max_batch_size=plan.padded_batch_size,
-                         max_seq_len=plan.max_seq_len, static_shapes=plan.static_shapes)
-    drafter = build_drafter(plan, models)
+                         max_seq_len=plan.max_seq_len, static_shapes=plan.static_shapes, hidden_taps=plan.hidden_taps)
+    drafter = build_drafter(plan, models, target)
     if target.capabilities != plan.target_capabilities:  # (after the drafter: heads hook the target's head)
         raise RuntimeError(f"the {plan.target_runner} target runner has capabilities {target.capabilities}, the "
                            f"plan resolved {plan.target_capabilities}: runners.capabilities_of is out of date")
     return target, drafter
 
 
-def build_drafter(plan: DecodePlan, models: Models) -> Optional[Drafter]:
+def build_drafter(plan: DecodePlan, models: Models, target: Optional[ModelRunner] = None) -> Optional[Drafter]:
+    """The drafter the plan names; ``target`` (the target's runner) is what an EAGLE-3 head reads its
+    features from."""
     vocab_size = output_vocab_size(models.target)
     temperature = plan.sampling.temperature
     if plan.drafter == "none":
         return None
     if plan.drafter == "ngram":
         return NgramDrafter(plan.slots)
+    if plan.drafter == "eagle":
+        return EagleDrafter(target, models.draft, k=plan.slots, tree=plan.tree)
     if plan.drafter == "heads":
         b, d, n = plan.tree
         return HeadsDrafter(models.target, models.heads, branch=b, depth=d, budget=n,

@@ -224,6 +224,10 @@ def generate(prompts, target: ModelSpec = None, draft: ModelSpec = None, *, max_
         must be the bundled one); ``draft=MedusaHeads`` (``specdec_ext.heads.load_heads(dir)``) does
         the same with heads trained for ``target`` (tools/train_heads.py). Heads always draft a tree:
         ``draft_tree`` (default ``HEADS_TREE`` = (3, 3, 8)) with d <= the number of heads.
+        ``draft=EagleDrafterSpec(path_or_head)`` (specdec_ext.eagle; or an ``Eagle3Model``, or a directory
+        holding an EAGLE-3 checkpoint: SafeAILab/EAGLE, SpecForge or speculators): an EAGLE-3 head drafts
+        from the target's own hidden states (its runner taps them), a chain of ``k`` or, with
+        ``draft_tree``, an EAGLE-2 dynamic tree; a head made for another target is refused first.
     max_new_tokens : int
         Exact cap on new tokens per prompt (>= 0).
     k : None (default), int >= 1, "auto", or an ``AdaptiveK``

@@ -57,7 +57,7 @@ MIN_PREFILL_CHUNK = 32  # ... at least this many, whatever the running rows' ver
 FIXED_K = 4  # what k=None means where adaptive k is not used: seeded sampling, CUDA-graph-captured steps
 HEADS_TREE = (3, 3, 8)  # default (b, d, N) of a heads tree (BENCHMARKS.md: heads trees on the bundled pair)
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # batch sizes CUDA graphs are captured for
-DRAFTER_KINDS = ("model", "cross-tokenizer", "ngram", "heads", "none")  # cross-tokenizer: a draft model with
+DRAFTER_KINDS = ("model", "cross-tokenizer", "ngram", "heads", "eagle", "none")  # cross-tokenizer: a draft model with
 # another tokenizer than the target's (drafters/cross_tokenizer.py)
 
 
@@ -106,6 +106,7 @@ class DecodePlan:
     cross_tokenizer: Optional[str] = None  # drafter "cross-tokenizer": "greedy-through-text" or "intersection"
     processing: Optional[Processing] = None  # every row's logits processors (processing.py); None: none
     top_logprobs: Optional[int] = None  # logprobs of the emitted tokens with this many top tokens; None: off
+    hidden_taps: Optional[Tuple[int, ...]] = None  # drafter "eagle": the layers its target runner taps (taps.py)
     controller: Optional[adaptive_k.AdaptiveK] = field(default=None, compare=False, repr=False)
 
     @property
@@ -211,6 +212,7 @@ def make_plan(target_model, draft_model, **request) -> DecodePlan:
     reasons.append(("sampling", "greedy" if ask.sampling.greedy else
                     f"T={ask.sampling.temperature}, top_k={ask.sampling.top_k}, top_p={ask.sampling.top_p}"))
     _describe_processing(ask, models, reasons)
+    taps = _hidden_taps(ask.drafter, draft_model, reasons)
     if models.tensor_parallel > 1:
         reasons.append(("tensor parallel", f"the target is sharded over {models.tensor_parallel} ranks, each running "
                                            f"this loop with a replicated drafter; tp_check={ask.tp_check} "
@@ -223,7 +225,16 @@ def make_plan(target_model, draft_model, **request) -> DecodePlan:
                       target_capabilities=capabilities[0], draft_capabilities=capabilities[1],
                       tensor_parallel=models.tensor_parallel, tp_check=ask.tp_check, reasons=tuple(reasons),
                       cross_tokenizer=cross_mode, processing=ask.processing, top_logprobs=ask.top_logprobs,
-                      controller=controller)
+                      hidden_taps=taps, controller=controller)
+
+
+def _hidden_taps(drafter: str, head, reasons: List[Tuple[str, str]]) -> Optional[Tuple[int, ...]]:
+    """Drafter "eagle": the target layers whose inputs its runner keeps per token (the head's layer ids)."""
+    if drafter != "eagle":
+        return None
+    reasons.append(("hidden taps", f"the target runner keeps the inputs of layers {tuple(head.config.layer_ids)} per "
+                                   "token for the EAGLE-3 head (rolled back with its cache)"))
+    return tuple(head.config.layer_ids)
 
 
 def _describe_processing(ask: PlanRequest, models: _Models, reasons: List[Tuple[str, str]]) -> None:
@@ -255,6 +266,9 @@ def plan_server(target_model, draft_model, *, drafter: str, k: Optional[int], ru
     if drafter == "cross-tokenizer":
         raise ValueError("specdec serve needs a draft sharing the target's tokenizer: a draft with another "
                          "tokenizer runs in generate() only (its rows cannot join and leave a running batch)")
+    if drafter == "eagle":
+        raise ValueError("specdec serve runs chain drafters with continuous batching: the EAGLE-3 drafter runs in "
+                         "generate() only (it has no start_rows yet)")
     _check_kinds(drafter, runner)
     if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
                                       or prefill_chunk < 0):
@@ -329,7 +343,8 @@ def _draft_length(ask: PlanRequest, tree, models: _Models, reasons: List[Tuple[s
         return 0, None
     if tree is not None:
         slots = tree_num_nodes(*tree)
-        source = "heads on the target" if drafter == "heads" else "the draft model"
+        source = {"heads": "heads on the target", "eagle": "the EAGLE-3 head (EAGLE-2 dynamic tree)"}.get(
+            drafter, "the draft model")
         reasons.append(("drafter", f"{drafter} tree (b, d, N) = {tree}: {slots} nodes from {source}, verified "
                                    f"in one pass of {slots + 1} tokens (k does not apply)"))
         return slots, None
@@ -367,7 +382,7 @@ def _runners(drafter: str, runner: str, tree, models: _Models, cache_len: int,
     if drafter == "heads" and target_runner == "recompute":
         raise ValueError("draft='heads' needs the paged or lean runner (runner='auto'), not 'recompute' (its HF "
                          "forwards are per group of equal lengths, not one per pass)")
-    if models.draft is None:
+    if models.draft is None or drafter == "eagle":  # an EAGLE head runs in torch beside the target's runner
         return _Runners(target_runner, None, None)
     draft_runner, why = _runner_for(models.draft, runner, models.graphs_ok, cache_len, models.device, "draft",
                                     tree is not None)
@@ -385,7 +400,7 @@ def _capabilities(runners: _Runners, drafter: str, models: _Models, *, static_sh
     """The optional methods the built runners will have (runners.capabilities_of); heads on the target
     hook its LM head, which keeps its logits off a greedy chain."""
     target = capabilities_of(runners.target, models.target, static_shapes=static_shapes,
-                             head_hooked=drafter == "heads")
+                             head_hooked=drafter == "heads", hidden_taps=drafter == "eagle")
     draft = None
     if runners.draft is not None:
         draft = capabilities_of(runners.draft, models.draft, compute_dtype=runners.draft_dtype,
@@ -416,7 +431,7 @@ def _check_cache(ask: PlanRequest, slots: int, models: _Models) -> None:
     limit = ask.max_seq_len
     if limit is None:
         # a draft with another tokenizer counts its own positions (a row that outgrows them stops drafting)
-        bounded = (models.target,) if ask.drafter == "cross-tokenizer" else (models.target, models.draft)
+        bounded = (models.target,) if ask.drafter in ("cross-tokenizer", "eagle") else (models.target, models.draft)
         limits = [m for m in (_max_positions(x) for x in bounded if x is not None) if m]
         limit = min(limits) if limits else None
     if limit is None:
@@ -511,7 +526,7 @@ def _graphs(graphs_ok: bool, graphs_reason: Optional[str], drafter: str, tree, c
         return False, "adaptive k changes the verify width per step (eager)"
     if target_runner != "paged":
         return False, f"the {target_runner} target runner syncs with the host"
-    if drafter in ("ngram", "heads", "cross-tokenizer"):
+    if drafter in ("ngram", "heads", "cross-tokenizer", "eagle"):
         return False, f"the {drafter} drafter proposes on the host"
     if drafter == "model" and draft_runner != "paged":
         return False, f"the {draft_runner} draft runner syncs with the host"

@@ -36,6 +36,10 @@ says before building what a runner will have, and the plan resolves it into its 
                     sync_host(): one step on the device     mode            (serve/batcher.py, step.py)
     chunked_prefill extend_rows(rows, chunks): append a     lean,           chunked_prefill of a server
                     prompt's next chunk to rows in use      recompute       plan (serve/batcher.py)
+    hidden_taps     tapped_states(positions): the inputs of every kind      the EAGLE-3 drafter's features
+                    chosen layers per committed token       built with      (specdec_ext/eagle/)
+                    (runners/taps.py), rolled back with     hidden_taps=
+                    the cache                               (paged: host)
 
 Implementations (``make_runner(kind, ...)``):
 
@@ -59,10 +63,11 @@ from .lean import LeanLlamaRunner, lean_capabilities, unsupported_reason
 from .paged import PagedModelRunner, PoolFullError
 from .recompute import RecomputeRunner
 
-__all__ = ["ModelRunner", "make_runner", "capabilities_of", "RunnerCapabilities", "RUNNER_KINDS", "LeanLlamaRunner", "PagedModelRunner", "RecomputeRunner",
+__all__ = ["ModelRunner", "make_runner", "capabilities_of", "RunnerCapabilities", "RUNNER_KINDS", "TAP_RUNNER_KINDS", "LeanLlamaRunner", "PagedModelRunner", "RecomputeRunner",
            "PoolFullError", "unsupported_reason", "output_vocab_size", "text_config"]
 
 RUNNER_KINDS = ("lean", "paged", "recompute")
+TAP_RUNNER_KINDS = ("lean", "paged", "recompute")  # the runners that tap hidden states (hidden_taps=)
 
 
 @runtime_checkable
@@ -101,29 +106,37 @@ class ModelRunner(Protocol):
 
 
 def make_runner(kind: str, model, *, max_batch_size: int, max_seq_len: int,
-                compute_dtype: Optional[torch.dtype] = None, static_shapes: bool = False) -> ModelRunner:
+                compute_dtype: Optional[torch.dtype] = None, static_shapes: bool = False,
+                hidden_taps: Optional[Sequence[int]] = None) -> ModelRunner:
     """The runner of ``kind`` over ``model``. ``compute_dtype`` applies to "lean" (weights cast once),
-    ``static_shapes`` to "paged" (its CUDA-graph mode)."""
+    ``static_shapes`` to "paged" (its CUDA-graph mode); ``hidden_taps`` (layer ids, runners/taps.py): the
+    runner keeps those layers' inputs per committed token (``tapped_states``; the paged one in host mode)."""
     sizes = dict(max_batch_size=max_batch_size, max_seq_len=max_seq_len)
+    if hidden_taps is not None and kind not in TAP_RUNNER_KINDS:
+        raise ValueError(f"hidden_taps (EAGLE-3's features) need a runner of {TAP_RUNNER_KINDS}, not {kind!r}")
     if kind == "lean":
-        return LeanLlamaRunner(model, compute_dtype=compute_dtype, **sizes)
+        return LeanLlamaRunner(model, compute_dtype=compute_dtype, hidden_taps=hidden_taps, **sizes)
     if kind == "paged":
-        return PagedModelRunner(model, static_shapes=static_shapes, **sizes)
+        return PagedModelRunner(model, static_shapes=static_shapes, hidden_taps=hidden_taps, **sizes)
     if kind == "recompute":
-        return RecomputeRunner(model, **sizes)
+        return RecomputeRunner(model, hidden_taps=hidden_taps, **sizes)
     raise ValueError(f"runner kind must be one of {RUNNER_KINDS}, got {kind!r}")
 
 
 def capabilities_of(kind: str, model, *, compute_dtype: Optional[torch.dtype] = None, static_shapes: bool = False,
-                    head_hooked: bool = False) -> RunnerCapabilities:
+                    head_hooked: bool = False, hidden_taps: bool = False) -> RunnerCapabilities:
     """The capabilities a runner of ``kind`` over ``model`` will have, before it is built (the plan's
     question). ``head_hooked``: something will hook the model's LM head (heads on the target), which
-    keeps the CPU kernels' greedy chains off."""
+    keeps the CPU kernels' greedy chains off; ``hidden_taps``: it is built with hidden_taps= (only the
+    TAP_RUNNER_KINDS can be; greedy chains are then off too)."""
+    if hidden_taps and kind not in TAP_RUNNER_KINDS:
+        raise ValueError(f"hidden_taps (EAGLE-3's features) need a runner of {TAP_RUNNER_KINDS}, not {kind!r}")
     if kind == "lean":
-        capabilities = lean_capabilities(model, compute_dtype)
-        return RunnerCapabilities(greedy_chain=capabilities.greedy_chain and not head_hooked, chunked_prefill=True)
+        capabilities = lean_capabilities(model, compute_dtype, hidden_taps)
+        return RunnerCapabilities(greedy_chain=capabilities.greedy_chain and not head_hooked, chunked_prefill=True,
+                                  hidden_taps=hidden_taps)
     if kind == "paged":
-        return RunnerCapabilities(device_steps=not static_shapes)
+        return RunnerCapabilities(device_steps=not static_shapes, hidden_taps=hidden_taps)
     if kind == "recompute":
-        return RunnerCapabilities(chunked_prefill=True)
+        return RunnerCapabilities(chunked_prefill=True, hidden_taps=hidden_taps)
     raise ValueError(f"runner kind must be one of {RUNNER_KINDS}, got {kind!r}")

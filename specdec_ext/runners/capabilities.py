@@ -17,8 +17,11 @@ class RunnerCapabilities:
     greedy_chain: bool = False  # greedy_chain(tokens, steps, ...): n greedy one-token passes in one call
     device_steps: bool = False  # reserve_step(width, tokens) / sync_host(): one step runs on the device
     chunked_prefill: bool = False  # extend_rows(rows, chunks): a prompt prefilled in chunks between steps
+    hidden_taps: bool = False  # tapped_states(positions): chosen layers' hidden states per committed token
+    #                            (built with hidden_taps=...: EAGLE-3's features, runners/taps.py)
 
     def describe(self) -> str:
         names = [name for name, on in (("greedy chains", self.greedy_chain), ("device steps", self.device_steps),
-                                       ("chunked prefill", self.chunked_prefill)) if on]
+                                       ("chunked prefill", self.chunked_prefill),
+                                       ("hidden-state taps", self.hidden_taps)) if on]
         return ", ".join(names) if names else "none"

@@ -29,10 +29,17 @@ Supported: ``llama`` / ``mistral`` / ``qwen2`` model types with default RoPE, Si
 (a sliding window is accepted only when it covers max_seq_len). ``unsupported_reason(model)`` says why
 not otherwise (the plan then picks the paged runner); ``lean_capabilities(model)`` what a runner over
 it can do beyond the ``ModelRunner`` contract.
+
+Hidden-state taps (``hidden_taps=(l_1, ...)``, runners/taps.py): the inputs of those layers are kept per
+token beside the cache (``tapped_states``) and roll back with it. On the kernels the stack then runs as
+one ``decoder_layers`` call per stretch of layers between taps (each layer computes what it computes in
+one call: the residual stream is fp32 either way), and greedy chains are off (they would commit tokens
+without their states).
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence
+import dataclasses
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +54,7 @@ from .checks import (check_extend_chunks, check_forward_inputs, check_row_counts
 from .lean_cpu import call_head_hooks, kernels_reason
 from .lean_torch import TorchForward
 from .rows import RowsInUse
+from .taps import TapBuffer, check_tap_layers
 from .trees import token_tree_inputs, tree_commit_plan
 
 __all__ = ["LeanLlamaRunner", "unsupported_reason", "lean_capabilities", "SUPPORTED_MODEL_TYPES"]
@@ -140,12 +148,14 @@ def _head_hooked(model) -> bool:
     return bool(head._forward_pre_hooks or head._forward_hooks)
 
 
-def lean_capabilities(model, compute_dtype: Optional[torch.dtype] = None) -> RunnerCapabilities:
+def lean_capabilities(model, compute_dtype: Optional[torch.dtype] = None, hidden_taps: bool = False
+                      ) -> RunnerCapabilities:
     """What a ``LeanLlamaRunner(model, compute_dtype=compute_dtype)`` could do beyond the ``ModelRunner``
     contract, before it is built (its ``capabilities`` then): greedy chains in one call where its forward
-    runs on the CPU kernels and nothing is hooked on the model's LM head now."""
-    chains = _kernels_reason(model, compute_dtype) is None and not _head_hooked(model)
-    return RunnerCapabilities(greedy_chain=chains, chunked_prefill=True)
+    runs on the CPU kernels, nothing is hooked on the model's LM head now and no hidden states are
+    tapped; ``hidden_taps``: built with taps."""
+    chains = _kernels_reason(model, compute_dtype) is None and not _head_hooked(model) and not hidden_taps
+    return RunnerCapabilities(greedy_chain=chains, chunked_prefill=True, hidden_taps=hidden_taps)
 
 
 def _llama_weights(model, cfg, cast: Callable, small: Callable) -> LlamaWeights:
@@ -175,7 +185,8 @@ def _llama_weights(model, cfg, cast: Callable, small: Callable) -> LlamaWeights:
 class LeanLlamaRunner:
     """Llama-family causal LM over a contiguous per-row KV cache (see the module docstring)."""
 
-    def __init__(self, model, *, max_batch_size: int, max_seq_len: int, compute_dtype: Optional[torch.dtype] = None):
+    def __init__(self, model, *, max_batch_size: int, max_seq_len: int, compute_dtype: Optional[torch.dtype] = None,
+                 hidden_taps: Optional[Sequence[int]] = None):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_seq_len < 1:
@@ -199,12 +210,15 @@ class LeanLlamaRunner:
         else:
             cast = small = (lambda w: _cast(w, self.dtype))
         self.weights = _llama_weights(model, text_config(model.config), cast, small)
+        self.hidden_taps = check_tap_layers(hidden_taps, len(self.weights.layers))  # runners/taps.py
+        self._segments = _tap_segments(self.weights, self.hidden_taps)
+        self._taps: Optional[TapBuffer] = None
         self.device = self.weights.embed.device
         self.vocab_size: int = output_vocab_size(model)
         # bf16 activations for a bf16 model computed in bf16 (VDPBF16PS where the CPU has it)
         self.bf16_activations = on_kernels and self.dtype == weight_dtype == torch.bfloat16
         self._torch = None if on_kernels else TorchForward(self.weights, self.dtype, model.lm_head,
-                                                           self.max_batch_size)
+                                                           self.max_batch_size, self.hidden_taps)
         self._cache_dtype = self.dtype if on_kernels else self._torch.attn_dtype
         self._batch = 0
         self._len: List[int] = []         # committed tokens per row (host: the source of truth)
@@ -227,6 +241,10 @@ class LeanLlamaRunner:
             v[:, :, :, :n] = self.v_cache
         self.k_cache, self.v_cache = k, v
         self._cache = [k, v]  # the ops' cache list
+        if self.hidden_taps is not None and self._taps is None:
+            self._taps = TapBuffer(self.hidden_taps, w.embed.shape[1], self.max_batch_size, capacity, self.device)
+        elif self._taps is not None:
+            self._taps.grow(capacity)
         self.capacity = capacity
         self._arange = torch.arange(capacity, device=self.device)
         if self._torch is None:
@@ -258,8 +276,34 @@ class LeanLlamaRunner:
         if S > self.capacity:
             self._alloc(S + CAPACITY_SLACK)
         if self._torch is not None:
-            return self._torch(ids, start, keep, tree, counts, cache_rows, self._cache)
+            logits = self._torch(ids, start, keep, tree, counts, cache_rows, self._cache)
+            if self._taps is not None:
+                self._write_taps(self._torch.tapped, start, ids.shape, cache_rows)
+            return logits
         return self._kernel_forward(ids, start, keep, tree, cache_rows)
+
+    def _write_taps(self, tapped: Sequence[torch.Tensor], start: Sequence[int], shape, cache_rows) -> None:
+        """The tapped states of a forward's B x T tokens at their cache rows and storage slots (start[b] + t)."""
+        B, T = shape
+        rows = (self._rows[:B] if cache_rows is None else cache_rows.to("cpu", torch.int64)).repeat_interleave(T)
+        slots = (torch.tensor(start, dtype=torch.int64)[:, None] + torch.arange(T, dtype=torch.int64)).reshape(-1)
+        self._taps.write(rows, slots, tapped)
+
+    def _kernel_layers(self, x: torch.Tensor, layout: List[torch.Tensor], visible: Optional[torch.Tensor]
+                       ) -> Optional[List[torch.Tensor]]:
+        """``decoder_layers`` over the whole stack, or per stretch between tapped layers; the tapped
+        states [M, d] in ``hidden_taps`` order (None without taps)."""
+        if self.hidden_taps is None:
+            decoder_layers(x, self.weights, self.bf16_activations, self._rope, self._cache, layout, visible)
+            return None
+        captured = {}
+        for begin, end, weights in self._segments:
+            if end > begin:
+                cache = [c[begin:end] for c in self._cache]  # (a slice of the leading dim: contiguous)
+                decoder_layers(x, weights, self.bf16_activations, self._rope, cache, layout, visible)
+            if end < len(self.weights.layers):
+                captured[end] = x.clone()  # the input of layer `end`
+        return [captured[layer] for layer in self.hidden_taps]
 
     def _kernel_forward(self, ids: torch.Tensor, start: Sequence[int], keep: Optional[torch.Tensor],
                         tree: Optional[tuple], cache_rows: Optional[torch.Tensor]) -> torch.Tensor:
@@ -280,8 +324,9 @@ class LeanLlamaRunner:
         rows = self._rows[:B] if cache_rows is None else cache_rows.to("cpu", torch.int64)
         w = self.weights
         x = F.embedding(ids.reshape(M), w.embed).float()  # [M, d], the residual stream
-        decoder_layers(x, w, self.bf16_activations, self._rope, self._cache,
-                       [positions, rows if one else rows.repeat_interleave(T), slots, begin], visible)
+        tapped = self._kernel_layers(x, [positions, rows if one else rows.repeat_interleave(T), slots, begin], visible)
+        if tapped is not None:
+            self._write_taps(tapped, start, (B, T), cache_rows)
         if keep is not None:
             x = x.view(B, T, -1)[self._rows[:B], keep]  # [B, d]
         logits = llama_head(x, w, self.bf16_activations)  # [M or B, V]
@@ -390,12 +435,20 @@ class LeanLlamaRunner:
     def chains_greedy(self) -> bool:
         """Whether ``greedy_chain`` runs here (the CPU kernels, and nothing hooked on the head)."""
         head = self.model.lm_head
-        return self._torch is None and not (head._forward_pre_hooks or head._forward_hooks)
+        return self._torch is None and not (head._forward_pre_hooks or head._forward_hooks) and self._taps is None
 
     @property
     def capabilities(self) -> RunnerCapabilities:
         """What this runner does beyond the ``ModelRunner`` contract (``lean_capabilities`` before it exists)."""
-        return RunnerCapabilities(greedy_chain=self.chains_greedy, chunked_prefill=True)
+        return RunnerCapabilities(greedy_chain=self.chains_greedy, chunked_prefill=True,
+                                  hidden_taps=self._taps is not None)
+
+    def tapped_states(self, positions: torch.Tensor) -> torch.Tensor:
+        """The tapped hidden states (runners/taps.py) of row b's committed tokens at ``positions[b]``
+        (< lengths[b]; others are unspecified): positions [B, W] int64 -> [B, W, n * d] fp32."""
+        if self._taps is None:
+            raise ValueError("tapped_states: this runner was built without hidden_taps")
+        return self._taps.gather(self._rows[: positions.shape[0]], positions)
 
     def greedy_chain(self, tokens: torch.Tensor, steps: int, vocab_limit: Optional[int] = None,
                      check_logits: bool = False, feed: Optional[torch.Tensor] = None,
@@ -464,6 +517,8 @@ class LeanLlamaRunner:
                 dst = self._arange[self._len[b] + 1: self._len[b] + 1 + len(moves)]
                 for cache in (self.k_cache, self.v_cache):  # [layers, Bmax, Hk, cap, D]
                     cache[:, b, :, dst] = cache[:, b, :, src]  # (the gather copies before the write)
+                if self._taps is not None:
+                    self._taps.move(b, src, dst)
         self._len = [length for _, length in plan]
         self._tentative = [0] * self._batch
         self._tree = False
@@ -472,6 +527,16 @@ class LeanLlamaRunner:
         """Roll rows back to shorter committed lengths (never grows). new_lengths [B] int."""
         self._len = check_row_counts("truncate", "new_lengths", new_lengths, self._len, self._batch)
         self._tentative = [0] * self._batch
+
+
+def _tap_segments(weights: LlamaWeights, taps: Optional[Tuple[int, ...]]) -> List[Tuple[int, int, LlamaWeights]]:
+    """The stretches of layers [begin, end) between tapped layers and the last one, each with its own
+    ``LlamaWeights`` (the same tensors): after a stretch, x is the input of layer ``end``. Empty without taps."""
+    if taps is None:
+        return []
+    bounds = [0] + sorted(set(taps)) + [len(weights.layers)]
+    return [(begin, end, dataclasses.replace(weights, layers=weights.layers[begin:end]))
+            for begin, end in zip(bounds, bounds[1:])]
 
 
 _CASTS = WeakIdKeyDictionary()  # weight -> (version, dtype, copy)

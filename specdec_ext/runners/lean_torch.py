@@ -26,8 +26,11 @@ class TorchForward:
     """``LeanLlamaRunner._model``'s contract in torch over ``weights``, computing in ``dtype``; ``head``
     is the model's LM head module (called when something is hooked on it)."""
 
-    def __init__(self, weights: LlamaWeights, dtype: torch.dtype, head: torch.nn.Module, max_batch_size: int):
+    def __init__(self, weights: LlamaWeights, dtype: torch.dtype, head: torch.nn.Module, max_batch_size: int,
+                 taps: Optional[Sequence[int]] = None):
         self.weights, self.dtype, self.head = weights, dtype, head
+        self.taps = taps  # layers whose inputs each call keeps in ``tapped`` (runners/taps.py)
+        self.tapped: Optional[list] = None  # the last call's: one [B, T, d] per tapped layer
         self.device = weights.embed.device
         self.gqa = weights.kv_heads != weights.heads
         # The KV cache and the attention in fp32 for a half-precision model on the CPU: the cached
@@ -61,15 +64,19 @@ class TorchForward:
         Chain (tree None): at position start[b] + t, seeing positions <= start[b] + t. Tree (ancestors
         [B, T, T] bool, depth [B, T] int64; see trees.token_tree_inputs): at position start[b] + depth[b, t],
         seeing the prefix and its ancestors. cache: [k_cache, v_cache] [layers, Bmax, Hk, capacity, D],
-        written at the stored slots. keep: None (logits of every token, [B, T, V]) or column indices [B]
+        written at the stored slots; with ``taps``, ``tapped`` holds the inputs of those layers afterwards.
+        keep: None (logits of every token, [B, T, V]) or column indices [B]
         ([B, V]). fp32 logits."""
         B, T = ids.shape
         S = max(start) + T
         step = _Step(self, B, T, S)
         step.place(start, tree, counts, cache_rows)
         x = F.embedding(ids, self.weights.embed)  # [B, T, d]
-        for layer, k_cache, v_cache in zip(self.weights.layers, cache[0], cache[1]):
+        inputs = {}
+        for i, (layer, k_cache, v_cache) in enumerate(zip(self.weights.layers, cache[0], cache[1])):
+            inputs[i] = x
             x = step.layer(layer, x, k_cache, v_cache)
+        self.tapped = None if self.taps is None else [inputs[i] for i in self.taps]
         if keep is not None:
             x = x[self._rows[:B], keep]  # [B, d]
         x = _rms(x, self.weights.norm, self.weights.norm_eps)

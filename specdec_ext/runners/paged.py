@@ -7,6 +7,10 @@ kept is rolled back by metadata only (lengths, freed pages). A forward without a
 overwrites the previous tentative tokens. Positions, cache slots and the attention mask come from
 ``layout.step_layout``, as in every runner.
 
+Hidden-state taps (``hidden_taps=...``, runners/taps.py; host mode only): forward pre-hooks on the
+tapped decoder layers keep their inputs during this runner's forwards, written per row and logical
+position beside the pages; ``commit_tree`` moves the accepted path's with the keys and values.
+
 Two modes:
 
 * host mode (the default): the lengths and the page allocator live on the host (the source of truth)
@@ -47,6 +51,7 @@ from .kv_cache import PagedKVCache, PoolFullError
 from .layout import additive_mask, step_layout
 from .rows import RowsInUse
 from .support import kv_layout
+from .taps import LayerInputHooks, TapBuffer, check_tap_layers, decoder_layers_of
 from .trees import token_tree_inputs, tree_commit_plan
 
 __all__ = ["PagedModelRunner", "PoolFullError", "DEFAULT_PAGE_SIZE"]
@@ -58,7 +63,8 @@ class PagedModelRunner:
     """Runs a HF causal LM over a PagedKVCache with ragged rows (see the module docstring)."""
 
     def __init__(self, model, *, max_batch_size: int, max_seq_len: int, page_size: int = DEFAULT_PAGE_SIZE,
-                 num_pages: Optional[int] = None, static_shapes: bool = False):
+                 num_pages: Optional[int] = None, static_shapes: bool = False,
+                 hidden_taps: Optional[Sequence[int]] = None):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_seq_len < 1:
@@ -97,13 +103,37 @@ class PagedModelRunner:
         self._tree = False  # whether the last forward was a tree
         self._in_use = RowsInUse(max_batch_size)  # continuous batching: start_rows / free_rows
         self._arange = torch.arange(max(max_seq_len, pages_per_row * page_size) + 1, device=self.device)
+        self._taps, self._tap_hooks = self._make_taps(model, hidden_taps)
+
+    def _make_taps(self, model, hidden_taps):
+        """Hidden-state taps (runners/taps.py): a buffer over logical positions (a scratch slot past
+        max_seq_len) and pre-hooks on the tapped decoder layers, live during this runner's forwards."""
+        if hidden_taps is None:
+            return None, None
+        if self.static_shapes:
+            raise ValueError("hidden_taps need the paged runner in host mode (static_shapes=False)")
+        ids = check_tap_layers(hidden_taps, len(decoder_layers_of(model)))
+        hidden = int(model.get_input_embeddings().weight.shape[1])
+        buffer = TapBuffer(ids, hidden, self.max_batch_size, self.max_seq_len + 2, self.device)
+        return buffer, LayerInputHooks(model, ids)
+
+    @property
+    def hidden_taps(self):
+        return None if self._taps is None else self._taps.layers
+
+    def tapped_states(self, positions: torch.Tensor) -> torch.Tensor:
+        """The tapped hidden states (runners/taps.py) of row b's committed tokens at ``positions[b]``
+        (< lengths[b]; others are unspecified): positions [B, W] int64 -> [B, W, n * H] fp32."""
+        if self._taps is None:
+            raise ValueError("tapped_states: this runner was built without hidden_taps")
+        return self._taps.gather(self._arange[: positions.shape[0]], positions.clamp(max=self.max_seq_len))
 
     # ------------------------------------------------------------------ state
     @property
     def capabilities(self) -> RunnerCapabilities:
         """Device steps (``reserve_step`` / ``sync_host``) in host mode; the static-shapes mode gives every
         row all its pages up front instead."""
-        return RunnerCapabilities(device_steps=not self.static_shapes)
+        return RunnerCapabilities(device_steps=not self.static_shapes, hidden_taps=self._taps is not None)
 
     @property
     def batch_size(self) -> int:
@@ -165,12 +195,21 @@ class PagedModelRunner:
         mask = additive_mask(layout.visible, self.dtype)  # [B, 1, T, S]
         ids = torch.where(layout.valid, input_ids, 0)
         self.cache.activate(PagedStep(slot_mapping, gather_pages, mask, layout, self.cache.layout.windows))
+        if self._taps is not None:
+            self._tap_hooks.active = True
         try:
             with torch.no_grad():
                 out = self.model(input_ids=ids, attention_mask=mask, position_ids=layout.positions,
                                  use_cache=True, logits_to_keep=logits_to_keep, **{self._cache_arg: self.cache})
         finally:
             self.cache.activate(None)
+            if self._taps is not None:
+                self._tap_hooks.active = False
+        if self._taps is not None:
+            rows = self._arange[:B] if cache_rows is None else cache_rows
+            captured = self._tap_hooks.captured
+            self._taps.write_valid(rows, layout.storage, layout.valid & (layout.storage < self.max_seq_len),
+                                   [captured[i] for i in self._taps.layers])
         return out.logits.float()
 
     def _reserve(self, counts: Sequence[int]) -> int:
@@ -311,6 +350,11 @@ class PagedModelRunner:
         new_lengths = [(b, length) for b, (_, length) in enumerate(plan)]
         dst = torch.tensor([l + 1 for l in lengths], dtype=torch.int64, device=self.device)
         self.kv.compact(src.to(self.device), dst, new_lengths, rows=B)
+        if self._taps is not None:
+            for b, (moves, _) in enumerate(plan):
+                if moves:
+                    self._taps.move(b, torch.tensor(moves, device=self.device),
+                                    self._arange[lengths[b] + 1: lengths[b] + 1 + len(moves)])
         self._tentative = [0] * B
         self._tree = False
 

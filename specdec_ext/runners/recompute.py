@@ -7,6 +7,10 @@ no mask semantics are involved); a tree proposal runs one sequence per node (com
 root path), which needs no tree mask at all. Slow (quadratic), simple, and hard to get wrong: tests
 compare the paged runner's logits and the decode loop's tokens against it.
 
+Hidden-state taps (``hidden_taps=...``, runners/taps.py): each forward also asks HF for
+``output_hidden_states`` and keeps the tapped layers' inputs of its tokens beside them; commits keep
+them with the tokens, rollbacks drop them (HF's own numbers: the taps' oracle).
+
 Tentative tokens: ``forward`` appends T tokens per row tentatively at positions lengths[b] + t;
 ``commit(num_kept)`` keeps the first num_kept[b] of them; a later ``forward`` without a commit
 replaces them.
@@ -19,14 +23,15 @@ from typing import Dict, List, Optional, Sequence
 import torch
 
 from .capabilities import RunnerCapabilities
-from .checks import check_extend_chunks, check_row_counts, check_start_prompts, output_vocab_size
+from .checks import check_extend_chunks, check_row_counts, check_start_prompts, output_vocab_size, text_config
 from .rows import RowsInUse
+from .taps import check_tap_layers
 
 
 class RecomputeRunner:
     """Full-recompute implementation of the model-runner interface (see the module docstring)."""
 
-    def __init__(self, model, *, max_batch_size: int, max_seq_len: int):
+    def __init__(self, model, *, max_batch_size: int, max_seq_len: int, hidden_taps: Optional[Sequence[int]] = None):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_seq_len < 1:
@@ -40,11 +45,15 @@ class RecomputeRunner:
         self._tentative: List[List[int]] = []  # per row: the tokens of the last forward, in node order
         self._parents: List[Optional[List[int]]] = []  # per row: tree parents of the tentative nodes
         self._in_use = RowsInUse(self.max_batch_size)  # continuous batching: start_rows / free_rows
+        self.hidden_taps = check_tap_layers(hidden_taps, int(text_config(model.config).num_hidden_layers))
+        self._states: List[torch.Tensor] = []  # per row with taps: the committed tokens' states [n, width]
+        self._tentative_states: List[Optional[torch.Tensor]] = []  # per row: the last forward's, in token order
+        self._seq_states: Optional[List[torch.Tensor]] = None  # the last _last_logits call's, per sequence
 
     # ------------------------------------------------------------------ state
     @property
     def capabilities(self) -> RunnerCapabilities:
-        return RunnerCapabilities(chunked_prefill=True)
+        return RunnerCapabilities(chunked_prefill=True, hidden_taps=self.hidden_taps is not None)
 
     @property
     def batch_size(self) -> int:
@@ -65,16 +74,21 @@ class RecomputeRunner:
         """For each sequence, fp32 logits at its last keep[i] positions ([keep[i], V]); one HF forward
         per group of equal-length sequences."""
         out: List[Optional[torch.Tensor]] = [None] * len(sequences)
+        states: List[Optional[torch.Tensor]] = [None] * len(sequences)  # with taps: [len, width] per sequence
         groups: Dict[int, List[int]] = defaultdict(list)
         for i, seq in enumerate(sequences):
             groups[len(seq)].append(i)
         for length, members in groups.items():
             n_keep = max(keep[i] for i in members)
             ids = torch.tensor([list(sequences[i]) for i in members], dtype=torch.int64, device=self.device)
-            logits = self.model(input_ids=ids, use_cache=False, logits_to_keep=n_keep).logits
-            logits = logits[:, -n_keep:].float()
+            result = self.model(input_ids=ids, use_cache=False, logits_to_keep=n_keep,
+                                output_hidden_states=self.hidden_taps is not None)
+            logits = result.logits[:, -n_keep:].float()
             for j, i in enumerate(members):
                 out[i] = logits[j, n_keep - keep[i]:]
+                if self.hidden_taps is not None:
+                    states[i] = torch.cat([result.hidden_states[layer][j].float() for layer in self.hidden_taps], -1)
+        self._seq_states = states if self.hidden_taps is not None else None
         return out  # type: ignore[return-value]
 
     def start(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -89,6 +103,8 @@ class RecomputeRunner:
         self._parents = [None for _ in prompts]
         self._in_use.reset(len(prompts))
         rows = self._last_logits(prompts, [1] * len(prompts))
+        self._states = list(self._seq_states) if self._seq_states is not None else []
+        self._tentative_states = [None for _ in prompts]
         return torch.stack([r[0] for r in rows])
 
     def start_rows(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -100,8 +116,10 @@ class RecomputeRunner:
         logits = self._last_logits(prompts, [1] * len(prompts))
         self._in_use.add(rows)
         self._resize(self._in_use.width)
-        for row, prompt in zip(rows, prompts):
+        for i, (row, prompt) in enumerate(zip(rows, prompts)):
             self._committed[row] = prompt
+            if self._seq_states is not None:
+                self._states[row] = self._seq_states[i]
         return torch.stack([r[0] for r in logits])
 
     def extend_rows(self, rows: Sequence[int], chunks: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -113,6 +131,9 @@ class RecomputeRunner:
         for row, chunk in zip(rows, chunks):
             self._committed[row] = self._committed[row] + chunk
         logits = self._last_logits([self._committed[row] for row in rows], [1] * len(rows))
+        for i, row in enumerate(rows):
+            if self._seq_states is not None:
+                self._states[row] = self._seq_states[i]
         return torch.stack([r[0] for r in logits])
 
     def free_rows(self, rows: Sequence[int]) -> None:
@@ -126,6 +147,10 @@ class RecomputeRunner:
         self._committed = (self._committed + [[] for _ in range(width)])[:width]
         self._tentative = [[] for _ in range(width)]
         self._parents = [None for _ in range(width)]
+        if self.hidden_taps is not None:
+            empty = torch.zeros((0, self._width()), dtype=torch.float32, device=self.device)
+            self._states = (self._states + [empty] * width)[:width]
+            self._tentative_states = [None for _ in range(width)]
 
     def forward(self, input_ids: torch.Tensor, num_tokens: Optional[torch.Tensor] = None,
                 tree_parents: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -177,6 +202,31 @@ class RecomputeRunner:
                     out[b, : logits.shape[0]] = logits
                 else:
                     out[b, t] = logits[0]
+        if self.hidden_taps is not None:
+            self._keep_tentative_states(B, owners, keep)
+        return out
+
+    def _width(self) -> int:
+        return len(self.hidden_taps) * int(text_config(self.model.config).hidden_size)
+
+    def _keep_tentative_states(self, B: int, owners, keep: Sequence[int]) -> None:
+        """Taps: each row's tentative tokens' states from the last forward's sequences (a chain: its last
+        keep columns; a tree: each node's sequence's last column), in token order."""
+        per_row: List[List[torch.Tensor]] = [[] for _ in range(B)]
+        for (b, t), n, states in zip(owners, keep, self._seq_states or []):
+            per_row[b].append(states[-n:])
+        self._tentative_states = [torch.cat(rows) if rows else None for rows in per_row]
+
+    def tapped_states(self, positions: torch.Tensor) -> torch.Tensor:
+        """The tapped hidden states (runners/taps.py) of row b's committed tokens at ``positions[b]``
+        (< lengths[b]; others are zero): positions [B, W] int64 -> [B, W, n * H] fp32."""
+        if self.hidden_taps is None:
+            raise ValueError("tapped_states: this runner was built without hidden_taps")
+        out = torch.zeros(tuple(positions.shape) + (self._width(),), dtype=torch.float32, device=self.device)
+        for b, row in enumerate(positions.tolist()):
+            for w, position in enumerate(row):
+                if 0 <= position < self._states[b].shape[0]:
+                    out[b, w] = self._states[b][position]
         return out
 
     def commit(self, num_kept: torch.Tensor) -> None:
@@ -185,6 +235,8 @@ class RecomputeRunner:
         for b, n in enumerate(kept):
             self._committed[b].extend(self._tentative[b][:n])
             self._tentative[b] = []
+            if self.hidden_taps is not None and n:
+                self._states[b] = torch.cat([self._states[b], self._tentative_states[b][:n]])
 
     def commit_tree(self, path: torch.Tensor, num_accepted: torch.Tensor) -> None:
         """After a tree forward: keep token 0 and the accepted nodes path[b, :num_accepted[b]] (node
@@ -205,6 +257,9 @@ class RecomputeRunner:
             self._committed[b].append(tentative[0])
             self._committed[b].extend(tentative[x + 1] for x in nodes)
             self._tentative[b] = []
+            if self.hidden_taps is not None:
+                kept = self._tentative_states[b][[0] + [x + 1 for x in nodes]]
+                self._states[b] = torch.cat([self._states[b], kept])
 
     def truncate(self, new_lengths: torch.Tensor) -> None:
         """Roll each row back to new_lengths[b] committed tokens (never grows). new_lengths [B]."""
@@ -213,3 +268,5 @@ class RecomputeRunner:
         for b, n in enumerate(target):
             del self._committed[b][n:]
             self._tentative[b] = []
+            if self.hidden_taps is not None:
+                self._states[b] = self._states[b][:n]

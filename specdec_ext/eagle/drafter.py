@@ -1,0 +1,214 @@
+"""EagleDrafter: EAGLE-3 drafts from the target's own hidden states (eagle/model.py), chains or trees.
+
+State per row (B rows; L[b] the target's committed tokens, the pending token at position L[b] unfed):
+
+    fed[b]      draft positions 0 .. fed[b] - 1 hold the target's own features (the taps of the
+                target runner, runners/taps.py) with the next token: position t = (g_t, token t + 1)
+    last[b]     the draft layer's output at position fed[b] - 1: it predicts the token after the pending one
+
+Per step:
+
+1. feed   positions fed[b] .. L[b] - 1 in one ragged pass: their tapped states (fc) with the tokens at
+          t + 1 (the last of them is the pending token); fed[b] = L[b]; ``last`` = the output at L[b] - 1
+2. chain  k times: draft logits = lm_head(norm(out)) over the draft vocabulary, mapped to target ids
+          (-inf elsewhere); greedy: argmax; T > 0: q = the loop's filter of them (zero outside the
+          draft vocabulary, so verification stays lossless), a Philox draw of (seed, draft offset);
+          then the drafted token with ``out`` as its feature at position L[b] + i (tentative slots)
+   tree   EAGLE-2's dynamic tree (drafters/tree_drafter.py ``grow_tree``): the frontier's children by
+          cumulative draft log-probability, b per node over d levels, the N best kept; each frontier
+          node is fed with its parent's output at position L[b] + depth - 1, in slot L[b] + its
+          expansion index, seeing the prefix and its ancestors
+3. commit nothing to undo: draft slots from fed[b] on are tentative and the next feed overwrites them
+          with the target's features of what it accepted (rollback is ``fed``, and the target's taps
+          roll back with its cache)
+
+The features come from the target runner built with ``hidden_taps`` = the head's layer ids (the plan
+resolves it: ``RunnerCapabilities.hidden_taps``). Adaptive k: ``skip`` needs nothing (the next feed
+catches up on every committed token).
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+
+from .. import ops
+from ..drafters.base import Drafter
+from ..drafters.model_drafter import draft_probs
+from ..drafters.tree_drafter import beam_widths, draw_without_replacement, grow_tree, tree_num_nodes
+from ..metadata import Proposal, SpecDecodeMetadata, Verdict
+from ..sampling import filtered_probs, sample_inverse_cdf
+from .checkpoints import check_target
+from .model import Eagle3Model, EagleKV
+
+__all__ = ["EagleDrafter"]
+
+CACHE_SLACK = 8  # draft cache slots past the token buffer's and the step's
+
+
+class EagleDrafter(Drafter):
+    """EAGLE-3 chains (``k``) or trees (``tree=(b, d, N)``) over ``target``, a runner with hidden taps."""
+
+    def __init__(self, target, head: Eagle3Model, *, k: int = 4, tree=None):
+        if not target.capabilities.hidden_taps:
+            raise ValueError("EagleDrafter needs a target runner built with hidden_taps= (the head's layer ids)")
+        if tuple(target.hidden_taps) != tuple(head.config.layer_ids or ()):
+            raise ValueError(f"the target runner taps layers {tuple(target.hidden_taps)}, the EAGLE head was "
+                             f"trained on layers {head.config.layer_ids}")
+        check_target(head.config, target.model)  # hidden size, vocabulary, layers: EagleMismatchError
+        self.target, self.head, self.model = target, head, head
+        self.is_tree = tree is not None
+        if self.is_tree:
+            self.branch, self.depth, budget = tree
+            self.widths = beam_widths(self.branch, self.depth, budget)
+            self.slots = tree_num_nodes(self.branch, self.depth, budget)
+        else:
+            if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+                raise ValueError(f"EagleDrafter: k must be an int >= 1, got {k!r}")
+            self.slots = k
+        self.vocab_size = head.config.vocab_size
+        self.cache: Optional[EagleKV] = None
+        self.fed: List[int] = []
+        self.last: Optional[torch.Tensor] = None  # [B, h]
+        self.probs: Optional[torch.Tensor] = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def prefill(self, prompts: Sequence[Sequence[int]], meta: SpecDecodeMetadata) -> None:
+        B, S = meta.token_buffer.shape
+        device = meta.device
+        extra = sum(self.widths) if self.is_tree else self.slots
+        self.cache = EagleKV(self.head.config, B, S + extra + CACHE_SLACK, device)
+        self.fed = [0] * B
+        self.last = torch.zeros((B, self.head.config.hidden_size), dtype=torch.float32, device=device)
+        self.token_ids = torch.zeros((B, self.slots), dtype=torch.int64, device=device)  # [B, n]
+        self.num_draft = torch.full((B,), self.slots, dtype=torch.int32, device=device)  # [B]
+        self.parents = torch.full((B, self.slots), -1, dtype=torch.int32, device=device) if self.is_tree else None
+        self.probs = None
+
+    def skip(self, meta: SpecDecodeMetadata) -> None:
+        """Adaptive k: nothing to do (the next feed catches up)."""
+
+    def commit(self, meta: SpecDecodeMetadata, verdict: Verdict) -> None:
+        """Nothing to roll back (module docstring): slots past ``fed`` are tentative."""
+
+    def checkpoint(self):
+        """Undo for the cost probes: ``fed`` and ``last`` as they are now."""
+        fed, last = list(self.fed), None if self.last is None else self.last.clone()
+
+        def undo() -> None:
+            self.fed, self.last = list(fed), last
+
+        return undo
+
+    # ------------------------------------------------------------------ feeding the target's features
+    def feed(self, meta: SpecDecodeMetadata) -> None:
+        """Draft positions fed[b] .. L[b] - 1 from the target's tapped states (step 1 of the docstring)."""
+        lengths = self.target.lengths.tolist()[: len(self.fed)]
+        counts = [max(n - f, 0) for n, f in zip(lengths, self.fed)]
+        W = max(counts, default=0)
+        if W == 0:
+            return
+        device = meta.device
+        fed = torch.tensor(self.fed, dtype=torch.int64, device=device)
+        ends = torch.tensor(lengths, dtype=torch.int64, device=device)
+        slots = fed[:, None] + torch.arange(W, device=device)  # [B, W] (past a row's count: padding)
+        real = slots.clamp(max=(ends - 1).clamp(min=0)[:, None])  # [B, W] positions read
+        states = self.target.tapped_states(real)  # [B, W, n * H_t]
+        tokens = torch.gather(meta.token_buffer, 1, real + 1)  # the token at t + 1
+        with torch.no_grad():
+            out = self.head.block(tokens, self.head.fuse(states), fed, self.cache)  # [B, W, h]
+        count = torch.tensor(counts, dtype=torch.int64, device=device)
+        rows = torch.arange(len(counts), device=device)
+        self.last = torch.where((count > 0)[:, None], out[rows, (count - 1).clamp(min=0)], self.last)
+        self.fed = [max(n, f) for n, f in zip(lengths, self.fed)]
+
+    # ------------------------------------------------------------------ chains
+    def propose(self, meta: SpecDecodeMetadata, budget: Optional[Sequence[int]] = None) -> Proposal:
+        self.feed(meta)
+        if self.is_tree:
+            return self._propose_tree(meta)
+        k, B, greedy = self.slots, meta.batch_size, meta.all_greedy
+        steps = k if budget is None else min(k, max(budget, default=0))
+        if budget is None:
+            self.num_draft[:B].fill_(k)
+        else:
+            self.num_draft[:B].copy_(torch.tensor([min(k, b) for b in budget], dtype=torch.int32))
+        if not greedy and self.probs is None:
+            self.probs = torch.zeros((B, k, self.vocab_size), dtype=torch.float32, device=meta.device)
+        uniforms = None if greedy else ops.philox_uniforms(meta.seed, meta.draft_offset, k)  # [B, k]
+        fed = torch.tensor(self.fed[:B], dtype=torch.int64, device=meta.device)
+        out = self.last[:B]
+        with torch.no_grad():
+            for i in range(steps):
+                logits = self.head.head(out)  # [B, V_d]
+                if greedy:
+                    token = self.head.target_ids[logits.argmax(-1)]
+                else:
+                    q = draft_probs(self.head.to_target_logits(logits), meta)  # [B, V], 0 off the draft vocabulary
+                    token = sample_inverse_cdf(q, uniforms[:, i])
+                    self.probs[:B, i].copy_(q)
+                self.token_ids[:B, i].copy_(token)
+                if i + 1 < steps:  # the drafted token with the layer's own output, at slot fed + i
+                    out = self.head.block(token[:, None], out[:, None], fed + i, self.cache)[:, 0]
+        probs = None if greedy else self.probs[:B]
+        return Proposal(self.token_ids[:B], probs, self.num_draft[:B], longest=None if budget is None else steps)
+
+    # ------------------------------------------------------------------ trees
+    def _propose_tree(self, meta: SpecDecodeMetadata) -> Proposal:
+        B, device = meta.batch_size, meta.device
+        fed = torch.tensor(self.fed[:B], dtype=torch.int64, device=device)
+        node_out = torch.zeros((B, sum(self.widths), self.head.config.hidden_size), device=device)
+
+        def frontier_logprobs(level, tokens, parents, frontier_index):
+            with torch.no_grad():
+                if level == 0:
+                    out = self.last[:B, None]  # [B, 1, h]
+                else:
+                    out = self._feed_frontier(level, tokens, parents, frontier_index, fed, node_out)
+                return torch.log_softmax(self.head.to_target_logits(self.head.head(out)), dim=-1)  # [B, F, V]
+
+        sample_children = None if meta.all_greedy else self._sampler(meta)
+        tree = grow_tree(frontier_logprobs, self.widths, self.branch, self.slots, None, sample_children)
+        self.token_ids.copy_(tree.tokens)
+        self.parents.copy_(tree.parents)
+        self.num_draft.fill_(self.slots)
+        return Proposal(self.token_ids, tree.probs, self.num_draft, parents=self.parents)
+
+    def _feed_frontier(self, level: int, tokens: torch.Tensor, parents: torch.Tensor, frontier: torch.Tensor,
+                       fed: torch.Tensor, node_out: torch.Tensor) -> torch.Tensor:
+        """Feed the frontier nodes [B, F] (expansion indices) with their parents' outputs: rotary position
+        fed + level - 1, slot fed + index, seeing the prefix and their ancestors. Returns their outputs [B, F, h]."""
+        B, F = frontier.shape
+        device = tokens.device
+        parent = parents.gather(1, frontier)  # [B, F], -1 = the root
+        g = torch.where((parent < 0)[:, :, None], self.last[:B, None].expand(B, F, -1),
+                        node_out.gather(1, parent.clamp(min=0)[:, :, None].expand(-1, -1, node_out.shape[-1])))
+        slots = fed[:, None] + frontier  # [B, F]
+        S = int(slots.max()) + 1
+        visible = (torch.arange(S, device=device)[None, None, :] < fed[:, None, None]).expand(B, F, S).clone()
+        node, rows = frontier, torch.arange(B, device=device)[:, None].expand(B, F)
+        for _ in range(level):  # the node and its ancestors
+            on = node >= 0
+            visible[rows[on], torch.arange(F, device=device).expand(B, F)[on], (fed[:, None] + node)[on]] = True
+            node = torch.where(on, parents.gather(1, node.clamp(min=0)), node)
+        positions = (fed + level - 1)[:, None].expand(B, F)
+        out = self.head.step(tokens.gather(1, frontier), g, positions, self.cache, slots, visible)
+        node_out.scatter_(1, frontier[:, :, None].expand(-1, -1, out.shape[-1]), out)
+        return out
+
+    def _sampler(self, meta: SpecDecodeMetadata):
+        """Children drawn without replacement from the filtered q (T > 0), Philox (seed, draft offset)
+        columns per level as TreeModelDrafter draws them."""
+        b, sampling = self.branch, meta.sampling
+        frontier = [1] + self.widths[:-1]
+        uniforms = ops.philox_uniforms(meta.seed, meta.draft_offset, b * sum(frontier))
+        starts = [b * sum(frontier[:level]) for level in range(len(frontier))]
+
+        def sample_children(level, logprobs):
+            B, F, _ = logprobs.shape
+            u = uniforms[:, starts[level]:starts[level] + F * b].reshape(B, F, b)
+            q = filtered_probs(logprobs, sampling)
+            fallback = torch.softmax(logprobs / sampling.temperature, dim=-1)
+            return draw_without_replacement(q, fallback, u)
+
+        return sample_children

@@ -1,0 +1,69 @@
+"""What generate()'s ``draft=`` takes for EAGLE-3, and how it becomes a head bound to the target.
+
+    draft=EagleDrafterSpec("runs/eagle")     a checkpoint directory, either layout (eagle/checkpoints.py)
+    draft=EagleDrafterSpec(head)             a loaded Eagle3Model
+    draft=head                               the same, without the wrapper
+    draft="path/to/eagle-checkpoint"         a directory whose config.json is an EAGLE-3 head's
+
+``eagle_head_for(draft, target)`` checks the head against the target (EagleMismatchError naming both
+values, before any model work), completes its layer ids (default (2, L // 2, L - 3)) and puts it on the
+target's device; the plan then builds the target runner with ``hidden_taps`` = those ids.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Union
+
+from .checkpoints import CONFIG, EAGLE_ARCHITECTURE, SPECULATORS_ARCHITECTURE, bind_target, load_eagle
+from .model import Eagle3Model
+
+__all__ = ["EagleDrafterSpec", "EAGLE_DRAFT", "is_eagle_draft", "is_eagle_checkpoint", "eagle_head_for"]
+
+EAGLE_DRAFT = "eagle"  # draft= value: an EAGLE-3 head for the bundled target (none ships yet: refused, naming why)
+
+
+@dataclass(frozen=True)
+class EagleDrafterSpec:
+    """generate(..., draft=EagleDrafterSpec(head)): an EAGLE-3 head, a checkpoint directory or an Eagle3Model.
+    ``k`` / ``draft_tree`` of generate() shape its drafts (a chain, or an EAGLE-2 dynamic tree)."""
+
+    head: Union[str, os.PathLike, Eagle3Model]
+
+
+def is_eagle_checkpoint(path) -> bool:
+    """Whether ``path`` is a directory holding an EAGLE-3 head's config.json (either layout)."""
+    config = os.path.join(os.fspath(path), CONFIG)
+    if not os.path.isfile(config):
+        return False
+    try:
+        with open(config) as f:
+            raw = json.load(f)
+    except (OSError, ValueError):
+        return False
+    architectures = raw.get("architectures") or []
+    return (EAGLE_ARCHITECTURE in architectures or SPECULATORS_ARCHITECTURE in architectures
+            or raw.get("speculators_model_type") == "eagle3")
+
+
+def is_eagle_draft(draft) -> bool:
+    """Whether generate()'s ``draft=`` names an EAGLE-3 head (the forms of the module docstring, or "eagle")."""
+    if isinstance(draft, (Eagle3Model, EagleDrafterSpec)):
+        return True
+    if isinstance(draft, str) and draft == EAGLE_DRAFT:
+        return True
+    return isinstance(draft, (str, os.PathLike)) and os.path.isdir(draft) and is_eagle_checkpoint(draft)
+
+
+def eagle_head_for(draft, target) -> Eagle3Model:
+    """The head ``draft`` names, checked against and bound to ``target`` (module docstring)."""
+    if isinstance(draft, str) and draft == EAGLE_DRAFT:
+        raise ValueError("draft='eagle': no EAGLE-3 head ships with the bundled pair; pass "
+                         "draft=EagleDrafterSpec('path/to/head') (tools/train_eagle.py trains one, load_eagle reads "
+                         "SafeAILab/EAGLE, SpecForge and speculators checkpoints)")
+    head = draft.head if isinstance(draft, EagleDrafterSpec) else draft
+    if not isinstance(head, Eagle3Model):
+        return load_eagle(os.fspath(head), target)
+    head.config = bind_target(head.config, target)
+    return head.to(next(target.parameters()).device).eval().requires_grad_(False)

@@ -1,0 +1,235 @@
+"""Train an EAGLE-3 head by self-distillation on a CPU (issue 27, item 4): ``train_eagle``.
+
+1. data      each text's first ``prompt_tokens`` tokens, continued by the target itself (HF generate,
+             greedy, or sampled at ``temperature``) to ``prompt_tokens + new_tokens`` tokens: the head
+             learns the target's own distribution on the target's own outputs.
+2. vocab     the ``draft_vocab_size`` most frequent target tokens of the sequences (ties: lower id), sorted
+             by id: d2t / t2d (EAGLE-3's choice of a reduced draft vocabulary). Then one target forward
+             per chunk of sequences keeps their tapped hidden states (the inputs of the head's layers, as
+             runners/taps.py taps them) and the target's logits over the draft vocabulary; all cached in
+             ``out_dir/data.pt``.
+3. steps     the training-time test unrolled over ``ttt_steps`` draft steps (EAGLE-3): step 0 is the
+             head over the target's features (position t: g_t with token t + 1, causal); step j feeds
+             anchor t the output of step j - 1 at t with token t + 1 + j at position t + j, seeing the
+             true keys 0 .. t and its own unrolled keys (the diagonal), exactly what drafting from
+             anchor t does. The loss of step j at anchor t is the cross-entropy of the head's draft
+             distribution against the target's distribution of token t + 2 + j renormalised over the
+             draft vocabulary, weighted by ``decay ** j``. AdamW, gradients clipped; the embedding is
+             the target's, frozen.
+4. saves     every ``save_every`` steps and at the end: the head in the "eagle" layout (eagle/checkpoints.py)
+             and ``trainer.pt`` (step, optimizer, losses); a later call with the same ``out_dir`` resumes.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from .checkpoints import bind_target, load_eagle, save_eagle
+from .model import Eagle3Model, EagleConfig
+
+__all__ = ["TrainConfig", "TrainResult", "train_eagle", "ttt_losses", "choose_draft_vocab"]
+
+TRAINER_STATE = "trainer.pt"
+DATA = "data.pt"
+DATA_CHUNK = 16  # sequences per target call when making the data
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """train_eagle's knobs (module docstring)."""
+
+    draft_vocab_size: Optional[int] = None  # None: the target's whole vocabulary
+    prompt_tokens: int = 16  # tokens of each text kept as the prompt
+    new_tokens: int = 48  # the target's continuation
+    temperature: float = 0.0  # of the continuation (0: greedy)
+    ttt_steps: int = 3  # draft steps unrolled in training
+    decay: float = 0.8  # weight of unrolled step j: decay ** j
+    batch_size: int = 8
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    clip: float = 0.5
+    save_every: int = 50
+    seed: int = 0
+    layer_ids: Optional[Tuple[int, ...]] = None  # the target's layers (None: (2, L // 2, L - 3))
+    intermediate_size: Optional[int] = None  # the head's MLP (None: the target's)
+
+
+@dataclass
+class TrainResult:
+    head: Eagle3Model
+    losses: List[float] = field(default_factory=list)  # per step, from the first step ever (resumes included)
+    start_step: int = 0  # the step this call started from (> 0: resumed)
+    path: str = ""
+
+
+# ------------------------------------------------------------------------------------------ data
+@torch.no_grad()
+def _continue(target, prompts: List[List[int]], config: TrainConfig) -> torch.Tensor:
+    """The target's own continuations of the (equal-length) prompts: [N, prompt_tokens + new_tokens]."""
+    device = next(target.parameters()).device
+    ids = torch.tensor(prompts, device=device)
+    torch.manual_seed(config.seed)
+    sampled = config.temperature > 0
+    kw = dict(do_sample=True, temperature=config.temperature, top_k=0, top_p=1.0) if sampled else dict(do_sample=False)
+    out = target.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=config.new_tokens,
+                          min_new_tokens=config.new_tokens, pad_token_id=0, **kw)
+    return out.cpu()
+
+
+@torch.no_grad()
+def self_distillation_data(target, tokenizer, texts: Sequence[str], config: TrainConfig, layer_ids) -> dict:
+    """The target's own continuations of ``texts`` (those with at least ``prompt_tokens`` tokens) and what
+    training reads of them: {"tokens": [N, n] int64, "features": [N, n, 3 H] fp32 (the tapped layers'
+    inputs), "teacher": [N, n, V_d] fp32 (the target's logits over the draft vocabulary), "draft_ids": [V_d]}."""
+    prompts = []
+    for text in texts:
+        ids = tokenizer.encode(text)
+        if len(ids) >= config.prompt_tokens:
+            prompts.append(list(ids[: config.prompt_tokens]))
+    if not prompts:
+        raise ValueError(f"train_eagle: no text has {config.prompt_tokens} tokens (prompt_tokens)")
+    tokens = torch.cat([_continue(target, prompts[i:i + DATA_CHUNK], config)
+                        for i in range(0, len(prompts), DATA_CHUNK)])
+    vocab = int(target.get_output_embeddings().weight.shape[0])
+    draft_ids = choose_draft_vocab(tokens, vocab, config.draft_vocab_size or vocab)
+    device = next(target.parameters()).device
+    features, teacher = [], []
+    for chunk in tokens.split(DATA_CHUNK):
+        out = target(input_ids=chunk.to(device), output_hidden_states=True, use_cache=False)
+        features.append(torch.cat([out.hidden_states[i].float() for i in layer_ids], dim=-1).cpu())
+        teacher.append(out.logits[..., draft_ids.to(device)].float().cpu())
+    return {"tokens": tokens, "features": torch.cat(features), "teacher": torch.cat(teacher), "draft_ids": draft_ids}
+
+
+def choose_draft_vocab(tokens: torch.Tensor, vocab_size: int, draft_vocab_size: int) -> torch.Tensor:
+    """The ``draft_vocab_size`` most frequent ids of ``tokens`` (ties and unseen ids: the lower id first),
+    sorted by id. Shape: [V_d] int64."""
+    counts = torch.bincount(tokens.reshape(-1), minlength=vocab_size).double()
+    score = counts - torch.arange(vocab_size, dtype=torch.float64) / (vocab_size + 1)  # lower id wins ties
+    return score.topk(draft_vocab_size).indices.sort().values
+
+
+# ------------------------------------------------------------------------------------------ the training-time test
+def _attend(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor, extra: List[Tuple[torch.Tensor, torch.Tensor]],
+            scale: float) -> torch.Tensor:
+    """Anchor t's query q [B, H, P, D] over the true keys 0 .. t (k0, v0 [B, H, P, D]) and the unrolled
+    keys of the same anchor (``extra``: (k_i, v_i) [B, H, P, D] each). Returns [B, H, P, D]."""
+    P = q.shape[2]
+    scores = torch.einsum("bhtd,bhsd->bhts", q, k0) * scale
+    scores = scores.masked_fill(~torch.ones(P, P, dtype=torch.bool, device=q.device).tril(), float("-inf"))
+    diagonal = [(q * k).sum(-1, keepdim=True) * scale for k, _ in extra]  # [B, H, P, 1] each
+    weights = torch.softmax(torch.cat([scores] + diagonal, dim=-1), dim=-1)
+    out = torch.einsum("bhts,bhsd->bhtd", weights[..., :P], v0)
+    for i, (_, v) in enumerate(extra):
+        out = out + weights[..., P + i: P + i + 1] * v
+    return out
+
+
+def ttt_losses(head: Eagle3Model, tokens: torch.Tensor, features: torch.Tensor, teacher: torch.Tensor,
+               steps: int) -> List[torch.Tensor]:
+    """The training-time test's loss of each unrolled step (module docstring) over a batch of sequences:
+    tokens [B, n], the target's features [B, n, 3 H] and its logits over the draft vocabulary [B, n, V_d]
+    (draft-id order). Returns up to ``steps`` scalars."""
+    B, n = tokens.shape
+    P = n - 1  # anchors t = 0 .. n - 2 (token t + 1 exists)
+    c = head.config
+    groups = c.num_attention_heads // c.num_key_value_heads
+    g = head.fuse(features[:, :P])
+    anchors = torch.arange(P, device=tokens.device)
+    k0 = v0 = None
+    extra: List[Tuple[torch.Tensor, torch.Tensor]] = []
+    losses = []
+    for j in range(steps):
+        valid = anchors + 2 + j <= n - 1  # token t + 2 + j exists
+        if not bool(valid.any()):
+            break
+        feed = tokens.gather(1, (anchors + 1 + j).clamp(max=n - 1)[None].expand(B, -1))  # [B, P]
+        q, k, v, residual = head.project(feed, g, (anchors + j)[None].expand(B, -1))
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        if j == 0:
+            k0, v0 = k, v
+        else:
+            extra.append((k, v))
+        out = head.finish(_attend(q, k0, v0, extra, c.head_dim ** -0.5), residual)  # [B, P, h]
+        draft = torch.log_softmax(head.head(out), dim=-1)  # [B, P, V_d]
+        index = (anchors + 1 + j).clamp(max=n - 1)[None, :, None].expand(B, -1, teacher.shape[-1])
+        p = torch.softmax(teacher.gather(1, index).float(), dim=-1)  # the target's, over the draft vocabulary
+        loss = -(p * draft).sum(-1)  # [B, P]
+        losses.append(loss[:, valid].mean())
+        g = out
+    return losses
+
+
+# ------------------------------------------------------------------------------------------ the loop
+def _new_head(target, data: dict, config: TrainConfig) -> Eagle3Model:
+    vocab = int(target.get_output_embeddings().weight.shape[0])
+    overrides = {} if config.intermediate_size is None else dict(intermediate_size=config.intermediate_size)
+    eagle_config = EagleConfig.for_target(target, draft_vocab_size=config.draft_vocab_size or vocab,
+                                          layer_ids=config.layer_ids, **overrides)
+    torch.manual_seed(config.seed)
+    head = Eagle3Model(eagle_config)
+    with torch.no_grad():
+        head.embed_tokens.weight.copy_(target.get_input_embeddings().weight.float())
+    head.set_draft_vocab(data["draft_ids"])
+    return head
+
+
+def _prepare(target, tokenizer, texts, out_dir: str, config: TrainConfig):
+    """(head, optimizer, data, losses, start step): resumed from ``out_dir`` when it holds a run."""
+    os.makedirs(out_dir, exist_ok=True)
+    state_path, data_path = os.path.join(out_dir, TRAINER_STATE), os.path.join(out_dir, DATA)
+    layer_ids = bind_target(EagleConfig.for_target(target, layer_ids=config.layer_ids), target).layer_ids
+    if os.path.isfile(data_path):
+        data = torch.load(data_path, weights_only=True)
+    else:
+        data = self_distillation_data(target, tokenizer, texts, config, layer_ids)
+        torch.save(data, data_path)
+    resumed = os.path.isfile(state_path)
+    head = load_eagle(out_dir, target) if resumed else _new_head(target, data, config)
+    head.train().requires_grad_(True)
+    head.embed_tokens.weight.requires_grad_(False)
+    params = [p for p in head.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+    losses, start = [], 0
+    if resumed:
+        state = torch.load(state_path, weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        losses, start = list(state["losses"]), int(state["step"])
+    return head, optimizer, data, losses, start
+
+
+def _save(head: Eagle3Model, optimizer, losses: List[float], step: int, out_dir: str, config: TrainConfig) -> None:
+    save_eagle(head, out_dir, layout="eagle", embed=False)
+    torch.save({"optimizer": optimizer.state_dict(), "losses": losses, "step": step, "config": asdict(config)},
+               os.path.join(out_dir, TRAINER_STATE))
+
+
+def train_eagle(target, tokenizer, texts: Sequence[str], out_dir: str, steps: int,
+                config: TrainConfig = TrainConfig()) -> TrainResult:
+    """Train (or resume training) an EAGLE-3 head for ``target`` up to ``steps`` optimizer steps on the
+    target's own continuations of ``texts`` (module docstring); the head is saved in ``out_dir``.
+    ``tokenizer``: anything with ``encode(text) -> ids``. Returns the head (eval mode) and the losses."""
+    head, optimizer, data, losses, start = _prepare(target, tokenizer, texts, out_dir, config)
+    generator = torch.Generator().manual_seed(config.seed + start)
+    N = data["tokens"].shape[0]
+    weights = [config.decay ** j for j in range(config.ttt_steps)]
+    for step in range(start, steps):
+        batch = torch.randint(N, (min(config.batch_size, N),), generator=generator)
+        step_losses = ttt_losses(head, data["tokens"][batch], data["features"][batch], data["teacher"][batch],
+                                 config.ttt_steps)
+        loss = sum(w * l for w, l in zip(weights, step_losses)) / sum(weights[: len(step_losses)])
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for p in head.parameters() if p.requires_grad], config.clip)
+        optimizer.step()
+        losses.append(float(loss.detach()))
+        if not math.isfinite(losses[-1]):
+            raise FloatingPointError(f"train_eagle: the loss is {losses[-1]} at step {step}")
+        if (step + 1) % config.save_every == 0 or step + 1 == steps:
+            _save(head, optimizer, losses, step + 1, out_dir, config)
+    head.eval().requires_grad_(False)
+    return TrainResult(head, losses, start, out_dir)
