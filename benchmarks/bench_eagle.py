@@ -1,0 +1,79 @@
+#!/usr/bin/env python
+"""EAGLE-3 against the other drafters on the bundled target (issue 27): tokens per target pass and tok/s for
+an EAGLE-3 head (a chain of k and an EAGLE-2 tree) next to the bundled draft model (chain and tree), the
+n-gram lookup and plain decoding, on the code and edit workloads, interleaved repeats, medians.
+
+No head ships with the bundled pair yet: pass one trained with ``tools/train_eagle.py`` (or any EAGLE-3
+checkpoint made for the bundled target). Times are the calls' prefill + decode (``stats.total_time``).
+
+    python benchmarks/bench_eagle.py --head DIR [--prompts 4] [--max-new-tokens 96] [--k 4] [--tree 3,3,8]
+                                     [--repeats 3] [--threads 1] [--workloads code,edit]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+import specdec_ext
+from specdec_ext.bench.workloads import workload_prompts
+
+
+def drafters(head: str, k: int, tree):
+    """(name, generate() keywords) of every row of the table."""
+    eagle = specdec_ext.EagleDrafterSpec(head)
+    return [("plain", None), ("draft model, k", dict(k=k)), ("draft model, tree", dict(draft_tree=tree)),
+            ("ngram, k", dict(draft="ngram", k=k)), ("EAGLE-3, k", dict(draft=eagle, k=k)),
+            ("EAGLE-3, tree", dict(draft=eagle, draft_tree=tree))]
+
+
+def run_once(prompts, options, max_new_tokens: int):
+    """(tokens/s, tokens per target pass) over the prompts, one per call."""
+    tokens = passes = 0
+    seconds = 0.0
+    for prompt in prompts:
+        if options is None:
+            result = specdec_ext.plain_generate([prompt], max_new_tokens=max_new_tokens)
+        else:
+            result = specdec_ext.generate([prompt], max_new_tokens=max_new_tokens, **options)
+        tokens += len(result.token_ids[0])
+        passes += result.stats.steps
+        seconds += result.stats.total_time
+    return tokens / seconds, tokens / passes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--head", required=True, help="an EAGLE-3 checkpoint directory for the bundled target")
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--k", type=int, default=4)
+    parser.add_argument("--tree", default="3,3,8")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--workloads", default="code,edit")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    tree = tuple(int(x) for x in args.tree.split(","))
+    rows = drafters(args.head, args.k, tree)
+    print(f"bundled target, head {args.head}, batch 1, {args.max_new_tokens} new tokens, k = {args.k}, tree {tree}, "
+          f"{args.threads} thread(s), ISA {specdec_ext.ops.cpu_isa()}, torch {torch.__version__}")
+    for workload in args.workloads.split(","):
+        prompts = workload_prompts(workload, args.prompts, 8)
+        for _, options in rows:  # warm-up: loads, plans, first passes
+            run_once(prompts[:1], options, 8)
+        results = {name: [] for name, _ in rows}
+        for _ in range(args.repeats):
+            for name, options in rows:
+                results[name].append(run_once(prompts, options, args.max_new_tokens))
+        plain = statistics.median(r[0] for r in results["plain"])
+        print(f"\n{workload}: {'drafter':<20} {'tok/s':>8} {'vs plain':>9} {'tokens/pass':>12}")
+        for name, runs in results.items():
+            rate = statistics.median(r[0] for r in runs)
+            per_pass = statistics.median(r[1] for r in runs)
+            print(f"{'':>{len(workload) + 1}} {name:<20} {rate:>8.1f} {rate / plain:>8.2f}x {per_pass:>12.2f}")
+
+
+if __name__ == "__main__":
+    main()
