@@ -156,3 +156,12 @@ def test_n_choices_are_one_row_each_with_their_own_streams(client, server):
     chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "x"}], n=2,
                                           max_tokens=8, temperature=1.0, seed=3, response_format={"type": "json_object"})
     assert [c.index for c in chat.choices] == [0, 1]
+
+
+def test_echo_prepends_the_prompt(client):
+    kw = dict(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    plain = client.completions.create(**kw).choices[0].text
+    echoed = client.completions.create(echo=True, **kw).choices[0].text
+    assert echoed == PROMPTS[0] + plain
+    streamed = "".join(c.choices[0].text for c in client.completions.create(echo=True, stream=True, **kw))
+    assert streamed == echoed

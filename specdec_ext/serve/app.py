@@ -78,7 +78,8 @@ class OpenAIService:
             if bad:
                 raise ApiError(400, f"prompt: token ids outside [0, {self.vocab_size}): {bad[:5]}", param="prompt")
         max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_COMPLETION_TOKENS
-        return await self._respond(body, prompt, max_tokens, http, chat=False)
+        echo = "" if not body.echo else body.prompt if isinstance(body.prompt, str) else self.tokenizer.decode(prompt)
+        return await self._respond(body, prompt, max_tokens, http, chat=False, echo=echo)
 
     async def chat(self, body: ChatRequest, http: Request):
         self._check_model(body.model)
@@ -155,7 +156,8 @@ class OpenAIService:
         return (processing if processing.active else None), grammar
 
     # ------------------------------------------------------------------ responses
-    async def _respond(self, body, prompt: List[int], max_tokens: int, http: Request, *, chat: bool):
+    async def _respond(self, body, prompt: List[int], max_tokens: int, http: Request, *, chat: bool,
+                       echo: str = ""):
         requests = self._generation_requests(body, prompt, max_tokens)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()  # (choice, RowEvent)
@@ -169,7 +171,7 @@ class OpenAIService:
                 handle.cancel()
             headers = {"Retry-After": str(error.retry_after)} if isinstance(error, QueueFullError) else None
             raise ApiError(error.status, str(error), error.error_type, error.param, headers=headers) from None
-        reply = Reply(self, requests, body, chat)
+        reply = Reply(self, requests, body, chat, echo)
 
         def cancel() -> None:
             for choice, handle in enumerate(handles):
@@ -199,8 +201,9 @@ class Choice:
 class Reply:
     """One response over its ``n`` choices: the finished body, or the stream of chunks."""
 
-    def __init__(self, service: OpenAIService, requests: Sequence[GenerationRequest], body, chat: bool):
-        self.service, self.body, self.chat = service, body, chat
+    def __init__(self, service: OpenAIService, requests: Sequence[GenerationRequest], body, chat: bool,
+                 echo: str = ""):
+        self.service, self.body, self.chat, self.echo = service, body, chat, echo  # echo: completions' prompt text
         self.choices = [Choice(request, service.tokenizer.decode) for request in requests]
         self.id = protocol.new_id("chatcmpl" if chat else "cmpl")
         self.created = protocol.now()
@@ -245,7 +248,8 @@ class Reply:
             if error is not None:
                 return error.response()
         body = [(protocol.chat_choice if self.chat else protocol.text_choice)(
-            c.text.text, protocol.finish_reason(c.last.finish_reason), self._logprobs_object(c, c.logprobs), index=i)
+            self.echo + c.text.text, protocol.finish_reason(c.last.finish_reason), self._logprobs_object(c, c.logprobs),
+            index=i)
             for i, c in enumerate(self.choices)]
         return JSONResponse(self._object(None, chunk=False, usage=self._usage(), choices=body))
 
@@ -262,10 +266,12 @@ class Reply:
         return body
 
     async def chunks(self, events: asyncio.Queue) -> AsyncIterator[str]:
-        if self.chat:
-            for index in range(len(self.choices)):
+        for index in range(len(self.choices)):
+            if self.chat:
                 yield _sse(self._object(protocol.chat_delta({"role": "assistant", "content": ""}, None, index=index),
                                         chunk=True))
+            elif self.echo:
+                yield self._chunk(index, self.echo, None)
         while not self.finished:
             index, event = await events.get()
             piece = self._take(index, event)

@@ -7,7 +7,8 @@ frequency_penalty, logit_bias and the extensions min_p and repetition_penalty (s
 structured output: response_format json_object / json_schema (with strict) and the extensions regex and
 grammar (a Lark grammar; specdec_ext/grammar.py); logprobs (completions: an int up to 20; chat: logprobs
 with top_logprobs up to 20). Fields this server does not implement are refused when they would change
-the output (echo, best_of > 1, suffix, tools); other unknown fields are ignored.
+the output (echo with logprobs, best_of > 1, suffix, tools); other unknown fields are ignored. echo
+prepends the prompt's text to each choice.
 """
 from __future__ import annotations
 
@@ -70,11 +71,17 @@ class CompletionRequest(SamplingFields):
     best_of: Optional[int] = None
     suffix: Optional[str] = None
 
-    @field_validator("echo", "best_of", "suffix")
+    @field_validator("best_of", "suffix")
     @classmethod
     def _unsupported(cls, value, info: ValidationInfo):
-        return _refuse_unless(value, {"echo": (False,), "best_of": (None, 1),
-                                      "suffix": (None, "")}[info.field_name], info.field_name)
+        return _refuse_unless(value, {"best_of": (None, 1), "suffix": (None, "")}[info.field_name], info.field_name)
+
+    @field_validator("echo")
+    @classmethod
+    def _echo_without_prompt_logprobs(cls, echo: bool, info: ValidationInfo) -> bool:
+        if echo and info.data.get("logprobs") is not None:
+            raise ValueError("echo with logprobs (the prompt's logprobs) is not supported: echo alone is")
+        return echo
 
     @property
     def top_logprobs_asked(self) -> Optional[int]:
