@@ -213,6 +213,10 @@ class ProcessingState:
         parents [B, n] int32 (a tree) or None; counts [B, V] int32 or None
         """
         allowed = self._grammar_masks(logits.shape[1], draft_tokens, num_draft, parents)
+        self._process(logits, draft_tokens, num_draft, temperature, parents, counts, allowed)
+
+    def _process(self, logits, draft_tokens, num_draft, temperature, parents, counts, allowed) -> None:
+        """ops.process_logits with the rows' tensors (``counts`` None: the output counts)."""
         ops.process_logits(logits, draft_tokens, parents=parents, num_draft=num_draft,
                            output_counts=self.output_counts if counts is None else counts,
                            prompt_mask=self.prompt_mask, logit_bias=self.logit_bias, allowed=allowed,
@@ -235,11 +239,7 @@ class ProcessingState:
         if self.has_grammar:
             full = self._grammar_masks(i + 1, drafted, torch.full((B,), i, dtype=torch.int32), None)
             allowed = full[:, i:].contiguous()  # [B, 1, W]
-        ops.process_logits(logits, none, parents=None, num_draft=num_draft,
-                           output_counts=self.output_counts if counts is None else counts,
-                           prompt_mask=self.prompt_mask, logit_bias=self.logit_bias, allowed=allowed,
-                           presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                           repetition_penalty=self.repetition_penalty, min_p=self.min_p, temperature=temperature)
+        self._process(logits, none, num_draft, temperature, None, counts, allowed)
         return logits[:, 0]
 
     @property
