@@ -1,5 +1,6 @@
-"""PagedKVCache under random sequences of append / rollback / compact / free (a hypothesis state
-machine): after every step no page is leaked or owned twice, the block tables and lengths match the
+"""PagedKVCache under random sequences of append / rollback / compact / free / fork (a hypothesis state
+machine): after every step no page is leaked or held by more rows than its count, a shared page is
+below every holder's length, the block tables and lengths match the
 allocator, and every row reads back exactly what a plain list model of it holds."""
 import numpy as np
 import pytest
@@ -45,13 +46,32 @@ class CacheMachine(RuleBasedStateMachine):
     @rule(row=st.integers(0, MAX_BATCH - 1), data=st.data())
     def rollback(self, row, data):
         new_length = data.draw(st.integers(0, len(self.rows[row])))
-        self.cache.rollback(row, new_length)
+        try:
+            self.cache.rollback(row, new_length)
+        except PoolFullError as error:  # copy-on-write of a shared page it would write, and no page free
+            assert "to copy the shared pages" in str(error) and self.cache.num_free_pages == 0
+            return  # the row is unchanged (the invariant checks it)
         del self.rows[row][new_length:]
 
     @rule(row=st.integers(0, MAX_BATCH - 1))
     def free(self, row):
         self.cache.free(row)
         self.rows[row] = []
+
+    @rule(source=st.integers(0, MAX_BATCH - 1), row=st.integers(0, MAX_BATCH - 1))
+    def fork(self, source, row):
+        """The n choices of a request: an empty row takes another's tokens, sharing its full pages."""
+        if row == source or self.cache.pages(row):
+            with pytest.raises(ValueError, match="must be empty"):
+                self.cache.fork(source, [row])
+            return
+        partial = len(self.rows[source]) % PAGE_SIZE != 0
+        if partial and self.cache.num_free_pages == 0:
+            with pytest.raises(PoolFullError, match="forking row"):
+                self.cache.fork(source, [row])
+            return
+        self.cache.fork(source, [row])
+        self.rows[row] = list(self.rows[source])
 
     @precondition(lambda self: any(len(r) >= 2 for r in self.rows))
     @rule(data=st.data())
@@ -69,7 +89,11 @@ class CacheMachine(RuleBasedStateMachine):
             lengths.append((row, start + len(kept)))
         width = max(1, max(len(s) for s in srcs))
         src = torch.tensor([s + [-1] * (width - len(s)) for s in srcs], dtype=torch.int64)
-        self.cache.compact(src, torch.tensor(starts, dtype=torch.int64), lengths)
+        try:
+            self.cache.compact(src, torch.tensor(starts, dtype=torch.int64), lengths)
+        except PoolFullError as error:  # copy-on-write before the moves, and no page free: nothing moved
+            assert "to copy the shared pages" in str(error) and self.cache.num_free_pages == 0
+            return
         for row in range(batch):
             kept = [self.rows[row][p] for p in srcs[row]]
             self.rows[row] = self.rows[row][: starts[row]] + kept

@@ -215,7 +215,6 @@ BAD_COMPLETIONS = [
     ("token ids out of range", {"prompt": [1, 2, 999]}, 400, "prompt", "outside [0, 64)"),
     ("empty stop string", {"stop": ["x", ""]}, 400, "stop", "must not be empty"),
     ("logprobs above 20", {"logprobs": 21}, 400, "logprobs", "less than or equal to 20"),
-    ("echo with logprobs", {"echo": True, "logprobs": 1}, 400, "echo", "echo with logprobs"),
     ("best_of", {"best_of": 3}, 400, "best_of", "not supported"),
     ("a penalty above 2", {"presence_penalty": 2.5}, 400, "presence_penalty", "less than or equal to 2"),
     ("a frequency penalty below -2", {"frequency_penalty": -3}, 400, "frequency_penalty", "greater than or equal to -2"),

@@ -158,6 +158,41 @@ def test_n_choices_are_one_row_each_with_their_own_streams(client, server):
     assert [c.index for c in chat.choices] == [0, 1]
 
 
+def test_echo_with_logprobs_scores_the_prompt_then_the_completion(client, server):
+    """The prompt tokens' logprobs (the first null) equal the target's log-softmax over the prompt, the
+    completion's equal those of the request without echo, and the stream carries the same objects."""
+    import torch
+
+    kw = dict(model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=6, temperature=0, logprobs=2,
+              extra_body={"ignore_eos": True})
+    plain = client.completions.create(**kw).choices[0]
+    echoed = client.completions.create(echo=True, **kw).choices[0]
+    assert echoed.text == PROMPTS[1] + plain.text
+    models = load_models()
+    ids = models.tokenizer.encode(PROMPTS[1])
+    P = len(ids)
+    with torch.no_grad():
+        reference = torch.log_softmax(models.target(input_ids=torch.tensor([ids])).logits[0].float(), -1)  # [P, V]
+    lp = echoed.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == P + 6
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    expected = [float(reference[i - 1, ids[i]]) for i in range(1, P)]
+    assert lp.token_logprobs[1:P] == pytest.approx(expected, abs=1e-4)
+    assert all(len(top) == 2 and max(top.values()) >= chosen - 1e-6
+               for top, chosen in zip(lp.top_logprobs[1:P], lp.token_logprobs[1:P]))
+    assert lp.token_logprobs[P:] == plain.logprobs.token_logprobs  # the completion's, unchanged by echo
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    assert lp.text_offset[P] == sum(len(t) for t in lp.tokens[:P])
+    streamed = {"text": "", "tokens": [], "token_logprobs": []}
+    for chunk in client.completions.create(echo=True, stream=True, **kw):
+        c = chunk.choices[0]
+        streamed["text"] += c.text
+        if c.logprobs is not None:
+            streamed["tokens"] += c.logprobs.tokens
+            streamed["token_logprobs"] += c.logprobs.token_logprobs
+    assert streamed == {"text": echoed.text, "tokens": lp.tokens, "token_logprobs": lp.token_logprobs}
+
+
 def test_echo_prepends_the_prompt(client):
     kw = dict(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
     plain = client.completions.create(**kw).choices[0].text

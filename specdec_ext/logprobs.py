@@ -23,7 +23,7 @@ class TokenLogprob:
     """One emitted token's log-probability and the most likely tokens at its position."""
 
     token: int
-    logprob: float
+    logprob: Optional[float]  # None: a prompt's first token (nothing before it to condition on)
     top: Tuple[Tuple[int, float], ...] = ()  # (token, logprob), most likely first
 
 
@@ -70,3 +70,26 @@ def host_logprobs(tokens: List[List[int]], chosen: torch.Tensor, ids: torch.Tens
     chosen_h, ids_h, values_h = chosen.tolist(), ids.tolist(), values.tolist()
     return [[TokenLogprob(token, chosen_h[b][i], tuple(zip(ids_h[b][i], values_h[b][i])))
              for i, token in enumerate(row)] for b, row in enumerate(tokens)]
+
+
+PROMPT_LOGPROB_CHUNK = 512  # prompt positions per log-softmax: bounds the fp32 [positions, V] buffer
+
+
+@torch.no_grad()
+def prompt_logprobs(model, prompt: List[int], top: int) -> List[TokenLogprob]:
+    """``echo`` with ``logprobs``: each prompt token's log-probability under the target given the tokens
+    before it, with the ``top`` most likely there (the first token has none: logprob None). The model's
+    own distribution (temperature 1, no processors: they shape what is generated, not the prompt), from
+    one forward of the HF model over the prompt, outside any runner's cache."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([prompt], dtype=torch.int64, device=device)  # [1, P]
+    logits = model(input_ids=ids, use_cache=False).logits[0, :-1]  # [P-1, V]: position i predicts token i+1
+    entries = [TokenLogprob(int(prompt[0]), None)]
+    for begin in range(0, logits.shape[0], PROMPT_LOGPROB_CHUNK):
+        part = torch.log_softmax(logits[begin: begin + PROMPT_LOGPROB_CHUNK].float(), dim=-1)  # [c, V]
+        following = ids[0, begin + 1: begin + 1 + part.shape[0]]  # [c]
+        chosen = part.gather(1, following[:, None])[:, 0].tolist()
+        values, top_ids = part.topk(top, dim=-1) if top > 0 else (part[:, :0], following[:, None][:, :0])
+        for token, logprob, ids_row, values_row in zip(following.tolist(), chosen, top_ids.tolist(), values.tolist()):
+            entries.append(TokenLogprob(token, logprob, tuple(zip(ids_row, values_row))))
+    return entries

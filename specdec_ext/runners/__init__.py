@@ -18,6 +18,10 @@ Continuous batching (the serving engine, specdec_ext/serve/; runners/rows.py):
 
     start_rows(rows, prompts)               prefill free rows (slots) while the others keep their caches
                                             -> fp32 logits at each prompt's last token [n, V]
+    fork_rows(source, rows)                 free rows take a row's committed tokens without a forward
+                                            (the n choices of one request): the paged runner shares the
+                                            source's full pages (copy-on-write, kv_cache.py), the lean
+                                            runner copies its cache rows, recompute its token list
     free_rows(rows)                         release rows and their cache at once
 
 After them the batch B spans rows 0 .. the highest row in use; a free row inside it is empty (length 0)
@@ -101,6 +105,8 @@ class ModelRunner(Protocol):
     def truncate(self, new_lengths: torch.Tensor) -> None: ...
 
     def start_rows(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor: ...
+
+    def fork_rows(self, source: int, rows: Sequence[int]) -> None: ...
 
     def free_rows(self, rows: Sequence[int]) -> None: ...
 

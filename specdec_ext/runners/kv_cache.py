@@ -9,9 +9,16 @@ Storage (dtype and device of the model)::
     lengths       [max_batch] int64                    committed tokens per row
 
 Logical position p of row b lives in slot ``block_tables[b, p // page_size] * page_size +
-p % page_size``. Rows own disjoint pages; a row owns exactly ceil(reserved / page_size) pages, where
-``reserved`` is the most positions it was sized for since its last rollback. Rollback is metadata:
-the length shrinks and whole pages past it go back to the free list.
+p % page_size``. A row owns exactly ceil(reserved / page_size) pages, where ``reserved`` is the most
+positions it was sized for since its last rollback. Rollback is metadata: the length shrinks and whole
+pages past it go back to the free list.
+
+Shared prefixes (``fork``: the n choices of one request): a forked row refers to the source's full
+pages below the fork length (a reference count per page) and gets its own copy of the partial page the
+source would write next. Every write lands at or past a row's length, so a shared page is read only.
+Copy-on-write keeps that true whatever happens next: a row whose length drops into a shared page
+first gets its own copy of every shared page from there on (``_own_from``), and a page returns to the
+free list when its last owner lets go.
 
 The allocator and the lengths live on the host (Python lists, the source of truth); the device
 tensors ``block_tables`` and ``lengths`` are refreshed from them after every change (one small copy,
@@ -56,6 +63,8 @@ class PagedKVCache:
         self._lengths_host: List[int] = [0] * max_batch
         self._pages: List[List[int]] = [[] for _ in range(max_batch)]
         self._free: List[int] = list(range(num_pages - 1, -1, -1))  # a stack: page 0 comes first
+        self._owners: List[int] = [0] * num_pages  # rows whose tables hold each page (> 1: a shared prefix page)
+        self._forked = False  # whether fork ever ran (compact then checks for shared pages)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -117,6 +126,7 @@ class PagedKVCache:
         for row, count in extra:
             for _ in range(count):
                 page = self._free.pop()
+                self._owners[page] = 1
                 self._tables_host[row, len(self._pages[row])] = page
                 self._pages[row].append(page)
                 changed = True
@@ -131,16 +141,82 @@ class PagedKVCache:
             if not 0 <= length <= len(self._pages[row]) * self.page_size:
                 raise ValueError(f"PagedKVCache: row {row} cannot have length {length}: it owns "
                                  f"{len(self._pages[row])} page(s) of {self.page_size}")
+            keep = -(-length // self.page_size) if free_pages else len(self._pages[row])
+            changed_tables |= self._own_from(row, length // self.page_size, keep)  # before any change to the row
             self._lengths_host[row] = length
-            if free_pages:
-                keep = -(-length // self.page_size)
-                while len(self._pages[row]) > keep:
-                    self._free.append(self._pages[row].pop())
-                    self._tables_host[row, len(self._pages[row])] = -1
-                    changed_tables = True
+            while len(self._pages[row]) > keep:
+                self._release(self._pages[row].pop())
+                self._tables_host[row, len(self._pages[row])] = -1
+                changed_tables = True
         if changed_tables:
             self.block_tables.copy_(self._tables_host, non_blocking=True)
         self.lengths.copy_(torch.tensor(self._lengths_host, dtype=torch.int64), non_blocking=True)
+
+    def _release(self, page: int) -> None:
+        """One owner lets go of ``page``; the last one returns it to the free list."""
+        self._owners[page] -= 1
+        if self._owners[page] == 0:
+            self._free.append(page)
+
+    def _own_from(self, row: int, first: int, end: Optional[int] = None) -> bool:
+        """Copy-on-write: ``row`` gets its own copy of each shared page among its logical pages ``first`` ..
+        ``end`` - 1 (default: all from ``first``: the pages it may write next). Returns whether its table
+        changed. PoolFullError when the pool has no page for a copy (nothing changed then)."""
+        end = len(self._pages[row]) if end is None else min(end, len(self._pages[row]))
+        shared = [i for i in range(first, end) if self._owners[self._pages[row][i]] > 1]
+        if not shared:
+            return False
+        if len(shared) > len(self._free):
+            raise PoolFullError(f"PagedKVCache: the page pool is full: row {row} needs {len(shared)} page(s) to "
+                                f"copy the shared pages it would write, but only {len(self._free)} of "
+                                f"{self.num_pages} pages are free (page_size={self.page_size})")
+        for i in shared:
+            old, new = self._pages[row][i], self._free.pop()
+            self.pool[:, :, new] = self.pool[:, :, old]
+            self._owners[old] -= 1
+            self._owners[new] = 1
+            self._pages[row][i] = new
+            self._tables_host[row, i] = new
+        return True
+
+    def fork(self, source: int, rows: Sequence[int]) -> None:
+        """Each of ``rows`` (empty) takes ``source``'s committed tokens: the source's full pages are
+        shared, the partial page (if any) is copied into a page of each row's own. All or nothing:
+        PoolFullError when the pool has too few free pages for the copies."""
+        self._check_row(source)
+        length = self._lengths_host[source]
+        full, partial = divmod(length, self.page_size)
+        rows = [int(row) for row in rows]
+        for row in rows:
+            self._check_row(row)
+            if row == source or self._pages[row] or self._lengths_host[row]:
+                raise ValueError(f"PagedKVCache: fork into row {row}: it must be empty and not the source {source}")
+        copies = len(rows) * (1 if partial else 0)
+        if copies > len(self._free):
+            raise PoolFullError(f"PagedKVCache: the page pool is full: forking row {source} into {len(rows)} "
+                                f"row(s) copies {copies} partial page(s) but only {len(self._free)} of "
+                                f"{self.num_pages} pages are free (page_size={self.page_size})")
+        shared = self._pages[source][:full]
+        self._forked = True
+        for row in rows:
+            pages = list(shared)
+            for page in shared:
+                self._owners[page] += 1
+            if partial:
+                new, old = self._free.pop(), self._pages[source][full]
+                self.pool[:, :, new] = self.pool[:, :, old]
+                self._owners[new] = 1
+                pages.append(new)
+            self._pages[row] = pages
+            self._tables_host[row, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+            self._lengths_host[row] = length
+        self.block_tables.copy_(self._tables_host, non_blocking=True)
+        self.lengths.copy_(torch.tensor(self._lengths_host, dtype=torch.int64), non_blocking=True)
+
+    @property
+    def num_shared_pages(self) -> int:
+        """Pages held by more than one row (forked prefixes)."""
+        return sum(count > 1 for count in self._owners)
 
     def rollback(self, row: int, new_length: int) -> None:
         """Shorten ``row`` to ``new_length`` committed tokens and free its pages past it."""
@@ -178,6 +254,12 @@ class PagedKVCache:
         ``new_lengths`` (row, length) pairs applied afterwards (pages past them are freed).
         """
         batch = src_positions.shape[0] if rows is None else rows
+        if self._forked and any(count > 1 for count in self._owners):  # copy-on-write before the moves
+            changed = False
+            for row, start in enumerate(dst_start[:batch].tolist()):
+                changed |= self._own_from(row, int(start) // self.page_size)
+            if changed:
+                self.block_tables.copy_(self._tables_host, non_blocking=True)
         L = self.num_layers
         flat = self.pool.view(L * 2, self.num_pages, self.page_size, self.num_kv_heads, self.head_dim)
         ops.kv_compact(flat, self.block_tables[:batch], src_positions, dst_start)
@@ -191,14 +273,21 @@ class PagedKVCache:
         return flat[:, 0, slots], flat[:, 1, slots]
 
     def check_invariants(self) -> None:
-        """Raise AssertionError unless every page is free or owned by exactly one row, the tables
-        match the owners and every length fits its pages (a test helper; reads device tensors)."""
+        """Raise AssertionError unless every page is free or held by the rows its count says, a page held
+        by several rows lies wholly below each one's length (read only), the tables match and every length
+        fits its pages (a test helper; reads device tensors)."""
         owner = {}
         for row, pages in enumerate(self._pages):
-            for page in pages:
-                assert page not in owner, f"page {page} owned by rows {owner[page]} and {row}"
-                owner[page] = row
+            assert len(set(pages)) == len(pages), f"row {row} holds a page twice"
+            for index, page in enumerate(pages):
+                owner.setdefault(page, []).append(row)
+                if self._owners[page] > 1:
+                    assert (index + 1) * self.page_size <= self._lengths_host[row], \
+                        f"row {row} could write shared page {page} (logical page {index}, length {self._lengths_host[row]})"
             assert self._lengths_host[row] <= len(pages) * self.page_size, f"row {row} overflows its pages"
+        for page, rows in owner.items():
+            assert self._owners[page] == len(rows), f"page {page} is counted {self._owners[page]} times, held by {rows}"
+        assert all(self._owners[page] == 0 for page in self._free), "a free page has owners"
         assert not (set(owner) & set(self._free)), "a page is both owned and free"
         assert len(self._free) == len(set(self._free)), "a page is free twice"
         assert len(owner) + len(self._free) == self.num_pages, "a page leaked"

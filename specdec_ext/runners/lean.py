@@ -382,6 +382,24 @@ class LeanLlamaRunner:
             self._len[row] += len(chunk)
         return logits
 
+    def fork_rows(self, source: int, rows: Sequence[int]) -> None:
+        """Continuous batching (between steps): free ``rows`` take row ``source``'s committed tokens without
+        a forward: its keys and values (and tapped states) are copied into their cache rows (each slot owns
+        its positions here, so nothing can be shared); the logits at the last token are the source's."""
+        source = int(source)
+        if source not in self._in_use:
+            raise ValueError(f"fork_rows: source row {source} is not in use (start_rows it first)")
+        rows = self._in_use.check_free("fork_rows", rows, len(rows))
+        length = self._len[source] if source < len(self._len) else 0
+        for cache in (self.k_cache, self.v_cache):  # [layers, Bmax, Hk, cap, D]
+            cache[:, rows, :, :length] = cache[:, source: source + 1, :, :length]
+        if self._taps is not None:
+            self._taps.states[rows, :length] = self._taps.states[source, :length]
+        self._in_use.add(rows)
+        self._resize(self._in_use.width)
+        for row in rows:
+            self._len[row] = length
+
     def free_rows(self, rows: Sequence[int]) -> None:
         """Continuous batching: release ``rows`` (length 0); the batch shrinks to the highest row still in use."""
         for row in self._in_use.remove("free_rows", rows):

@@ -266,6 +266,23 @@ class PagedModelRunner:
         self._tentative = [0] * self._batch
         return logits
 
+    def fork_rows(self, source: int, rows: Sequence[int]) -> None:
+        """Continuous batching (host mode, between steps): free ``rows`` take row ``source``'s committed
+        tokens without a forward. They share its full pages (PagedKVCache.fork: copy-on-write, each row
+        copies only the partial page it will write next); the logits at the last token are the source's.
+        PoolFullError (nothing changed) when the pool has no room for the copies."""
+        self.sync_host()
+        if int(source) not in self._in_use:
+            raise ValueError(f"fork_rows: source row {source} is not in use (start_rows it first)")
+        rows = self._in_use.check_free("fork_rows", rows, len(rows))
+        self.kv.fork(int(source), rows)
+        if self._taps is not None:
+            length = self.kv.length(int(source))
+            self._taps.states[rows, :length] = self._taps.states[int(source), :length]
+        self._in_use.add(rows)
+        self._batch = self._in_use.width
+        self._tentative = [0] * self._batch
+
     def free_rows(self, rows: Sequence[int]) -> None:
         """Continuous batching: release ``rows`` and their pages at once; the batch shrinks to the
         highest row still in use."""

@@ -136,6 +136,19 @@ class RecomputeRunner:
                 self._states[row] = self._seq_states[i]
         return torch.stack([r[0] for r in logits])
 
+    def fork_rows(self, source: int, rows: Sequence[int]) -> None:
+        """Continuous batching (between steps): free ``rows`` take row ``source``'s committed tokens."""
+        source = int(source)
+        if source not in self._in_use:
+            raise ValueError(f"fork_rows: source row {source} is not in use (start_rows it first)")
+        rows = self._in_use.check_free("fork_rows", rows, len(rows))
+        self._in_use.add(rows)
+        self._resize(self._in_use.width)
+        for row in rows:
+            self._committed[row] = list(self._committed[source])
+            if self.hidden_taps is not None:
+                self._states[row] = self._states[source]
+
     def free_rows(self, rows: Sequence[int]) -> None:
         """Continuous batching: ``rows`` become empty; the batch shrinks to the highest row in use."""
         for row in self._in_use.remove("free_rows", rows):

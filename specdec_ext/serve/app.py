@@ -125,10 +125,16 @@ class OpenAIService:
             top_logprobs = body.top_logprobs_asked
         except ValueError as error:
             raise ApiError(400, str(error), param="top_logprobs") from None
-        return [GenerationRequest(prompt=list(prompt), sampling=sampling, seed=choice_seed(seed, choice), stop=stop,
-                                  seeded=body.seed is not None, processing=processing,
-                                  grammar=None if compiled is None else compiled.new_row(), top_logprobs=top_logprobs)
-                for choice in range(body.n)]
+        requests = [GenerationRequest(prompt=list(prompt), sampling=sampling, seed=choice_seed(seed, choice),
+                                      stop=stop, seeded=body.seed is not None, processing=processing,
+                                      grammar=None if compiled is None else compiled.new_row(),
+                                      top_logprobs=top_logprobs)
+                    for choice in range(body.n)]
+        for request in requests[1:]:  # one prefill: the other choices fork the first's prompt cache
+            request.shares_prompt_with = requests[0].request_id
+        for request in requests:  # echo with logprobs: the prompt's come first
+            request.prompt_logprobs = bool(getattr(body, "echo", False)) and top_logprobs is not None
+        return requests
 
     def _processing(self, body) -> Tuple[Optional[Processing], Optional[object]]:
         """The request's logits processors and its compiled grammar (compiled here, before any work): a 400
@@ -161,14 +167,11 @@ class OpenAIService:
         requests = self._generation_requests(body, prompt, max_tokens)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()  # (choice, RowEvent)
-        handles = []
+        sinks = [(lambda event, choice=choice: loop.call_soon_threadsafe(events.put_nowait, (choice, event)))
+                 for choice in range(len(requests))]
         try:
-            for choice, request in enumerate(requests):
-                sink = (lambda event, choice=choice: loop.call_soon_threadsafe(events.put_nowait, (choice, event)))
-                handles.append(self.engine.submit(request, sink))
+            handles = self.engine.submit_group(requests, sinks)  # all choices or none
         except RequestRejected as error:
-            for handle in handles:  # the choices already queued leave with the refused one
-                handle.cancel()
             headers = {"Retry-After": str(error.retry_after)} if isinstance(error, QueueFullError) else None
             raise ApiError(error.status, str(error), error.error_type, error.param, headers=headers) from None
         reply = Reply(self, requests, body, chat, echo)
@@ -193,6 +196,7 @@ class Choice:
         self.request = request
         self.text = TextStream(decode, request.stop.stop_strings)
         self.logprobs: List = []  # logprobs.TokenLogprob of every token so far (when asked for)
+        self.prompt_logprobs: Optional[List] = None  # echo with logprobs: the prompt tokens' (the first event's)
         self.logprob_text = 0  # completions: characters before the next token's text_offset
         self.finished = False
         self.last: Optional[RowEvent] = None  # its final event
@@ -224,6 +228,8 @@ class Reply:
         """Choice ``index`` takes ``event``; returns its new piece of text."""
         choice = self.choices[index]
         piece = choice.text.push(event)
+        if event.prompt_logprobs is not None:
+            choice.prompt_logprobs = event.prompt_logprobs
         choice.logprobs += event.logprobs or []
         if event.finished:
             choice.finished, choice.last = True, event
@@ -248,8 +254,8 @@ class Reply:
             if error is not None:
                 return error.response()
         body = [(protocol.chat_choice if self.chat else protocol.text_choice)(
-            self.echo + c.text.text, protocol.finish_reason(c.last.finish_reason), self._logprobs_object(c, c.logprobs),
-            index=i)
+            self.echo + c.text.text, protocol.finish_reason(c.last.finish_reason),
+            self._logprobs_object(c, (c.prompt_logprobs or []) + c.logprobs), index=i)
             for i, c in enumerate(self.choices)]
         return JSONResponse(self._object(None, chunk=False, usage=self._usage(), choices=body))
 
@@ -270,11 +276,14 @@ class Reply:
             if self.chat:
                 yield _sse(self._object(protocol.chat_delta({"role": "assistant", "content": ""}, None, index=index),
                                         chunk=True))
-            elif self.echo:
+            elif self.echo and not self.choices[index].request.prompt_logprobs:
                 yield self._chunk(index, self.echo, None)
         while not self.finished:
             index, event = await events.get()
             piece = self._take(index, event)
+            if event.prompt_logprobs is not None:  # echo with logprobs: the prompt's text with its logprobs
+                yield self._chunk(index, self.echo, None, self._logprobs_object(self.choices[index],
+                                                                                event.prompt_logprobs))
             error = _event_error(event)
             if error is not None:
                 if piece:

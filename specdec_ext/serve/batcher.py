@@ -56,6 +56,7 @@ import torch
 from .._status import ROW_STATUS_MESSAGES
 from ..decode import FIRST_DECODE_STEP, join_rows
 from ..drafters import Drafter
+from ..logprobs import prompt_logprobs
 from ..metadata import SpecDecodeMetadata
 from ..plan import MIN_PREFILL_CHUNK, bucket_size
 from ..processing import ProcessingState
@@ -78,6 +79,17 @@ Admission = Tuple[GenerationRequest, EventSink, float]  # (request, where its ev
 STEP_LOG_LENGTH = 4096  # StepRecords kept (the newest)
 
 
+@dataclass(eq=False)
+class PromptGroup:
+    """The choices of one request that share its prompt (n > 1): the leader's prompt is prefilled once and
+    the others fork its cache (runner.fork_rows: the paged runner shares the prompt's full pages)."""
+
+    leader: "Row"  # the row whose prefill serves the group (the next waiting one if it leaves before that)
+    waiting: List["Row"]  # the followers not forked yet (chunked prefill: until the leader's last chunk)
+    units: int  # the shared pages' budget units, held until the last member leaves
+    members: int  # rows of the group still running
+
+
 @dataclass
 class Row:
     """A request running in a slot."""
@@ -91,6 +103,8 @@ class Row:
     steps: int = FIRST_DECODE_STEP  # the Philox step index of its next decode step (0 drew its first token)
     first_token_at: Optional[float] = None
     prefilled: int = 0  # prompt tokens in the target's cache (chunked prefill; the prompt's length once decoding)
+    group: Optional[PromptGroup] = None  # n choices: the rows that share this one's prompt
+    prompt_logprobs: Optional[list] = None  # echo with logprobs: sent with the row's first event
 
     @property
     def decoding(self) -> bool:
@@ -216,24 +230,63 @@ class ContinuousBatcher:
         joining = []
         for slot, (request, sink, submitted_at) in zip(slots, admissions):
             units = self.budget.units(len(request.prompt), request.max_new_tokens)
-            self.budget.take(units)
             row = self.rows[slot] = Row(request, sink, slot, units, submitted_at)
             self.meta.set_row(slot, request.sampling, request.seed)
             if self.draft_length is not None:
                 self.draft_length.join(slot)
             joining.append(row)
+        self._group(joining)
+        for row in joining:
+            self.budget.take(row.units)
         if self.prefill_chunk:
             return
-        logits = self.target.start_rows(slots, [row.request.prompt for row in joining])
-        for row in joining:
+        starters = [row for row in joining if row.group is None or row.group.leader is row]
+        logits = self.target.start_rows([row.slot for row in starters], [row.request.prompt for row in starters])
+        for row in starters:
             row.prefilled = len(row.request.prompt)
-        self._join(joining, logits)
+        self._join(*self._fork_followers(starters, logits))
+
+    def _group(self, joining: Sequence[Row]) -> None:
+        """The choices of one request among ``joining`` (``shares_prompt_with`` its first's id) form a
+        PromptGroup: each member's units are then its own pages, and the shared prompt pages are taken once."""
+        by_id = {row.request.request_id: row for row in joining}
+        for row in joining:
+            leader = by_id.get(row.request.shares_prompt_with)
+            if leader is None or leader is row:
+                continue
+            if leader.group is None:
+                shared = self.budget.shared_units(len(leader.request.prompt))
+                leader.group = PromptGroup(leader, [], shared, 1)
+                leader.units -= shared
+                self.budget.take(shared)
+            group = row.group = leader.group
+            group.waiting.append(row)
+            group.members += 1
+            row.units -= group.units
+
+    def _fork_followers(self, starters: Sequence[Row], logits: torch.Tensor) -> Tuple[List[Row], torch.Tensor]:
+        """Rows whose prompts were just prefilled (``logits`` [n, V] at their last tokens), and the waiting
+        followers of those that lead a group, forked from them now: (rows, their logits) to join."""
+        rows, index = [], []
+        for i, row in enumerate(starters):
+            rows.append(row)
+            index.append(i)
+            group = row.group
+            if group is None or group.leader is not row or not group.waiting:
+                continue
+            followers, group.waiting = group.waiting, []
+            self.target.fork_rows(row.slot, [follower.slot for follower in followers])
+            for follower in followers:
+                follower.prefilled = len(follower.request.prompt)
+                rows.append(follower)
+                index.append(i)
+        return rows, logits[torch.tensor(index, dtype=torch.int64, device=logits.device)]
 
     @torch.no_grad()
     def prefill(self) -> Dict[int, int]:
         """Chunked prefill: the next chunks of the prefilling rows, first come first, within this step's
         token budget; rows whose last chunk this was get their first token. Returns slot -> tokens fed."""
-        rows = self.prefilling
+        rows = [row for row in self.prefilling if row.group is None or row.group.leader is row]
         if not rows:
             return {}
         decoding = sum(1 for row in self.rows if row is not None and row.decoding)
@@ -262,10 +315,10 @@ class ContinuousBatcher:
             if row.decoding:
                 done.append((row, logits))
         if done:
-            joined = [row for row, _ in done]
+            starters = [row for row, _ in done]
             if self.drafter is not None:
-                self.drafter.free_rows([row.slot for row in joined])  # its stand-in (_feed_chunk)
-            self._join(joined, torch.cat([logits for _, logits in done]))
+                self.drafter.free_rows([row.slot for row in starters])  # its stand-in (_feed_chunk)
+            self._join(*self._fork_followers(starters, torch.cat([logits for _, logits in done])))
         return fed
 
     def _feed_chunk(self, row: Row, chunk: List[int]) -> torch.Tensor:
@@ -286,6 +339,7 @@ class ContinuousBatcher:
         for row in rows:  # (after any chunked prefill's stand-in token: the counts start here)
             self.meta.processing.set_row(row.slot, row.request.processing, row.request.prompt, row.request.grammar)
         self.meta.top_logprobs = _widest_logprobs(rows)
+        self._prompt_logprobs(rows)
         first, status, logprobs = join_rows([row.slot for row in rows], [row.request.prompt for row in rows],
                                             logits, self.meta)
         now = self.clock()
@@ -302,6 +356,19 @@ class ContinuousBatcher:
         staying = [row for row in rows if self.rows[row.slot] is row]
         if self.drafter is not None and staying:
             self.drafter.start_rows([row.slot for row in staying], [row.request.prompt for row in staying], self.meta)
+
+    def _prompt_logprobs(self, rows: Sequence[Row]) -> None:
+        """echo with logprobs: the prompt's logprobs of each row asking (once per prompt among ``rows``: a
+        request's n choices), kept for the row's first event."""
+        done: Dict[tuple, list] = {}
+        for row in rows:
+            request = row.request
+            if not request.prompt_logprobs:
+                continue
+            key = (tuple(request.prompt), request.top_logprobs or 0)
+            if key not in done:
+                done[key] = prompt_logprobs(self.target.model, request.prompt, request.top_logprobs or 0)
+            row.prompt_logprobs = done[key]
 
     def end(self, row: Row, reason: str, *, message: Optional[str] = None, tokens: Sequence[int] = ()) -> None:
         """The row leaves: its last event (``tokens`` and why it ended), then its slot and cache are freed."""
@@ -408,6 +475,8 @@ class ContinuousBatcher:
             self._send(row, RowEvent(tokens, logprobs=_last_logprobs(row, len(tokens))))
 
     def _send(self, row: Row, event: RowEvent) -> None:
+        if row.prompt_logprobs is not None:
+            event.prompt_logprobs, row.prompt_logprobs = row.prompt_logprobs, None
         try:
             row.sink(event)
         except Exception:  # a client's sink must not stop the other rows
@@ -423,8 +492,23 @@ class ContinuousBatcher:
             except ValueError:  # the slot never started there (its prefill failed part-way)
                 log.debug("specdec serve: slot %d was not in use in %s", row.slot, type(part).__name__)
         self.budget.release(row.units)
+        self._leave_group(row)
         self.rows[row.slot] = None
         self._clear_slots([row.slot])
+
+    def _leave_group(self, row: Row) -> None:
+        """A member leaves its PromptGroup: the shared pages' units go back with the last member, and a
+        leader that leaves before its followers forked hands the prefill to the first of them."""
+        group = row.group
+        if group is None:
+            return
+        group.members -= 1
+        if row in group.waiting:
+            group.waiting.remove(row)
+        if group.leader is row and group.waiting:
+            group.leader = group.waiting.pop(0)
+        if group.members == 0:
+            self.budget.release(group.units)
 
     def _clear_slots(self, slots: Sequence[int]) -> None:
         """Free slots as frozen one-token greedy rows (metadata.clear_rows)."""

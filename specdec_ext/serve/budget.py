@@ -45,6 +45,15 @@ class CacheBudget:
             return 1
         return -(-self.positions(prompt_len, max_new_tokens) // self.page_size)
 
+    def shared_units(self, prompt_len: int) -> int:
+        """What the n choices of one request hold once between them: the prompt's full pages, which forked
+        rows share (runners/kv_cache.py fork); 0 in rows, where each slot owns its positions."""
+        return 0 if self.page_size is None else prompt_len // self.page_size
+
+    def group_units(self, prompt_len: int, max_new_tokens: int, choices: int) -> int:
+        """What ``choices`` rows of one prompt hold together: each its own pages, the shared ones once."""
+        return choices * self.units(prompt_len, max_new_tokens) - (choices - 1) * self.shared_units(prompt_len)
+
     def check(self, prompt_len: int, max_new_tokens: int) -> None:
         """RequestTooLargeError, with the numbers, for a request that could never run."""
         need = self.positions(prompt_len, max_new_tokens)

@@ -3,6 +3,8 @@
     submit(request, sink) -> RequestHandle   queue a request; RequestRejected when it cannot be taken
                                              (too large for the cache, queue full, shutting down). Its
                                              events go to ``sink``, called from the engine thread
+    submit_group(requests, sinks)            the n choices of one request, queued together and admitted
+                                             together (one prefill; the others fork its cache)
     handle.cancel()                          the row leaves at the next step boundary, its cache freed
     begin_shutdown(grace_s)                  no new requests; queued ones are aborted now, running ones
                                              get grace_s seconds to finish and are then aborted
@@ -90,26 +92,55 @@ class Engine:
 
     def submit(self, request: GenerationRequest, sink: EventSink) -> RequestHandle:
         """Queue ``request``; RequestRejected (with the HTTP status it maps to) when it cannot be taken."""
+        return self.submit_group([request], [sink])[0]
+
+    def submit_group(self, requests: List[GenerationRequest], sinks: List[EventSink]) -> List[RequestHandle]:
+        """Queue the choices of one request, all or none, next to each other in the queue: each after the
+        first shares its prompt (``shares_prompt_with`` = the first's id), and the group is admitted whole,
+        so the first one's prefill serves them all (ContinuousBatcher.admit forks it)."""
+        budget = self.batcher.budget
         try:
-            self.batcher.budget.check(len(request.prompt), request.max_new_tokens)
-            self.batcher.check_request(request)
+            for request in requests:
+                budget.check(len(request.prompt), request.max_new_tokens)
+                self.batcher.check_request(request)
+            self._check_group(requests)
             with self._cond:
                 if self._state in (DRAINING, STOPPED):
                     raise ShuttingDownError("the server is shutting down and takes no new requests")
                 if self._state == BROKEN:
                     raise ShuttingDownError(f"the engine failed and takes no new requests: {self.failure}")
                 free_slots = self.batcher.max_rows - self._running
-                if len(self._waiting) >= self.max_queue + max(0, free_slots):
+                if len(self._waiting) + len(requests) - 1 >= self.max_queue + max(0, free_slots):
                     raise QueueFullError(f"all {self.batcher.max_rows} rows are running and {len(self._waiting)} "
                                          f"requests are queued (the most): retry later", self._retry_after())
-                self._waiting.append((request, sink, self.clock()))
+                now = self.clock()
+                self._waiting.extend((request, sink, now) for request, sink in zip(requests, sinks))
                 self._cond.notify()
         except RequestRejected as error:
             reason = {RequestTooLargeError: "too_large", QueueFullError: "queue_full",
                       RequestRejected: "invalid"}.get(type(error), "shutting_down")
             self.metrics.record_rejected(reason)
             raise
-        return RequestHandle(request.request_id, self)
+        return [RequestHandle(request.request_id, self) for request in requests]
+
+    def _check_group(self, requests: List[GenerationRequest]) -> None:
+        """The choices of one request: the first one leads, the others share its prompt, and together they
+        fit the slots and the cache (RequestTooLargeError otherwise: they would wait for ever)."""
+        if len(requests) < 2:
+            return
+        first = requests[0]
+        if any(r.shares_prompt_with != first.request_id or r.prompt != first.prompt for r in requests[1:]):
+            raise ValueError("submit_group: every request after the first must share its prompt "
+                             "(shares_prompt_with = the first's request_id, the same prompt)")
+        budget, count = self.batcher.budget, len(requests)
+        if count > self.batcher.max_rows:
+            raise RequestTooLargeError(f"n = {count} choices need {count} rows but this server runs "
+                                       f"{self.batcher.max_rows}", param="n")
+        units = budget.group_units(len(first.prompt), max(r.max_new_tokens for r in requests), count)
+        if units > budget.capacity:
+            raise RequestTooLargeError(f"n = {count} choices of a {len(first.prompt)}-token prompt need {units} "
+                                       f"{budget.unit} of the cache together but it holds {budget.capacity}: lower n "
+                                       f"or max_tokens", param="n")
 
     def cancel(self, request_id: str) -> None:
         """The request leaves: at once if it is still queued, at the next step boundary if it runs."""
@@ -167,6 +198,9 @@ class Engine:
         if budget.kv is not None:
             gauges["cache_pages_in_use"] = ("Pages of the target's KV pool that rows own now.", budget.pages_in_use, {})
             gauges["cache_pages_total"] = ("Pages of the target's KV pool.", budget.pages_total, {})
+            gauges["cache_pages_shared"] = ("Pages held by more than one row: the prompt pages of a request's n "
+                                            "choices, counted once in cache_pages_in_use.", budget.kv.num_shared_pages,
+                                            {})
         return gauges
 
     # ------------------------------------------------------------------ the engine thread
@@ -196,20 +230,30 @@ class Engine:
         return IDLE_WAIT_S
 
     def _take_admissions(self) -> List[Admission]:
-        """Pop the waiting requests that fit now, head first (under the lock)."""
+        """Pop the waiting requests that fit now, head first, a request's choices together (under the lock)."""
         budget = self.batcher.budget
         free_slots, free_units, tokens = self.batcher.open_slots, budget.capacity - budget.used, 0
         taken: List[Admission] = []
-        while self._waiting and len(taken) < free_slots:
+        while self._waiting:
             request = self._waiting[0][0]
-            units = budget.units(len(request.prompt), request.max_new_tokens)
+            count = self._group_length()
+            units = budget.group_units(len(request.prompt), request.max_new_tokens, count)
             whole = not self.batcher.prefill_chunk  # (chunked prefill bounds each step's prompt tokens itself)
-            if units > free_units or (whole and taken and tokens + len(request.prompt) > self.max_prefill_tokens):
+            if (len(taken) + count > free_slots or units > free_units
+                    or (whole and taken and tokens + len(request.prompt) > self.max_prefill_tokens)):
                 break
-            taken.append(self._waiting.popleft())
+            taken.extend(self._waiting.popleft() for _ in range(count))
             free_units -= units
             tokens += len(request.prompt)
         return taken
+
+    def _group_length(self) -> int:
+        """The head of the queue and the choices after it that share its prompt."""
+        head = self._waiting[0][0].request_id
+        count = 1
+        while count < len(self._waiting) and self._waiting[count][0].shares_prompt_with == head:
+            count += 1
+        return count
 
     def _run_step(self, cancelled: set, drain_over: bool, admissions: List[Admission]) -> None:
         batcher = self.batcher

@@ -7,8 +7,8 @@ frequency_penalty, logit_bias and the extensions min_p and repetition_penalty (s
 structured output: response_format json_object / json_schema (with strict) and the extensions regex and
 grammar (a Lark grammar; specdec_ext/grammar.py); logprobs (completions: an int up to 20; chat: logprobs
 with top_logprobs up to 20). Fields this server does not implement are refused when they would change
-the output (echo with logprobs, best_of > 1, suffix, tools); other unknown fields are ignored. echo
-prepends the prompt's text to each choice.
+the output (best_of > 1, suffix, tools); other unknown fields are ignored. echo prepends the prompt's
+text to each choice, and with logprobs the prompt tokens' logprobs to its logprobs (the first: null).
 """
 from __future__ import annotations
 
@@ -75,13 +75,6 @@ class CompletionRequest(SamplingFields):
     @classmethod
     def _unsupported(cls, value, info: ValidationInfo):
         return _refuse_unless(value, {"best_of": (None, 1), "suffix": (None, "")}[info.field_name], info.field_name)
-
-    @field_validator("echo")
-    @classmethod
-    def _echo_without_prompt_logprobs(cls, echo: bool, info: ValidationInfo) -> bool:
-        if echo and info.data.get("logprobs") is not None:
-            raise ValueError("echo with logprobs (the prompt's logprobs) is not supported: echo alone is")
-        return echo
 
     @property
     def top_logprobs_asked(self) -> Optional[int]:
@@ -206,7 +199,8 @@ def completion_logprobs(entries: Sequence, top: int, token_text: Callable[[int],
         offsets.append(position)
         position += len(text)
     return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{token_text(t): lp for t, lp in e.top[:top]} for e in entries],
+            "top_logprobs": [None if e.logprob is None else {token_text(t): lp for t, lp in e.top[:top]}
+                             for e in entries],
             "text_offset": offsets}
 
 

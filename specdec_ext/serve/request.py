@@ -29,6 +29,9 @@ class GenerationRequest:
     processing: Optional[Processing] = None  # logits processors (checked against the vocabulary by the engine)
     grammar: Optional[object] = None  # its grammar.RowGrammar (structured output), compiled by the caller
     top_logprobs: Optional[int] = None  # logprobs of each new token with this many alternatives; None: off
+    prompt_logprobs: bool = False  # echo with logprobs: the prompt tokens' logprobs come with the first event
+    shares_prompt_with: Optional[str] = None  # n choices: the request_id of the choice whose prompt cache this
+    #                                            one forks (its prompt is the same; Engine.submit_group)
 
     @property
     def max_new_tokens(self) -> int:
@@ -45,6 +48,8 @@ class RowEvent:
     stop_text_end: Optional[int] = None  # "stop": the text ends here (the stop string excluded)
     message: Optional[str] = None  # ABORTED / FAILED: why
     logprobs: Optional[List[TokenLogprob]] = None  # one per token, when the request asked for them
+    prompt_logprobs: Optional[List[TokenLogprob]] = None  # the first event of a prompt_logprobs request: one
+    #                                                       per prompt token (the first one's logprob None)
 
 
 EventSink = Callable[[RowEvent], None]  # called from the engine thread; must not block
