@@ -50,8 +50,30 @@ def test_the_audit_passes_at_t1(target, head):
 def test_a_head_for_another_target_is_refused(head):
     with pytest.raises(EagleMismatchError, match="size 64, this target's are 96"):
         specdec_ext.generate(PROMPTS, tiny_target("llama", hidden=96), EagleDrafterSpec(head), max_new_tokens=4)
-    with pytest.raises(ValueError, match="no EAGLE-3 head ships"):
+    with pytest.raises(ValueError, match="draft='eagle' uses the bundled EAGLE-3 head, trained for the bundled target"):
         specdec_ext.generate(PROMPTS, tiny_target("llama"), "eagle", max_new_tokens=4)
+
+
+def test_an_int8_checkpoint_loads_within_half_a_step_and_drafts_losslessly(target, head, tmp_path):
+    """save_eagle(int8=True): each 2-D weight int8 with a scale per row (NumPy: |w - q * s| <= s / 2), the
+    rest exact; generate with it is still plain greedy."""
+    import numpy as np
+    from specdec_ext.eagle import load_eagle
+
+    save_eagle(head, str(tmp_path), int8=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.int8.safetensors"]
+    loaded = load_eagle(str(tmp_path), target)
+    original = head.state_dict()
+    for name, tensor in loaded.state_dict().items():
+        w = original[name].float().numpy()
+        if original[name].dim() == 2 and name != "embed_tokens.weight":
+            step = np.abs(w).max(axis=1, keepdims=True) / 127
+            assert np.all(np.abs(tensor.numpy() - w) <= step / 2 + 1e-7), name
+            assert not np.array_equal(tensor.numpy(), w)  # rounded, not copied
+        else:
+            np.testing.assert_array_equal(tensor.float().numpy(), w, err_msg=name)
+    out = specdec_ext.generate(PROMPTS, target, str(tmp_path), max_new_tokens=12, k=3)
+    assert out.token_ids == [hf_greedy(target, p, 12) for p in PROMPTS]
 
 
 def test_an_eagle_head_under_logits_processors_is_plain_decoding_with_them(target, head):

@@ -50,7 +50,8 @@ def _tree_shape(value: str):
 DRAFT_HELP = ("draft model sharing the target's vocabulary (generate: or with another tokenizer, see "
               "--draft-tokenizer); 'ngram' for lookup drafting over the prompt and the "
               "generated tokens (no draft model); 'heads' for the bundled target's Medusa-style heads, or a heads "
-              "directory (tools/train_heads.py) with --target (default: the bundled pair's draft)")
+              "directory (tools/train_heads.py) with --target; 'eagle' for the bundled target's EAGLE-3 head, or an "
+              "EAGLE-3 checkpoint directory with --target (default: the bundled pair's draft)")
 
 
 def _model_args(parser: argparse.ArgumentParser, threads: Optional[int] = None, draft_help: str = DRAFT_HELP) -> None:
@@ -185,9 +186,10 @@ def _serve_parser(sub) -> None:
                        "and leave the running batch between decode steps; each keeps its own sampling parameters, "
                        "seed and stop checks, so a seeded request returns the same tokens whatever else runs. "
                        "Needs the [serve] extra (FastAPI, uvicorn).")
-    _model_args(s, draft_help="draft model sharing the target's vocabulary; 'ngram' for lookup drafting; 'none' "
-                "for plain decoding (one target pass per token); heads and trees are not served (default: the "
-                "bundled pair's draft)")
+    _model_args(s, draft_help="draft model sharing the target's vocabulary; 'ngram' for lookup drafting; 'eagle' "
+                "for the bundled target's EAGLE-3 head (chains), or an EAGLE-3 checkpoint directory with --target; "
+                "'none' for plain decoding (one target pass per token); heads and trees are not served (default: "
+                "the bundled pair's draft)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
     s.add_argument("--model-name", default=None,
@@ -234,7 +236,7 @@ def _set_threads(threads: Optional[int]) -> None:
 
 
 def _pair_args(args):
-    if args.draft in ("ngram", "heads"):  # no draft model (the target defaults to the bundled one)
+    if args.draft in ("ngram", "heads", "eagle"):  # no draft model (the target defaults to the bundled one)
         return args.target, args.draft
     if args.draft is not None and os.path.isfile(os.path.join(args.draft, "heads.safetensors")):
         if args.target is None:

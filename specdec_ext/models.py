@@ -10,7 +10,7 @@ from typing import Optional, Union
 
 import torch
 
-from .eagle.spec import eagle_head_for, is_eagle_draft
+from .eagle.spec import EAGLE_DRAFT, eagle_head_for, is_eagle_draft
 from .heads import MedusaHeads
 from .runners import output_vocab_size
 from .vocab_bridge import VocabularyBridge
@@ -55,6 +55,11 @@ def load_models(target: ModelSpec = None, draft: Union[ModelSpec, MedusaHeads] =
         target_model, tokenizer = _load_target(target, tokenizer)
         return Models(target_model, "none" if plain else "ngram", tokenizer=tokenizer)
     if is_eagle_draft(draft):  # an EAGLE-3 head (specdec_ext/eagle/spec.py): checked against the target here
+        if isinstance(draft, str) and draft == EAGLE_DRAFT and not is_bundled_target(target):
+            raise ValueError("draft='eagle' uses the bundled EAGLE-3 head, trained for the bundled target; for "
+                             "another target pass draft=EagleDrafterSpec('path/to/head') with a head trained for "
+                             "it (tools/train_eagle.py; load_eagle reads SafeAILab/EAGLE, SpecForge and "
+                             "speculators checkpoints)")
         target_model, tokenizer = _load_target(target, tokenizer)
         return Models(target_model, "eagle", draft=eagle_head_for(draft, target_model), tokenizer=tokenizer)
     if isinstance(draft, MedusaHeads) or (isinstance(draft, str) and draft == HEADS_DRAFT):

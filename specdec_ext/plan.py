@@ -266,9 +266,6 @@ def plan_server(target_model, draft_model, *, drafter: str, k: Optional[int], ru
     if drafter == "cross-tokenizer":
         raise ValueError("specdec serve needs a draft sharing the target's tokenizer: a draft with another "
                          "tokenizer runs in generate() only (its rows cannot join and leave a running batch)")
-    if drafter == "eagle":
-        raise ValueError("specdec serve runs chain drafters with continuous batching: the EAGLE-3 drafter runs in "
-                         "generate() only (it has no start_rows yet)")
     _check_kinds(drafter, runner)
     if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
                                       or prefill_chunk < 0):
@@ -286,13 +283,15 @@ def plan_server(target_model, draft_model, *, drafter: str, k: Optional[int], ru
     capabilities = _capabilities(runners, drafter, models, static_shapes=False)
     reasons.append(("capabilities", _describe_capabilities(*capabilities, None)))
     chunk = _server_prefill_chunk(prefill_chunk, capabilities[0], runners.target, graphs, reasons)
+    taps = _hidden_taps(drafter, draft_model, reasons)
     return DecodePlan(drafter=drafter, tree=None, slots=slots, adaptive=by_load, target_runner=runners.target,
                       draft_runner=runners.draft, draft_compute_dtype=runners.draft_dtype, cuda_graphs=graphs,
                       static_shapes=False, device=models.device, target_dtype=models.target_dtype,
                       sampling=SamplingParams(), batch_size=max_rows, padded_batch_size=max_rows,
                       max_seq_len=max_seq_len, max_new_tokens=max_seq_len - required_cache_len(1, 0, slots),
                       draft_confidence=0.0, target_capabilities=capabilities[0], draft_capabilities=capabilities[1],
-                      tensor_parallel=models.tensor_parallel, reasons=tuple(reasons), prefill_chunk=chunk)
+                      tensor_parallel=models.tensor_parallel, reasons=tuple(reasons), prefill_chunk=chunk,
+                      hidden_taps=taps)
 
 
 def _server_draft_length(drafter: str, k: Optional[int], graphs: bool, tensor_parallel: int,

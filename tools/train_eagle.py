@@ -44,7 +44,24 @@ def parse_args(argv=None):
     p.add_argument("--save-every", type=int, default=50)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--export", metavar="DIR",
+                   help="after training, also write the head to DIR in the compact int8 storage (a scale per row, "
+                   "no embedding: the target's is used) with train_summary.json: how the bundled head ships")
     return p.parse_args(argv)
+
+
+def export(head, out_dir: str, args, losses, seconds: float) -> None:
+    """The head as the bundled pair ships it (eagle/checkpoints.py INT8_WEIGHTS) and how it was trained."""
+    import json
+    from specdec_ext.eagle import save_eagle
+    save_eagle(head, out_dir, embed=False, int8=True)
+    summary = {"command": "python tools/train_eagle.py " + " ".join(sys.argv[1:]), "steps": len(losses),
+               "loss_first": losses[0], "loss_last_100": sum(losses[-100:]) / len(losses[-100:]),
+               "seconds_this_run": round(seconds), "parameters": sum(p.numel() for name, p in head.named_parameters()
+                                                                     if not name.startswith("embed_tokens")),
+               "draft_vocab_size": head.config.draft_vocab_size, "layer_ids": list(head.config.layer_ids or ())}
+    with open(os.path.join(out_dir, "train_summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
 
 
 def read_pieces(texts, pieces: int, chars: int, seed: int):
@@ -90,6 +107,9 @@ def main(argv=None):
     losses = result.losses
     print(f"trained steps {result.start_step}..{len(losses)} in {time.time() - started:.0f} s; loss "
           f"{losses[0]:.3f} -> {sum(losses[-10:]) / len(losses[-10:]):.3f} (last 10); head in {args.out}")
+    if args.export:
+        export(result.head, args.export, args, losses, time.time() - started)
+        print(f"exported (int8, a scale per row) to {args.export}")
 
 
 if __name__ == "__main__":

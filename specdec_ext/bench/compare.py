@@ -11,6 +11,8 @@ On one (target, draft) pair and the same prompts, in one run, batch 1, greedy, p
   ngram   suffix-automaton lookup over the prompt and output, at each k of --ngram-ks (default 4, 8)
   tree    draft-model trees (b, d, N) of --trees (default 2,3,6)
   heads   the bundled target's Medusa-style heads, trees of --heads-trees (default 3,3,8; bundled target only)
+  eagle   the bundled target's EAGLE-3 head: a chain at each k of --eagle-ks (default 4) and trees of
+          --heads-trees (bundled target only)
   auto    k="auto" for the model and the ngram drafter (next to their best fixed k)
 
 Workloads (bench/workloads.py, --workloads, default code,edit): held-out code completion, and an
@@ -50,7 +52,8 @@ DEFAULT_KS = (2, 4, 6, 8)
 DEFAULT_NGRAM_KS = (4, 8)
 DEFAULT_TREES = "2,3,6"
 DEFAULT_HEADS_TREES = "3,3,8"
-DRAFTERS = ("model", "ngram", "tree", "heads", "auto")
+DRAFTERS = ("model", "ngram", "tree", "heads", "eagle", "auto")
+DEFAULT_EAGLE_KS = (4,)
 GOAL_VS_ASSISTED = 1.5
 GOAL_LOOKUP_VS_HF = 1.3
 GOAL_AUTO_VS_BEST = 0.95
@@ -117,6 +120,8 @@ def parse_args(argv):
     p.add_argument("--trees", default=DEFAULT_TREES, help="draft-model trees b,d,N separated by ';' (default: 2,3,6)")
     p.add_argument("--heads-trees", default=DEFAULT_HEADS_TREES,
                    help="heads trees b,d,N separated by ';' (default: 3,3,8)")
+    p.add_argument("--eagle-ks", default=",".join(map(str, DEFAULT_EAGLE_KS)),
+                   help="chain lengths of the EAGLE-3 head (default: 4)")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="subset of code,edit (default: code,edit)")
     p.add_argument("--prompts", type=int, default=3, help="held-out prompts per workload (default: 3)")
     p.add_argument("--lines", type=int, default=20, help="lines of each held-out file per prompt (default: 20)")
@@ -182,9 +187,10 @@ def main(argv=None) -> int:
     unknown = drafters - set(DRAFTERS)
     if unknown:
         raise SystemExit(f"bench: unknown drafters {sorted(unknown)}; choose from {','.join(DRAFTERS)}")
-    if "heads" in drafters and args.target is not None:
-        print("(heads rows skipped: the bundled heads belong to the bundled target)", flush=True)
-        drafters.discard("heads")
+    for bundled in ("heads", "eagle"):
+        if bundled in drafters and args.target is not None:
+            print(f"({bundled} rows skipped: the bundled {bundled} head(s) belong to the bundled target)", flush=True)
+            drafters.discard(bundled)
     ks = [int(x) for x in args.ks.split(",") if x.strip()]
     ngram_ks = [int(x) for x in args.ngram_ks.split(",") if x.strip()] if "ngram" in drafters else []
     counter = PassCounter(target)
@@ -267,6 +273,15 @@ def build_methods(args, target, draft, tokenizer, drafters, ks, ngram_ks):
         for tree in parse_trees(args.heads_trees):
             add(f"ours heads {','.join(map(str, tree))}", ours(heads, draft_tree=tree),
                 PlotPlace("ours heads trees (b,d,N)", tree[2]))
+    if "eagle" in drafters:
+        from ..default_pair import load_default_eagle
+        from ..eagle import EagleDrafterSpec
+        eagle = EagleDrafterSpec(load_default_eagle(target))
+        for k in [int(x) for x in args.eagle_ks.split(",") if x.strip()]:
+            add(f"ours eagle k={k}", ours(eagle, k=k), PlotPlace("ours EAGLE-3", k))
+        for tree in parse_trees(args.heads_trees):
+            add(f"ours eagle tree {','.join(map(str, tree))}", ours(eagle, draft_tree=tree),
+                PlotPlace("ours EAGLE-3 trees (b,d,N)", tree[2]))
     return methods, places
 
 

@@ -6,6 +6,8 @@ Layout of this directory (weights are committed to git directly, bf16 safetensor
                 committed packed (model.safetensors.planes, packing.py: 35 of 50.5 MiB) and unpacked on
                 first import into ~/.cache/specdec_ext/default_pair/target-<digest>/ (TARGET_DIR)
     heads/      Medusa-style draft heads for the target (specdec_ext/heads.py; tools/train_heads.py)
+    eagle/      an EAGLE-3 head for the target (specdec_ext/eagle/; tools/train_eagle.py), stored int8 with a
+                scale per row (eagle/checkpoints.py INT8_WEIGHTS)
     draft/      LlamaForCausalLM save_pretrained dir, same tokenizer, distilled from the target
     tokenizer/  byte-level BPE PreTrainedTokenizerFast (tokenizer.json, tokenizer_config.json)
     MODEL_CARD.md
@@ -49,6 +51,7 @@ TARGET_DIR = _target_dir()
 DRAFT_DIR = os.path.join(PAIR_DIR, "draft")
 TOKENIZER_DIR = os.path.join(PAIR_DIR, "tokenizer")
 HEADS_DIR = os.path.join(PAIR_DIR, "heads")  # Medusa-style heads for the target (tools/train_heads.py)
+EAGLE_DIR = os.path.join(PAIR_DIR, "eagle")  # an EAGLE-3 head for the target (tools/train_eagle.py)
 
 _REQUIRED = {
     TARGET_DIR: ("config.json", "model.safetensors"),
@@ -56,8 +59,8 @@ _REQUIRED = {
     TOKENIZER_DIR: ("tokenizer.json", "tokenizer_config.json"),
 }
 
-__all__ = ["load_default_pair", "load_default_heads", "PAIR_DIR", "TARGET_DIR", "DRAFT_DIR", "TOKENIZER_DIR",
-           "HEADS_DIR"]
+__all__ = ["load_default_pair", "load_default_heads", "load_default_eagle", "PAIR_DIR", "TARGET_DIR", "DRAFT_DIR",
+           "TOKENIZER_DIR", "HEADS_DIR", "EAGLE_DIR"]
 
 
 def _check_files():
@@ -106,3 +109,9 @@ def load_default_heads(dtype=torch.float32, device="cpu"):
     """Load the bundled target's Medusa-style heads (``specdec_ext.heads.MedusaHeads``, eval mode)."""
     from ..heads import load_heads
     return load_heads(HEADS_DIR, dtype=dtype, device=device)
+
+
+def load_default_eagle(target):
+    """The bundled target's EAGLE-3 head (``specdec_ext.eagle.Eagle3Model``, fp32, eval mode), bound to ``target``."""
+    from ..eagle.checkpoints import load_eagle
+    return load_eagle(EAGLE_DIR, target)

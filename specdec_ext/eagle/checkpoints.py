@@ -19,6 +19,12 @@ Two layouts, told apart by config.json:
   with ``layers.0.`` for ``midlayer.`` (vLLM renames ``midlayer.`` to ``layers.0.`` when it loads the
   first layout), ``embed_tokens.weight`` included, ``fc.bias`` possibly.
 
+A third weights file, this project's own compact storage (``save_eagle(..., int8=True)``; the bundled
+head ships so): ``model.int8.safetensors``, each 2-D weight but the embedding as int8 with one fp32
+scale per output row (``<name>.int8_scale``: the row's absolute maximum / 127), dequantized to fp32 at
+load. A drafter may be any function (the output is the target's distribution whatever it proposes), so
+rounding the head changes acceptance only, by what BENCHMARKS.md measures.
+
 Layer ids are the inputs of those target layers (runners/taps.py); absent, the default (2, L // 2, L - 3)
 of the target the head is bound to. The norm placement is the config's ``norm_before_residual``
 (default False: the residual is the fused feature itself, SafeAILab/EAGLE's layer).
@@ -35,11 +41,15 @@ from ..runners.checks import output_vocab_size, text_config
 from ..runners.taps import default_tap_layers
 from .model import Eagle3Model, EagleConfig
 
-__all__ = ["load_eagle", "save_eagle", "check_target", "bind_target", "EagleMismatchError", "LAYOUTS"]
+__all__ = ["load_eagle", "save_eagle", "check_target", "bind_target", "EagleMismatchError", "LAYOUTS",
+           "quantize_rows", "dequantize_rows"]
 
 LAYOUTS = ("eagle", "speculators")
 CONFIG = "config.json"
-WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+INT8_WEIGHTS = "model.int8.safetensors"
+WEIGHTS = ("model.safetensors", "pytorch_model.bin", INT8_WEIGHTS)
+INT8_SCALE = ".int8_scale"  # suffix of a row-scale tensor in INT8_WEIGHTS
+INT8_MAX = 127
 EAGLE_ARCHITECTURE = "LlamaForCausalLMEagle3"
 SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
 EMBED = "embed_tokens.weight"
@@ -123,10 +133,29 @@ def _read_weights(path: str) -> dict:
         if os.path.isfile(file):
             if name.endswith(".safetensors"):
                 from safetensors.torch import load_file
-                return load_file(file)
+                state = load_file(file)
+                return dequantize_rows(state) if name == INT8_WEIGHTS else state
             return torch.load(file, map_location="cpu", weights_only=True)
     raise FileNotFoundError(f"load_eagle: {path} holds none of {WEIGHTS} (an EAGLE-3 checkpoint directory holds "
                             f"{CONFIG} and its weights)")
+
+
+def quantize_rows(weight: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """weight [n, m] float -> (int8 [n, m], fp32 scale [n]): row i is scale[i] * q[i] to within scale[i] / 2."""
+    weight = weight.detach().float()
+    scale = weight.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / INT8_MAX  # [n]
+    return torch.round(weight / scale[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
+
+
+def dequantize_rows(state: dict) -> dict:
+    """An INT8_WEIGHTS state dict -> fp32 weights (each int8 tensor with a ``.int8_scale`` beside it)."""
+    out = {}
+    for name, tensor in state.items():
+        if name.endswith(INT8_SCALE):
+            continue
+        scale = state.get(name + INT8_SCALE)
+        out[name] = tensor.float() * scale.float()[:, None] if scale is not None else tensor
+    return out
 
 
 def _to_model_names(state: dict) -> dict:
@@ -168,10 +197,11 @@ def load_eagle(path: str, target=None, *, device=None) -> Eagle3Model:
 
 
 def save_eagle(head: Eagle3Model, path: str, *, layout: str = "eagle", dtype: torch.dtype = torch.float32,
-               embed: bool = True) -> None:
+               embed: bool = True, int8: bool = False) -> None:
     """Write ``head`` as ``layout`` ("eagle": SafeAILab/EAGLE and SpecForge's; "speculators": vLLM's) in
     ``path`` (config.json, model.safetensors, tensors cast to ``dtype``; ``embed=False`` leaves the
-    embedding out, as SafeAILab's releases do)."""
+    embedding out, as SafeAILab's releases do; ``int8=True`` writes INT8_WEIGHTS instead, the 2-D
+    weights int8 with a scale per row: this project's compact storage, module docstring)."""
     from safetensors.torch import save_file
     if layout not in LAYOUTS:
         raise ValueError(f"save_eagle: layout must be one of {LAYOUTS}, got {layout!r}")
@@ -185,8 +215,14 @@ def save_eagle(head: Eagle3Model, path: str, *, layout: str = "eagle", dtype: to
         if layout == "speculators" and name.startswith("midlayer."):
             name = "layers.0." + name[len("midlayer."):]
         tensor = tensor.detach()
+        if int8 and tensor.is_floating_point() and tensor.dim() == 2 and name != EMBED:
+            state[name], state[name + INT8_SCALE] = (t.contiguous().cpu() for t in quantize_rows(tensor))
+            continue
         state[name] = (tensor.to(dtype) if tensor.is_floating_point() else tensor).contiguous().cpu()
-    save_file(state, os.path.join(path, WEIGHTS[0]))
+    for stale in WEIGHTS:  # one weights file per directory: _read_weights takes the first it finds
+        if os.path.isfile(os.path.join(path, stale)):
+            os.remove(os.path.join(path, stale))
+    save_file(state, os.path.join(path, INT8_WEIGHTS if int8 else WEIGHTS[0]))
 
 
 # ------------------------------------------------------------------------------------------ the target

@@ -74,6 +74,27 @@ class EagleDrafter(Drafter):
 
     # ------------------------------------------------------------------ lifecycle
     def prefill(self, prompts: Sequence[Sequence[int]], meta: SpecDecodeMetadata) -> None:
+        self._allocate(meta)
+
+    def start_rows(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], meta: SpecDecodeMetadata) -> None:
+        """Continuous batching (chains): rows join. Nothing runs here: the next ``feed`` reads their prompts'
+        features from the target runner's taps (written by its start_rows / extend_rows)."""
+        if self.is_tree:
+            raise ValueError("continuous batching runs EAGLE chains, not trees")
+        if self.cache is None or len(self.fed) != meta.token_buffer.shape[0]:
+            self._allocate(meta)
+        self._reset(rows)
+
+    def free_rows(self, rows: Sequence[int]) -> None:
+        self._reset(rows)
+
+    def _reset(self, rows: Sequence[int]) -> None:
+        for row in rows:
+            self.fed[int(row)] = 0
+        self.last[torch.as_tensor(list(rows), dtype=torch.int64, device=self.last.device)] = 0.0
+
+    def _allocate(self, meta: SpecDecodeMetadata) -> None:
+        """The draft cache, the per-row state and the proposal buffers for the loop's rows (every slot)."""
         B, S = meta.token_buffer.shape
         device = meta.device
         extra = sum(self.widths) if self.is_tree else self.slots
@@ -103,13 +124,15 @@ class EagleDrafter(Drafter):
     # ------------------------------------------------------------------ feeding the target's features
     def feed(self, meta: SpecDecodeMetadata) -> None:
         """Draft positions fed[b] .. L[b] - 1 from the target's tapped states (step 1 of the docstring)."""
-        lengths = self.target.lengths.tolist()[: len(self.fed)]
-        counts = [max(n - f, 0) for n, f in zip(lengths, self.fed)]
+        B = meta.batch_size  # (a continuous batch's view: its rows 0 .. width - 1)
+        lengths = self.target.lengths.tolist()[:B]
+        lengths += [0] * (B - len(lengths))
+        counts = [max(n - f, 0) for n, f in zip(lengths, self.fed[:B])]
         W = max(counts, default=0)
         if W == 0:
             return
         device = meta.device
-        fed = torch.tensor(self.fed, dtype=torch.int64, device=device)
+        fed = torch.tensor(self.fed[:B], dtype=torch.int64, device=device)
         ends = torch.tensor(lengths, dtype=torch.int64, device=device)
         slots = fed[:, None] + torch.arange(W, device=device)  # [B, W] (past a row's count: padding)
         real = slots.clamp(max=(ends - 1).clamp(min=0)[:, None])  # [B, W] positions read
@@ -118,9 +141,9 @@ class EagleDrafter(Drafter):
         with torch.no_grad():
             out = self.head.block(tokens, self.head.fuse(states), fed, self.cache)  # [B, W, h]
         count = torch.tensor(counts, dtype=torch.int64, device=device)
-        rows = torch.arange(len(counts), device=device)
-        self.last = torch.where((count > 0)[:, None], out[rows, (count - 1).clamp(min=0)], self.last)
-        self.fed = [max(n, f) for n, f in zip(lengths, self.fed)]
+        rows = torch.arange(B, device=device)
+        self.last[:B] = torch.where((count > 0)[:, None], out[rows, (count - 1).clamp(min=0)], self.last[:B])
+        self.fed[:B] = [max(n, f) for n, f in zip(lengths, self.fed[:B])]
 
     # ------------------------------------------------------------------ chains
     def propose(self, meta: SpecDecodeMetadata, budget: Optional[Sequence[int]] = None) -> Proposal:

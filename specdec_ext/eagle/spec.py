@@ -21,7 +21,7 @@ from .model import Eagle3Model
 
 __all__ = ["EagleDrafterSpec", "EAGLE_DRAFT", "is_eagle_draft", "is_eagle_checkpoint", "eagle_head_for"]
 
-EAGLE_DRAFT = "eagle"  # draft= value: an EAGLE-3 head for the bundled target (none ships yet: refused, naming why)
+EAGLE_DRAFT = "eagle"  # draft= value: the bundled target's EAGLE-3 head (default_pair/eagle/)
 
 
 @dataclass(frozen=True)
@@ -58,10 +58,9 @@ def is_eagle_draft(draft) -> bool:
 
 def eagle_head_for(draft, target) -> Eagle3Model:
     """The head ``draft`` names, checked against and bound to ``target`` (module docstring)."""
-    if isinstance(draft, str) and draft == EAGLE_DRAFT:
-        raise ValueError("draft='eagle': no EAGLE-3 head ships with the bundled pair; pass "
-                         "draft=EagleDrafterSpec('path/to/head') (tools/train_eagle.py trains one, load_eagle reads "
-                         "SafeAILab/EAGLE, SpecForge and speculators checkpoints)")
+    if isinstance(draft, str) and draft == EAGLE_DRAFT:  # (models.load_models checked the target is the bundled one)
+        from ..default_pair import load_default_eagle
+        return load_default_eagle(target)
     head = draft.head if isinstance(draft, EagleDrafterSpec) else draft
     if not isinstance(head, Eagle3Model):
         return load_eagle(os.fspath(head), target)

@@ -55,13 +55,14 @@ class EngineOptions:
 
 
 def build_engine(models: Models, options: EngineOptions = EngineOptions()) -> Engine:
-    """An Engine (not started) over ``models``: a draft model, "ngram" or no drafter ("none")."""
+    """An Engine (not started) over ``models``: a draft model, "ngram", an EAGLE-3 head (chains) or no
+    drafter ("none")."""
     options.validate()
     seq_len = options.max_seq_len or _model_positions(models) or FALLBACK_MAX_SEQ_LEN
     plan = plan_server(models.target, models.draft, drafter=models.drafter, k=options.k, runner=options.runner,
                        max_rows=options.max_rows, max_seq_len=seq_len, prefill_chunk=options.prefill_chunk)
-    target = _target_runner(models, plan.target_runner, options, seq_len)
-    drafter = build_drafter(plan, models)
+    target = _target_runner(models, plan, options, seq_len)
+    drafter = build_drafter(plan, models, target)
     slo = None if options.tpot_slo_ms is None else options.tpot_slo_ms / 1e3
     metrics = ServeMetrics(plan.slots, tpot_slo=slo)
     draft_length = LoadGatedK(plan.slots, rows=options.max_rows, pinned_k=FIXED_K) if plan.adaptive else None
@@ -83,14 +84,17 @@ def build_engine(models: Models, options: EngineOptions = EngineOptions()) -> En
     return engine
 
 
-def _target_runner(models: Models, kind: str, options: EngineOptions, seq_len: int):
+def _target_runner(models: Models, plan, options: EngineOptions, seq_len: int):
+    kind = plan.target_runner
     if kind == "paged":
         pages = None if options.cache_tokens is None else -(-options.cache_tokens // DEFAULT_PAGE_SIZE)
-        return PagedModelRunner(models.target, max_batch_size=options.max_rows, max_seq_len=seq_len, num_pages=pages)
+        return PagedModelRunner(models.target, max_batch_size=options.max_rows, max_seq_len=seq_len, num_pages=pages,
+                                hidden_taps=plan.hidden_taps)
     if options.cache_tokens is not None:
         raise ValueError(f"cache_tokens sizes the paged runner's page pool; the {kind} runner keeps max_seq_len "
                          f"positions per row: use runner='paged' (--runner paged) or leave cache_tokens out")
-    return make_runner(kind, models.target, max_batch_size=options.max_rows, max_seq_len=seq_len)
+    return make_runner(kind, models.target, max_batch_size=options.max_rows, max_seq_len=seq_len,
+                       hidden_taps=plan.hidden_taps)
 
 
 def _model_positions(models: Models) -> Optional[int]:
