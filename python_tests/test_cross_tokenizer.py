@@ -312,3 +312,83 @@ def test_cli_audit_with_a_draft_tokenizer(bigram_pair, tmp_path, capsys):
                      "--max-prompts", "1", "--no-break-even", "--quiet"])
     assert code == 0
     assert "PASS" in capsys.readouterr().out.upper()
+
+
+# ---------------------------------------------------------------------------------------------- serving
+def _serve(pair, requests, **options):
+    """The requests through the serving engine over the pair (two at first, the rest as the first ends):
+    each one's tokens, and the engine."""
+    import queue
+    from specdec_ext.models import load_models
+    from specdec_ext.serve.build import EngineOptions, build_engine
+
+    target, draft, tokenizer, draft_tokenizer = pair
+    models = load_models(target, draft, tokenizer=tokenizer, draft_tokenizer=draft_tokenizer)
+    assert models.drafter == "cross-tokenizer"
+    engine = build_engine(models, EngineOptions(max_seq_len=192, **options))
+
+    class Sink:
+        def __init__(self):
+            self.events, self.tokens, self.done = queue.Queue(), [], False
+
+        def __call__(self, event):
+            self.events.put(event)
+
+        def wait(self):
+            while not self.done:
+                event = self.events.get(timeout=60)
+                self.tokens += event.tokens
+                self.done = event.finished
+            return self.tokens
+
+    sinks = [Sink() for _ in requests]
+    engine.start()
+    try:
+        for request, sink in list(zip(requests, sinks))[:2]:
+            engine.submit(request, sink)
+        sinks[0].wait()
+        for request, sink in list(zip(requests, sinks))[2:]:
+            engine.submit(request, sink)
+        return [sink.wait() for sink in sinks], engine
+    finally:
+        engine.stop()
+
+
+def _requests(tokenizer, prompts, max_new, sampling=None, seeds=None):
+    from specdec_ext.sampling import SamplingParams
+    from specdec_ext.serve.request import GenerationRequest
+    from specdec_ext.stops import StopCriteria
+    sampling = sampling or SamplingParams()
+    return [GenerationRequest(tokenizer(p)["input_ids"], sampling, 0 if seeds is None else seeds[i],
+                              StopCriteria(max_new, [], []), seeded=seeds is not None) for i, p in enumerate(prompts)]
+
+
+@pytest.mark.parametrize("options", [dict(k=4, max_rows=2), dict(max_rows=3, prefill_chunk=8),
+                                     dict(k=3, max_rows=3, runner="paged")])
+def test_served_greedy_requests_draft_through_text_and_equal_plain_greedy(bigram_pair, options):
+    prompts = PROMPTS + ["the lazy dog; the quick", CYCLE * 3]
+    tokenizer = bigram_pair[2]
+    served, engine = _serve(bigram_pair, _requests(tokenizer, prompts, 24), **options)
+    plain = plain_generate(prompts, bigram_pair[0], tokenizer=tokenizer, max_new_tokens=24, eos_token_id=False)
+    assert served == plain.token_ids
+    assert engine.plan.cross_tokenizer == "by step" and "by step" in engine.plan.explain()
+    if "k" in options:  # (k by load may switch speculation off here: the draft's host work costs more)
+        emitted = sum(sum(record.emitted.values()) for record in engine.batcher.step_log)
+        rows = sum(len(record.emitted) for record in engine.batcher.step_log)
+        assert emitted / rows > 2.0  # drafts are accepted: the draft runs on each joining row's own text
+
+
+def test_served_seeded_samples_return_what_generate_gives_each_alone(bigram_pair):
+    """Spread-out random models (as the audit's): a served seeded sample drafts from the intersection (its
+    q decides acceptance and the residual), and returns the tokens generate() gives it alone."""
+    from specdec_ext.sampling import SamplingParams
+    tokenizer, draft_tokenizer = bigram_pair[2], bigram_pair[3]
+    target = tiny_model("llama", vocab=TARGET_VOCAB, hidden=32, seed=3, logit_scale=6.0)
+    draft = tiny_model("llama", vocab=DRAFT_VOCAB, hidden=32, seed=4, logit_scale=6.0)
+    sampling = SamplingParams(1.0)
+    requests = _requests(tokenizer, PROMPTS, 16, sampling, seeds=[5, 6, 7])
+    served, _ = _serve((target, draft, tokenizer, draft_tokenizer), requests, k=3, max_rows=2)
+    alone = [generate([p], target, draft, tokenizer=tokenizer, draft_tokenizer=draft_tokenizer, k=3,
+                      max_new_tokens=16, temperature=1.0, seed=5 + i, eos_token_id=False).token_ids[0]
+             for i, p in enumerate(PROMPTS)]
+    assert served == alone

@@ -104,5 +104,5 @@ def test_serve_help_lists_its_flags(capsys):
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     for flag in ("--host", "--port", "--max-rows", "--max-queue", "--max-seq-len", "--cache-tokens",
-                 "--shutdown-grace", "--model-name", "'none'"):
+                 "--shutdown-grace", "--model-name", "'none'", "--draft-tokenizer", "'eagle'"):
         assert flag in out

@@ -186,10 +186,12 @@ def _serve_parser(sub) -> None:
                        "and leave the running batch between decode steps; each keeps its own sampling parameters, "
                        "seed and stop checks, so a seeded request returns the same tokens whatever else runs. "
                        "Needs the [serve] extra (FastAPI, uvicorn).")
-    _model_args(s, draft_help="draft model sharing the target's vocabulary; 'ngram' for lookup drafting; 'eagle' "
+    _model_args(s, draft_help="draft model (sharing the target's tokenizer, or with its own: --draft-tokenizer); "
+                "'ngram' for lookup drafting; 'eagle' "
                 "for the bundled target's EAGLE-3 head (chains), or an EAGLE-3 checkpoint directory with --target; "
                 "'none' for plain decoding (one target pass per token); heads and trees are not served (default: "
                 "the bundled pair's draft)")
+    _draft_tokenizer_arg(s)
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
     s.add_argument("--model-name", default=None,
@@ -488,7 +490,8 @@ def cmd_serve(args) -> int:
     if args.draft == "none":
         models = load_models(args.target, plain=True)
     else:
-        models = load_models(*_pair_args(args))
+        draft_tokenizer = None if args.draft_tokenizer is None else _load_tokenizer_arg(args.draft_tokenizer)
+        models = load_models(*_pair_args(args), draft_tokenizer=draft_tokenizer)
     options = EngineOptions(max_rows=args.max_rows, max_queue=args.max_queue, k=args.k, max_seq_len=args.max_seq_len,
                             cache_tokens=args.cache_tokens, runner=args.runner, prefill_chunk=args.prefill_chunk,
                             tpot_slo_ms=args.tpot_slo_ms)

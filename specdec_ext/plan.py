@@ -39,7 +39,7 @@ import torch
 
 from . import adaptive as adaptive_k
 from .cuda_graphs import graphs_available
-from .drafters.cross_tokenizer import GREEDY_THROUGH_TEXT, INTERSECTION
+from .drafters.cross_tokenizer import BY_STEP, GREEDY_THROUGH_TEXT, INTERSECTION
 from .drafters.tree_drafter import tree_num_nodes
 from .metadata import SCRATCH_COLUMNS
 from .distributed import TP_CHECKS
@@ -103,7 +103,8 @@ class DecodePlan:
     tp_check: str = "broadcast"  # how the ranks are kept on rank 0's decisions (distributed.RankSync)
     reasons: Tuple[Tuple[str, str], ...] = ()  # (choice, why), in the order they were made
     prefill_chunk: int = 0  # a server's prompt tokens prefilled per step (0: whole prompts)
-    cross_tokenizer: Optional[str] = None  # drafter "cross-tokenizer": "greedy-through-text" or "intersection"
+    cross_tokenizer: Optional[str] = None  # drafter "cross-tokenizer": "greedy-through-text", "intersection" or
+    #                                       "by step" (the server's: the one that fits each step's rows)
     processing: Optional[Processing] = None  # every row's logits processors (processing.py); None: none
     top_logprobs: Optional[int] = None  # logprobs of the emitted tokens with this many top tokens; None: off
     hidden_taps: Optional[Tuple[int, ...]] = None  # drafter "eagle": the layers its target runner taps (taps.py)
@@ -250,7 +251,7 @@ def _describe_processing(ask: PlanRequest, models: _Models, reasons: List[Tuple[
 
 
 def plan_server(target_model, draft_model, *, drafter: str, k: Optional[int], runner: str, max_rows: int,
-                max_seq_len: int, prefill_chunk: Optional[int] = None) -> DecodePlan:
+                max_seq_len: int, prefill_chunk: Optional[int] = None, vocab_bridge=None) -> DecodePlan:
     """The plan of ``specdec serve``: the runners, draft length, prefill and CUDA graphs of a continuous
     batcher of ``max_rows`` slots of ``max_seq_len`` positions. It differs from a generate() plan in four
     ways: ``k`` None is the draft length by load (``adaptive``: serve/draft_length.py chooses 0..k_max per
@@ -263,9 +264,6 @@ def plan_server(target_model, draft_model, *, drafter: str, k: Optional[int], ru
     if drafter == "heads":
         raise ValueError("specdec serve runs chain drafters (a draft model or ngram) or none: the heads drafter "
                          "proposes trees, which continuous batching does not run")
-    if drafter == "cross-tokenizer":
-        raise ValueError("specdec serve needs a draft sharing the target's tokenizer: a draft with another "
-                         "tokenizer runs in generate() only (its rows cannot join and leave a running batch)")
     _check_kinds(drafter, runner)
     if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
                                       or prefill_chunk < 0):
@@ -284,6 +282,7 @@ def plan_server(target_model, draft_model, *, drafter: str, k: Optional[int], ru
     reasons.append(("capabilities", _describe_capabilities(*capabilities, None)))
     chunk = _server_prefill_chunk(prefill_chunk, capabilities[0], runners.target, graphs, reasons)
     taps = _hidden_taps(drafter, draft_model, reasons)
+    cross_mode = _server_cross_tokenizer_mode(drafter, vocab_bridge, reasons)
     return DecodePlan(drafter=drafter, tree=None, slots=slots, adaptive=by_load, target_runner=runners.target,
                       draft_runner=runners.draft, draft_compute_dtype=runners.draft_dtype, cuda_graphs=graphs,
                       static_shapes=False, device=models.device, target_dtype=models.target_dtype,
@@ -291,7 +290,21 @@ def plan_server(target_model, draft_model, *, drafter: str, k: Optional[int], ru
                       max_seq_len=max_seq_len, max_new_tokens=max_seq_len - required_cache_len(1, 0, slots),
                       draft_confidence=0.0, target_capabilities=capabilities[0], draft_capabilities=capabilities[1],
                       tensor_parallel=models.tensor_parallel, reasons=tuple(reasons), prefill_chunk=chunk,
-                      hidden_taps=taps)
+                      hidden_taps=taps, cross_tokenizer=cross_mode)
+
+
+def _server_cross_tokenizer_mode(drafter: str, bridge, reasons: List[Tuple[str, str]]) -> Optional[str]:
+    """A served draft with another tokenizer: each step drafts through text when all its rows are greedy,
+    from the vocabularies' intersection otherwise (refused, with its size, when too small to draft from)."""
+    if drafter != "cross-tokenizer":
+        return None
+    if bridge is None:
+        raise ValueError("drafter 'cross-tokenizer' needs vocab_bridge= (the two tokenizers' VocabularyBridge)")
+    bridge.check_intersection()
+    reasons.append(("vocabularies", f"differ: {BY_STEP} ({GREEDY_THROUGH_TEXT} for a step whose rows are all "
+                                    f"greedy, else {INTERSECTION} over the {bridge.intersection_size} tokens spelt "
+                                    "the same in both vocabularies)"))
+    return BY_STEP
 
 
 def _server_draft_length(drafter: str, k: Optional[int], graphs: bool, tensor_parallel: int,

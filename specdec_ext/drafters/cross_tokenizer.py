@@ -25,6 +25,11 @@ The draft reads and writes its own tokens; text (vocab_bridge.py) carries them t
      output is distributed as the target's.
 3. commit: nothing; the next step's re-alignment reads what was committed.
 
+Serving (mode ``by step``): rows join and leave (``start_rows``: the draft's tokens of the prompt's text into
+the row's cache; ``free_rows``), and each step runs greedy-through-text when all its rows are greedy,
+else the intersection for every row (a greedy row's q is then its argmax's one-hot: still lossless).
+Re-aligning from the committed text every step is what makes switching between steps safe.
+
 Host work per step: one read of the committed tokens, a decode and an encode of each row's text (linear in
 its length), the draft forwards; proposals are copied to the device once.
 """
@@ -43,7 +48,8 @@ from .model_drafter import RunnerFactory, draft_probs
 
 GREEDY_THROUGH_TEXT = "greedy-through-text"
 INTERSECTION = "intersection"
-CROSS_TOKENIZER_MODES = (GREEDY_THROUGH_TEXT, INTERSECTION)
+BY_STEP = "by step"  # serving: greedy-through-text for a step whose rows are all greedy, else intersection
+CROSS_TOKENIZER_MODES = (GREEDY_THROUGH_TEXT, INTERSECTION, BY_STEP)
 DRAFT_POSITIONS_PER_TARGET = 4  # draft cache positions per target position (a finer draft tokenizer's text)
 
 
@@ -68,6 +74,7 @@ class CrossTokenizerDrafter(Drafter):
         self.slots = int(k)
         self.bridge = bridge
         self.mode = mode
+        self.step_mode = INTERSECTION if mode == BY_STEP else mode  # this step's (``by step``: set per propose)
         self.runner = None
         self.fed: List[List[int]] = []  # per row: the draft tokens in the draft cache (host mirror)
         self.contexts: List[List[int]] = []  # per row: the draft tokens of its committed text at the last step
@@ -86,6 +93,32 @@ class CrossTokenizerDrafter(Drafter):
     def prefill(self, prompts: Sequence[Sequence[int]], meta: SpecDecodeMetadata) -> None:
         """The draft's own tokens of each row's committed text into its cache (``prompts`` are the
         target's tokens; the text of token_buffer is what counts)."""
+        self._allocate(meta)
+        texts = self._committed_texts(meta)
+        self.fed = [self._fitted(self.draft_context(b, text)) for b, text in enumerate(texts)]
+        self.runner.start(self.fed)
+
+    def start_rows(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], meta: SpecDecodeMetadata) -> None:
+        """Continuous batching: rows join with the draft's tokens of their prompts' text (``meta`` covers
+        every slot; the runner and the per-row state are made once)."""
+        if self.runner is None or len(self.fed) != meta.token_buffer.shape[0]:
+            self._allocate(meta)
+        rows = [int(row) for row in rows]
+        for row, prompt in zip(rows, prompts):
+            self.fed[row] = self._fitted(self.draft_context(row, self.bridge.target_text(list(prompt))))
+        self.runner.start_rows(rows, [self.fed[row] for row in rows])
+
+    def free_rows(self, rows: Sequence[int]) -> None:
+        self.runner.free_rows([int(row) for row in rows])
+        for row in rows:
+            self.fed[int(row)] = [self._filler_token()]  # a free slot inside the batch is fed one token
+
+    def _fitted(self, context: List[int]) -> List[int]:
+        """A text too long for the draft cache: its first token stands in (the row never drafts; _realign)."""
+        return context if len(context) < self.max_draft_len else context[:1]
+
+    def _allocate(self, meta: SpecDecodeMetadata) -> None:
+        """The draft runner, the proposal buffers and the per-row state for the loop's rows."""
         B, S = meta.token_buffer.shape
         self.max_draft_len = S * DRAFT_POSITIONS_PER_TARGET
         if self.max_draft_positions is not None:
@@ -94,15 +127,11 @@ class CrossTokenizerDrafter(Drafter):
         self.token_ids = torch.zeros((B, self.slots), dtype=torch.int64, device=meta.device)  # [B, k]
         self.num_draft = torch.zeros((B,), dtype=torch.int32, device=meta.device)  # [B]
         self.probs = None
-        texts = self._committed_texts(meta)
-        self.context_texts = ["" for _ in texts]
-        self.contexts = [[] for _ in texts]
-        self.tails = ["" for _ in texts]
-        self.held_tokens = [0 for _ in texts]
-        contexts = [self.draft_context(b, text) for b, text in enumerate(texts)]
-        # a text too long for the draft cache: its first token stands in (the row never drafts; _realign)
-        self.fed = [c if len(c) < self.max_draft_len else c[:1] for c in contexts]
-        self.runner.start(self.fed)
+        self.context_texts = ["" for _ in range(B)]
+        self.contexts = [[] for _ in range(B)]
+        self.tails = ["" for _ in range(B)]
+        self.held_tokens = [0 for _ in range(B)]
+        self.fed = [[self._filler_token()] for _ in range(B)]
         self.lookup = self.bridge.target_to_draft(meta.device)  # [V]
 
     def _committed_texts(self, meta: SpecDecodeMetadata) -> List[str]:
@@ -117,7 +146,7 @@ class CrossTokenizerDrafter(Drafter):
         token's text becomes the row's tail, re-drafted)."""
         tokens = self.bridge.draft_ids(text) or [self._filler_token()]
         tail = ""
-        if self.mode == GREEDY_THROUGH_TEXT and len(tokens) > 1:
+        if self.step_mode == GREEDY_THROUGH_TEXT and len(tokens) > 1:
             stable_text = self.bridge.draft_text(tokens[:-1])
             if text.startswith(stable_text):
                 tokens, tail, self.held_tokens[row] = tokens[:-1], text[len(stable_text):], tokens[-1]
@@ -140,7 +169,9 @@ class CrossTokenizerDrafter(Drafter):
         active = meta.active.tolist()
         texts = self._committed_texts(meta)
         drafting = list(active)
-        greedy = self.mode == GREEDY_THROUGH_TEXT
+        if self.mode == BY_STEP:
+            self.step_mode = GREEDY_THROUGH_TEXT if meta.all_greedy else INTERSECTION
+        greedy = self.step_mode == GREEDY_THROUGH_TEXT
         draft_steps = steps + 1 if greedy and steps > 0 else steps  # greedy re-drafts the tail first
         logits = self._realign(texts, drafting, draft_steps)  # [B, V_d]
         drafting = [drafting[b] and limits[b] > 0 for b in range(B)]

@@ -55,12 +55,13 @@ class EngineOptions:
 
 
 def build_engine(models: Models, options: EngineOptions = EngineOptions()) -> Engine:
-    """An Engine (not started) over ``models``: a draft model, "ngram", an EAGLE-3 head (chains) or no
-    drafter ("none")."""
+    """An Engine (not started) over ``models``: a draft model (with the target's tokenizer or its own), "ngram",
+    an EAGLE-3 head (chains) or no drafter ("none")."""
     options.validate()
     seq_len = options.max_seq_len or _model_positions(models) or FALLBACK_MAX_SEQ_LEN
     plan = plan_server(models.target, models.draft, drafter=models.drafter, k=options.k, runner=options.runner,
-                       max_rows=options.max_rows, max_seq_len=seq_len, prefill_chunk=options.prefill_chunk)
+                       max_rows=options.max_rows, max_seq_len=seq_len, prefill_chunk=options.prefill_chunk,
+                       vocab_bridge=models.bridge)
     target = _target_runner(models, plan, options, seq_len)
     drafter = build_drafter(plan, models, target)
     slo = None if options.tpot_slo_ms is None else options.tpot_slo_ms / 1e3
