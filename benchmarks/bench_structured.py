@@ -6,7 +6,7 @@ kernels), interleaved repeats, medians; plus the grammar's host cost per token a
 Each call decodes every prompt as a batch of one (the latency case), greedy or seeded sampling at T = 0.8.
 Times are the calls' prefill + decode (``stats.total_time``: not the per-call set-up, identical on both
 sides). The mask cost is the time spent in the grammar's host work (grammar.RowGrammar.fill_chain, .commit and the
-dead-end check), timed by wrapping them, per emitted token, next to a plain target pass (plain decoding's
+dead-end check, and a draft model's masks, RowGrammar.draft_column), timed by wrapping them, per emitted token, next to a plain target pass (plain decoding's
 time per token without a grammar).
 
     python benchmarks/bench_structured.py [--prompts 6] [--max-new-tokens 96] [--repeats 3] [--threads 1]
@@ -36,7 +36,7 @@ SCHEMA = {"type": "object", "properties": {
 class HostClock:
     """Seconds spent inside the grammar's host methods (wrapped for the run)."""
 
-    METHODS = ("fill_chain", "fill_tree", "commit", "is_dead_end")
+    METHODS = ("fill_chain", "fill_tree", "draft_column", "commit", "is_dead_end")
 
     def __init__(self):
         self.seconds = 0.0

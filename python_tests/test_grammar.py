@@ -420,6 +420,54 @@ def test_dead_end(grammars, tokenizer):
     assert list(allowed_ids(with_eos.mask_at_committed())) == [tokenizer.eos_token_id]
 
 
+def _draft_cases(grammars, tokenizer):
+    """(spec, committed prefix, drafts) walks: allowed drafts, a disallowed one, an EOS inside, a dead end,
+    a finished row."""
+    a, b = tokenizer.convert_tokens_to_ids("a"), tokenizer.convert_tokens_to_ids("b")
+    eos = tokenizer.eos_token_id
+    cases = []
+    for seed, schema in enumerate((NESTED, ENUMS_ARRAYS, NUMBERS)):
+        spec = GrammarSpec.json_schema(schema)
+        tokens = walk(grammars, spec, np.random.default_rng(seed), 14, eos)
+        cases.append((spec, tokens[:5], tokens[5:11]))
+        cases.append((spec, tokens[:3], tokens[3:5] + [7, 8] + tokens[5:7]))  # a token the grammar refuses
+    c = tokenizer.convert_tokens_to_ids("c")
+    cases.append((GrammarSpec.regex("abc?"), [], [a, b, eos, c]))  # EOS where it accepts (c could follow), then more
+    cases.append((GrammarSpec.grammar(DEAD_END_GRAMMAR), [], [a, b, b]))  # a dead end after "a"
+    cases.append((GrammarSpec.regex("ab"), [a, b, eos], [a, b]))  # a finished row
+    return cases
+
+
+def test_draft_column_is_fill_chains_column_and_rolls_back(grammars, tokenizer):
+    """A draft model's steps: draft_column after i drafts writes the bits fill_chain writes in column i, one
+    new mask per step (the matcher kept between calls), and any other method finds the committed state."""
+    for spec, prefix, drafts in _draft_cases(grammars, tokenizer):
+        row, reference_row = grammars.row(spec), grammars.row(spec)
+        for r in (row, reference_row):
+            r.commit(prefix)
+        before = reference_row.mask_at_committed()
+        full = np.zeros((len(drafts) + 1, grammars.num_words), dtype=np.int32)
+        reference_row.fill_chain(full, drafts)
+        for i in range(len(drafts) + 1):
+            column = np.zeros(grammars.num_words, dtype=np.int32)
+            row.draft_column(column, drafts[:i])
+            np.testing.assert_array_equal(column, full[i], err_msg=f"{spec.describe()}, column {i}")
+        np.testing.assert_array_equal(row.mask_at_committed(), before)  # rolled back for the verify
+        again = np.zeros_like(full)
+        assert row.fill_chain(again, drafts) == reference_row.fill_chain(full, drafts)
+        np.testing.assert_array_equal(again, full)
+    spec, prefix, drafts = _draft_cases(grammars, tokenizer)[0]
+    row = grammars.row(spec)
+    row.commit(prefix)
+    column = torch.zeros(grammars.num_words, dtype=torch.int32)
+    row.draft_column(column, drafts[:2])
+    row.draft_column(column, [drafts[0], drafts[2]])  # not an extension of the last call: starts over
+    full = np.zeros((3, grammars.num_words), dtype=np.int32)
+    row.fill_chain(full, [drafts[0], drafts[2]])
+    np.testing.assert_array_equal(column.numpy(), full[2])
+    assert row.commit(drafts[:3]) == 3 and row.num_committed == len(prefix) + 3  # commits from the committed text
+
+
 # ------------------------------------------------------------------------------------------------ errors and specs
 
 

@@ -442,6 +442,13 @@ class RowGrammar:
         self._scratch = np.zeros((1, self.num_words), dtype=np.uint32)
         self.committed: List[int] = []  # the tokens committed (an EOS not included)
         self.finished = False  # an EOS was committed
+        # a draft model's steps (draft_column): the draft tokens the matcher has consumed past the
+        # committed text, the last column's mask, and whether the walk stopped (later columns repeat it)
+        self._drafted: Optional[List[int]] = None
+        self._draft_mask = np.zeros((1, self.num_words), dtype=np.uint32)
+        self._draft_stopped = False
+        self._draft_dead = False  # the walk reached a dead end: the matcher is in its error state
+        self._draft_consumed = 0  # draft tokens the matcher consumed (rolled back by _end_draft)
 
     # -- one column ----------------------------------------------------------------------------------
 
@@ -531,6 +538,49 @@ class RowGrammar:
         array[last + 1:] = array[last]
         return allowed
 
+    # -- a draft model's steps -------------------------------------------------------------------------
+
+    def draft_column(self, words: Union[np.ndarray, torch.Tensor], drafted: Sequence[int]) -> None:
+        """The mask a draft model's next token is drawn under: column ``len(drafted)`` of what
+        ``fill_chain(words, drafted)`` writes (the same bits, tested), into ``words`` (int32 [W] or
+        [1, W]). Incremental over one draft: the matcher keeps the drafts it has consumed between calls
+        and consumes only the new ones, so drafting k tokens costs k + 1 masks, not (k + 1)(k + 2) / 2.
+        ``drafted`` must extend the previous call's (a chain; anything else starts over). Every other
+        method first rolls the matcher back to the committed text (``_end_draft``)."""
+        drafted = [int(t) for t in drafted]
+        if self._drafted is None or drafted[: len(self._drafted)] != self._drafted:
+            self._end_draft()
+            self._drafted, self._draft_consumed = [], 0
+            self._draft_stopped = self._draft_dead = False
+            if not self._open_mask(self._draft_mask):  # finished or a dead end: every column all ones
+                self._draft_stopped = True
+        for token in drafted[len(self._drafted):]:
+            self._drafted.append(token)
+            if self._draft_stopped:
+                continue
+            if not self._allowed_in(self._draft_mask, 0, token) or token in self.eos_token_ids:
+                self._draft_stopped = True  # fill_chain's rule: the columns after it repeat this one
+                continue
+            self._advance(token)
+            self._draft_consumed += 1
+            if not self._mask_into(self._draft_mask, 0):
+                self._draft_mask[:] = 0xFFFFFFFF  # a dead end: all ones, and so are the columns after it
+                self._draft_stopped = self._draft_dead = True
+        if isinstance(words, torch.Tensor):
+            words.view(-1).copy_(torch.from_numpy(self._draft_mask[0].view(np.int32)))
+        else:
+            words.reshape(-1)[:] = self._draft_mask[0].view(np.int32)
+
+    def _end_draft(self) -> None:
+        """Back to the committed text after draft_column's walk."""
+        if self._drafted is None:
+            return
+        if self._draft_dead:
+            self._restore()
+        elif self._draft_consumed:
+            self._matcher.rollback(self._draft_consumed)
+        self._drafted, self._draft_consumed = None, 0
+
     # -- the decode step -----------------------------------------------------------------------------
 
     def fill_chain(self, words: Union[np.ndarray, torch.Tensor], draft_tokens: Sequence[int]) -> int:
@@ -547,6 +597,7 @@ class RowGrammar:
         in place; any other is filled on the host, then copied in). A finished row (EOS committed) or
         one at a dead end gets all ones in every column (it is frozen or ending: its tokens are
         discarded, and finite logits keep the verifier's status checks quiet) and 0 is returned."""
+        self._end_draft()
         n = len(draft_tokens)
         array, copy_back = _host_words(words, n + 1, self.num_words)
         if not self._open_mask(array):
@@ -586,6 +637,7 @@ class RowGrammar:
         depth first with one advance and one rollback per reachable non-EOS node: (reachable nodes + 1)
         masks. Returns, per node, whether its whole path is allowed. A finished row or one at a dead
         end: all ones, as fill_chain."""
+        self._end_draft()
         n = len(tokens)
         if len(parents) != n:
             raise ValueError(f"tokens ({n}) and parents ({len(parents)}) differ in length")
@@ -645,6 +697,7 @@ class RowGrammar:
         GrammarViolation (the matcher unchanged) when a token is not allowed. A finished row takes
         nothing (returns 0). Cost: one llguidance advance per token (~1-2 us), no mask (one where a
         token is refused, to tell a dead end from a violation)."""
+        self._end_draft()
         if self.finished:
             return 0
         body = [int(t) for t in tokens]
@@ -679,6 +732,7 @@ class RowGrammar:
         """The tokens the grammar forces next (llguidance's fast-forward tokens: the tokenization of the
         bytes every continuation starts with, less a last token that could merge with what follows);
         [] when nothing is forced. A drafter may propose them as they are. Cost: about one mask."""
+        self._end_draft()
         if self.finished or self._matcher.is_error():
             return []
         return [int(t) for t in self._matcher.compute_ff_tokens()]
@@ -687,6 +741,7 @@ class RowGrammar:
         """The column-0 mask alone, int32 [W] (into ``out``, C-contiguous int32 [W], when given), e.g. for
         a drafter that samples under the grammar; all zeros for a finished row or at a dead end. Cost:
         one mask."""
+        self._end_draft()
         target = self._scratch if out is None else out.reshape(1, -1).view(np.uint32)
         if target.shape != (1, self.num_words):
             raise ValueError(f"out must hold {self.num_words} int32 words")
@@ -701,6 +756,7 @@ class RowGrammar:
         accepts). Not llguidance's ``validate_tokens``, which is looser: where the grammar forces bytes
         the mask allows only the first token of their canonical tokenization (regex "ab": only "ab",
         while the matcher would also consume "a" then "b"). Cost: one mask."""
+        self._end_draft()
         token = int(token)
         if self.finished or not 0 <= token < self.vocab_size:
             return False
@@ -709,22 +765,26 @@ class RowGrammar:
 
     def is_accepting(self) -> bool:
         """The committed text is a complete match (an EOS may come next). Cost: ~0.1 us."""
+        self._end_draft()
         return not self.finished and self._matcher.is_accepting()
 
     def is_complete(self) -> bool:
         """The text is a complete match and nothing but EOS can follow (llguidance stopped, accepting):
         a row without EOS tokens should finish here ("stop"). Cost: ~0.1 us."""
+        self._end_draft()
         return self.finished or (self._matcher.is_stopped() and self._matcher.is_accepting())
 
     def is_dead_end(self) -> bool:
         """No token allowed and EOS not allowed either: the row must end, finish_reason FINISH_DEAD_END
         ("grammar_dead_end"). Includes a complete grammar in a row without EOS tokens. Cost: one mask."""
+        self._end_draft()
         if self.finished:
             return False
         return not (self._mask_into(self._scratch, 0) and self._scratch.any())
 
     def error(self) -> str:
         """llguidance's error message ('' when none; at a dead end llguidance reports its stop reason)."""
+        self._end_draft()
         return self._matcher.get_error()
 
 
@@ -756,6 +816,9 @@ def fill_chains(rows: Sequence[Optional[RowGrammar]], words: Union[np.ndarray, t
     on its own (rare). On the shared 2-core VM: 35-70 us per row over 8-32 rows against 45-105 us for
     fill_chain in turn; with the cores oversubscribed (load 6) up to 3x slower than fill_chain in turn
     (the executor's threads wait for a CPU): measure on the serving host before preferring it."""
+    for row in rows:
+        if row is not None:
+            row._end_draft()  # (the executor walks each row's matcher from its committed text)
     num_words = next((row.num_words for row in rows if row is not None), int(words.shape[-1]))
     longest = max((len(draft) for draft in drafts), default=0)
     array, copy_back = _host_words(words, longest + 1, num_words, ndim=3)

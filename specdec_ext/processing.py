@@ -235,12 +235,26 @@ class ProcessingState:
         logits = logits.contiguous().unsqueeze(1)  # [B, 1, V]
         none = drafted[:, :0]  # [B, 0]: the prefix is in ``counts`` and in the grammar's column i
         num_draft = torch.zeros((B,), dtype=torch.int32, device=logits.device)
-        allowed = None
-        if self.has_grammar:
-            full = self._grammar_masks(i + 1, drafted, torch.full((B,), i, dtype=torch.int32), None)
-            allowed = full[:, i:].contiguous()  # [B, 1, W]
+        allowed = self._draft_masks(drafted) if self.has_grammar else None  # [B, 1, W]
         self._process(logits, none, num_draft, temperature, None, counts, allowed)
         return logits[:, 0]
+
+    def _draft_masks(self, drafted: torch.Tensor) -> torch.Tensor:
+        """The grammar masks of a draft step [B, 1, W]: each grammar row's column after its drafts so far
+        (RowGrammar.draft_column: one new mask per step, the matcher kept between steps), all ones for the
+        other rows; a column where nothing may follow is left unconstrained (as _grammar_masks)."""
+        B, V = self.output_counts.shape
+        words = (V + 31) // 32
+        if self.allowed is None or self.allowed.shape[1] < 1:
+            self.allowed = torch.empty((B, 1, words), dtype=torch.int32)
+        allowed = self.allowed[:, :1]
+        allowed.fill_(-1)
+        tokens = drafted.cpu().tolist()
+        for b, grammar in enumerate(self.grammars):
+            if grammar is not None:
+                grammar.draft_column(allowed[b, 0].numpy(), tokens[b])
+        allowed[(allowed == 0).all(-1)] = -1
+        return allowed.contiguous().to(self.output_counts.device)
 
     @property
     def any_penalised(self) -> bool:
