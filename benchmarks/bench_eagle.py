@@ -3,10 +3,12 @@
 an EAGLE-3 head (a chain of k and an EAGLE-2 tree) next to the bundled draft model (chain and tree), the
 n-gram lookup and plain decoding, on the code and edit workloads, interleaved repeats, medians.
 
-No head ships with the bundled pair yet: pass one trained with ``tools/train_eagle.py`` (or any EAGLE-3
-checkpoint made for the bundled target). Times are the calls' prefill + decode (``stats.total_time``).
+The head: the bundled one (specdec_ext/default_pair/eagle/, int8 storage), or ``--head DIR``, any EAGLE-3
+checkpoint made for the bundled target (``tools/train_eagle.py``); ``--head`` twice adds a row pair per
+head (e.g. the fp32 checkpoint beside its int8 export). Times are the calls' prefill + decode
+(``stats.total_time``).
 
-    python benchmarks/bench_eagle.py --head DIR [--prompts 4] [--max-new-tokens 96] [--k 4] [--tree 3,3,8]
+    python benchmarks/bench_eagle.py [--head DIR ...] [--prompts 4] [--max-new-tokens 96] [--k 4] [--tree 3,3,8]
                                      [--repeats 3] [--threads 1] [--workloads code,edit]
 """
 from __future__ import annotations
@@ -20,12 +22,16 @@ import specdec_ext
 from specdec_ext.bench.workloads import workload_prompts
 
 
-def drafters(head: str, k: int, tree):
-    """(name, generate() keywords) of every row of the table."""
-    eagle = specdec_ext.EagleDrafterSpec(head)
-    return [("plain", None), ("draft model, k", dict(k=k)), ("draft model, tree", dict(draft_tree=tree)),
-            ("ngram, k", dict(draft="ngram", k=k)), ("EAGLE-3, k", dict(draft=eagle, k=k)),
-            ("EAGLE-3, tree", dict(draft=eagle, draft_tree=tree))]
+def drafters(heads, k: int, tree):
+    """(name, generate() keywords) of every row of the table; ``heads``: checkpoint directories (empty: the
+    bundled head)."""
+    rows = [("plain", None), ("draft model, k", dict(k=k)), ("draft model, tree", dict(draft_tree=tree)),
+            ("ngram, k", dict(draft="ngram", k=k))]
+    for i, head in enumerate(heads or ["eagle"]):
+        eagle = head if head == "eagle" else specdec_ext.EagleDrafterSpec(head)
+        label = "EAGLE-3" if len(heads or [0]) == 1 else f"EAGLE-3 ({i + 1})"
+        rows += [(f"{label}, k", dict(draft=eagle, k=k)), (f"{label}, tree", dict(draft=eagle, draft_tree=tree))]
+    return rows
 
 
 def run_once(prompts, options, max_new_tokens: int):
@@ -45,7 +51,9 @@ def run_once(prompts, options, max_new_tokens: int):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--head", required=True, help="an EAGLE-3 checkpoint directory for the bundled target")
+    parser.add_argument("--head", action="append", default=[],
+                        help="an EAGLE-3 checkpoint directory for the bundled target (repeatable; default: the "
+                        "bundled head)")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--k", type=int, default=4)
@@ -57,7 +65,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     tree = tuple(int(x) for x in args.tree.split(","))
     rows = drafters(args.head, args.k, tree)
-    print(f"bundled target, head {args.head}, batch 1, {args.max_new_tokens} new tokens, k = {args.k}, tree {tree}, "
+    print(f"bundled target, head(s) {args.head or ['bundled']}, batch 1, {args.max_new_tokens} new tokens, k = {args.k}, tree {tree}, "
           f"{args.threads} thread(s), ISA {specdec_ext.ops.cpu_isa()}, torch {torch.__version__}")
     for workload in args.workloads.split(","):
         prompts = workload_prompts(workload, args.prompts, 8)
