@@ -138,6 +138,15 @@ def test_generate_with_the_bundled_heads_and_a_tree(capsys):
         cli.main(["generate", "--prompt", "x", "--tree", "2,2"])
 
 
+def test_generate_with_the_bundled_eagle_head(capsys):
+    assert cli.main(["generate", "--prompt", "def f(x):", "--draft", "eagle", "-k", "3", "--max-new-tokens", "6",
+                     "--no-stream", "--no-eos", "--json", "--explain"]) == 0
+    captured = capsys.readouterr()
+    out = captured.out
+    stats = json.loads(out[out.rindex("\n{\n") + 1:])
+    assert stats["k"] == 3 and stats["new_tokens"] == 6 and "hidden taps" in captured.out + captured.err
+
+
 def test_demo_with_the_bundled_heads(capsys):
     assert cli.main(["demo", "--draft", "heads", "--files", "1", "--lines", "5", "--max-new-tokens", "6"]) == 0
     out = capsys.readouterr().out

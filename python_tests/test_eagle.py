@@ -309,3 +309,23 @@ def test_bundled_target_with_a_random_head_is_plain_greedy():
     plain = specdec_ext.plain_generate(prompts, target, max_new_tokens=24, eos_token_id=False).token_ids
     assert eagle_generate(target, head, prompts, 24, k=4) == plain
     assert eagle_generate(target, head, prompts, 24, tree=(2, 3, 6)) == plain
+
+
+def test_the_bundled_head_keeps_the_bundled_targets_output_and_drafts():
+    """draft="eagle": the shipped head (int8 storage, default_pair/eagle/) on the bundled target, chain and
+    tree, greedy equal to plain greedy; trained, it drafts tokens the target accepts (a random head of the
+    same shape stays near one token per pass)."""
+    import os
+    import specdec_ext
+    from specdec_ext.default_pair import EAGLE_DIR
+    from specdec_ext.eagle.checkpoints import INT8_WEIGHTS
+    assert os.path.isfile(os.path.join(EAGLE_DIR, INT8_WEIGHTS))
+    target, _, tokenizer = specdec_ext.load_default_pair()
+    prompts = [tokenizer.encode("def fib(n):\n    if n < 2:\n        return n\n"),
+               tokenizer.encode("import os\nimport sys\n\n\ndef main():\n")]
+    plain = specdec_ext.plain_generate(prompts, max_new_tokens=32, eos_token_id=False).token_ids
+    chain = specdec_ext.generate(prompts, draft="eagle", k=4, max_new_tokens=32, eos_token_id=False)
+    tree = specdec_ext.generate(prompts, draft="eagle", draft_tree=(3, 3, 8), max_new_tokens=32, eos_token_id=False)
+    assert chain.token_ids == plain and tree.token_ids == plain
+    assert chain.plan.drafter == "eagle" and chain.plan.hidden_taps == (2, 3, 3)
+    assert chain.stats.emitted / chain.stats.row_steps > 1.5
