@@ -255,10 +255,10 @@ class PagedKVCache:
         """
         batch = src_positions.shape[0] if rows is None else rows
         if self._forked and any(count > 1 for count in self._owners):  # copy-on-write before the moves
-            changed = False
-            for row, start in enumerate(dst_start[:batch].tolist()):
-                changed |= self._own_from(row, int(start) // self.page_size)
-            if changed:
+            try:
+                for row, start in enumerate(dst_start[:batch].tolist()):
+                    self._own_from(row, int(start) // self.page_size)
+            finally:  # (a PoolFullError for a later row leaves the earlier rows' copies in place: same data)
                 self.block_tables.copy_(self._tables_host, non_blocking=True)
         L = self.num_layers
         flat = self.pool.view(L * 2, self.num_pages, self.page_size, self.num_kv_heads, self.head_dim)
