@@ -123,12 +123,27 @@ def main() -> None:
     universal, seconds = hf_assisted(target, prompts, tokenizer, n, assistant_model=padded_for_hf(other_draft),
                                      assistant_tokenizer=other_tokenizer, **hf_kw)
     rows.append(("HF universal assisted (other tokenizer)", n * len(prompts) / seconds, None, universal))
+    # sampled, T = 1: HF's plain sampling, and its universal assisted generation sampling (its
+    # UniversalSpeculativeDecodingGenerator where the vocabularies overlap)
+    torch.manual_seed(0)
+    _, seconds = hf_assisted(target, prompts, tokenizer, n, do_sample=True, temperature=1.0, top_k=0)
+    rows.append(("HF plain sampling, T=1", n * len(prompts) / seconds, 1.0, None))
+    sampled_kw = dict(do_sample=True, temperature=1.0, top_k=0, num_assistant_tokens=args.k,
+                      num_assistant_tokens_schedule="constant")
+    # HF's sampled path prunes the draft's head to the shared tokens and fails (transformers 5.24:
+    # AssistantToTargetTranslator has no assistant_overlap_token_ids) when every draft token is shared, as
+    # in the permuted pair: one token only the draft has (a padded row) lets it run
+    hf_tokenizer = copy.deepcopy(other_tokenizer)
+    hf_tokenizer.add_tokens(["<only-in-the-draft>"])
+    _, seconds = hf_assisted(target, prompts, tokenizer, n, assistant_model=padded_for_hf(other_draft),
+                             assistant_tokenizer=hf_tokenizer, **sampled_kw)
+    rows.append(("HF universal assisted (other tokenizer), T=1", n * len(prompts) / seconds, None, None))
     print(f"{len(prompts)} prompts x {n} new tokens, one per call, k={args.k}, {args.threads} thread(s), fp32, "
           "bundled pair (the draft's tokenizer: the bundled one with its ids permuted)")
-    print(f"{'method':<44} {'tokens/s':>9} {'tokens/pass':>12}  greedy == HF plain")
+    print(f"{'method':<48} {'tokens/s':>9} {'tokens/pass':>12}  greedy == HF plain")
     for name, speed, per_pass, tokens in rows:
         same_as_plain = "" if tokens is None else str(tokens == plain)
-        print(f"{name:<44} {speed:9.1f} {'' if per_pass is None else f'{per_pass:.2f}':>12}  {same_as_plain}")
+        print(f"{name:<48} {speed:9.1f} {'' if per_pass is None else f'{per_pass:.2f}':>12}  {same_as_plain}")
 
 
 if __name__ == "__main__":
