@@ -4,8 +4,7 @@ extend_rows), and every request gets what generate() gives it alone: plain greed
 tokens when sampled, on the lean and paged runners, with whole and chunked prefill, k fixed and by load."""
 from __future__ import annotations
 
-import queue
-from typing import List, Optional
+from typing import List
 
 import pytest
 
@@ -17,30 +16,12 @@ from specdec_ext.sampling import SamplingParams
 from specdec_ext.serve.build import EngineOptions, build_engine
 from specdec_ext.serve.request import GenerationRequest
 from specdec_ext.stops import StopCriteria
+from serve_utils import serve_staggered
 from test_generate_utils import hf_greedy
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # conftest.py: one CPU thread per module
 
 PROMPTS = [[5, 17, 3, 44, 9, 12, 61], [2, 30], [7] * 20 + [8, 9], [11, 12, 13], [40, 41, 42, 43, 44], [1]]
-EVENT_TIMEOUT_S = 60.0
-
-
-class Sink:
-    def __init__(self):
-        self.events: queue.Queue = queue.Queue()
-        self.tokens: List[int] = []
-        self.reason: Optional[str] = None
-
-    def __call__(self, event) -> None:
-        self.events.put(event)
-
-    def wait(self) -> List[int]:
-        while self.reason is None:
-            event = self.events.get(timeout=EVENT_TIMEOUT_S)
-            self.tokens += event.tokens
-            if event.finished:
-                self.reason = event.finish_reason
-        return self.tokens
 
 
 @pytest.fixture(scope="module")
@@ -59,17 +40,7 @@ def _serve(target, head, requests, **options) -> List[List[int]]:
     engine = build_engine(Models(target, "eagle", draft=head), EngineOptions(max_seq_len=128, **options))
     assert engine.plan.drafter == "eagle" and engine.plan.hidden_taps == tuple(head.config.layer_ids)
     assert engine.batcher.target.capabilities.hidden_taps and not engine.plan.cuda_graphs
-    sinks = [Sink() for _ in requests]
-    engine.start()
-    try:
-        for request, sink in list(zip(requests, sinks))[:2]:
-            engine.submit(request, sink)
-        sinks[0].wait()
-        for request, sink in list(zip(requests, sinks))[2:]:
-            engine.submit(request, sink)
-        return [sink.wait() for sink in sinks]
-    finally:
-        engine.stop()
+    return serve_staggered(engine, requests)
 
 
 def _request(prompt, max_new, sampling=SamplingParams(), seed=0, seeded=False):
@@ -99,3 +70,20 @@ def test_the_server_plan_names_the_taps(target, head):
     engine = build_engine(Models(target, "eagle", draft=head), EngineOptions(max_seq_len=128, max_rows=2))
     text = engine.plan.explain()
     assert "hidden taps" in text and "k by load" in text
+
+
+def test_a_sampled_batch_that_widens_after_its_first_sampled_step(target, head):
+    """The sampled draft's q buffer covers every slot: a first sampled step over one row, then two rows."""
+    from serve_utils import Collector
+    engine = build_engine(Models(target, "eagle", draft=head), EngineOptions(max_seq_len=128, max_rows=3, k=3,
+                                                                             prefill_chunk=0))
+    batcher, sampling = engine.batcher, SamplingParams(0.9)
+    first = Collector()
+    batcher.admit([(_request(PROMPTS[0], 12, sampling, seed=1, seeded=True), first, 0.0)])
+    batcher.step()  # width 1
+    second = Collector()
+    batcher.admit([(_request(PROMPTS[1], 12, sampling, seed=2, seeded=True), second, 0.0)])
+    while batcher.running:
+        batcher.step()
+    assert first.wait().reason == second.wait().reason == "length"
+    assert len(first.tokens) == len(second.tokens) == 12

@@ -156,8 +156,9 @@ class EagleDrafter(Drafter):
             self.num_draft[:B].fill_(k)
         else:
             self.num_draft[:B].copy_(torch.tensor([min(k, b) for b in budget], dtype=torch.int32))
-        if not greedy and self.probs is None:
-            self.probs = torch.zeros((B, k, self.vocab_size), dtype=torch.float32, device=meta.device)
+        if not greedy and self.probs is None:  # every slot's row: a continuous batch's view widens later
+            self.probs = torch.zeros((self.token_ids.shape[0], k, self.vocab_size), dtype=torch.float32,
+                                     device=meta.device)
         uniforms = None if greedy else ops.philox_uniforms(meta.seed, meta.draft_offset, k)  # [B, k]
         fed = torch.tensor(self.fed[:B], dtype=torch.int64, device=meta.device)
         out = self.last[:B]
