@@ -6,8 +6,9 @@ in-process by serve.server.ServerThread on 127.0.0.1 and a free port), and helpe
 from __future__ import annotations
 
 import contextlib
+import queue
 import time
-from typing import Dict, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import httpx
 
@@ -41,7 +42,9 @@ def make_app(target, draft, tokenizer, **options):
 
 
 __all__ = ["MODEL_NAME", "CHAT_TEMPLATE", "ServerThread", "tiny_pair", "make_app", "serve_app", "openai_client", "metrics",
-           "wait_until", "slow_target"]
+           "wait_until", "slow_target", "Collector", "serve_staggered", "EVENT_TIMEOUT_S"]
+
+EVENT_TIMEOUT_S = 60.0  # the longest a test waits for an engine event
 
 
 def serve_app(pair, **options):
@@ -91,3 +94,44 @@ def slow_target(model, seconds_per_pass: float):
         yield model
     finally:
         handle.remove()
+
+
+class Collector:
+    """An engine event sink that keeps a request's tokens and how it ended."""
+
+    def __init__(self):
+        self.events: queue.Queue = queue.Queue()
+        self.tokens: List[int] = []
+        self.reason: Optional[str] = None
+        self.message: Optional[str] = None
+
+    def __call__(self, event) -> None:
+        self.events.put(event)
+
+    def next(self):
+        event = self.events.get(timeout=EVENT_TIMEOUT_S)
+        self.tokens += event.tokens
+        if event.finished:
+            self.reason, self.message = event.finish_reason, event.message
+        return event
+
+    def wait(self) -> "Collector":
+        while self.reason is None:
+            self.next()
+        return self
+
+
+def serve_staggered(engine, requests) -> List[List[int]]:
+    """Run ``requests`` on ``engine`` (started here, stopped after) so that rows join and leave a running
+    batch: the first two at once, the rest once the first has ended. Each request's tokens."""
+    sinks = [Collector() for _ in requests]
+    engine.start()
+    try:
+        for request, sink in list(zip(requests, sinks))[:2]:
+            engine.submit(request, sink)
+        sinks[0].wait()
+        for request, sink in list(zip(requests, sinks))[2:]:
+            engine.submit(request, sink)
+        return [sink.wait().tokens for sink in sinks]
+    finally:
+        engine.stop()

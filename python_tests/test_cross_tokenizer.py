@@ -318,40 +318,15 @@ def test_cli_audit_with_a_draft_tokenizer(bigram_pair, tmp_path, capsys):
 def _serve(pair, requests, **options):
     """The requests through the serving engine over the pair (two at first, the rest as the first ends):
     each one's tokens, and the engine."""
-    import queue
     from specdec_ext.models import load_models
     from specdec_ext.serve.build import EngineOptions, build_engine
+    from serve_utils import serve_staggered
 
     target, draft, tokenizer, draft_tokenizer = pair
     models = load_models(target, draft, tokenizer=tokenizer, draft_tokenizer=draft_tokenizer)
     assert models.drafter == "cross-tokenizer"
     engine = build_engine(models, EngineOptions(max_seq_len=192, **options))
-
-    class Sink:
-        def __init__(self):
-            self.events, self.tokens, self.done = queue.Queue(), [], False
-
-        def __call__(self, event):
-            self.events.put(event)
-
-        def wait(self):
-            while not self.done:
-                event = self.events.get(timeout=60)
-                self.tokens += event.tokens
-                self.done = event.finished
-            return self.tokens
-
-    sinks = [Sink() for _ in requests]
-    engine.start()
-    try:
-        for request, sink in list(zip(requests, sinks))[:2]:
-            engine.submit(request, sink)
-        sinks[0].wait()
-        for request, sink in list(zip(requests, sinks))[2:]:
-            engine.submit(request, sink)
-        return [sink.wait() for sink in sinks], engine
-    finally:
-        engine.stop()
+    return serve_staggered(engine, requests), engine
 
 
 def _requests(tokenizer, prompts, max_new, sampling=None, seeds=None):

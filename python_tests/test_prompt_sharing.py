@@ -4,7 +4,6 @@ engine admits a request's choices together, prefills the prompt once and holds i
 choice returns the tokens it returns as a request of its own (same seed)."""
 from __future__ import annotations
 
-import queue
 from typing import List, Optional
 
 import pytest
@@ -18,14 +17,13 @@ from specdec_ext.serve.app import choice_seed
 from specdec_ext.serve.build import EngineOptions, build_engine
 from specdec_ext.serve.request import CANCELLED, GenerationRequest, RequestTooLargeError
 from specdec_ext.stops import StopCriteria
-from serve_utils import tiny_pair
+from serve_utils import Collector, tiny_pair
 from test_generate_utils import tiny_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # conftest.py: one CPU thread per module
 
 PAGE = 4
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14]  # 2 full pages of 4 and a partial one
-EVENT_TIMEOUT_S = 60.0
 
 
 def _cache(num_pages=12, rows=4) -> PagedKVCache:
@@ -146,24 +144,6 @@ def pair():
     return tiny_pair()
 
 
-class Sink:
-    def __init__(self):
-        self.events: queue.Queue = queue.Queue()
-        self.tokens: List[int] = []
-        self.reason: Optional[str] = None
-
-    def __call__(self, event) -> None:
-        self.events.put(event)
-
-    def wait(self) -> "Sink":
-        while self.reason is None:
-            event = self.events.get(timeout=EVENT_TIMEOUT_S)
-            self.tokens += event.tokens
-            if event.finished:
-                self.reason = event.finish_reason
-        return self
-
-
 def _engine(pair, **options):
     target, draft, tokenizer = pair
     return build_engine(Models(target, "model", draft=draft, tokenizer=tokenizer),
@@ -184,7 +164,7 @@ def _choices(tokenizer, prompt: str, n: int, *, seed=11, max_new=24) -> List[Gen
 def _alone(engine, request: GenerationRequest) -> List[int]:
     """The request's tokens as a request of its own (a copy that shares nothing)."""
     single = GenerationRequest(request.prompt, request.sampling, request.seed, request.stop)
-    sink = Sink()
+    sink = Collector()
     engine.submit(single, sink)
     return sink.wait().tokens
 
@@ -217,7 +197,7 @@ def test_n_choices_prefill_once_and_return_each_ones_own_tokens(pair, runner, ch
 
     batcher.step = watched_step
     requests = _choices(tokenizer, LONG_PROMPT, 3)
-    sinks = [Sink() for _ in requests]
+    sinks = [Collector() for _ in requests]
     engine.submit_group(requests, sinks)
     engine.start()
     try:
@@ -242,7 +222,7 @@ def test_the_group_is_budgeted_once_and_refused_whole_when_it_cannot_fit(pair):
     prompt_len = len(requests[0].prompt)
     one = budget.units(prompt_len, 40)
     assert budget.group_units(prompt_len, 40, 3) == 3 * one - 2 * (prompt_len // budget.page_size)
-    engine.batcher.admit([(r, Sink(), 0.0) for r in requests])
+    engine.batcher.admit([(r, Collector(), 0.0) for r in requests])
     assert budget.used == budget.group_units(prompt_len, 40, 3)
     assert engine.batcher.target.kv.num_shared_pages == prompt_len // budget.page_size
     for row in list(engine.batcher.running):  # the leader first: the shared pages stay held until the last
@@ -251,7 +231,7 @@ def test_the_group_is_budgeted_once_and_refused_whole_when_it_cannot_fit(pair):
     assert budget.used == 0 and engine.batcher.target.kv.num_free_pages == engine.batcher.target.kv.num_pages
     too_many = _choices(tokenizer, LONG_PROMPT, 4, max_new=100)
     with pytest.raises(RequestTooLargeError, match="n = 4 choices"):
-        engine.submit_group(too_many, [Sink() for _ in too_many])
+        engine.submit_group(too_many, [Collector() for _ in too_many])
 
 
 def test_a_leader_cancelled_during_its_chunked_prefill_hands_it_to_the_next_choice(pair):
@@ -259,7 +239,7 @@ def test_a_leader_cancelled_during_its_chunked_prefill_hands_it_to_the_next_choi
     engine = _engine(pair, runner="lean", max_rows=4, prefill_chunk=16)
     batcher = engine.batcher
     requests = _choices(tokenizer, LONG_PROMPT, 3)
-    batcher.admit([(r, Sink(), 0.0) for r in requests])
+    batcher.admit([(r, Collector(), 0.0) for r in requests])
     batcher.step()  # the leader's first chunk
     leader = batcher.rows[0]
     assert 0 < leader.prefilled < len(requests[0].prompt) and batcher.rows[1].prefilled == 0

@@ -17,10 +17,9 @@ from specdec_ext.serve.build import EngineOptions, build_engine
 from specdec_ext.serve.request import (ABORTED, CANCELLED, FAILED, GenerationRequest, QueueFullError,
                                        RequestTooLargeError, ShuttingDownError)
 from specdec_ext.stops import StopCriteria
-from serve_utils import slow_target, tiny_pair, wait_until
+from serve_utils import Collector, slow_target, tiny_pair, wait_until
 
 K = 3
-EVENT_TIMEOUT_S = 60.0
 
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # conftest.py: one CPU thread per module
@@ -29,31 +28,6 @@ pytestmark = pytest.mark.usefixtures("single_thread")  # conftest.py: one CPU th
 @pytest.fixture(scope="module")
 def pair():
     return tiny_pair()
-
-
-class Collector:
-    """An event sink that keeps a request's tokens and how it ended."""
-
-    def __init__(self):
-        self.events: queue.Queue = queue.Queue()
-        self.tokens: List[int] = []
-        self.reason: Optional[str] = None
-        self.message: Optional[str] = None
-
-    def __call__(self, event) -> None:
-        self.events.put(event)
-
-    def next(self):
-        event = self.events.get(timeout=EVENT_TIMEOUT_S)
-        self.tokens += event.tokens
-        if event.finished:
-            self.reason, self.message = event.finish_reason, event.message
-        return event
-
-    def wait(self) -> "Collector":
-        while self.reason is None:
-            self.next()
-        return self
 
 
 def _run_to_end(engine, requests) -> List[Collector]:

@@ -390,7 +390,7 @@ class LeanLlamaRunner:
         if source not in self._in_use:
             raise ValueError(f"fork_rows: source row {source} is not in use (start_rows it first)")
         rows = self._in_use.check_free("fork_rows", rows, len(rows))
-        length = self._len[source] if source < len(self._len) else 0
+        length = self._len[source]  # (a row in use lies inside the width)
         for cache in (self.k_cache, self.v_cache):  # [layers, Bmax, Hk, cap, D]
             cache[:, rows, :, :length] = cache[:, source: source + 1, :, :length]
         if self._taps is not None:
