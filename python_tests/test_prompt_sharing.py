@@ -268,14 +268,15 @@ def test_n_3_over_http_shares_the_prompt_pages_while_the_choices_run(pair):
     server = ServerThread(app, engine, grace_s=5.0).start()
     try:
         client = openai_client(server)
-        with slow_target(target, 0.02):
-            stream = client.completions.create(model=MODEL_NAME, prompt=LONG_PROMPT, n=3, max_tokens=40, stream=True,
+        with slow_target(target, 0.05):  # (every choice runs for about a second after its first chunk)
+            stream = client.completions.create(model=MODEL_NAME, prompt=LONG_PROMPT, n=3, max_tokens=48, stream=True,
                                                temperature=1.0, seed=5, extra_body={"ignore_eos": True})
-            texts, seen = ["", "", ""], None
+            texts, started, seen = ["", "", ""], set(), None
             for chunk in stream:
                 for choice in chunk.choices:
                     texts[choice.index] += choice.text
-                if seen is None and all(texts):
+                    started.add(choice.index)
+                if seen is None and len(started) == 3:
                     seen = metrics(server)
         assert seen is not None
         shared = seen[("specdec_cache_pages_shared", ())]
