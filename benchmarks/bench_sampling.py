@@ -1,5 +1,7 @@
 """Fused chain verification against a vectorised PyTorch implementation of the same algorithm and
-the float64 NumPy reference, with effective bandwidth next to this machine's copy bandwidth.
+the float64 NumPy reference, with effective bandwidth next to this machine's copy bandwidth; then a
+drafter's sampled step, ops.sample_filtered (q written into a column of the [B, k, V] draft buffer and a
+token drawn from it) against the torch ops it replaced (sampling.filtered_probs, sample_inverse_cdf, a copy).
 
     python benchmarks/bench_sampling.py [--device cuda] [--repeats 7] [--quick]
 
@@ -22,6 +24,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import reference  # noqa: E402
 from _timing import copy_bandwidth_gbs, machine_description, median_times  # noqa: E402
 from specdec_ext import ops  # noqa: E402
+from specdec_ext.sampling import SamplingParams, filtered_probs, sample_inverse_cdf  # noqa: E402
 
 NOISE_BETWEEN_DRAFT_AND_TARGET = 0.5  # logit noise: sets the acceptance rate near 0.8
 NUMPY_MAX_ROWS = 8  # the float64 reference loops in Python: only the small configurations
@@ -98,6 +101,40 @@ def main():
               f"{fused_gbs:.1f} | {100 * fused_gbs / copy_gbs:.0f}% | {times['torch'] * 1e3:.2f} | "
               f"{times['torch'] / times['fused']:.1f}x | {floor_s * 1e3:.2f} | {times['fused'] / floor_s:.2f} | "
               f"{numpy_ms} |" + ("" if agree else " (torch version disagreed on num_accepted)"))
+
+    draft_steps(device, args)
+
+
+def draft_steps(device: torch.device, args) -> None:
+    """One sampled draft step at T = 0.8 (no top-k / top-p), B rows of V, per implementation."""
+    print("\ndraft step at T = 0.8 (q into column 1 of a [B, 4, V] buffer, one token per row):\n")
+    print("| B | V | sample_filtered us | torch ops us | speedup | GB/s (logits read + q written) | same tokens |")
+    print("|---|---|---|---|---|---|---|")
+    configs = [(1, 32000)] if args.quick else [(b, v) for v in (8192, 32000, 128256) for b in (1, 16)]
+    for batch, vocab in configs:
+        g = torch.Generator().manual_seed(batch + vocab)
+        logits = (torch.randn(batch, vocab, generator=g) * 3).to(device)
+        uniforms = torch.rand(batch, 1, generator=g).to(device)
+        buffer = torch.empty(batch, 4, vocab, device=device)
+        tokens = torch.empty(batch, dtype=torch.int64, device=device)
+        temperature = torch.full((batch,), 0.8, device=device)
+        sampling = SamplingParams(temperature=0.8)
+
+        def fused():
+            return ops.sample_filtered(logits, temperature=temperature, uniforms=uniforms, out=(buffer[:, 1], tokens),
+                                       check_status=False)[1]
+
+        def torch_ops():
+            q = filtered_probs(logits, sampling)
+            token = sample_inverse_cdf(q, uniforms[:, 0])
+            buffer[:, 1].copy_(q)
+            return token
+
+        same = bool(torch.equal(fused().clone(), torch_ops()))
+        times = median_times({"fused": fused, "torch": torch_ops}, device, max(args.repeats, 50))
+        gbs = batch * vocab * 8 / times["fused"] / 1e9
+        print(f"| {batch} | {vocab} | {times['fused'] * 1e6:.1f} | {times['torch'] * 1e6:.1f} | "
+              f"{times['torch'] / times['fused']:.1f}x | {gbs:.1f} | {same} |")
 
 
 if __name__ == "__main__":

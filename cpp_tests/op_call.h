@@ -48,6 +48,14 @@ inline void residual_probs(const Tensor& p, const Tensor& q, Tensor& out) {
   op.call(p, q, out);
 }
 
+inline void sample_filtered(const Tensor& logits, const OptTensor& temperature, const OptTensor& top_k,
+                            const OptTensor& top_p, const OptTensor& seed, const OptTensor& offset,
+                            const OptTensor& uniforms, Tensor& probs, Tensor& tokens) {
+  static auto op = find_op<void(const Tensor&, const OptTensor&, const OptTensor&, const OptTensor&, const OptTensor&,
+                                const OptTensor&, const OptTensor&, Tensor&, Tensor&)>("specdec_ext::sample_filtered");
+  op.call(logits, temperature, top_k, top_p, seed, offset, uniforms, probs, tokens);
+}
+
 inline void philox_uniforms(const Tensor& seed, const Tensor& offset, Tensor& out) {
   static auto op = find_op<void(const Tensor&, const Tensor&, Tensor&)>("specdec_ext::philox_uniforms");
   op.call(seed, offset, out);

@@ -10,6 +10,11 @@ TORCH_LIBRARY(specdec_ext, m) {
       "chain_verify(Tensor target_logits, Tensor draft_token_ids, Tensor? draft_probs, "
       "Tensor? num_draft, Tensor? temperature, Tensor? top_k, Tensor? top_p, Tensor? seed, "
       "Tensor? offset, Tensor? uniforms, Tensor(a!) tokens, Tensor(b!) num_accepted) -> ()");
+  // A drafter's sampled step: each row's filtered distribution written to probs [B,V] and one
+  // token drawn from it, tokens [B] (a negative RowStatus for an invalid row). See csrc/sampling.h.
+  m.def(
+      "sample_filtered(Tensor logits, Tensor? temperature, Tensor? top_k, Tensor? top_p, Tensor? seed, "
+      "Tensor? offset, Tensor? uniforms, Tensor(a!) probs, Tensor(b!) tokens) -> ()");
   // normalise(max(0, p - q)) over the last dimension (p where the residual mass is zero).
   m.def("residual_probs(Tensor target_probs, Tensor draft_probs, Tensor(a!) out) -> ()");
   // The Philox uniforms the verifiers draw: out[b, c] = philox(seed[b], offset[b], c).

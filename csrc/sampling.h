@@ -1,4 +1,4 @@
-// Contract of the sampling family: chain_verify, residual_probs and philox_uniforms. A backend
+// Contract of the sampling family: chain_verify, sample_filtered, residual_probs and philox_uniforms. A backend
 // registers its implementations with register_sampling_ops(): the *_op adapters below take the
 // schema's arguments, run the one check and hand the backend checked, non-empty tensors (the raw
 // views of common/op_views.h come from the *_view() functions).
@@ -23,6 +23,18 @@
 //
 // residual_probs: normalise(max(0, p - q)) over the last dimension; p where that mass is zero.
 //   target_probs [..., V] fp32/bf16/fp16, draft_probs [..., V] same shape, out [..., V] fp32.
+//
+// sample_filtered: a drafter's sampled step. Row b's distribution is the one the verifiers use for
+//   the target (filtered softmax(logits / T): temperature, top-k, top-p, one-hot at the argmax for a
+//   greedy row; common/sampling_math.h); it is written to probs[b] and one token is drawn from it by
+//   inverse CDF at draw 0 of the row (uniforms[b, 0], or philox(seed[b], offset[b], 0)).
+//   logits      [B, V] fp32/bf16/fp16
+//   temperature, top_k, top_p, seed, offset [B] optional, uniforms [B, 1] optional (verifier.h)
+//   probs       [B, V] fp32 out, unit stride along V, any row stride >= V (a column of [B, k, V])
+//   tokens      [B] int64 out: the drawn token, or a negative RowStatus (probs[b] is then all NaN, so a
+//               verifier handed that q reports the row):
+//               -5/-6/-7 the filter, -11 no draws for a sampling row, -8 a uniform outside [0, 1),
+//               -1 a non-finite logits row.
 //
 // philox_uniforms: the uniforms the verifiers draw, out[b, c] = philox(seed[b], offset[b], c).
 //   seed, offset [B] int64; out [B, C] fp32.
@@ -103,6 +115,55 @@ inline PhiloxUniformsView philox_uniforms_view(const at::Tensor& seed, const at:
           out.size(1)};
 }
 
+struct SampleFilteredArgs {
+  const at::Tensor& logits;
+  SamplingArgs sampling;
+  const at::Tensor& probs;
+  const at::Tensor& tokens;
+};
+
+inline void check_sample_filtered(const SampleFilteredArgs& a) {
+  constexpr const char* op = "sample_filtered";
+  check_rank(op, "logits", a.logits, 2, "[B, V]");
+  check_dtype(op, "logits", a.logits, {at::kFloat, at::kBFloat16, at::kHalf});
+  check_contiguous(op, "logits", a.logits);
+  const int64_t batch = a.logits.size(0), vocab = a.logits.size(1);
+  TORCH_CHECK(vocab >= 1, op, ": logits must have a vocabulary of at least 1 token");
+  check_sampling_args(op, batch, 1, a.sampling, a.logits, "logits");
+  check_rank(op, "probs", a.probs, 2, "[B, V]");
+  check_size(op, "probs", a.probs, 0, batch, "B");
+  check_size(op, "probs", a.probs, 1, vocab, "V (the logits' vocabulary)");
+  check_dtype(op, "probs", a.probs, {at::kFloat});
+  check_same_device(op, "probs", a.probs, a.logits, "logits");
+  TORCH_CHECK(a.probs.stride(1) == 1 && (batch <= 1 || a.probs.stride(0) >= vocab), op,
+              ": probs must have unit stride along V and rows that do not overlap, got strides ",
+              shape_str(a.probs.strides()));
+  check_output(op, "tokens", a.tokens, batch, -1, "", at::kLong, a.logits, "logits");
+}
+
+inline SampleFilteredView sample_filtered_view(const SampleFilteredArgs& a) {
+  SampleFilteredView v;
+  v.logits = a.logits.data_ptr();
+  v.logits_type = element_type(a.logits);
+  v.sampling = sampling_params(a.sampling, 1);
+  v.probs = a.probs.data_ptr<float>();
+  v.probs_row_stride = a.probs.size(0) > 1 ? a.probs.stride(0) : a.logits.size(1);
+  v.tokens = a.tokens.data_ptr<int64_t>();
+  v.batch = a.logits.size(0);
+  v.vocab = a.logits.size(1);
+  return v;
+}
+
+template <void (*Impl)(const SampleFilteredArgs&)>
+void sample_filtered_op(const at::Tensor& logits, const c10::optional<at::Tensor>& temperature,
+                        const c10::optional<at::Tensor>& top_k, const c10::optional<at::Tensor>& top_p,
+                        const c10::optional<at::Tensor>& seed, const c10::optional<at::Tensor>& offset,
+                        const c10::optional<at::Tensor>& uniforms, at::Tensor& probs, at::Tensor& tokens) {
+  const SampleFilteredArgs args{logits, {temperature, top_k, top_p, seed, offset, uniforms}, probs, tokens};
+  check_sample_filtered(args);
+  if (logits.size(0) > 0) Impl(args);
+}
+
 template <void (*Impl)(const at::Tensor&, const at::Tensor&, at::Tensor&)>
 void residual_probs_op(const at::Tensor& target_probs, const at::Tensor& draft_probs, at::Tensor& out) {
   check_residual_probs(target_probs, draft_probs, out);
@@ -118,9 +179,11 @@ void philox_uniforms_op(const at::Tensor& seed, const at::Tensor& offset, at::Te
 // Registers a backend's implementations of the family's ops under their schemas.
 template <void (*ChainVerify)(const ChainVerifyArgs&),
           void (*ResidualProbs)(const at::Tensor&, const at::Tensor&, at::Tensor&),
-          void (*PhiloxUniforms)(const at::Tensor&, const at::Tensor&, at::Tensor&)>
+          void (*PhiloxUniforms)(const at::Tensor&, const at::Tensor&, at::Tensor&),
+          void (*SampleFiltered)(const SampleFilteredArgs&)>
 void register_sampling_ops(torch::Library& m) {
   m.impl("chain_verify", &chain_verify_op<ChainVerify>);
+  m.impl("sample_filtered", &sample_filtered_op<SampleFiltered>);
   m.impl("residual_probs", &residual_probs_op<ResidualProbs>);
   m.impl("philox_uniforms", &philox_uniforms_op<PhiloxUniforms>);
 }

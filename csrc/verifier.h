@@ -60,20 +60,20 @@ struct VerifierShape {
 // An output the op writes: [B] (width < 0) or [B, width], one dtype, beside target_logits.
 inline void check_output(const char* op, const char* name, const at::Tensor& out, int64_t batch,
                          int64_t width, const char* width_name, at::ScalarType dtype,
-                         const at::Tensor& target_logits) {
+                         const at::Tensor& target_logits, const char* logits_name = "target_logits") {
   const std::string layout = width < 0 ? std::string("[B]") : std::string("[B, ") + width_name + "]";
   check_rank(op, name, out, width < 0 ? 1 : 2, layout.c_str());
   check_size(op, name, out, 0, batch, "B");
   if (width >= 0) check_size(op, name, out, 1, width, width_name);
   check_dtype(op, name, out, {dtype});
-  check_same_device(op, name, out, target_logits, "target_logits");
+  check_same_device(op, name, out, target_logits, logits_name);
   check_contiguous(op, name, out);
 }
 
 inline void check_sampling_args(const char* op, int64_t batch, int64_t draws, const SamplingArgs& s,
-                                const at::Tensor& target_logits) {
+                                const at::Tensor& target_logits, const char* logits_name = "target_logits") {
   const auto row_param = [&](const char* name, const c10::optional<at::Tensor>& t, at::ScalarType dtype) {
-    check_row_param(op, name, t, batch, dtype, target_logits, "target_logits");
+    check_row_param(op, name, t, batch, dtype, target_logits, logits_name);
   };
   row_param("temperature", s.temperature, at::kFloat);
   row_param("top_k", s.top_k, at::kInt);
@@ -82,7 +82,7 @@ inline void check_sampling_args(const char* op, int64_t batch, int64_t draws, co
   row_param("offset", s.offset, at::kLong);
   if (s.uniforms.has_value()) {
     check_matrix(op, "uniforms", *s.uniforms, "[B, draws]", batch, "B", draws, "the number of draws per row",
-                 at::kFloat, target_logits, "target_logits");
+                 at::kFloat, target_logits, logits_name);
   }
 }
 

@@ -297,3 +297,41 @@ def test_philox_uniforms_bitwise(columns):
     gpu = ops.philox_uniforms(seed.cuda(), offset.cuda(), columns).cpu()
     assert torch.equal(cpu.view(torch.int32), gpu.view(torch.int32))
     assert (gpu >= 0).all() and (gpu < 1).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", VOCABS)
+def test_sample_filtered_matches_cpu(dtype, vocab):
+    """A drafter's sampled step: q within fp32 rounding, the token equal (or between the CPU's picks for
+    u -/+ DELTA), per-row filters and status codes equal; run again inside a CUDA graph."""
+    g = torch.Generator().manual_seed(vocab)
+    batch = 64
+    logits = (torch.randn(batch, vocab, generator=g) * 3).to(dtype)
+    choice = torch.randint(0, 5, (batch,), generator=g)
+    temperature = torch.tensor([1.0, 0.7, 1.3, 1.0, 0.0])[choice]
+    top_k = torch.tensor([0, 0, 5, 3, 0], dtype=torch.int32)[choice]
+    top_p = torch.tensor([1.0, 0.9, 1.0, 0.8, 1.0])[choice]
+    temperature[3] = -1.0  # an invalid row
+    uniforms = torch.rand(batch, 1, generator=g) * U_MAX
+    kw = dict(temperature=temperature, top_k=top_k, top_p=top_p)
+    cpu_probs, cpu_tokens = ops.sample_filtered(logits, uniforms=uniforms, check_status=False, **kw)
+    on_gpu = {name: value.cuda() for name, value in kw.items()}
+    gpu_probs, gpu_tokens = ops.sample_filtered(logits.cuda(), uniforms=uniforms.cuda(), check_status=False, **on_gpu)
+    torch.testing.assert_close(gpu_probs.cpu(), cpu_probs, rtol=1e-5, atol=1e-7)
+    low = ops.sample_filtered(logits, uniforms=(uniforms - DELTA).clamp(min=0), check_status=False, **kw)[1]
+    high = ops.sample_filtered(logits, uniforms=(uniforms + DELTA).clamp(max=U_MAX), check_status=False, **kw)[1]
+    gpu_tokens = gpu_tokens.cpu()
+    same = gpu_tokens == cpu_tokens
+    between = (gpu_tokens >= low) & (gpu_tokens <= high)
+    assert bool((same | between).all()), f"cuda {gpu_tokens[~same].tolist()} cpu {cpu_tokens[~same].tolist()}"
+    assert int(gpu_tokens[3]) == -5
+
+    probs = torch.empty(batch, vocab, device="cuda")
+    tokens = torch.empty(batch, dtype=torch.int64, device="cuda")
+    args = (logits.cuda(), on_gpu["temperature"], on_gpu["top_k"], on_gpu["top_p"], None, None, uniforms.cuda(),
+            probs, tokens)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        torch.ops.specdec_ext.sample_filtered(*args)
+    graph.replay()
+    assert torch.equal(tokens, gpu_tokens.cuda()) and torch.equal(probs, gpu_probs)

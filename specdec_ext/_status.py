@@ -21,6 +21,11 @@ ROW_STATUS_MESSAGES = {
          "was given (inside a CUDA graph capture the wrappers cannot draw seeds: pass seed)",
 }
 
+# Messages of ops whose arguments are named differently from the verifiers'.
+_OP_MESSAGES = {
+    "sample_filtered": {-1: "logits: row {row} has a NaN or +inf logit (or every logit is -inf)"},
+}
+
 # The names of the drafted ids and of their per-row count in each verifier's signature.
 _ARGUMENT_NAMES = {
     "tree_verify": dict(ids="tree_token_ids", counts="num_nodes"),
@@ -38,6 +43,6 @@ def raise_for_row_status(op_name: str, num_accepted: torch.Tensor) -> None:
         return
     row = int(bad[0, 0])
     code = int(num_accepted[row])
-    message = ROW_STATUS_MESSAGES.get(code, f"row {{row}} failed with status {code}")
+    message = _OP_MESSAGES.get(op_name, {}).get(code) or ROW_STATUS_MESSAGES.get(code, f"row {{row}} failed with status {code}")
     names = _ARGUMENT_NAMES.get(op_name, _CHAIN_NAMES)
     raise ValueError(f"{op_name}: " + message.format(row=row, **names))

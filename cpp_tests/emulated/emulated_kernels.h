@@ -12,6 +12,7 @@
 namespace specdec::emulated {
 
 std::string chain_verify(const ChainVerifyView& view);
+std::string sample_filtered(const SampleFilteredView& view);
 std::string residual_probs(const ResidualProbsView& view);
 std::string philox_uniforms(const PhiloxUniformsView& view);
 std::string build_tree_mask(const TreeMaskView& view);

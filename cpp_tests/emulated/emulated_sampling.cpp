@@ -17,6 +17,10 @@ std::string chain_verify(const ChainVerifyView& view) {
   return cuda_emu::errors_of([&] { cuda::launch_chain_verify(view, workspace.get(), nullptr); });
 }
 
+std::string sample_filtered(const SampleFilteredView& view) {
+  return cuda_emu::errors_of([&] { cuda::launch_sample_filtered(view, nullptr); });
+}
+
 std::string residual_probs(const ResidualProbsView& view) {
   return cuda_emu::errors_of([&] { cuda::launch_residual_probs(view, nullptr); });
 }

@@ -1,10 +1,11 @@
-// residual_probs, philox_uniforms, build_tree_mask, kv_write and kv_compact under the emulator
+// sample_filtered, residual_probs, philox_uniforms, build_tree_mask, kv_write and kv_compact under the emulator
 // against the CPU ops: bitwise for the ops that copy, count or hash, within fp32 rounding for the
 // residual (a block reduction sums in another order than the CPU loop).
 #include <ATen/CPUGeneratorImpl.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <limits>
 #include <string>
 
 #include "emulated_kernels.h"
@@ -38,6 +39,57 @@ TEST(EmulatedOps, ResidualProbs) {
       EXPECT_TRUE(torch::equal(emulated[1], p[1].to(at::kFloat)));
     }
   }
+}
+
+// Every row kind in one batch: sampling rows with and without top-k / top-p, T = inf, a greedy row
+// with a tie, rows drawn from seeds, and invalid rows (NaN logits, a bad filter, a bad uniform);
+// probs written into a column of a [B, 3, V] buffer (the other columns untouched).
+TEST(EmulatedOps, SampleFilteredMatchesTheCpu) {
+  at::Generator gen = generator(4);
+  for (const at::ScalarType dtype : {at::kFloat, at::kHalf, at::kBFloat16}) {
+    for (const int64_t vocab : {1, 7, 4099, 32001}) {
+      SCOPED_TRACE(std::string(c10::toString(dtype)) + " V=" + std::to_string(vocab));
+      const int64_t rows = 9;
+      at::Tensor logits = (torch::randn({rows, vocab}, gen) * 3).to(dtype);
+      if (vocab > 1) logits[5][vocab - 1] = logits[5].max();  // a tie for the greedy row: the lowest index wins
+      logits[6][0] = std::numeric_limits<float>::quiet_NaN();
+      const at::Tensor temperature = torch::tensor({1.0f, 0.7f, 1.3f, 1.0f, INFINITY, 0.0f, 1.0f, -1.0f, 0.9f});
+      const at::Tensor top_k = torch::tensor({0, 0, 5, 3, 2, 0, 0, 0, 0}, torch::kInt);
+      const at::Tensor top_p = torch::tensor({1.0f, 0.9f, 1.0f, 0.8f, 0.5f, 1.0f, 1.0f, 1.0f, 1.0f});
+      at::Tensor uniforms = torch::rand({rows, 1}, gen);
+      uniforms[8][0] = 1.0f;  // outside [0, 1)
+      at::Tensor cpu_probs = torch::empty({rows, vocab});
+      at::Tensor cpu_tokens = torch::empty({rows}, torch::kLong);
+      sample_filtered(logits, temperature, top_k, top_p, {}, {}, uniforms, cpu_probs, cpu_tokens);
+      at::Tensor buffer = torch::full({rows, 3, vocab}, 7.0f);
+      at::Tensor probs = buffer.select(1, 1);
+      at::Tensor tokens = torch::full({rows}, 99L, torch::kLong);
+      const OptTensor t(temperature), k(top_k), p(top_p), none, u(uniforms);
+      const specdec::SampleFilteredArgs args{logits, {t, k, p, none, none, u}, probs, tokens};
+      specdec::check_sample_filtered(args);
+      ASSERT_EQ(specdec::emulated::sample_filtered(specdec::sample_filtered_view(args)), "");
+      EXPECT_TRUE(torch::equal(tokens, cpu_tokens)) << tokens << cpu_tokens;
+      EXPECT_TRUE(torch::allclose(probs, cpu_probs, 1e-5, 1e-7, /*equal_nan=*/true))
+          << (probs - cpu_probs).abs().nan_to_num(0.0).max();
+      EXPECT_TRUE(probs[6].isnan().all().item<bool>() && probs[7].isnan().all().item<bool>());  // invalid rows
+      EXPECT_TRUE(torch::equal(buffer.select(1, 0), torch::full({rows, vocab}, 7.0f)));
+      EXPECT_TRUE(torch::equal(buffer.select(1, 2), torch::full({rows, vocab}, 7.0f)));
+      EXPECT_EQ(tokens[6].item<int64_t>(), -1);  // NaN logits
+      EXPECT_EQ(tokens[7].item<int64_t>(), -5);  // negative temperature
+      if (vocab > 1) EXPECT_EQ(tokens[8].item<int64_t>(), -8);  // the uniform
+    }
+  }
+  // Draws from seeds are the CPU's too.
+  const at::Tensor logits = torch::randn({4, 300}, gen);
+  const at::Tensor seed = torch::tensor({3L, 4L, 5L, 6L});
+  const at::Tensor offset = torch::tensor({0L, 9L, 1L << 35, 2L});
+  at::Tensor cpu_probs = torch::empty({4, 300}), probs = torch::empty({4, 300});
+  at::Tensor cpu_tokens = torch::empty({4}, torch::kLong), tokens = torch::empty({4}, torch::kLong);
+  sample_filtered(logits, {}, {}, {}, seed, offset, {}, cpu_probs, cpu_tokens);
+  const OptTensor none, seeds(seed), offsets(offset);
+  const specdec::SampleFilteredArgs args{logits, {none, none, none, seeds, offsets, none}, probs, tokens};
+  ASSERT_EQ(specdec::emulated::sample_filtered(specdec::sample_filtered_view(args)), "");
+  EXPECT_TRUE(torch::equal(tokens, cpu_tokens));
 }
 
 TEST(EmulatedOps, PhiloxUniformsAreBitwiseTheCpuOnes) {

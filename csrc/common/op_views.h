@@ -76,6 +76,18 @@ struct ResidualProbsView {
   int64_t rows, vocab;
 };
 
+// sample_filtered: each row's filtered distribution (the verifiers' filter) written out, and one
+// token drawn from it.
+struct SampleFilteredView {
+  const void* logits;        // [B, V] of logits_type
+  ElementType logits_type;
+  SamplingParams sampling;   // draws = 1
+  float* probs;              // [B, V] out: row b starts at probs + b * probs_row_stride
+  int64_t probs_row_stride;  // >= V (a column of a [B, k, V] buffer has k * V)
+  int64_t* tokens;           // [B] out: the drawn token, or a negative RowStatus
+  int64_t batch, vocab;
+};
+
 struct PhiloxUniformsView {
   const int64_t* seed;    // [rows]
   const int64_t* offset;  // [rows]

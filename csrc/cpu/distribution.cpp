@@ -35,6 +35,15 @@ int64_t TargetDistribution::sample(float u) {
   return inverse_cdf(weights_.data(), vocab_, u * mass_);
 }
 
+void TargetDistribution::write_probs(float* out) {
+  if (one_hot_token_ >= 0) {
+    for (int64_t j = 0; j < vocab_; ++j) out[j] = j == one_hot_token_ ? 1.0f : 0.0f;
+    return;
+  }
+  materialize();
+  for (int64_t j = 0; j < vocab_; ++j) out[j] = weights_[j] / mass_;
+}
+
 void TargetDistribution::measure_at(uint32_t pivot, bool count_only, float& measure,
                                     uint32_t& min_key_at_or_above, uint32_t& max_key_below) const {
   float total = 0.0f;

@@ -62,6 +62,9 @@ class TargetDistribution {
   // Inverse CDF: the smallest index whose running sum of w exceeds u * mass.
   int64_t sample(float u);
 
+  // out[j] = p_j for every token (w_j / mass; one-hot for a greedy row).
+  void write_probs(float* out);
+
  private:
   void materialize() {
     if (!materialized_) exp_sum(logits_, vocab_, max_logit_, inv_temperature_, weights_.data());

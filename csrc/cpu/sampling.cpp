@@ -7,6 +7,9 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <limits>
+
 #include "../sampling.h"
 #include "distribution.h"
 #include "verifier_row.h"
@@ -44,6 +47,35 @@ void chain_verify(const ChainVerifyArgs& args) {
   const ChainVerifyView view = verifier_view(args);
   AT_DISPATCH_V2(args.target_logits.scalar_type(), "chain_verify_cpu",
                  AT_WRAP([&] { chain_verify_rows<scalar_t>(view); }), at::kFloat, at::kBFloat16, at::kHalf);
+}
+
+template <typename scalar_t>
+void sample_filtered_rows(const SampleFilteredView& v) {
+  at::parallel_for(0, v.batch, 1, [&](int64_t begin, int64_t end) {
+    TargetDistribution p(v.vocab);
+    for (int64_t b = begin; b < end; ++b) {
+      const FilterParams filter = v.sampling.filter(b);
+      int32_t status = validate_filter(filter);
+      if (status == 0) status = v.sampling.missing_draws_status(filter);
+      const float u = v.sampling.draw(b, 0);
+      if (status == 0 && v.sampling.has_draws() && !is_valid_uniform(u)) status = kStatusInvalidUniform;
+      if (status == 0) status = p.load(static_cast<const scalar_t*>(v.logits) + b * v.vocab, filter);
+      float* probs = v.probs + b * v.probs_row_stride;
+      if (status != 0) {
+        std::fill(probs, probs + v.vocab, std::numeric_limits<float>::quiet_NaN());
+        v.tokens[b] = status;
+        continue;
+      }
+      p.write_probs(probs);
+      v.tokens[b] = p.sample(u);
+    }
+  });
+}
+
+void sample_filtered(const SampleFilteredArgs& args) {
+  const SampleFilteredView view = sample_filtered_view(args);
+  AT_DISPATCH_V2(args.logits.scalar_type(), "sample_filtered_cpu",
+                 AT_WRAP([&] { sample_filtered_rows<scalar_t>(view); }), at::kFloat, at::kBFloat16, at::kHalf);
 }
 
 template <typename scalar_t>
@@ -90,7 +122,7 @@ void philox_uniforms(const at::Tensor& seed, const at::Tensor& offset, at::Tenso
 }  // namespace
 
 TORCH_LIBRARY_IMPL(specdec_ext, CPU, m) {
-  register_sampling_ops<chain_verify, residual_probs, philox_uniforms>(m);
+  register_sampling_ops<chain_verify, residual_probs, philox_uniforms, sample_filtered>(m);
 }
 
 }  // namespace specdec::cpu

@@ -30,6 +30,15 @@ void chain_verify(const ChainVerifyArgs& args) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+void sample_filtered(const SampleFilteredArgs& args) {
+  const SampleFilteredView view = sample_filtered_view(args);
+  TORCH_CHECK(view.batch <= INT32_MAX && view.vocab < INT32_MAX,
+              "sample_filtered: logits is too large for the CUDA kernel (shape ", shape_str(args.logits.sizes()), ")");
+  const c10::cuda::CUDAGuard guard(args.logits.device());
+  launch_sample_filtered(view, c10::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 void residual_probs(const at::Tensor& target_probs, const at::Tensor& draft_probs, at::Tensor& out) {
   const ResidualProbsView view = residual_probs_view(target_probs, draft_probs, out);
   TORCH_CHECK(view.rows <= INT32_MAX, "residual_probs: too many rows for the CUDA kernel (", view.rows, ")");
@@ -50,7 +59,7 @@ void philox_uniforms(const at::Tensor& seed, const at::Tensor& offset, at::Tenso
 }  // namespace
 
 TORCH_LIBRARY_IMPL(specdec_ext, CUDA, m) {
-  register_sampling_ops<chain_verify, residual_probs, philox_uniforms>(m);
+  register_sampling_ops<chain_verify, residual_probs, philox_uniforms, sample_filtered>(m);
 }
 
 }  // namespace specdec::cuda

@@ -25,6 +25,9 @@
 // q row pass of kernel 2 dominates; splitting it the same way (chunk masses of the residual in
 // a third kernel, then a scan inside one chunk) is the next step if profiles ask for it.
 //
+// sample_filtered: one block per row: the row's statistics (and the filter's passes), a pass writing
+// p, and the inverse-CDF pass of the verifiers' bonus draw.
+//
 // residual_probs: one block per row, two passes (mass, then write). philox_uniforms: one thread
 // per draw.
 #pragma once
@@ -46,6 +49,8 @@ constexpr int kFastPositions = 64;  // rows with k+1 <= 64 merge all positions' 
 constexpr int kDecideGroups = 4;   // load groups per thread in the reduction passes
 constexpr int kSampleGroups = 4;   // load groups per thread per tile of the inverse-CDF pass
 constexpr int kResidualThreads = 512;
+constexpr int kDraftSampleThreads = 512;
+constexpr int kDraftSampleGroups = 2;
 constexpr int kPhiloxThreads = 256;
 
 inline int64_t stats_chunks(int64_t vocab) { return (vocab + kStatsChunk - 1) / kStatsChunk; }
@@ -199,6 +204,35 @@ __global__ void __launch_bounds__(kDecideThreads) chain_decide_kernel(ChainVerif
     p.tokens[b * (k + 1) + c] = token;
   }
   if (threadIdx.x == 0) p.num_accepted[b] = status != 0 ? status : static_cast<int32_t>(accepted);
+}
+
+// Row b's filtered distribution written to probs and one token drawn from it (CPU: sample_filtered_rows).
+// Every branch below depends on block-uniform values only.
+template <typename T>
+__global__ void __launch_bounds__(kDraftSampleThreads) sample_filtered_kernel(SampleFilteredView p) {
+  constexpr int kThreads = kDraftSampleThreads;
+  __shared__ BlockTemp<kThreads> temp;
+  const int64_t b = blockIdx.x;
+  const FilterParams filter = p.sampling.filter(b);
+  int32_t status = validate_filter(filter);
+  if (status == 0) status = p.sampling.missing_draws_status(filter);
+  const float u = p.sampling.draw(b, 0);
+  if (status == 0 && p.sampling.has_draws() && !is_valid_uniform(u)) status = kStatusInvalidUniform;
+  const T* row = static_cast<const T*>(p.logits) + b * p.vocab;
+  DistState<0> d;
+  if (status == 0) {
+    status = block_load_distribution<T, kThreads, kDraftSampleGroups>(row, p.vocab, filter, d, temp);
+  }
+  float* probs = p.probs + b * p.probs_row_stride;
+  for (int64_t j = threadIdx.x; j < p.vocab; j += kThreads) {
+    probs[j] = status == 0 ? d.prob(j, to_float(row[j])) : NAN;
+  }
+  if (status != 0) {
+    if (threadIdx.x == 0) p.tokens[b] = status;
+    return;
+  }
+  const int64_t token = d.greedy ? d.argmax : block_sample<T, kThreads, kDraftSampleGroups>(d, row, p.vocab, u, temp);
+  if (threadIdx.x == 0) p.tokens[b] = token;
 }
 
 // out = normalise(max(0, p - q)) per row of length V, or p where that mass is 0.

@@ -38,6 +38,13 @@ inline void launch_chain_verify(const ChainVerifyView& v, void* workspace, cudaS
   });
 }
 
+inline void launch_sample_filtered(const SampleFilteredView& v, cudaStream_t stream) {
+  with_device_type(v.logits_type, [&](auto type) {
+    using T = typename decltype(type)::type;
+    launch_kernel(sample_filtered_kernel<T>, grid_of(v.batch), dim3(kDraftSampleThreads), stream, v);
+  });
+}
+
 inline void launch_residual_probs(const ResidualProbsView& v, cudaStream_t stream) {
   with_device_type(v.probs_type, [&](auto type) {
     using T = typename decltype(type)::type;

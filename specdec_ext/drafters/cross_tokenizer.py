@@ -41,10 +41,9 @@ import torch
 
 from .. import ops
 from ..metadata import Proposal, SpecDecodeMetadata, Verdict
-from ..sampling import sample_inverse_cdf
 from ..vocab_bridge import VocabularyBridge
 from .base import Drafter
-from .model_drafter import RunnerFactory, draft_probs
+from .model_drafter import RunnerFactory, draft_uniforms, sample_draft
 
 GREEDY_THROUGH_TEXT = "greedy-through-text"
 INTERSECTION = "intersection"
@@ -273,11 +272,9 @@ class CrossTokenizerDrafter(Drafter):
         if self.probs is None:
             self.probs = torch.zeros((self.token_ids.shape[0], self.slots, V), dtype=torch.float32,
                                      device=meta.device)  # [B, k, V]
-        uniforms = ops.philox_uniforms(meta.seed, meta.draft_offset, self.slots)  # [B, k]
+        uniforms = draft_uniforms(meta, self.slots)  # [k, B, 1]
         for i in range(steps):
-            q = draft_probs(self.bridge.to_target_logits(logits), meta)  # [B, V]
-            token = sample_inverse_cdf(q, uniforms[:, i])  # [B]
-            self.probs[:B, i].copy_(q)
+            token = sample_draft(self.bridge.to_target_logits(logits), meta, uniforms[i], self.probs[:B, i])  # [B]
             self.token_ids[:B, i].copy_(token)
             if i + 1 < steps:
                 logits = self._feed(self.lookup[token])

@@ -22,7 +22,6 @@ import torch
 from .. import ops
 from ..metadata import Proposal, SpecDecodeMetadata, Verdict
 from ..runners import ModelRunner
-from ..sampling import filtered_probs, filtered_probs_per_row, sample_inverse_cdf
 from .base import Drafter
 
 MAX_DRAFT_FEED = 2  # committed tokens a model drafter may not have seen: the bonus/recovered token and,
@@ -151,7 +150,7 @@ class ModelDrafter(Drafter):
             self._fed_drafts = steps - 1
             return Proposal(token_ids, probs, num_draft, longest=None if budget is None else steps)
         logits = self._fit_vocab(self._feed_unseen(meta))  # [B, V]
-        uniforms = None if greedy else ops.philox_uniforms(meta.seed, meta.draft_offset, k)  # [B, k]
+        uniforms = None if greedy else draft_uniforms(meta, k)  # [k, B, 1]
         counts = processing.output_counts.clone() if processing is not None and processing.any_penalised else None
         for i in range(steps):
             if processing is not None:  # the draft proposes from its processed q', as the target verifies p'
@@ -161,11 +160,9 @@ class ModelDrafter(Drafter):
                 if drafting is not None:
                     confidence = torch.softmax(logits.float(), -1).amax(-1)  # [B]
             else:
-                q = draft_probs(logits, meta)  # [B, V]
-                token = sample_inverse_cdf(q, uniforms[:, i])  # [B]
-                probs[:, i].copy_(q)
+                token = sample_draft(logits, meta, uniforms[i], probs[:, i])  # [B]
                 if drafting is not None:
-                    confidence = q.gather(1, token[:, None])[:, 0]  # [B]
+                    confidence = probs[:, i].gather(1, token[:, None])[:, 0]  # [B]
             token_ids[:, i].copy_(token)
             if counts is not None:
                 counts.scatter_add_(1, token[:, None], torch.ones_like(token[:, None], dtype=torch.int32))
@@ -224,11 +221,26 @@ class ModelDrafter(Drafter):
         return undo
 
 
-def draft_probs(logits: torch.Tensor, meta: SpecDecodeMetadata) -> torch.Tensor:
-    """The draft's filtered q [B, V] from its logits [B, V]: the loop's filter, or each row's own
-    (``meta.row_sampling``, continuous batching: read from the per-row tensors, as the verifier does). A
-    greedy row's q is one-hot at its argmax, which is what the verifier assumes of a greedy draft."""
-    if meta.row_sampling is None:
-        return filtered_probs(logits, meta.sampling)
-    truncate = any(params.top_k > 0 or params.top_p < 1.0 for params in meta.row_sampling)
-    return filtered_probs_per_row(logits, meta.temperature, meta.top_k, meta.top_p, truncate=truncate)
+def sample_draft(logits: torch.Tensor, meta: SpecDecodeMetadata, uniforms: torch.Tensor,
+                 probs: torch.Tensor) -> torch.Tensor:
+    """Each row's draft token, drawn from its filtered q with the filter the verifier applies to the
+    target's logits (the loop's, or each row's own under continuous batching: ``meta.temperature``,
+    ``top_k``, ``top_p`` hold either); q is written into ``probs``. A greedy row's q is one-hot at its
+    argmax, which is what the verifier assumes of a greedy draft. One op call (ops.sample_filtered), no
+    host read: a row whose logits are invalid (NaN) gets token 0 and an all-NaN q, which the verifier
+    reports as that row's invalid draft probabilities.
+
+    logits [B, V]; uniforms [B, 1] fp32; probs [B, V] fp32 out (a column of a [B, k, V] buffer)
+    -> tokens [B] int64
+    """
+    B = meta.batch_size
+    tokens = torch.empty((B,), dtype=torch.int64, device=logits.device)
+    ops.sample_filtered(logits.contiguous(), temperature=meta.temperature[:B], top_k=meta.top_k[:B],
+                        top_p=meta.top_p[:B], uniforms=uniforms, out=(probs, tokens), check_status=False)
+    return tokens.clamp_(min=0)
+
+
+def draft_uniforms(meta: SpecDecodeMetadata, steps: int) -> torch.Tensor:
+    """The draft's Philox uniforms of this step, one [B, 1] column per draft position (``sample_draft``'s
+    ``uniforms``): philox(seed, draft_offset, i) for position i. -> [steps, B, 1] fp32"""
+    return ops.philox_uniforms(meta.seed, meta.draft_offset, steps).t().contiguous()[:, :, None]

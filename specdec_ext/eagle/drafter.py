@@ -34,10 +34,10 @@ import torch
 
 from .. import ops
 from ..drafters.base import Drafter
-from ..drafters.model_drafter import draft_probs
+from ..drafters.model_drafter import draft_uniforms, sample_draft
 from ..drafters.tree_drafter import beam_widths, draw_without_replacement, grow_tree, tree_num_nodes
 from ..metadata import Proposal, SpecDecodeMetadata, Verdict
-from ..sampling import filtered_probs, sample_inverse_cdf
+from ..sampling import filtered_probs
 from .checkpoints import check_target
 from .model import Eagle3Model, EagleKV
 
@@ -159,7 +159,7 @@ class EagleDrafter(Drafter):
         if not greedy and self.probs is None:  # every slot's row: a continuous batch's view widens later
             self.probs = torch.zeros((self.token_ids.shape[0], k, self.vocab_size), dtype=torch.float32,
                                      device=meta.device)
-        uniforms = None if greedy else ops.philox_uniforms(meta.seed, meta.draft_offset, k)  # [B, k]
+        uniforms = None if greedy else draft_uniforms(meta, k)  # [k, B, 1]
         fed = torch.tensor(self.fed[:B], dtype=torch.int64, device=meta.device)
         out = self.last[:B]
         with torch.no_grad():
@@ -168,9 +168,8 @@ class EagleDrafter(Drafter):
                 if greedy:
                     token = self.head.target_ids[logits.argmax(-1)]
                 else:
-                    q = draft_probs(self.head.to_target_logits(logits), meta)  # [B, V], 0 off the draft vocabulary
-                    token = sample_inverse_cdf(q, uniforms[:, i])
-                    self.probs[:B, i].copy_(q)
+                    # q is 0 off the draft vocabulary
+                    token = sample_draft(self.head.to_target_logits(logits), meta, uniforms[i], self.probs[:B, i])
                 self.token_ids[:B, i].copy_(token)
                 if i + 1 < steps:  # the drafted token with the layer's own output, at slot fed + i
                     out = self.head.block(token[:, None], out[:, None], fed + i, self.cache)[:, 0]

@@ -1,4 +1,4 @@
-"""Sampling ops: chain_verify, residual_probs, philox_uniforms (typed wrappers and fake kernels), and
+"""Sampling ops: chain_verify, sample_filtered, residual_probs, philox_uniforms (typed wrappers and fake kernels), and
 the verifiers' shared arguments: per-row parameters and the sampling keywords (one definition for
 chain_verify and tree_verify, which imports them from here: their types, defaults, seeds and
 documentation).
@@ -187,6 +187,62 @@ def chain_verify(
     return tokens, num_accepted
 
 
+def sample_filtered(
+    logits: torch.Tensor,
+    *,
+    out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+    check_status: bool = True,
+    **sampling: Unpack[SamplingKeywords],
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """One token per row drawn from its filtered distribution, which is returned too: a drafter's
+    sampled step, with the q the verifier then needs.
+
+    Row b's distribution is the one the verifiers use for the target: softmax(logits / T) filtered by
+    top-k then top-p (one-hot at the argmax, the lowest index on ties, for a greedy row). The token is
+    drawn by inverse CDF (the smallest index whose running sum exceeds u times the total mass) at
+    draw 0 of the row.
+
+    Parameters
+    ----------
+    logits : torch.Tensor
+        Draft logits, fp32, bf16 or fp16 (already processed: penalties, masks).
+        Shape: [B, V]
+    temperature, top_k, top_p, seed, offset : optional
+        As for ``chain_verify``; one draw per row: philox(seed[b], offset[b], 0).
+        Shape: [B]
+    uniforms : torch.Tensor, optional
+        Explicit draws in [0, 1), fp32, instead of ``seed``.
+        Shape: [B, 1]
+    out : (torch.Tensor, torch.Tensor), optional
+        Preallocated (probs, tokens); ``probs`` needs unit stride along V only, so a column
+        ``buffer[:, i]`` of a [B, k, V] buffer can take it.
+    check_status : bool
+        Raise ``ValueError`` for rows with invalid input (reads ``tokens`` on the host).
+
+    Returns
+    -------
+    probs : torch.Tensor
+        The filtered distribution of each row, fp32 (all NaN for an invalid row).
+        Shape: [B, V]
+    tokens : torch.Tensor
+        The drawn token per row, int64; a negative status code for an invalid row when
+        ``check_status`` is False.
+        Shape: [B]
+    """
+    batch = logits.shape[0] if logits.dim() > 0 else 0
+    device = logits.device
+    if out is None:
+        probs = torch.empty(tuple(logits.shape), dtype=torch.float32, device=device)
+        tokens = torch.empty((batch,), dtype=torch.int64, device=device)
+    else:
+        probs, tokens = out
+    torch.ops.specdec_ext.sample_filtered(logits, *sampling_op_args("sample_filtered", batch, device, sampling),
+                                          probs, tokens)
+    if check_status:
+        raise_if_a_row_failed("sample_filtered", tokens)
+    return probs, tokens
+
+
 def _check_probabilities(name: str, probs: torch.Tensor) -> None:
     if probs.is_floating_point() and not bool(((probs >= 0) & (probs <= 1)).all()):
         raise ValueError(f"residual_probs: {name} must hold probabilities in [0, 1] (no NaN)")
@@ -270,6 +326,11 @@ def check_operand_devices(op: str, operands: Sequence, reference: int = 0) -> No
 @torch.library.register_fake("specdec_ext::chain_verify")
 def _chain_verify_fake(target_logits, *operands):
     check_operand_devices("chain_verify", (target_logits, *operands))
+
+
+@torch.library.register_fake("specdec_ext::sample_filtered")
+def _sample_filtered_fake(logits, *operands):
+    check_operand_devices("sample_filtered", (logits, *operands))
 
 
 @torch.library.register_fake("specdec_ext::residual_probs")
