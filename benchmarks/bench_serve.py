@@ -3,7 +3,9 @@
 Each mode starts `specdec serve` in its own process on 127.0.0.1 with its flags (MODES: "speculative" the
 server's defaults, k by load and chunked prefill; "plain" the same with ``--draft none``; "whole" k by
 load with whole-prompt prefill, ``--prefill-chunk 0``; "fixed" ``-k 4`` with whole-prompt prefill, the
-server before issue 30; "slo" the defaults with ``--tpot-slo-ms 50``), sends one warm-up request, then runs N closed-loop clients (each sends its next
+server before issue 30; "slo" the defaults with ``--tpot-slo-ms 50``; "uncalibrated" the defaults without the
+start-up request that times every draft length, ``--no-calibrate``), sends one warm-up request, then runs N
+closed-loop clients (each sends its next
 request when the previous one ended) for every N in --clients. With --repeats R the modes run R times,
 interleaved (mode 1, mode 2, ..., mode 1, ...), and the table gives each figure's median over the runs. Requests are
 streamed completions of held-out code prompts (the first lines of stdlib files the pair never saw), greedy
@@ -38,7 +40,8 @@ from specdec_ext.cli import BUNDLED_MODEL_NAME, heldout_prompts
 
 START_TIMEOUT_S = 300.0
 MODES = {"speculative": [], "plain": ["--draft", "none"], "whole": ["--prefill-chunk", "0"],
-         "fixed": ["-k", "4", "--prefill-chunk", "0"], "slo": ["--tpot-slo-ms", "50"]}
+         "fixed": ["-k", "4", "--prefill-chunk", "0"], "slo": ["--tpot-slo-ms", "50"],
+         "uncalibrated": ["--no-calibrate"]}
 REQUEST_TIMEOUT_S = 600.0
 
 

@@ -228,6 +228,31 @@ def test_k_by_load_gives_every_greedy_request_its_plain_greedy_tokens(pair):
     assert "specdec_speculation_off_steps_total" in text
 
 
+def test_calibration_times_every_draft_length_then_forgets_its_request(pair):
+    """Engine.calibrate (specdec serve's start-up request) runs its schedule before start(): afterwards
+    V(t) is known for t = 1..k+1 tokens at width 1 and D(1, K) for every K, while the metrics, the step
+    log's effect on /metrics and the rows' acceptance are as a fresh server's; greedy requests after it
+    still equal plain greedy decoding."""
+    tokenizer = pair[2]
+    engine = _engine(pair, max_rows=4)
+    controller = engine.batcher.draft_length
+    k = controller.k_max
+    steps = engine.calibrate(tokenizer("import os\nimport sys\n")["input_ids"])
+    assert steps == 2 * k + 3 and not controller.calibrating
+    assert set(range(1, k + 2)) <= set(controller.verify.sizes)
+    assert set(controller.draft.times[1]) == set(range(1, k + 1))
+    assert not engine.batcher.running and not engine.metrics.finished and not engine.metrics.draft_lengths
+    assert engine.metrics.steps.steps == 0
+    assert np.allclose(controller.pooled, controller.pooled[0]) and controller.acceptance().shape == (4, k)
+    got = _run(engine, [_request(tokenizer, p, max_new=24) for p in PROMPTS[:3]])
+    for prompt, tokens in zip(PROMPTS[:3], got):
+        want = plain_generate([prompt], pair[0], max_new_tokens=24, eos_token_id=False, tokenizer=tokenizer)
+        assert tokens == want.token_ids[0], prompt
+    with pytest.raises(RuntimeError, match="before start"):
+        engine.calibrate([1, 2, 3])
+    assert _engine(pair, max_rows=2, k=3).calibrate([1, 2, 3]) == 0  # a fixed k: nothing to choose
+
+
 def test_a_seeded_sample_equals_itself_alone_under_k_by_load(pair):
     """A seeded request at T = 1 returns the same tokens alone and beside seven others (greedy and
     unseeded samples) while the others' draft length follows the load."""

@@ -18,6 +18,8 @@ DEMO_FILES = 3
 DEMO_NEW_TOKENS = 64
 DEMO_THREADS = 1  # the bundled models are small: intra-op threads cost more than they save on a CPU
 DEMO_DTYPE = "bfloat16"  # the bundled pair's stored dtype: a pass reads half the bytes of float32
+# specdec serve's start-up request (Engine.calibrate): ordinary code, whatever the model
+SERVE_CALIBRATION_TEXT = "import os\nimport sys\n\n\ndef read_lines(path):\n    with open(path) as handle:\n"
 DEFAULT_AUDIT_PROMPTS = ["import os\nimport sys\n\n\ndef main(", "class Parser:\n    def __init__(self"]
 GENERATE_PROGRESS_DELAY_S = 3.0  # a generation shows a progress bar only once it has run this long
 
@@ -205,6 +207,9 @@ def _serve_parser(sub) -> None:
                    help="prompt tokens prefilled per decode step for joining requests, so running rows keep "
                    "emitting while a long prompt joins; 0 prefills whole prompts before the next step (default: "
                    "256 where the target runner can, lean or recompute)")
+    s.add_argument("--no-calibrate", action="store_false", dest="calibrate",
+                   help="skip the start-up request that times every draft length before the server listens (with "
+                   "k by load: without it the first clients' steps measure the costs)")
     s.add_argument("--tpot-slo-ms", type=float, default=None, dest="tpot_slo_ms",
                    help="a target time per output token: each step's prefill chunk is cut to what the target "
                    "leaves after the decode step, and a waiting request joins only while the batch it would make "
@@ -502,6 +507,9 @@ def cmd_serve(args) -> int:
                          eos_token_ids=eos_token_ids(models.target, models.tokenizer))
     except ValueError as error:
         raise SystemExit(f"specdec serve: {error}") from None
+    if args.calibrate:
+        steps = engine.calibrate(models.tokenizer.encode(SERVE_CALIBRATION_TEXT))
+        engine.description += f"; step costs calibrated in {steps} steps" if steps else ""
     print(f"specdec serve: {name!r} on http://{args.host}:{args.port}/v1 ({engine.description})", file=sys.stderr)
     return run_server(app, engine, host=args.host, port=args.port, shutdown_grace_s=args.shutdown_grace,
                       log_level=args.log_level)

@@ -55,6 +55,13 @@ REFRESH_BAND of plain decoding) and V(w) was not measured in the last STALE_STEP
 measures it again (with k="auto"'s 64 steps, a plain cost measured during a moment of load on the shared
 CPU kept speculation on at 0.90x plain for a whole 32-client run).
 
+Calibration. A server process starts knowing no cost. ``specdec serve`` runs one request of its own before it
+listens (Engine.calibrate): its steps draft the schedule of ``start_calibration`` (plain steps, then every
+K up and down again), so V(n) holds t = 1..k_max + 1 tokens at width 1 and D(1, K) every K before the
+first client's step (measured at one client without it: the early steps chose from optimistic
+extrapolations, and the controller drafted 3.2 tokens per step on average where 4 paid best). The
+request's acceptance is forgotten afterwards (the prior is the clients'), its costs kept.
+
 Seeded rows. A request that gave a seed (``GenerationRequest.seeded``) drafts ``pinned_k`` tokens every
 step whatever the load, so that its tokens are the same alone and batched: its Philox draws follow its
 own steps, and the draft lengths decide which draw serves which position. The pass is then at least
@@ -88,7 +95,8 @@ EXPLORE = "explore"  # off: one step drafts the best K >= 1 to measure it
 REFRESH = "refresh"  # on, close call: one plain step measures V(w) again
 PINNED = "pinned"  # a seeded row is running: it drafts pinned_k (the others K*)
 FIXED = "fixed"  # -k N: no choice
-REASONS = (MEASURED, EXPLORE, REFRESH, PINNED, FIXED)
+CALIBRATE = "calibrate"  # the server's own start-up request: every K in turn (start_calibration)
+REASONS = (MEASURED, EXPLORE, REFRESH, PINNED, FIXED, CALIBRATE)
 
 
 @dataclass(frozen=True)
@@ -195,7 +203,32 @@ class LoadGatedK:
         self._since_draft = 0  # plain steps since the last draft pass: the next one also feeds their tokens
         self.feed_per_token = math.nan  # seconds per token the draft model's catch-up feed takes
         self._drafted = np.zeros(rows, dtype=bool)  # the slot's row drafted since it joined
+        self._schedule: List[int] = []  # calibration: the draft lengths of the next steps
+        self._warming = False  # the next observed step is the calibration's first: not timed
         for slot in range(rows):
+            self.join(slot)
+
+    # ------------------------------------------------------------------ calibration (module docstring)
+    def start_calibration(self) -> int:
+        """The next steps draft a fixed schedule: two plain steps (the first one warms up and is not
+        timed), every K from 1 to k_max and back (the first draft step after plain ones is a catch-up, so
+        each K is timed as a draft once at least), a plain step. Returns its length in steps."""
+        self._schedule = [0, 0, *range(1, self.k_max + 1), *range(self.k_max, 0, -1), 0]
+        self._warming = True
+        return len(self._schedule)
+
+    @property
+    def calibrating(self) -> bool:
+        return bool(self._schedule)
+
+    def end_calibration(self) -> None:
+        """Forget the calibration request's rows (acceptance, the pooled prior); keep the costs it measured."""
+        self._schedule = []
+        self.pooled = np.full(self.k_max, DEFAULT_PRIOR_ACCEPTANCE)
+        self.shape = np.ones(self.k_max)
+        self._cap, self._since_draft = 0, 0
+        self._interval, self._next_explore = self.explore_every, self.step + self.explore_every
+        for slot in range(self.reached.shape[0]):
             self.join(slot)
 
     # ------------------------------------------------------------------ rows
@@ -239,7 +272,9 @@ class LoadGatedK:
         self.step += 1
         times = self.step_times(width)
         reason, rates = MEASURED, None
-        if times is None:  # nothing timed yet: draft the pinned length once to measure it
+        if self._schedule:
+            cap, reason = self._schedule.pop(0), CALIBRATE
+        elif times is None:  # nothing timed yet: draft the pinned length once to measure it
             cap = self.pinned_k
         else:
             if self._cap == 0 and self._since_draft:
@@ -281,6 +316,10 @@ class LoadGatedK:
     def observe(self, width: int, choice: DraftChoice, outcome: StepOutcome, *, verify_width: int,
                 draft_time: float, verify_time: float, host_time: float) -> None:
         """The step ``choice`` ran: its outcome, the verify pass's tokens per row and the parts' times."""
+        if self._warming:  # a first pass's cold caches and allocations are not what a step costs
+            self._warming = False
+            self._since_draft += 1
+            return
         self.verify.observe(width * verify_width, verify_time, self.step)
         drafted = choice.k
         if drafted > 0 and not self._since_draft:

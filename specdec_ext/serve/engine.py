@@ -30,6 +30,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Deque, Dict, List, Optional
 
+from ..sampling import SamplingParams
+from ..stops import StopCriteria
 from .batcher import Admission, ContinuousBatcher
 from .metrics import Gauge
 from .request import (ABORTED, CANCELLED, FAILED, EventSink, GenerationRequest, QueueFullError, RequestRejected,
@@ -89,6 +91,41 @@ class Engine:
             self._state = RUNNING
             self._thread = threading.Thread(target=self._loop, name="specdec-engine", daemon=True)
             self._thread.start()
+
+    def calibrate(self, prompt: List[int]) -> int:
+        """Before start(): one greedy request of the server's own, decoded on the calling thread, whose steps
+        draft every length in turn (LoadGatedK.start_calibration), so the first clients' steps choose k from
+        measured costs. The request's acceptance and the metrics are reset afterwards. Returns the steps it
+        ran (0 when the draft length is fixed). ``prompt``: token ids of any ordinary text."""
+        controller = self.batcher.draft_length
+        if controller is None:
+            return 0
+        if self._thread is not None:
+            raise RuntimeError("Engine.calibrate runs before start()")
+        if not prompt:
+            raise ValueError("Engine.calibrate needs a non-empty prompt")
+        schedule = controller.start_calibration()
+        new_tokens = schedule * (controller.k_max + 1) + 1  # the request outlasts the schedule
+        request = GenerationRequest(prompt=list(prompt), sampling=SamplingParams(temperature=0.0), seed=0,
+                                    stop=StopCriteria(max_new_tokens=new_tokens))
+        try:
+            self.submit(request, lambda event: None)
+        except RequestRejected:  # a cache too small for it: the first clients' steps measure instead
+            controller.end_calibration()
+            return 0
+        steps = 0
+        while controller.calibrating and (self._waiting or self.batcher.running) and self._state != BROKEN:
+            with self._cond:
+                admissions = self._take_admissions()
+            self._run_step(set(), False, admissions)
+            steps += 1
+        self._safely(lambda: self.batcher.end_all(CANCELLED, "calibration over"))
+        with self._cond:
+            self._waiting.clear()
+            self._running = len(self.batcher.running)
+        controller.end_calibration()
+        self.metrics.reset()
+        return steps
 
     def submit(self, request: GenerationRequest, sink: EventSink) -> RequestHandle:
         """Queue ``request``; RequestRejected (with the HTTP status it maps to) when it cannot be taken."""

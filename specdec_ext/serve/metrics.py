@@ -59,6 +59,14 @@ class ServeMetrics:
         self.draft_lengths: Counter = Counter()  # (k, reason) -> decode steps
         self.tpot_slo, self.slo_misses = tpot_slo, 0  # the TPOT target (seconds) and requests that missed it
 
+    def reset(self) -> None:
+        """Every counter and histogram back to zero (after the engine's calibration request)."""
+        fresh = ServeMetrics(self.draft_slots, self.tpot_slo)
+        with self._lock:
+            for name, value in vars(fresh).items():
+                if name != "_lock":
+                    setattr(self, name, value)
+
     # ------------------------------------------------------------------ recording (engine thread)
     def record_step(self, outcome: StepOutcome) -> None:
         """One target pass over the running rows."""
