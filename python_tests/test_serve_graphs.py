@@ -18,6 +18,7 @@ import torch
 from specdec_ext.drafters import ModelDrafter, NgramDrafter
 from specdec_ext.runners import PagedModelRunner, PoolFullError, make_runner
 from specdec_ext.runners.checks import output_vocab_size
+from specdec_ext.processing import Processing
 from specdec_ext.sampling import SamplingParams
 from specdec_ext.serve.batcher import ContinuousBatcher
 from specdec_ext.serve.request import GenerationRequest
@@ -60,21 +61,26 @@ SCHEDULE = [(0, SamplingParams(), 40), (3, SamplingParams(), 30), (5, SamplingPa
             (8, SamplingParams(float("inf"), 4), 12), (16, SamplingParams(0.7), 10)]
 
 
-def _run(batcher: ContinuousBatcher, schedule=SCHEDULE) -> Dict[int, List[int]]:
-    """Admit the schedule's requests at their steps, step until every request has ended; tokens by request."""
+def _run(batcher: ContinuousBatcher, schedule=SCHEDULE, extras=None, logprobs=None) -> Dict[int, List[int]]:
+    """Admit the schedule's requests at their steps, step until every request has ended; tokens by request.
+    ``extras[i]``: more GenerationRequest fields of request i; ``logprobs`` (a dict) gets each request's."""
     tokens: Dict[int, List[int]] = {i: [] for i in range(len(schedule))}
     ended: Dict[int, str] = {}
+    extras = extras or {}
 
     def sink_of(i):
         def sink(event):
             tokens[i].extend(event.tokens)
+            if logprobs is not None and event.logprobs:
+                logprobs.setdefault(i, []).extend(event.logprobs)
             if event.finished:
                 ended[i] = event.finish_reason
         return sink
 
     step = 0
     while len(ended) < len(schedule):
-        joining = [(GenerationRequest(list(PROMPTS[i]), params, 1000 + i, StopCriteria(max_new, [])), sink_of(i), 0.0)
+        joining = [(GenerationRequest(list(PROMPTS[i]), params, 1000 + i, StopCriteria(max_new, []), **extras.get(i, {})),
+                    sink_of(i), 0.0)
                    for i, (at, params, max_new) in enumerate(schedule) if at == step]
         if joining:
             batcher.admit(joining)
@@ -108,7 +114,7 @@ def test_bucketed_graph_steps_give_the_eager_tokens(pair, drafter):
     _pools_are_free(graphs)
     widths = {key[0] for key in graphs._steps}
     assert widths == {1, 2, 4, 6}, widths  # bucket_size(5) = 8, capped at max_rows
-    filters = {key[1:] for key in graphs._steps}
+    filters = {key[1:3] for key in graphs._steps}
     assert (True, False) in filters and (False, True) in filters  # all greedy; sampled with truncation
     per_key = 3 if drafter == "model" else 2  # draft, verify, commit (no draft step without a drafter)
     # each key was captured once (a key used only for its warm-up step has no capture yet)
@@ -125,9 +131,45 @@ def test_rows_with_other_seeds_and_temperatures_replay_the_same_capture(pair):
     backend = FakeBackend()
     batcher = _batcher(pair, "cpu", graphs=True, backend=backend)
     assert _run(batcher, schedule) == eager
-    assert {key[1:] for key in batcher._steps} == {(False, False)} and (4, False, False) in batcher._steps
+    assert {key[1:] for key in batcher._steps} == {(False, False, False)} and (4, False, False, False) in batcher._steps
     assert backend.events.count("capture") == batcher.graphs_captured <= 3 * len(batcher._steps)
     assert backend.events.count("replay") > backend.events.count("capture")  # replays after each capture
+
+
+def test_rows_with_processors_or_logprobs_step_eagerly_beside_replayed_steps(pair):
+    """Under graphs, a step holding a row with logits processors or logprobs runs its parts eagerly: a
+    capture made without them would replay without them. Two greedy rows capture the width-2 step; a
+    greedy row with a logit bias and a repetition penalty then takes the freed slot (the same width and
+    filter), later a row asking for logprobs: the tokens and logprobs equal the eager batcher's, and the
+    plain rows' steps keep replaying their captures."""
+    schedule = [(0, SamplingParams(), 100), (0, SamplingParams(), 24), (16, SamplingParams(), 12),
+                (20, SamplingParams(0.8), 10)]
+    extras = {2: dict(processing=Processing.of(logit_bias={7: 4.0}, repetition_penalty=1.3)),
+              3: dict(top_logprobs=2)}
+    want_logprobs: Dict[int, list] = {}
+    eager = _run(_batcher(pair, "cpu", graphs=False), schedule, extras, want_logprobs)
+    backend = FakeBackend()
+    batcher = _batcher(pair, "cpu", graphs=True, backend=backend)
+    used = []  # per step: (a row with processors or logprobs in it, the stepper runs eagerly)
+    stepper_for = batcher._stepper_for
+
+    def recording_stepper_for(width):
+        stepper = stepper_for(width)
+        host_rows = any(row is not None and (row.request.processing is not None or row.request.top_logprobs)
+                        for row in batcher.rows[:width])
+        used.append((host_rows, not stepper.parts.graphs))
+        return stepper
+
+    batcher._stepper_for = recording_stepper_for
+    got_logprobs: Dict[int, list] = {}
+    assert _run(batcher, schedule, extras, got_logprobs) == eager
+    # (the fake backend re-runs a step's Python at replay, so only this shows what a real replay would skip)
+    assert any(host for host, _ in used) and all(eager_step for host, eager_step in used if host)
+    assert got_logprobs == want_logprobs and len(got_logprobs[3]) == 10
+    eager_keys = [key for key in batcher._steps if key[-1]]
+    assert eager_keys and all(not batcher._steps[key].parts.graphs for key in eager_keys)
+    assert any(not key[-1] for key in batcher._steps) and backend.events.count("replay") > 0
+    _pools_are_free(batcher)
 
 
 def test_reserve_step_gives_pages_for_one_step_and_sync_host_takes_them_back(pair):

@@ -37,8 +37,11 @@ step makes. Pages cannot be handed out inside a graph, so before each replay the
 running row the pages the step can write (runners/paged.py ``reserve_step``: length + k + 1) and after
 it reads the lengths back (``sync_host``, the pages past them are freed): the runners' and the draft
 model's ``device_steps`` capability, which the server plan (plan.plan_server) requires for graphs; everything a step reads per
-row (filters, seeds, Philox offsets, active flags) sits in the metadata's device tensors. Eager steps
-(``graphs=False``) run the same step functions over ``width`` rows in the runners' host mode.
+row (filters, seeds, Philox offsets, active flags) sits in the metadata's device tensors. A step whose
+rows include one with logits processors, a grammar or logprobs runs its parts eagerly (the same key with
+``eager``; the runners stay in device mode): the grammar masks and the logprobs are host work inside the
+step, which a capture cannot hold; the other steps keep replaying. Eager steps (``graphs=False``) run the
+same step functions over ``width`` rows in the runners' host mode.
 
 No threads here: engine.py runs a batcher in its own thread and feeds it.
 """
@@ -213,11 +216,6 @@ class ContinuousBatcher:
                 processing.validate(self.target.vocab_size)
             except ValueError as error:
                 raise RequestRejected(str(error), param=str(error).split()[0].split("[")[0]) from None
-        if self.graphs and ((processing is not None and processing.active) or request.top_logprobs is not None):
-            field_name = "logprobs" if processing is None or not processing.active else "response_format"
-            raise RequestRejected("this server replays its steps as CUDA graphs, which run the plain filter only: "
-                                  "logits processors, structured output and logprobs need eager steps",
-                                  param=field_name)
 
     @torch.no_grad()  # grad mode is per thread: the engine's thread needs its own
     def admit(self, admissions: Sequence[Admission]) -> None:
@@ -452,13 +450,16 @@ class ContinuousBatcher:
     # ------------------------------------------------------------------ helpers
     def _stepper_for(self, width: int) -> Stepper:
         """The Stepper over the view of rows 0..width-1, made once per key: the width, and under graphs
-        the host decisions baked into a capture (all rows greedy, any row truncating)."""
+        the host decisions baked into a capture (all rows greedy, any row truncating) and whether a row's
+        processors or logprobs make the step eager (module docstring)."""
         sampling = self.meta.row_sampling[:width]
         key: tuple = (width,)
+        eager = False
         if self.graphs:
-            key += (all(p.greedy for p in sampling), any(p.top_k > 0 or p.top_p < 1.0 for p in sampling))
+            eager = any(row is not None and _host_work(row.request) for row in self.rows[:width])
+            key += (all(p.greedy for p in sampling), any(p.top_k > 0 or p.top_p < 1.0 for p in sampling), eager)
         if key not in self._steps:
-            options = StepOptions(graphs=self.graphs, device_steps=self.graphs, isolate_failures=True,
+            options = StepOptions(graphs=self.graphs and not eager, device_steps=self.graphs, isolate_failures=True,
                                   graph_backend=self.graph_backend)
             self._steps[key] = Stepper(self.target, self.drafter, self.meta.rows(width), options,
                                           recorder=self.metrics)
@@ -513,6 +514,12 @@ class ContinuousBatcher:
     def _clear_slots(self, slots: Sequence[int]) -> None:
         """Free slots as frozen one-token greedy rows (metadata.clear_rows)."""
         self.meta.clear_rows(slots, FREE_SLOT_TOKEN, GREEDY)
+
+
+def _host_work(request: GenerationRequest) -> bool:
+    """Whether a request's steps do host work inside the step (processors, a grammar, logprobs)."""
+    processing = request.processing
+    return (processing is not None and processing.active) or request.top_logprobs is not None
 
 
 def _widest_logprobs(rows: Sequence[Row]) -> Optional[int]:
