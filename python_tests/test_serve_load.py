@@ -18,8 +18,8 @@ from specdec_ext.models import Models
 from specdec_ext.runners import LeanLlamaRunner, RecomputeRunner
 from specdec_ext.sampling import SamplingParams
 from specdec_ext.serve.build import EngineOptions, build_engine
-from specdec_ext.serve.draft_length import (EXPLORE, EXPLORE_EVERY, PINNED, REFRESH, STALE_STEPS, CostCurve,
-                                           DraftCosts, LoadGatedK)
+from specdec_ext.serve.draft_length import (EXPLORE, EXPLORE_EVERY, MEASURED, PINNED, REFRESH, STALE_STEPS, CostCurve,
+                                           DraftChoice, DraftCosts, LoadGatedK)
 from specdec_ext.serve.request import GenerationRequest
 from specdec_ext.serve.slo import TpotSlo
 from specdec_ext.stats import StepOutcome
@@ -251,6 +251,45 @@ def test_calibration_times_every_draft_length_then_forgets_its_request(pair):
     with pytest.raises(RuntimeError, match="before start"):
         engine.calibrate([1, 2, 3])
     assert _engine(pair, max_rows=2, k=3).calibrate([1, 2, 3]) == 0  # a fixed k: nothing to choose
+
+
+def _scripted_run(pair, ks, *, deferrable=True):
+    """Two greedy requests through an engine whose draft length follows the script ``ks`` (then 3);
+    (tokens, the draft tokens owed at each step, the engine's step statistics)."""
+    tokenizer = pair[2]
+    engine = _engine(pair, max_rows=2)
+    engine.batcher.drafter.deferrable_start = deferrable
+    controller = engine.batcher.draft_length
+    scripted = iter(list(ks) + [3] * 200)
+    owed = []
+    choose = controller.choose
+
+    def scripted_choose(width, running, seeded, *, pending_tokens=0):
+        choose(width, running, seeded, pending_tokens=pending_tokens)  # its bookkeeping, then the script
+        owed.append(pending_tokens)
+        k = next(scripted)
+        controller._cap = k
+        return DraftChoice(k, MEASURED, [k if b in running else 0 for b in range(width)])
+
+    controller.choose = scripted_choose
+    got = _run(engine, [_request(tokenizer, p, max_new=40) for p in PROMPTS[:2]])
+    return got, owed, engine.metrics.steps
+
+
+def test_rows_joining_while_speculation_is_off_get_their_draft_prefill_when_a_step_drafts(pair):
+    """While k by load has speculation off, a joining row's draft prefill waits (the drafter holds a
+    one-token stand-in, the controller is told the tokens it owes); the first step that drafts gives the
+    drafter the rows' committed tokens first: the tokens equal plain greedy decoding and the drafts are
+    accepted exactly as those of a drafter prefilled at the join (without the start the step fails:
+    the stand-in cannot feed the tokens it missed)."""
+    got, owed, steps = _scripted_run(pair, [0] * 6)
+    for prompt, tokens in zip(PROMPTS[:2], got):
+        want = plain_generate([prompt], pair[0], max_new_tokens=40, eos_token_id=False, tokenizer=pair[2])
+        assert tokens == want.token_ids[0], prompt
+    assert 0 < owed[0] < owed[6] and not any(owed[7:]), owed  # owed grows while off, paid at the first draft
+    at_join, no_owed, reference = _scripted_run(pair, [0] * 6, deferrable=False)
+    assert at_join == got and not any(no_owed)
+    assert (steps.reached, steps.accepted) == (reference.reached, reference.accepted) and steps.accepted[0] > 0
 
 
 def test_a_seeded_sample_equals_itself_alone_under_k_by_load(pair):

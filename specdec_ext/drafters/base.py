@@ -15,6 +15,9 @@ class Drafter:
     is_tree: bool = False  # proposals carry tree parents
     model: Optional[torch.nn.Module] = None  # the draft model, if any (adaptive k keys its costs by it)
     device_steps: bool = False  # reserve_step / sync_host: a step runs on the device (serving under graphs)
+    # serving: a row may join with a one-token stand-in and be started with its committed tokens when it
+    # first drafts (start_rows needs nothing but token ids)
+    deferrable_start: bool = False
 
     def prefill(self, prompts: Sequence[Sequence[int]], meta: SpecDecodeMetadata) -> None:
         raise NotImplementedError

@@ -34,6 +34,7 @@ class ModelDrafter(Drafter):
     """A HF draft model behind a model runner made by ``runner_factory(max_batch_size=, max_seq_len=)``."""
 
     device_steps = True  # proposes on the device (needs a runner with device steps: the paged one in host mode)
+    deferrable_start = True
 
     def __init__(self, model, runner_factory: RunnerFactory, *, k: int, vocab_size: int,
                  confidence_threshold: float = 0.0):

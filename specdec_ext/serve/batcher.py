@@ -108,6 +108,7 @@ class Row:
     prefilled: int = 0  # prompt tokens in the target's cache (chunked prefill; the prompt's length once decoding)
     group: Optional[PromptGroup] = None  # n choices: the rows that share this one's prompt
     prompt_logprobs: Optional[list] = None  # echo with logprobs: sent with the row's first event
+    draft_pending: bool = False  # the drafter holds a stand-in: it gets the row's tokens when a step drafts
 
     @property
     def decoding(self) -> bool:
@@ -352,8 +353,42 @@ class ContinuousBatcher:
                 row.state.finished, row.state.finish_reason = True, grammar_end
             self._emit(row, tokens)
         staying = [row for row in rows if self.rows[row.slot] is row]
-        if self.drafter is not None and staying:
-            self.drafter.start_rows([row.slot for row in staying], [row.request.prompt for row in staying], self.meta)
+        if self.drafter is None or not staying:
+            return
+        deferred = [row for row in staying if self._defers_draft(row)]
+        started = [row for row in staying if row not in deferred]
+        if started:
+            self.drafter.start_rows([row.slot for row in started], [row.request.prompt for row in started], self.meta)
+        if deferred:
+            self.drafter.start_rows([row.slot for row in deferred], [[FREE_SLOT_TOKEN]] * len(deferred), self.meta)
+            for row in deferred:
+                row.draft_pending = True
+
+    def _defers_draft(self, row: Row) -> bool:
+        """Whether a joining row's draft prefill waits for the first step that drafts: while speculation is
+        off (k by load), for a drafter that can start a row from token ids later, not for a seeded row
+        (it drafts every step)."""
+        return (self.draft_length is not None and not self.draft_length.speculating
+                and self.drafter.deferrable_start and not row.request.seeded)
+
+    def _start_pending_drafts(self) -> None:
+        """Before a step that drafts: the drafter gets every running row it holds a stand-in for, with the
+        row's committed tokens but the last (which the next proposal feeds, as after any step)."""
+        pending = [row for row in self.running if row.draft_pending]
+        if not pending:
+            return
+        slots = [row.slot for row in pending]
+        lengths = self.meta.seq_lens[slots].tolist()
+        tokens = [self.meta.token_buffer[slot, : length - 1].tolist() for slot, length in zip(slots, lengths)]
+        self.drafter.free_rows(slots)
+        self.drafter.start_rows(slots, tokens, self.meta)
+        for row in pending:
+            row.draft_pending = False
+
+    def _pending_draft_tokens(self) -> int:
+        """Tokens the drafter must take in before it can draft for the rows it holds stand-ins for."""
+        pending = [row.slot for row in self.running if row.draft_pending]
+        return int(self.meta.seq_lens[pending].sum()) if pending else 0
 
     def _prompt_logprobs(self, rows: Sequence[Row]) -> None:
         """echo with logprobs: the prompt's logprobs of each row asking (once per prompt among ``rows``: a
@@ -406,6 +441,8 @@ class ContinuousBatcher:
             width = min(bucket_size(width), self.max_rows)
         rows = [row if row is not None and row.decoding else None for row in self.rows[:width]]
         choice = self._choose(width, rows)
+        if choice.k > 0:
+            self._start_pending_drafts()
         stepper = self._stepper_for(width)
         stepper.meta.set_row_steps(torch.tensor([row.steps if row is not None else 0 for row in rows]))
         stepper.meta.top_logprobs = _widest_logprobs([row for row in rows if row is not None])
@@ -440,7 +477,7 @@ class ContinuousBatcher:
             k = self.meta.slots
             return DraftChoice(k, FIXED, [k if row is not None else 0 for row in rows])
         seeded = [b for b in running if rows[b].request.seeded]
-        return self.draft_length.choose(width, running, seeded)
+        return self.draft_length.choose(width, running, seeded, pending_tokens=self._pending_draft_tokens())
 
     @property
     def graphs_captured(self) -> int:

@@ -38,7 +38,8 @@ by SWITCH_ON_MARGIN; switching off is never delayed).
 Catching up. A draft pass after plain steps first feeds the draft model every token committed since its
 last pass (w rows x the steps since); while off, time(w, K >= 1) is charged that catch-up spread over
 CATCH_UP_HORIZON steps, at the measured feed time per token (before one was measured, the draft's
-per-token cost at w rows / w): a switch on must repay it soon (measured at 16 rows: single on-steps
+per-token cost at w rows / w), and so are the draft prefills the batcher deferred for rows that joined while
+off (``pending_tokens``: their committed tokens, fed before the first step that drafts): a switch on must repay it soon (measured at 16 rows: single on-steps
 scattered through plain stretches fed the draft every token and cost 3-10% of the throughput).
 
 Measurements are kept fresh two ways. While speculation is off, every EXPLORE_EVERY steps (doubling up to
@@ -266,9 +267,16 @@ class LoadGatedK:
         return np.array(verify) + drafts + host
 
     # ------------------------------------------------------------------ the batcher's calls
-    def choose(self, width: int, running: Sequence[int], seeded: Sequence[int]) -> DraftChoice:
+    @property
+    def speculating(self) -> bool:
+        """Whether the last measured choice drafted (the batcher defers joining rows' draft prefills while not)."""
+        return self._cap > 0
+
+    def choose(self, width: int, running: Sequence[int], seeded: Sequence[int], *, pending_tokens: int = 0
+               ) -> DraftChoice:
         """This step's draft lengths over slots 0..width-1: ``running`` the slots decoding, ``seeded``
-        those of them whose request gave a seed."""
+        those of them whose request gave a seed; ``pending_tokens`` what the draft model must prefill
+        before it drafts (rows that joined while speculation was off), charged like a catch-up."""
         self.step += 1
         times = self.step_times(width)
         reason, rates = MEASURED, None
@@ -277,9 +285,9 @@ class LoadGatedK:
         elif times is None:  # nothing timed yet: draft the pinned length once to measure it
             cap = self.pinned_k
         else:
-            if self._cap == 0 and self._since_draft:
+            if self._cap == 0 and (self._since_draft or pending_tokens):
                 times = times.copy()
-                times[1:] += self._catch_up_s(width) / CATCH_UP_HORIZON
+                times[1:] += self._catch_up_s(width, pending_tokens) / CATCH_UP_HORIZON
             expected = expected_tokens_table(self.acceptance()[list(running)])  # [r, k_max+1]
             active = np.ones(len(running), dtype=bool)
             switch_on = SWITCH_ON_MARGIN if self._cap == 0 else 0.0
@@ -305,13 +313,14 @@ class LoadGatedK:
             reason = PINNED
         return DraftChoice(max(budget, default=0), reason, budget, rates)
 
-    def _catch_up_s(self, width: int) -> float:
-        """What the next draft pass spends feeding the tokens committed since the last one."""
+    def _catch_up_s(self, width: int, pending_tokens: int = 0) -> float:
+        """What the next draft pass spends feeding the tokens committed since the last one, and the draft
+        prefills of the rows that joined while speculation was off (``pending_tokens``)."""
         per_token = self.feed_per_token
         if math.isnan(per_token):
             line = self.draft.line(width)
             per_token = 0.0 if line is None else line[1] / width
-        return width * self._since_draft * per_token
+        return (width * self._since_draft + pending_tokens) * per_token
 
     def observe(self, width: int, choice: DraftChoice, outcome: StepOutcome, *, verify_width: int,
                 draft_time: float, verify_time: float, host_time: float) -> None:
