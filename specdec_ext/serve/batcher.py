@@ -386,9 +386,10 @@ class ContinuousBatcher:
             row.draft_pending = False
 
     def _pending_draft_tokens(self) -> int:
-        """Tokens the drafter must take in before it can draft for the rows it holds stand-ins for."""
-        pending = [row.slot for row in self.running if row.draft_pending]
-        return int(self.meta.seq_lens[pending].sum()) if pending else 0
+        """Tokens the drafter must take in before it can draft for the rows it holds stand-ins for (host
+        counts: the prompt and the tokens returned so far)."""
+        return sum(len(row.request.prompt) + len(row.state.tokens) for row in self.rows
+                   if row is not None and row.draft_pending)
 
     def _prompt_logprobs(self, rows: Sequence[Row]) -> None:
         """echo with logprobs: the prompt's logprobs of each row asking (once per prompt among ``rows``: a
