@@ -8,7 +8,7 @@ import torch
 from specdec_ext.drafters import NgramDrafter
 from specdec_ext.metadata import SpecDecodeMetadata
 from specdec_ext.runners import LeanLlamaRunner, PagedModelRunner, RecomputeRunner, make_runner
-from specdec_ext.sampling import SamplingParams, filtered_probs, filtered_probs_per_row
+from specdec_ext.sampling import SamplingParams
 from test_generate_utils import tiny_model
 
 PROMPTS = [[5, 6, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19], [20], [30, 31, 32, 33, 34]]
@@ -148,34 +148,6 @@ def test_all_greedy_reads_each_rows_filter():
     meta.set_row_sampling([SamplingParams()] * 3 + [SamplingParams(0.7)])
     assert not meta.all_greedy
     assert meta.rows(3).all_greedy
-
-
-def _per_row(logits, filters, truncate=True):
-    def column(values, dtype):
-        return torch.tensor(values, dtype=dtype)
-    return filtered_probs_per_row(logits, column([f.temperature for f in filters], torch.float32),
-                                  column([f.top_k for f in filters], torch.int32),
-                                  column([f.top_p for f in filters], torch.float32), truncate=truncate)
-
-
-def test_filtered_probs_per_row_is_exactly_each_rows_own_filter():
-    torch.manual_seed(0)
-    logits = torch.randn(9, 40) * 3
-    logits[2, :8] = logits[2, 0]  # ties at the top
-    logits[4, 30:] = -float("inf")  # masked logits (an infinite temperature is uniform over the finite ones)
-    filters = [SamplingParams(), SamplingParams(0.7, 5, 0.9), SamplingParams(1.0), SamplingParams(0.7, 5, 0.9),
-               SamplingParams(float("inf"), 0, 0.5), SamplingParams(float("inf"), 3), SamplingParams(1e-6),
-               SamplingParams(2.0, 40), SamplingParams(0.5, 1)]
-    q = _per_row(logits, filters)
-    for row, params in enumerate(filters):
-        assert torch.equal(q[row], filtered_probs(logits[row: row + 1], params)[0]), row
-    same = [SamplingParams(0.7, 5, 0.9)] * 9
-    assert torch.equal(_per_row(logits, same), filtered_probs(logits, same[0]))
-    plain = [SamplingParams(), SamplingParams(0.7), SamplingParams(float("inf"))] * 3
-    untruncated = _per_row(logits, plain, truncate=False)
-    for row, params in enumerate(plain):
-        assert torch.equal(untruncated[row], filtered_probs(logits[row: row + 1], params)[0]), row
-    assert torch.allclose(q.sum(-1), torch.ones(9))
 
 
 # ------------------------------------------------------------------------------------------ drafters

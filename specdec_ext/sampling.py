@@ -1,10 +1,9 @@
 """The sampling filter in Python, the same rule as the verifier kernels (csrc/common/sampling_math.h):
-what a drafter samples its proposals from, and what the tests and the audit compare against.
+what the tree drafters sample from, and what the tests and the audit compare against (the chain
+drafters draw with ops.sample_filtered, the verifiers' own filter).
 
     SamplingParams        temperature, top-k, top-p (one filter for target and draft alike)
     filtered_probs        softmax(l / T) filtered by top-k then top-p, renormalised, in fp32
-    filtered_probs_per_row    the same with each row's own T, top-k, top-p read from tensors
-                              (continuous batching; no host value, so a CUDA graph can replay it)
     sample_inverse_cdf    the kernels' inverse-CDF draw
 
 Edge temperatures, as the kernels treat them: below ``GREEDY_TEMPERATURE`` a row is greedy (one-hot
@@ -71,39 +70,6 @@ def filtered_probs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tens
         threshold = torch.maximum(threshold, torch.gather(sorted_logits, -1, cut))
     weights = torch.where(logits >= threshold, weights, torch.zeros_like(weights))
     return weights / weights.sum(-1, keepdim=True)
-
-
-def filtered_probs_per_row(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                           top_p: torch.Tensor, *, truncate: bool = True) -> torch.Tensor:
-    """``filtered_probs`` with row b's filter (temperature[b], top_k[b], top_p[b]), the same rule and the
-    same fp32 operations, so each row gets the q a batch of its own gives it. ``truncate=False`` skips
-    top-k and top-p (every row must then have them off): no sort.
-
-    logits [B, V]; temperature [B] fp32; top_k [B] int; top_p [B] fp32 -> probs [B, V] fp32
-    """
-    logits = logits.float()
-    vocab = logits.shape[-1]
-    temperature = temperature.to(torch.float32)[:, None]  # [B, 1]
-    greedy = temperature < GREEDY_TEMPERATURE  # [B, 1]
-    uniform = torch.isinf(temperature)  # [B, 1]
-    max_logit = logits.amax(-1, keepdim=True)  # [B, 1]
-    scale = torch.where(greedy | uniform, torch.ones_like(temperature), temperature)  # no 0 or inf divisor
-    weights = torch.where(uniform, torch.isfinite(logits).float(), torch.exp((logits - max_logit) / scale))  # [B, V]
-    if truncate:
-        k = top_k.to(torch.int64)[:, None]  # [B, 1]
-        p = top_p.to(torch.float32)[:, None]  # [B, 1]
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)  # [B, V]
-        kth = torch.gather(sorted_logits, -1, (k - 1).clamp(0, vocab - 1))  # [B, 1]
-        threshold = torch.where((k > 0) & (k < vocab), kth, torch.full_like(kth, -float("inf")))
-        sorted_weights = torch.gather(weights, -1, order) * (sorted_logits >= threshold)
-        cumulative = torch.cumsum(sorted_weights, dim=-1)
-        reached = cumulative >= p * cumulative[..., -1:]
-        cut = reached.int().argmax(-1, keepdim=True)  # first position reaching top_p of the mass
-        threshold = torch.where(p < 1.0, torch.maximum(threshold, torch.gather(sorted_logits, -1, cut)), threshold)
-        weights = torch.where(logits >= threshold, weights, torch.zeros_like(weights))
-    probs = weights / weights.sum(-1, keepdim=True)
-    one_hot = torch.nn.functional.one_hot(logits.argmax(-1), vocab).float()
-    return torch.where(greedy, one_hot, probs)
 
 
 def sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
