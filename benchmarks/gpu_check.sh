@@ -5,7 +5,7 @@
 #   2. build    pip install --no-build-isolation --no-deps .  (TORCH_CUDA_ARCH_LIST=9.0, MAX_JOBS=16)
 #   3. tests    CUDA tests: test_cuda_ops.py, test_cuda_tree.py, test_kv_ops.py::test_cuda_matches_cpu,
 #               test_cuda_graphs.py (graph replay == eager), test_serve_graphs.py (serving's graphs by batch
-#               bucket == eager), test_profiling.py, the CUDA heads/trees test and process_logits' CUDA tests
+#               bucket and by draft length == eager), test_profiling.py, the CUDA heads/trees test and process_logits' CUDA tests
 #               (test_cuda_ops.py holds sample_filtered's)
 #   3b. sanitizers  compute-sanitizer memcheck, racecheck and synccheck, each over the small CUDA cases of
 #               python_tests/test_cuda_sanitizer_cases.py (every kernel, checked against the CPU ops);
@@ -87,6 +87,7 @@ else
     "$REPO/python_tests/test_cuda_ops.py" "$REPO/python_tests/test_cuda_tree.py" \
     "$REPO/python_tests/test_kv_ops.py::test_cuda_matches_cpu" \
     "$REPO/python_tests/test_cuda_graphs.py" "$REPO/python_tests/test_serve_graphs.py::test_real_cuda_graphs_give_the_eager_tokens" \
+    "$REPO/python_tests/test_serve_graphs.py::test_real_cuda_graphs_with_draft_lengths_by_load_give_the_eager_tokens" \
     "$REPO/python_tests/test_profiling.py" \
     "$REPO/python_tests/test_heads.py::test_cuda_heads_and_sampled_trees_match_the_cpu" \
     "$REPO/python_tests/test_process_logits.py::test_cuda_matches_cpu" \

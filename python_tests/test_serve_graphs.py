@@ -15,12 +15,17 @@ from typing import Dict, List
 import pytest
 import torch
 
+from specdec_ext import cuda_graphs, plan as plan_module
 from specdec_ext.drafters import ModelDrafter, NgramDrafter
+from specdec_ext.models import Models
 from specdec_ext.runners import PagedModelRunner, PoolFullError, make_runner
 from specdec_ext.runners.checks import output_vocab_size
 from specdec_ext.processing import Processing
 from specdec_ext.sampling import SamplingParams
-from specdec_ext.serve.batcher import ContinuousBatcher
+from specdec_ext.serve.batcher import ContinuousBatcher, Scheduling
+from specdec_ext.serve.build import EngineOptions, build_engine
+from specdec_ext.plan import graph_draft_lengths
+from specdec_ext.serve.draft_length import DraftChoice, LoadGatedK
 from specdec_ext.serve.request import GenerationRequest
 from specdec_ext.stops import StopCriteria
 from fake_graphs import FakeBackend
@@ -39,7 +44,8 @@ def pair():
     return tiny_pair()
 
 
-def _batcher(pair, device, *, graphs: bool, backend=None, drafter: str = "model") -> ContinuousBatcher:
+def _batcher(pair, device, *, graphs: bool, backend=None, drafter: str = "model",
+             draft_length: LoadGatedK = None) -> ContinuousBatcher:
     target, draft, _ = pair
     target, draft = target.to(device), draft.to(device)
     runner = PagedModelRunner(target, max_batch_size=MAX_ROWS, max_seq_len=SEQ)
@@ -49,7 +55,8 @@ def _batcher(pair, device, *, graphs: bool, backend=None, drafter: str = "model"
             return PagedModelRunner(draft, max_batch_size=max_batch_size, max_seq_len=max_seq_len)
         model_drafter = ModelDrafter(draft, draft_runner, k=K, vocab_size=output_vocab_size(target))
     return ContinuousBatcher(runner, model_drafter, max_rows=MAX_ROWS, slots=K if drafter == "model" else 0,
-                             max_seq_len=SEQ, graphs=graphs, graph_backend=backend)
+                             max_seq_len=SEQ, graphs=graphs, graph_backend=backend,
+                             scheduling=Scheduling(draft_length=draft_length))
 
 
 PROMPTS = [[5, 6, 7, 8], [11, 12, 13], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37],
@@ -131,7 +138,7 @@ def test_rows_with_other_seeds_and_temperatures_replay_the_same_capture(pair):
     backend = FakeBackend()
     batcher = _batcher(pair, "cpu", graphs=True, backend=backend)
     assert _run(batcher, schedule) == eager
-    assert {key[1:] for key in batcher._steps} == {(False, False, False)} and (4, False, False, False) in batcher._steps
+    assert {key[1:] for key in batcher._steps} == {(False, False, False, K)} and (4, False, False, False, K) in batcher._steps
     assert backend.events.count("capture") == batcher.graphs_captured <= 3 * len(batcher._steps)
     assert backend.events.count("replay") > backend.events.count("capture")  # replays after each capture
 
@@ -153,8 +160,8 @@ def test_rows_with_processors_or_logprobs_step_eagerly_beside_replayed_steps(pai
     used = []  # per step: (a row with processors or logprobs in it, the stepper runs eagerly)
     stepper_for = batcher._stepper_for
 
-    def recording_stepper_for(width):
-        stepper = stepper_for(width)
+    def recording_stepper_for(width, k):
+        stepper = stepper_for(width, k)
         host_rows = any(row is not None and (row.request.processing is not None or row.request.top_logprobs)
                         for row in batcher.rows[:width])
         used.append((host_rows, not stepper.parts.graphs))
@@ -166,10 +173,91 @@ def test_rows_with_processors_or_logprobs_step_eagerly_beside_replayed_steps(pai
     # (the fake backend re-runs a step's Python at replay, so only this shows what a real replay would skip)
     assert any(host for host, _ in used) and all(eager_step for host, eager_step in used if host)
     assert got_logprobs == want_logprobs and len(got_logprobs[3]) == 10
-    eager_keys = [key for key in batcher._steps if key[-1]]
+    eager_keys = [key for key in batcher._steps if key[3]]
     assert eager_keys and all(not batcher._steps[key].parts.graphs for key in eager_keys)
-    assert any(not key[-1] for key in batcher._steps) and backend.events.count("replay") > 0
+    assert any(not key[3] for key in batcher._steps) and backend.events.count("replay") > 0
     _pools_are_free(batcher)
+
+
+class ScriptedK(LoadGatedK):
+    """A LoadGatedK whose steps draft a fixed cycle of lengths (the measured choice is timing-dependent):
+    runs of plain steps of every length between drafting steps of every K."""
+
+    CYCLE = [3, 0, 1, 0, 0, 2, 0, 0, 0, 3, 3, 1, 2, 0, 2]
+
+    def __init__(self):
+        super().__init__(K, rows=MAX_ROWS, pinned_k=K, lengths=graph_draft_lengths(K, K))
+        self.chosen = []
+
+    def choose(self, width, running, seeded, *, pending_tokens=0, uniform=False):
+        k = self.CYCLE[len(self.chosen) % len(self.CYCLE)]
+        self.chosen.append(k)
+        budget = [k] * width if uniform else [k if b in running else 0 for b in range(width)]
+        return DraftChoice(k, "scripted", budget)
+
+
+def test_draft_lengths_by_load_replay_one_capture_per_length(pair):
+    """Under graphs the server's draft length still follows the load: each length is a key of its own (a
+    capture per bucket, filter and length), and after plain steps the drafter takes in what they committed
+    before the captured draft pass (drafter.catch_up: its feed is as wide as after a drafting step; without
+    it the fake backend sees a replay feed other shapes than its capture). Every request's tokens, greedy
+    and sampled, equal the eager batcher's over the same lengths."""
+    eager = _run(_batcher(pair, "cpu", graphs=False, draft_length=ScriptedK()))
+    backend = FakeBackend()
+    scripted = ScriptedK()
+    batcher = _batcher(pair, "cpu", graphs=True, backend=backend, draft_length=scripted)
+    assert _run(batcher) == eager
+    assert {key[-1] for key in batcher._steps} == {0, 1, 2, 3}
+    plain = [key for key in batcher._steps if key[-1] == 0]
+    assert all(not batcher._steps[key].parts.captured["draft"] for key in plain)  # skip() stays on the host
+    assert any(batcher._steps[key].parts.captured["verify"] for key in plain)
+    assert backend.events.count("capture") == batcher.graphs_captured and backend.events.count("replay") > 0
+    _pools_are_free(batcher)
+
+
+def test_measured_draft_lengths_under_graphs_keep_greedy_tokens(pair):
+    """The real controller under graphs (its calibration runs every captured length, then it chooses from
+    measured costs): greedy tokens equal the fixed-k eager batcher's, and seeded sampled rows draft the
+    pinned length in every step they run (their tokens do not depend on the load)."""
+    schedule = [(0, SamplingParams(), 40), (3, SamplingParams(), 30), (5, SamplingParams(), 9),
+                (8, SamplingParams(), 20), (16, SamplingParams(), 10)]
+    expected = _run(_batcher(pair, "cpu", graphs=False), schedule)
+    controller = LoadGatedK(K, rows=MAX_ROWS, pinned_k=2, lengths=graph_draft_lengths(K, 2))
+    controller.start_calibration()
+    batcher = _batcher(pair, "cpu", graphs=True, backend=FakeBackend(), draft_length=controller)
+    assert _run(batcher, schedule) == expected
+    assert {record.k for record in batcher.step_log} >= {0, 1, 2, 3}
+    _pools_are_free(batcher)
+    seeded_schedule = [(0, SamplingParams(0.9), 24), (2, SamplingParams(), 30)]
+    extras = {0: dict(seeded=True)}
+    alone = _run(_batcher(pair, "cpu", graphs=False, draft_length=LoadGatedK(K, rows=MAX_ROWS, pinned_k=2)),
+                 seeded_schedule[:1], extras)
+    controller = LoadGatedK(K, rows=MAX_ROWS, pinned_k=2, lengths=graph_draft_lengths(K, 2))
+    batcher = _batcher(pair, "cpu", graphs=True, backend=FakeBackend(), draft_length=controller)
+    together = _run(batcher, seeded_schedule, extras)
+    assert together[0] == alone[0]
+    assert {record.k for record in batcher.step_log if 0 in record.emitted} == {2}
+
+
+def test_the_server_plan_under_graphs_chooses_k_by_load_among_the_captured_lengths(pair, monkeypatch):
+    """With graphs on (forced, fake backend), `specdec serve`'s plan keeps the draft length by load: the
+    engine's controller chooses among plan.graph_draft_lengths, its calibration steps through each of
+    them on captured steps, and the explanation names them."""
+    target, draft, tokenizer = pair
+    backend = FakeBackend()
+    monkeypatch.setattr(plan_module, "graphs_available", lambda device: (True, None))
+    monkeypatch.setattr(cuda_graphs, "_CudaBackend", lambda: backend)
+    engine = build_engine(Models(target, "model", draft=draft, tokenizer=tokenizer),
+                          EngineOptions(max_seq_len=4 * SEQ, max_rows=4))  # room for the calibration request
+    batcher = engine.batcher
+    assert batcher.graphs and batcher.draft_length is not None
+    assert batcher.draft_length.lengths == (0, 1, 2, 4, 8) == plan_module.graph_draft_lengths(8, plan_module.FIXED_K)
+    assert "one of 0, 1, 2, 4, 8 (the captured lengths)" in engine.description
+    assert engine.calibrate(PROMPTS[2]) > 0
+    assert {key[-1] for key in batcher._steps} == {0, 1, 2, 4, 8}
+    assert batcher.graphs_captured > 0 and "replay" in backend.events
+    plan = plan_module.plan_server(target, draft, drafter="model", k=None, runner="auto", max_rows=4, max_seq_len=SEQ)
+    assert plan.cuda_graphs and plan.adaptive and "0, 1, 2, 4, 8 (the lengths CUDA graphs capture)" in plan.explain()
 
 
 def test_reserve_step_gives_pages_for_one_step_and_sync_host_takes_them_back(pair):
@@ -217,4 +305,15 @@ def test_real_cuda_graphs_give_the_eager_tokens(pair, drafter):
     batcher = _batcher(pair, "cuda", graphs=True, drafter=drafter)
     assert _run(batcher) == expected
     assert batcher.graphs_captured > 0
+    _pools_are_free(batcher)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (real CUDA graphs)")
+def test_real_cuda_graphs_with_draft_lengths_by_load_give_the_eager_tokens(pair):
+    """The scripted lengths (plain stretches between drafting steps) on real graphs: a replay runs what
+    its capture recorded, so a draft feed as wide as the skipped steps would show here."""
+    expected = _run(_batcher(pair, "cuda", graphs=False, draft_length=ScriptedK()))
+    batcher = _batcher(pair, "cuda", graphs=True, draft_length=ScriptedK())
+    assert _run(batcher) == expected
+    assert {key[-1] for key in batcher._steps} == {0, 1, 2, 3} and batcher.graphs_captured > 0
     _pools_are_free(batcher)

@@ -264,7 +264,7 @@ def _scripted_run(pair, ks, *, deferrable=True):
     owed = []
     choose = controller.choose
 
-    def scripted_choose(width, running, seeded, *, pending_tokens=0):
+    def scripted_choose(width, running, seeded, *, pending_tokens=0, uniform=False):
         choose(width, running, seeded, pending_tokens=pending_tokens)  # its bookkeeping, then the script
         owed.append(pending_tokens)
         k = next(scripted)

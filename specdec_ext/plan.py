@@ -57,6 +57,8 @@ MIN_PREFILL_CHUNK = 32  # ... at least this many, whatever the running rows' ver
 FIXED_K = 4  # what k=None means where adaptive k is not used: seeded sampling, CUDA-graph-captured steps
 HEADS_TREE = (3, 3, 8)  # default (b, d, N) of a heads tree (BENCHMARKS.md: heads trees on the bundled pair)
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # batch sizes CUDA graphs are captured for
+GRAPH_DRAFT_LENGTHS = (0, 1, 2, 4, 8)  # draft lengths a server under CUDA graphs chooses from (with its k_max
+# and pinned k): each one is a capture per bucket and filter, so a few, each about half the next one's pass
 DRAFTER_KINDS = ("model", "cross-tokenizer", "ngram", "heads", "eagle", "none")  # cross-tokenizer: a draft model with
 # another tokenizer than the target's (drafters/cross_tokenizer.py)
 
@@ -250,6 +252,12 @@ def _describe_processing(ask: PlanRequest, models: _Models, reasons: List[Tuple[
                                     "processed target at the row's temperature (logprobs.py)"))
 
 
+def graph_draft_lengths(k_max: int, pinned_k: int) -> Tuple[int, ...]:
+    """The draft lengths a server's steps may take under CUDA graphs (serve/draft_length.LoadGatedK's
+    ``lengths``): GRAPH_DRAFT_LENGTHS up to k_max, k_max and the seeded requests' pinned length."""
+    return tuple(sorted({K for K in GRAPH_DRAFT_LENGTHS if K <= k_max} | {int(k_max), int(pinned_k)}))
+
+
 def plan_server(target_model, draft_model, *, drafter: str, k: Optional[int], runner: str, max_rows: int,
                 max_seq_len: int, prefill_chunk: Optional[int] = None, vocab_bridge=None) -> DecodePlan:
     """The plan of ``specdec serve``: the runners, draft length, prefill and CUDA graphs of a continuous
@@ -258,7 +266,8 @@ def plan_server(target_model, draft_model, *, drafter: str, k: Optional[int], ru
     step from the step costs measured at the running width; seeded requests draft FIXED_K every step) and
     an int fixes it; the runners stay in host mode between steps (rows join and leave a shared page pool),
     so where CUDA graphs are on the batcher runs each step on the device by batch-size bucket
-    (``static_shapes`` False, ``cuda_graphs`` True) with a fixed k; a joining prompt is prefilled in chunks
+    (``static_shapes`` False, ``cuda_graphs`` True), k by load choosing among the few lengths it captures
+    (serve/draft_length.graph_draft_lengths); a joining prompt is prefilled in chunks
     of ``prefill_chunk`` tokens between decode steps where the target runner can (``chunked_prefill``;
     None: DEFAULT_PREFILL_CHUNK, 0: whole prompts); the sampling filter is each request's own."""
     if drafter == "heads":
@@ -318,13 +327,15 @@ def _server_draft_length(drafter: str, k: Optional[int], graphs: bool, tensor_pa
             raise ValueError(f"k (draft tokens per step) must be an int >= 1 or None (by load), got {k!r}")
         reasons.append(("drafter", f"{drafter} chain, k={k}: fixed, as asked"))
         return k, False
-    if graphs or tensor_parallel > 1:
-        where = "CUDA graphs capture one draft length" if graphs else "the ranks would disagree on measured times"
-        reasons.append(("drafter", f"{drafter} chain, k={FIXED_K}: fixed ({where})"))
+    if tensor_parallel > 1:
+        reasons.append(("drafter", f"{drafter} chain, k={FIXED_K}: fixed (the ranks would disagree on measured times)"))
         return FIXED_K, False
-    reasons.append(("drafter", f"{drafter} chain, k by load: 0..{adaptive_k.DEFAULT_K_MAX} per step, the length that "
+    k_max = adaptive_k.DEFAULT_K_MAX
+    lengths = (", ".join(map(str, graph_draft_lengths(k_max, FIXED_K))) + " (the lengths CUDA graphs capture)"
+               if graphs else f"0..{k_max}")
+    reasons.append(("drafter", f"{drafter} chain, k by load: {lengths} per step, the length that "
                                f"maximises measured tokens/s at the running width (seeded requests: {FIXED_K})"))
-    return adaptive_k.DEFAULT_K_MAX, True
+    return k_max, True
 
 
 def _server_prefill_chunk(asked: Optional[int], target: RunnerCapabilities, kind: str, graphs: bool,

@@ -163,11 +163,13 @@ class DecodeSteps:
     """The draft, verify and commit parts over one metadata: CUDA graphs (cuda_graphs.StepGraph) when
     ``graphs``, plain calls otherwise (NVTX ranges around them where NVTX is on when they are built).
     Under graphs the proposal and the verdict are the same static buffers at every replay; ``budget``
-    (adaptive k, eager only) is read when the draft part runs. ``backend`` is for tests (a fake
-    CUDAGraph on the CPU)."""
+    (adaptive k) is read when the draft part runs, so under graphs it must be the same at every step
+    (the server's steps under graphs: one length for every row, one Stepper per length); ``plain``: every
+    step drafts nothing, and the draft part (the drafter's ``skip``, host bookkeeping) is not captured.
+    ``backend`` is for tests (a fake CUDAGraph on the CPU)."""
 
     def __init__(self, target: ModelRunner, drafter: Optional[Drafter], meta: SpecDecodeMetadata,
-                 verifier: Verifier, *, graphs: bool, backend=None):
+                 verifier: Verifier, *, graphs: bool, plain: bool = False, backend=None):
         self.budget: Optional[List[int]] = None
         self.proposal: Proposal = meta.no_drafts
         self.verdict: Optional[Verdict] = None
@@ -191,7 +193,7 @@ class DecodeSteps:
                 fn = self.graphs[-1]
             return _ranged(name, fn) if ranges else fn
 
-        self.draft = part(draft_part, "draft", drafter is not None)
+        self.draft = part(draft_part, "draft", drafter is not None and not plain)
         self.verify = part(verify_part, "verify", True)
         self.commit = part(commit_part, "commit", True)
 
@@ -221,6 +223,8 @@ class StepOptions:
     isolate_failures: bool = False  # a row whose verification fails is frozen and reported (serving);
     #                                 False: the step raises (generate)
     graph_backend: object = None  # tests: a fake CUDAGraph on the CPU
+    plain: bool = False  # every step is given a budget of 0 (a server's plain steps under graphs): the draft
+    #                      part stays on the host
 
 
 @dataclass
@@ -247,7 +251,7 @@ class Stepper:
                  clock: Callable[[], float] = time.perf_counter, recorder=None):
         self.target, self.drafter, self.meta, self.options = target, drafter, meta, options
         self.sync, self.clock, self.recorder = sync, clock, recorder
-        self.parts = DecodeSteps(target, drafter, meta, options.verifier, graphs=options.graphs,
+        self.parts = DecodeSteps(target, drafter, meta, options.verifier, graphs=options.graphs, plain=options.plain,
                                  backend=options.graph_backend)
 
     def step(self, rows: Sequence[Optional[RowState]], stops: Sequence[Optional[StopCriteria]],

@@ -28,6 +28,11 @@ class Drafter:
     def skip(self, meta: SpecDecodeMetadata) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not support adaptive k (skip)")
 
+    def catch_up(self, meta: SpecDecodeMetadata) -> None:
+        """Serving under CUDA graphs, between steps (host mode): after skipped steps, take in what was
+        committed meanwhile, so that the next draft pass has the shapes its capture has (nothing to do by
+        default: a drafter without device steps is not captured)."""
+
     def commit(self, meta: SpecDecodeMetadata, verdict: Verdict) -> None:
         raise NotImplementedError
 

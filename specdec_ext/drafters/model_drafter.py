@@ -137,6 +137,8 @@ class ModelDrafter(Drafter):
         probs = None if greedy else self.probs[:B]  # [B, k, V]
         if budget is None:
             num_draft.fill_(k)
+        elif len(set(budget)) == 1:  # one length for every row: no host data (what a capture can hold)
+            num_draft.fill_(min(k, budget[0]))
         else:
             num_draft.copy_(torch.tensor([min(k, b) for b in budget], dtype=torch.int32))
         drafting = torch.ones_like(meta.active) if self.confidence_threshold > 0 else None  # [B] bool
@@ -183,6 +185,26 @@ class ModelDrafter(Drafter):
         """No draft this step (adaptive k): the next propose feeds the tokens committed meanwhile."""
         self._skipped += 1
         self._skipped_step = True
+
+    def catch_up(self, meta: SpecDecodeMetadata) -> None:
+        """After skipped steps, feed each row's committed tokens that the draft cache lacks except the last
+        one, so that the next propose feeds one token per row, as wide as a propose after a drafting step
+        (MAX_DRAFT_FEED columns): what a captured draft pass needs, since its feed width is fixed at
+        capture. Between steps, in host mode (``meta`` covers the runner's rows and more)."""
+        if not self._skipped:
+            return
+        self._skipped = 0
+        B = self.runner.batch_size
+        seq_lens = meta.seq_lens[:B]  # [B]
+        seen = self.runner.lengths.to(meta.device)  # [B]
+        behind = (seq_lens - seen - 1).clamp(min=0)  # [B]
+        width = int(behind.max())
+        if width == 0:
+            return
+        columns = torch.arange(width, dtype=torch.int64, device=meta.device)  # [W]
+        positions = torch.minimum(seen[:, None] + columns, (seq_lens - 1)[:, None])  # [B, W]
+        self.runner.forward(torch.gather(meta.token_buffer[:B], 1, positions), behind)
+        self.runner.commit(behind)
 
     def commit(self, meta: SpecDecodeMetadata, verdict: Verdict) -> None:
         """Roll the draft cache back to the committed tokens it has fed.

@@ -18,6 +18,7 @@ floating-point kernels (a different batch can round a logit differently; only a 
 Draft length (``draft_length``, a LoadGatedK; None: every row drafts the server's k): each step's k
 comes from the step costs measured at the running width and each row's acceptance, 0 (a plain step)
 where speculation does not pay at this load (serve/draft_length.py); seeded requests draft a fixed k.
+Under graphs every row of a step drafts the same length, one of the few the Steppers capture.
 
 Chunked prefill (``prefill_chunk`` > 0, a target runner with ``extend_rows``): a joining request takes its
 slot at once but is prefilled a chunk per step (``prefill``: start_rows of the first chunk, extend_rows of
@@ -33,7 +34,9 @@ runners and a draft model or no drafter). A step covers ``plan.bucket_size(width
 max_rows) instead of ``width``; the draft, verify and commit steps of each (bucket, filter) pair are
 captured once (step.DecodeSteps) and replayed for the server's life; the filter part of the key is
 whether every row is greedy and whether any row truncates (top-k / top-p), the two host decisions a
-step makes. Pages cannot be handed out inside a graph, so before each replay the host gives every
+step makes, and the key holds the step's draft length (a plain step's draft part, the drafter's skip,
+stays on the host; before a drafting step after plain ones ``Drafter.catch_up`` feeds the draft model
+what they committed, so the captured draft pass has its captured feed width). Pages cannot be handed out inside a graph, so before each replay the host gives every
 running row the pages the step can write (runners/paged.py ``reserve_step``: length + k + 1) and after
 it reads the lengths back (``sync_host``, the pages past them are freed): the runners' and the draft
 model's ``device_steps`` capability, which the server plan (plan.plan_server) requires for graphs; everything a step reads per
@@ -155,8 +158,8 @@ class ContinuousBatcher:
         draft_length, prefill_chunk = scheduling.draft_length, scheduling.prefill_chunk
         if prefill_chunk and not target.capabilities.chunked_prefill:
             raise ValueError(f"chunked prefill needs a target runner with extend_rows, not {type(target).__name__}")
-        if graphs and (draft_length is not None or prefill_chunk):
-            raise ValueError("CUDA-graph steps run a fixed k and whole-prompt prefill")
+        if graphs and prefill_chunk:
+            raise ValueError("CUDA-graph steps run after whole-prompt prefill: chunked prefill needs eager steps")
         self.target, self.drafter = target, drafter
         self.draft_length, self.prefill_chunk = draft_length, int(prefill_chunk)
         self.slo = None if scheduling.tpot_slo is None else TpotSlo(scheduling.tpot_slo)
@@ -444,7 +447,9 @@ class ContinuousBatcher:
         choice = self._choose(width, rows)
         if choice.k > 0:
             self._start_pending_drafts()
-        stepper = self._stepper_for(width)
+            if self.graphs:  # a captured draft pass feeds as few tokens as one after a drafting step
+                self.drafter.catch_up(self.meta)
+        stepper = self._stepper_for(width, choice.k)
         stepper.meta.set_row_steps(torch.tensor([row.steps if row is not None else 0 for row in rows]))
         stepper.meta.top_logprobs = _widest_logprobs([row for row in rows if row is not None])
         begin = self.clock()
@@ -478,7 +483,8 @@ class ContinuousBatcher:
             k = self.meta.slots
             return DraftChoice(k, FIXED, [k if row is not None else 0 for row in rows])
         seeded = [b for b in running if rows[b].request.seeded]
-        return self.draft_length.choose(width, running, seeded, pending_tokens=self._pending_draft_tokens())
+        return self.draft_length.choose(width, running, seeded, pending_tokens=self._pending_draft_tokens(),
+                                        uniform=self.graphs)
 
     @property
     def graphs_captured(self) -> int:
@@ -486,19 +492,20 @@ class ContinuousBatcher:
         return sum(sum(stepper.parts.captured.values()) for stepper in list(self._steps.values()))
 
     # ------------------------------------------------------------------ helpers
-    def _stepper_for(self, width: int) -> Stepper:
+    def _stepper_for(self, width: int, k: int) -> Stepper:
         """The Stepper over the view of rows 0..width-1, made once per key: the width, and under graphs
-        the host decisions baked into a capture (all rows greedy, any row truncating) and whether a row's
-        processors or logprobs make the step eager (module docstring)."""
+        the host decisions baked into a capture (all rows greedy, any row truncating, the draft length
+        ``k`` of every row) and whether a row's processors or logprobs make the step eager (module
+        docstring)."""
         sampling = self.meta.row_sampling[:width]
         key: tuple = (width,)
         eager = False
         if self.graphs:
             eager = any(row is not None and _host_work(row.request) for row in self.rows[:width])
-            key += (all(p.greedy for p in sampling), any(p.top_k > 0 or p.top_p < 1.0 for p in sampling), eager)
+            key += (all(p.greedy for p in sampling), any(p.top_k > 0 or p.top_p < 1.0 for p in sampling), eager, k)
         if key not in self._steps:
             options = StepOptions(graphs=self.graphs and not eager, device_steps=self.graphs, isolate_failures=True,
-                                  graph_backend=self.graph_backend)
+                                  graph_backend=self.graph_backend, plain=self.graphs and k == 0)
             self._steps[key] = Stepper(self.target, self.drafter, self.meta.rows(width), options,
                                           recorder=self.metrics)
         stepper = self._steps[key]

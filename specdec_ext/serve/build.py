@@ -12,7 +12,7 @@ from typing import List, Optional
 from ..build import build_drafter
 from ..generate import eos_token_ids_of  # generate()'s EOS rule, so that a response ends where generate() would
 from ..models import Models
-from ..plan import FIXED_K, plan_server
+from ..plan import FIXED_K, graph_draft_lengths, plan_server
 from ..runners import PagedModelRunner, make_runner
 from ..runners.paged import DEFAULT_PAGE_SIZE
 from . import DEFAULT_MAX_QUEUE, DEFAULT_MAX_ROWS
@@ -66,7 +66,10 @@ def build_engine(models: Models, options: EngineOptions = EngineOptions()) -> En
     drafter = build_drafter(plan, models, target)
     slo = None if options.tpot_slo_ms is None else options.tpot_slo_ms / 1e3
     metrics = ServeMetrics(plan.slots, tpot_slo=slo)
-    draft_length = LoadGatedK(plan.slots, rows=options.max_rows, pinned_k=FIXED_K) if plan.adaptive else None
+    draft_length = None
+    if plan.adaptive:
+        lengths = graph_draft_lengths(plan.slots, FIXED_K) if plan.cuda_graphs else None
+        draft_length = LoadGatedK(plan.slots, rows=options.max_rows, pinned_k=FIXED_K, lengths=lengths)
     batcher = ContinuousBatcher(target, drafter, max_rows=options.max_rows, slots=plan.slots, max_seq_len=seq_len,
                                 metrics=metrics, graphs=plan.cuda_graphs,
                                 scheduling=Scheduling(draft_length, plan.prefill_chunk, slo))

@@ -63,6 +63,10 @@ first client's step (measured at one client without it: the early steps chose fr
 extrapolations, and the controller drafted 3.2 tokens per step on average where 4 paid best). The
 request's acceptance is forgotten afterwards (the prior is the clients'), its costs kept.
 
+Under CUDA graphs (``lengths``: plan.graph_draft_lengths). A capture drafts one length for every row, so
+the choice is made among the few lengths the batcher captures (the others' times are infinite) and given
+to every slot (``choose(..., uniform=True)``); calibration and exploration use those lengths only.
+
 Seeded rows. A request that gave a seed (``GenerationRequest.seeded``) drafts ``pinned_k`` tokens every
 step whatever the load, so that its tokens are the same alone and batched: its Philox draws follow its
 own steps, and the draft lengths decide which draw serves which position. The pass is then at least
@@ -183,12 +187,19 @@ class DraftCosts:
 
 class LoadGatedK:
     """The draft length of each server step (see the module docstring). ``k_max``: the server's draft
-    slots; ``pinned_k``: what seeded rows draft; ``rows``: the slots."""
+    slots; ``pinned_k``: what seeded rows draft; ``rows``: the slots; ``lengths``: the draft lengths a
+    step may take (None: 0..k_max; under CUDA graphs ``graph_draft_lengths``, the shapes it captures)."""
 
-    def __init__(self, k_max: int, *, rows: int, pinned_k: int, explore_every: int = EXPLORE_EVERY):
+    def __init__(self, k_max: int, *, rows: int, pinned_k: int, explore_every: int = EXPLORE_EVERY,
+                 lengths: Optional[Sequence[int]] = None):
         if not 1 <= pinned_k <= k_max:
             raise ValueError(f"pinned_k must lie in [1, k_max={k_max}], got {pinned_k}")
+        lengths = tuple(range(k_max + 1)) if lengths is None else tuple(sorted({int(K) for K in lengths}))
+        if lengths[0] != 0 or lengths[-1] > k_max or pinned_k not in lengths or len(lengths) < 2:
+            raise ValueError(f"lengths must hold 0, pinned_k={pinned_k} and others in [1, k_max={k_max}], got {lengths}")
         self.k_max, self.pinned_k, self.explore_every = int(k_max), int(pinned_k), max(int(explore_every), 1)
+        self.lengths = lengths
+        self._excluded = np.array([K not in lengths for K in range(k_max + 1)])  # [k_max+1]: never chosen
         self.m, self.g = DEFAULT_PRIOR_STRENGTH, DEFAULT_FORGETTING
         self.reached = np.zeros((rows, k_max))  # R_i per slot, decayed
         self.accepted = np.zeros((rows, k_max))  # A_i per slot, decayed
@@ -212,9 +223,10 @@ class LoadGatedK:
     # ------------------------------------------------------------------ calibration (module docstring)
     def start_calibration(self) -> int:
         """The next steps draft a fixed schedule: two plain steps (the first one warms up and is not
-        timed), every K from 1 to k_max and back (the first draft step after plain ones is a catch-up, so
+        timed), every K of ``lengths`` from 1 to k_max and back (the first draft step after plain ones is a catch-up, so
         each K is timed as a draft once at least), a plain step. Returns its length in steps."""
-        self._schedule = [0, 0, *range(1, self.k_max + 1), *range(self.k_max, 0, -1), 0]
+        drafting = [K for K in self.lengths if K > 0]
+        self._schedule = [0, 0, *drafting, *reversed(drafting), 0]
         self._warming = True
         return len(self._schedule)
 
@@ -272,11 +284,13 @@ class LoadGatedK:
         """Whether the last measured choice drafted (the batcher defers joining rows' draft prefills while not)."""
         return self._cap > 0
 
-    def choose(self, width: int, running: Sequence[int], seeded: Sequence[int], *, pending_tokens: int = 0
-               ) -> DraftChoice:
+    def choose(self, width: int, running: Sequence[int], seeded: Sequence[int], *, pending_tokens: int = 0,
+               uniform: bool = False) -> DraftChoice:
         """This step's draft lengths over slots 0..width-1: ``running`` the slots decoding, ``seeded``
         those of them whose request gave a seed; ``pending_tokens`` what the draft model must prefill
-        before it drafts (rows that joined while speculation was off), charged like a catch-up."""
+        before it drafts (rows that joined while speculation was off), charged like a catch-up;
+        ``uniform`` (CUDA graphs: a capture drafts one length for every row): every slot gets the same
+        budget, pinned_k while a seeded row runs."""
         self.step += 1
         times = self.step_times(width)
         reason, rates = MEASURED, None
@@ -285,8 +299,8 @@ class LoadGatedK:
         elif times is None:  # nothing timed yet: draft the pinned length once to measure it
             cap = self.pinned_k
         else:
+            times = np.where(self._excluded, np.inf, times)
             if self._cap == 0 and (self._since_draft or pending_tokens):
-                times = times.copy()
                 times[1:] += self._catch_up_s(width, pending_tokens) / CATCH_UP_HORIZON
             expected = expected_tokens_table(self.acceptance()[list(running)])  # [r, k_max+1]
             active = np.ones(len(running), dtype=bool)
@@ -302,7 +316,7 @@ class LoadGatedK:
                 if all_rates[best] < (1 + REFRESH_BAND) * all_rates[0] and not self.verify.fresh(width, self.step):
                     cap, reason = 0, REFRESH
             elif self.step >= self._next_explore and all_rates[best] >= EXPLORE_BAND * all_rates[0]:
-                cap, reason = min(EXPLORE_K, self.k_max), EXPLORE
+                cap, reason = min(K for K in self.lengths if K >= min(EXPLORE_K, self.k_max)), EXPLORE
                 self._next_explore = self.step + self._interval
                 self._interval = min(2 * self._interval, EXPLORE_BACKOFF * self.explore_every)
         budget = [0] * width
@@ -311,6 +325,8 @@ class LoadGatedK:
             budget[slot] = self.pinned_k if slot in seeded_set else cap
         if seeded_set and cap != self.pinned_k:
             reason = PINNED
+        if uniform:
+            budget = [self.pinned_k if seeded_set else cap] * width
         return DraftChoice(max(budget, default=0), reason, budget, rates)
 
     def _catch_up_s(self, width: int, pending_tokens: int = 0) -> float:
@@ -357,5 +373,9 @@ def describe(controller: Optional[LoadGatedK], slots: int) -> str:
         return "no drafts (plain decoding)"
     if controller is None:
         return f"k={slots} fixed"
-    return (f"k by load: 0..{controller.k_max} per step from measured step costs at the running width "
+    if controller.lengths == tuple(range(controller.k_max + 1)):
+        choices = f"0..{controller.k_max}"
+    else:
+        choices = "one of " + ", ".join(map(str, controller.lengths)) + " (the captured lengths)"
+    return (f"k by load: {choices} per step from measured step costs at the running width "
             f"(seeded requests draft {controller.pinned_k})")
