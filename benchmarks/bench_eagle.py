@@ -9,7 +9,7 @@ head (e.g. the fp32 checkpoint beside its int8 export). Times are the calls' pre
 (``stats.total_time``).
 
     python benchmarks/bench_eagle.py [--head DIR ...] [--prompts 4] [--max-new-tokens 96] [--k 4] [--tree 3,3,8]
-                                     [--repeats 3] [--threads 1] [--workloads code,edit]
+                                     [--repeats 3] [--threads 1] [--workloads code,edit] [--device cuda]
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import torch
 
 import specdec_ext
 from specdec_ext.bench.workloads import workload_prompts
+from specdec_ext.default_pair import load_default_pair
 
 
 def drafters(heads, k: int, tree):
@@ -34,15 +35,18 @@ def drafters(heads, k: int, tree):
     return rows
 
 
-def run_once(prompts, options, max_new_tokens: int):
-    """(tokens/s, tokens per target pass) over the prompts, one per call."""
+def run_once(prompts, options, max_new_tokens: int, pair):
+    """(tokens/s, tokens per target pass) over the prompts, one per call; ``pair``: (target, draft model)."""
+    target, draft_model = pair
     tokens = passes = 0
     seconds = 0.0
     for prompt in prompts:
         if options is None:
-            result = specdec_ext.plain_generate([prompt], max_new_tokens=max_new_tokens)
+            result = specdec_ext.plain_generate([prompt], target, max_new_tokens=max_new_tokens)
         else:
-            result = specdec_ext.generate([prompt], max_new_tokens=max_new_tokens, **options)
+            options = dict(options)
+            draft = options.pop("draft", draft_model)
+            result = specdec_ext.generate([prompt], target, draft, max_new_tokens=max_new_tokens, **options)
         tokens += len(result.token_ids[0])
         passes += result.stats.steps
         seconds += result.stats.total_time
@@ -61,20 +65,26 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--workloads", default="code,edit")
+    parser.add_argument("--device", default="cpu", help="where the pair and the head run, e.g. cuda (default: cpu; "
+                        "the plan's CUDA graphs where they apply)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    target, draft_model, _ = load_default_pair(device=args.device)
+    pair = (target, draft_model)
     tree = tuple(int(x) for x in args.tree.split(","))
     rows = drafters(args.head, args.k, tree)
     print(f"bundled target, head(s) {args.head or ['bundled']}, batch 1, {args.max_new_tokens} new tokens, k = {args.k}, tree {tree}, "
-          f"{args.threads} thread(s), ISA {specdec_ext.ops.cpu_isa()}, torch {torch.__version__}")
+          f"{args.threads} thread(s), device {args.device} "
+          f"({torch.cuda.get_device_name(torch.device(args.device)) if args.device.startswith('cuda') else 'CPU path ' + specdec_ext.ops.cpu_isa()}), "
+          f"torch {torch.__version__}")
     for workload in args.workloads.split(","):
         prompts = workload_prompts(workload, args.prompts, 8)
         for _, options in rows:  # warm-up: loads, plans, first passes
-            run_once(prompts[:1], options, 8)
+            run_once(prompts[:1], options, 8, pair)
         results = {name: [] for name, _ in rows}
         for _ in range(args.repeats):
             for name, options in rows:
-                results[name].append(run_once(prompts, options, args.max_new_tokens))
+                results[name].append(run_once(prompts, options, args.max_new_tokens, pair))
         plain = statistics.median(r[0] for r in results["plain"])
         print(f"\n{workload}: {'drafter':<20} {'tok/s':>8} {'vs plain':>9} {'tokens/pass':>12}")
         for name, runs in results.items():

@@ -18,6 +18,7 @@ time to first token (request sent -> first streamed text), p50 / p99 time per ou
 
     python benchmarks/bench_serve.py                       # N = 1, 4, 16, 32; 3 requests per client
     python benchmarks/bench_serve.py --clients 1,4 --requests-per-client 2 --max-tokens 32 --modes speculative,plain
+    python benchmarks/bench_serve.py --device cuda --clients 1,32 --modes speculative,plain   # a GPU: CUDA graphs
 """
 from __future__ import annotations
 
@@ -36,7 +37,10 @@ from typing import Dict, List, Optional, Tuple
 
 import httpx
 
-from specdec_ext.cli import BUNDLED_MODEL_NAME, heldout_prompts
+import torch
+
+from specdec_ext.cli import BUNDLED_MODEL_NAME, default_device, heldout_prompts
+from specdec_ext.ops import cpu_isa
 
 START_TIMEOUT_S = 300.0
 MODES = {"speculative": [], "plain": ["--draft", "none"], "whole": ["--prefill-chunk", "0"],
@@ -63,6 +67,8 @@ def start_server(mode: str, args) -> tuple:
     port = _free_port()
     command = [sys.executable, "-m", "specdec_ext", "serve", "--port", str(port), "--threads", str(args.threads),
                "--max-rows", str(args.max_rows), "--max-seq-len", str(args.max_seq_len), "--log-level", "warning"]
+    if args.device is not None:
+        command += ["--device", args.device]
     command += MODES[mode]
     if args.prefill_chunk is not None and "--prefill-chunk" not in MODES[mode]:
         command += ["--prefill-chunk", str(args.prefill_chunk)]
@@ -188,6 +194,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-rows", type=int, default=16)
     parser.add_argument("--max-seq-len", type=int, default=1024)
     parser.add_argument("--threads", type=int, default=1, help="the server's torch threads (default: 1)")
+    parser.add_argument("--device", default=None, help="the servers' --device: cpu, cuda (default: theirs, cuda "
+                        "where torch sees a GPU); on CUDA the steps run in CUDA graphs")
     parser.add_argument("--prompt-lines", type=int, default=20)
     parser.add_argument("--modes", default="speculative,plain,whole", help=f"of {', '.join(MODES)} (default: "
                         "speculative,plain,whole)")
@@ -201,7 +209,11 @@ def main(argv=None) -> int:
     if unknown:
         raise SystemExit(f"bench_serve: unknown mode {unknown[0]!r}: choose from {', '.join(MODES)}")
     prompts = [text for _, text in heldout_prompts(8, args.prompt_lines)]
+    device = args.device or default_device()
+    where = (f"{torch.cuda.get_device_name(torch.device(device))}" if device.startswith("cuda")
+             else f"CPU path {cpu_isa()}")
     print(f"# {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} CPUs, python {platform.python_version()};"
+          f" device {device} ({where});"
           f" {args.max_tokens} tokens per request, T={args.temperature}, {args.requests_per_client} requests per "
           f"client, server threads {args.threads}, prefill chunk {args.prefill_chunk or 'default'}, {args.repeats} interleaved run(s) per mode (medians)")
     runs: Dict[str, List[Dict[int, dict]]] = {m: [] for m in modes}

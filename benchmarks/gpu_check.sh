@@ -11,7 +11,10 @@
 #               python_tests/test_cuda_sanitizer_cases.py (every kernel, checked against the CPU ops);
 #               their output goes to tests.log, their error counts to the summary (GPU_CHECK_SANITIZERS=0: off)
 #   4. tpot     benchmarks/bench_tpot.py --device cuda (eager vs graphs, plain vs speculative, 1B verify cost),
-#               then bench_tree_decode.py --device cuda (chains vs draft trees at N = 8, 16; into tpot.log)
+#               bench_serve.py --device cuda at 1 and 32 clients (speculative, k by load over captured lengths,
+#               vs plain: tokens/s, TPOT p99), bench_eagle.py --device cuda (EAGLE-3 chain and tree beside the
+#               other drafters; eager: its drafter proposes on the host), then bench_tree_decode.py --device
+#               cuda (chains vs draft trees at N = 8, 16); all into tpot.log
 #   5. kernels  bench_sampling.py --quick, bench_tree.py (small), bench_kv.py --quick, all --device cuda
 #   6. tp       with two GPUs or more: bench_tp.py --tp 1,2 (tensor-parallel target, plain vs speculative;
 #               into tpot.log); skipped on one GPU
@@ -136,6 +139,10 @@ if [ "$BUILT" != "ok" ]; then
   skip tpot "build $BUILT"
 else
   phase tpot 170 tpot.log "$PY" "$REPO/benchmarks/bench_tpot.py" --device cuda
+  phase serve 100 tpot.log "$PY" "$REPO/benchmarks/bench_serve.py" --device cuda --clients 1,32 \
+    --modes speculative,plain --repeats 1 --requests-per-client 2
+  phase eagle 70 tpot.log "$PY" "$REPO/benchmarks/bench_eagle.py" --device cuda --prompts 2 --max-new-tokens 64 \
+    --repeats 1
   phase trees 60 tpot.log "$PY" "$REPO/benchmarks/bench_tree_decode.py" --device cuda --ks 8,16 --branches 3 \
     --temperatures 0,1 --repeats 1 --max-new-tokens 48 --prompts 2
 fi

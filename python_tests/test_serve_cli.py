@@ -13,6 +13,7 @@ import time
 
 import httpx
 import pytest
+import torch
 
 from specdec_ext import cli
 from serve_utils import CHAT_TEMPLATE, MODEL_NAME
@@ -103,6 +104,23 @@ def test_serve_help_lists_its_flags(capsys):
         cli.main(["serve", "--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    for flag in ("--host", "--port", "--max-rows", "--max-queue", "--max-seq-len", "--cache-tokens",
+    for flag in ("--device", "--host", "--port", "--max-rows", "--max-queue", "--max-seq-len", "--cache-tokens",
                  "--shutdown-grace", "--model-name", "'none'", "--draft-tokenizer", "'eagle'"):
         assert flag in out
+
+
+def test_serve_on_a_device_torch_cannot_use_names_it(capsys):
+    """--device: a CUDA device on a machine without one (or a device that does not exist) is a clear exit
+    before any model work beyond loading, naming the device."""
+    if torch.cuda.is_available():
+        asked, expected = f"cuda:{torch.cuda.device_count()}", "CUDA device(s)"
+    else:
+        asked, expected = "cuda", "CUDA is not available here"
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["serve", "--draft", "none", "--device", asked])
+    assert f"specdec serve: device {asked}" in str(exit_info.value) and expected in str(exit_info.value)
+    with pytest.raises(SystemExit, match="the models run on cpu or cuda"):
+        cli.main(["serve", "--draft", "none", "--device", "meta"])
+    with pytest.raises(SystemExit, match="specdec serve: device gpu0: "):
+        cli.main(["serve", "--draft", "none", "--device", "gpu0"])
+    assert cli.default_device() == ("cuda" if torch.cuda.is_available() else "cpu")

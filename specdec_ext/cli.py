@@ -194,6 +194,9 @@ def _serve_parser(sub) -> None:
                 "'none' for plain decoding (one target pass per token); heads and trees are not served (default: "
                 "the bundled pair's draft)")
     _draft_tokenizer_arg(s)
+    s.add_argument("--device", default=None,
+                   help="where the models run: cpu, cuda or cuda:N (default: cuda where torch sees a GPU, else cpu); "
+                   "on CUDA with a draft model or none the decode steps are captured in CUDA graphs")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
     s.add_argument("--model-name", default=None,
@@ -235,6 +238,13 @@ BUNDLED_MODEL_NAME = "specdec-default-pair"
 
 
 # ---------------------------------------------------------------------------------------- commands
+def default_device() -> str:
+    """Where a command's models run unless told: the GPU where torch sees one."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _set_threads(threads: Optional[int]) -> None:
     if threads is not None:
         import torch
@@ -497,6 +507,10 @@ def cmd_serve(args) -> int:
     else:
         draft_tokenizer = None if args.draft_tokenizer is None else _load_tokenizer_arg(args.draft_tokenizer)
         models = load_models(*_pair_args(args), draft_tokenizer=draft_tokenizer)
+    try:
+        models.to(args.device or default_device())
+    except ValueError as error:
+        raise SystemExit(f"specdec serve: {error}") from None
     options = EngineOptions(max_rows=args.max_rows, max_queue=args.max_queue, k=args.k, max_seq_len=args.max_seq_len,
                             cache_tokens=args.cache_tokens, runner=args.runner, prefill_chunk=args.prefill_chunk,
                             tpot_slo_ms=args.tpot_slo_ms)

@@ -38,6 +38,25 @@ class Models:
     tokenizer: object = None  # the target's tokenizer, or None (token-id prompts only)
     bridge: Optional[VocabularyBridge] = None  # with drafter "cross-tokenizer": the two tokenizers' bridge
 
+    def to(self, device: Union[str, torch.device]) -> "Models":
+        """The same models on ``device`` ("cpu", "cuda", "cuda:1"; moved in place, as nn.Module.to does).
+        ValueError naming the device when torch cannot use it."""
+        try:
+            device = torch.device(device)
+        except RuntimeError as error:  # an unknown device string
+            raise ValueError(f"device {device}: {str(error).splitlines()[0]}") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {device}: CUDA is not available here (torch {torch.__version__}; "
+                             "run on the CPU with device cpu)")
+        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+            raise ValueError(f"device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device {device}: the models run on cpu or cuda")
+        for module in (self.target, self.draft, self.heads):
+            if module is not None:
+                module.to(device)
+        return self
+
 
 def load_models(target: ModelSpec = None, draft: Union[ModelSpec, MedusaHeads] = None, *, tokenizer=None,
                 draft_tokenizer=None, plain: bool = False, tp_size: Optional[int] = None) -> Models:
