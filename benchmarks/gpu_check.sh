@@ -5,15 +5,16 @@
 #   2. build    pip install --no-build-isolation --no-deps .  (TORCH_CUDA_ARCH_LIST=9.0, MAX_JOBS=16)
 #   3. tests    CUDA tests: test_cuda_ops.py, test_cuda_tree.py, test_kv_ops.py::test_cuda_matches_cpu,
 #               test_cuda_graphs.py (graph replay == eager), test_serve_graphs.py (serving's graphs by batch
-#               bucket and by draft length == eager), test_profiling.py, the CUDA heads/trees test and process_logits' CUDA tests
+#               bucket and by draft length == eager), test_profiling.py, the CUDA heads/trees test, process_logits' CUDA tests
+#               and EAGLE-3 chains under real graphs == eager
 #               (test_cuda_ops.py holds sample_filtered's)
 #   3b. sanitizers  compute-sanitizer memcheck, racecheck and synccheck, each over the small CUDA cases of
 #               python_tests/test_cuda_sanitizer_cases.py (every kernel, checked against the CPU ops);
 #               their output goes to tests.log, their error counts to the summary (GPU_CHECK_SANITIZERS=0: off)
 #   4. tpot     benchmarks/bench_tpot.py --device cuda (eager vs graphs, plain vs speculative, 1B verify cost),
 #               bench_serve.py --device cuda at 1 and 32 clients (speculative, k by load over captured lengths,
-#               vs plain: tokens/s, TPOT p99), bench_eagle.py --device cuda (EAGLE-3 chain and tree beside the
-#               other drafters; eager: its drafter proposes on the host), then bench_tree_decode.py --device
+#               vs plain: tokens/s, TPOT p99), bench_eagle.py --device cuda (EAGLE-3 chain, in CUDA graphs, and
+#               tree beside the other drafters), then bench_tree_decode.py --device
 #               cuda (chains vs draft trees at N = 8, 16); all into tpot.log
 #   5. kernels  bench_sampling.py --quick, bench_tree.py (small), bench_kv.py --quick, all --device cuda
 #   6. tp       with two GPUs or more: bench_tp.py --tp 1,2 (tensor-parallel target, plain vs speculative;
@@ -95,7 +96,8 @@ else
     "$REPO/python_tests/test_heads.py::test_cuda_heads_and_sampled_trees_match_the_cpu" \
     "$REPO/python_tests/test_process_logits.py::test_cuda_matches_cpu" \
     "$REPO/python_tests/test_process_logits.py::test_cuda_long_prefixes_and_bad_values" \
-    "$REPO/python_tests/test_process_logits.py::test_cuda_graph_capture"
+    "$REPO/python_tests/test_process_logits.py::test_cuda_graph_capture" \
+    "$REPO/python_tests/test_eagle_generate.py::test_eagle_chains_under_real_cuda_graphs_equal_the_eager_run"
 fi
 
 # 3b. compute-sanitizer ----------------------------------------------------------------------------

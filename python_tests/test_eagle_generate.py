@@ -3,7 +3,10 @@ greedy equal to plain greedy on each runner and as a tree, the plan's lines, the
 made for another target refused before any work."""
 from __future__ import annotations
 
+import copy
+
 import pytest
+import torch
 
 import specdec_ext
 from eagle_utils import random_head, tiny_target
@@ -80,3 +83,50 @@ def test_an_eagle_head_under_logits_processors_is_plain_decoding_with_them(targe
     kw = dict(max_new_tokens=16, presence_penalty=1.0, repetition_penalty=1.3, logit_bias={7: 3.0})
     speculative = specdec_ext.generate(PROMPTS, target, EagleDrafterSpec(head), k=3, **kw)
     assert speculative.token_ids == specdec_ext.plain_generate(PROMPTS, target, **kw).token_ids
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_eagle_chains_under_graphs_forced_on_a_fake_backend_equal_the_eager_paged_run(target, head, monkeypatch,
+                                                                                      temperature):
+    """generate(draft=EAGLE head) with CUDA graphs forced on (the fake backend: each replay must trace what
+    the graph's first replay traced): the plan captures the EAGLE chain on the paged runner in static-shapes
+    mode with its hidden states tapped, the drafter feeds the prompt at prefill and k + 1 positions per
+    step; tokens (greedy, and seeded samples at T = 1) and steps equal the eager host-mode paged run's.
+    The CPU kernels are off so that the head runs the torch path a GPU runs."""
+    from fake_graphs import FakeBackend
+    from specdec_ext import cuda_graphs, plan as plan_module
+
+    monkeypatch.setenv("SPECDEC_CPU_KERNELS", "0")
+    kwargs = dict(max_new_tokens=14, k=3, temperature=temperature, seed=[4, 5, 6], eos_token_id=False, runner="paged")
+    prompts = PROMPTS + [[7, 7, 8]]
+    reference = specdec_ext.generate(prompts, target, EagleDrafterSpec(head), **kwargs)
+    assert not reference.plan.cuda_graphs
+    backend = FakeBackend()
+    monkeypatch.setattr(plan_module, "graphs_available", lambda device: (True, None))
+    monkeypatch.setattr(cuda_graphs, "_CudaBackend", lambda: backend)
+    result = specdec_ext.generate(prompts, target, EagleDrafterSpec(head), **kwargs)
+    assert result.plan.cuda_graphs and result.plan.static_shapes and result.plan.padded_batch_size == 4
+    assert "EAGLE-3 chain of fixed k" in dict(result.plan.reasons)["cuda graphs"]
+    assert backend.events.count("capture") == 3 and backend.events.count("replay") >= 3 * 3
+    assert result.token_ids == reference.token_ids
+    assert result.stats.steps == reference.stats.steps
+    if temperature == 0.0:
+        assert result.token_ids == specdec_ext.plain_generate(prompts, target, max_new_tokens=14,
+                                                              eos_token_id=False).token_ids
+    default = specdec_ext.generate(prompts, target, EagleDrafterSpec(head), max_new_tokens=4, runner="paged")
+    assert default.plan.cuda_graphs and default.plan.slots == plan_module.FIXED_K  # k=None: a fixed k
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (real CUDA graphs)")
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_eagle_chains_under_real_cuda_graphs_equal_the_eager_run(target, head, monkeypatch, temperature):
+    """On a GPU the plan captures EAGLE chains by default: the same tokens and steps as with graphs off."""
+    cuda_target, cuda_head = copy.deepcopy(target).cuda(), copy.deepcopy(head)  # (the fixtures stay on the CPU)
+    kwargs = dict(max_new_tokens=24, k=3, temperature=temperature, seed=[4, 5, 6], eos_token_id=False)
+    prompts = PROMPTS + [[7, 7, 8]]
+    result = specdec_ext.generate(prompts, cuda_target, EagleDrafterSpec(cuda_head), **kwargs)
+    assert result.plan.cuda_graphs
+    monkeypatch.setenv("SPECDEC_CUDA_GRAPHS", "0")
+    eager = specdec_ext.generate(prompts, cuda_target, EagleDrafterSpec(cuda_head), **kwargs)
+    assert not eager.plan.cuda_graphs
+    assert result.token_ids == eager.token_ids and result.stats.steps == eager.stats.steps

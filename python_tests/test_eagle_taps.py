@@ -116,6 +116,14 @@ def test_paged_taps_follow_its_pages(model, reference):
     drive(runner, reference, atol=2e-5)
 
 
+def test_paged_static_shapes_taps_on_the_device(model, reference):
+    """The static-shapes mode (CUDA graphs: chains are device work) taps its chain forwards as host mode
+    does; its tree forward and commit_tree go through host mode."""
+    runner = make_runner("paged", model, max_batch_size=2, max_seq_len=64, hidden_taps=TAPS, static_shapes=True)
+    assert runner.capabilities == RunnerCapabilities(device_steps=False, hidden_taps=True)
+    drive(runner, reference, atol=2e-5)
+
+
 def test_taps_leave_the_logits_alone(model):
     """The segmented kernel stack gives the untapped runner's logits bit for bit (greedy = greedy)."""
     plain, tapped = (LeanLlamaRunner(model, max_batch_size=2, max_seq_len=64, hidden_taps=t) for t in (None, TAPS))
@@ -153,8 +161,6 @@ def test_tap_layer_ids_are_checked(model):
         LeanLlamaRunner(model, max_batch_size=1, max_seq_len=8, hidden_taps=(2, 6))
     with pytest.raises(ValueError, match="at least 5 layers"):
         default_tap_layers(4)
-    with pytest.raises(ValueError, match="host mode"):
-        make_runner("paged", model, max_batch_size=1, max_seq_len=8, hidden_taps=TAPS, static_shapes=True)
     assert capabilities_of("lean", model, hidden_taps=True) == RunnerCapabilities(chunked_prefill=True,
                                                                                   hidden_taps=True)
     with pytest.raises(ValueError, match="tapped_states"):

@@ -15,15 +15,16 @@ The rules, in the order ``make_plan`` applies them:
 2. draft length of a chain: an int k, or "auto" (adaptive k, adaptive.py: the length is chosen per
    step up to k_max); k=None means "auto" except where adaptive k would cost something: a seeded
    sample at T > 0 (adaptive choices follow measured times, so the seed would not reproduce it) and a
-   draft model where CUDA graphs capture the decode steps (adaptive steps change shape and run
+   draft model or EAGLE head where CUDA graphs capture the decode steps (adaptive steps change shape and run
    eagerly): those get ``FIXED_K``. A tree's size is its node count N' (``tree_num_nodes``).
 3. runners: runner="auto" takes the lean runner (runners/lean.py) for a model it supports, except
    where CUDA graphs are available (the paged runner's static-shapes mode is what they capture), and
    the paged runner otherwise; a bf16/fp16 draft on the CPU computes in fp32 (the CPU kernels read its
    half-precision weights as they are and widen them exactly). An explicit "lean", "paged" or "recompute" is taken as asked (or refused with why).
 4. CUDA graphs: on only for a chain of fixed k on a CUDA device (SPECDEC_CUDA_GRAPHS not 0) with the
-   paged runner for the target and no drafter or a draft model on the paged runner; the batch is then
-   padded to a bucket (``BUCKETS``) with frozen rows.
+   paged runner for the target and no drafter, a draft model on the paged runner or (generate() only)
+   an EAGLE-3 head (``GRAPH_DRAFTERS``); the batch is then padded to a bucket (``BUCKETS``) with frozen
+   rows.
 5. cache: every row holds its prompt, max_new_tokens and two steps of drafts (``required_cache_len``);
    more than max_seq_len (or the models' max_position_embeddings) is refused before any work.
 6. capabilities: what the chosen runners can do beyond the ModelRunner contract
@@ -57,6 +58,7 @@ MIN_PREFILL_CHUNK = 32  # ... at least this many, whatever the running rows' ver
 FIXED_K = 4  # what k=None means where adaptive k is not used: seeded sampling, CUDA-graph-captured steps
 HEADS_TREE = (3, 3, 8)  # default (b, d, N) of a heads tree (BENCHMARKS.md: heads trees on the bundled pair)
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # batch sizes CUDA graphs are captured for
+GRAPH_DRAFTERS = ("model", "eagle")  # drafters whose proposals are device work (the server's: the model only)
 GRAPH_DRAFT_LENGTHS = (0, 1, 2, 4, 8)  # draft lengths a server under CUDA graphs chooses from (with its k_max
 # and pinned k): each one is a capture per bucket and filter, so a few, each about half the next one's pass
 DRAFTER_KINDS = ("model", "cross-tokenizer", "ngram", "heads", "eagle", "none")  # cross-tokenizer: a draft model with
@@ -280,7 +282,7 @@ def plan_server(target_model, draft_model, *, drafter: str, k: Optional[int], ru
     models = _Models.of(target_model, draft_model)
     reasons: List[Tuple[str, str]] = []
     runners = _runners(drafter, runner, None, models, max_seq_len, reasons)
-    graphs, why = _graphs(models.graphs_ok, models.graphs_reason, drafter, None, None, runners)
+    graphs, why = _graphs(models.graphs_ok, models.graphs_reason, drafter, None, None, runners, serving=True)
     slots, by_load = _server_draft_length(drafter, k, graphs, models.tensor_parallel, reasons)
     if required_cache_len(1, 0, slots) > max_seq_len:
         raise ValueError(f"max_seq_len={max_seq_len} leaves no room for a token with {slots} draft slots "
@@ -507,7 +509,7 @@ def _default_draft_length(drafter: str, sampling: SamplingParams, seeded: bool, 
     if seeded and not sampling.greedy:
         return FIXED_K, (f"k=None with a seeded sample at T > 0: a fixed k={FIXED_K}, so that the seed reproduces "
                          "the sample (adaptive choices follow measured times)")
-    if drafter == "model" and graphs_ok and runner in ("auto", "paged"):
+    if drafter in GRAPH_DRAFTERS and graphs_ok and runner in ("auto", "paged"):
         return FIXED_K, (f"k=None where CUDA graphs capture the decode steps: a fixed k={FIXED_K} (adaptive "
                          "steps change shape and run eagerly)")
     return AUTO_K, "k=None: the draft length that maximises measured tokens per second, per step"
@@ -538,8 +540,8 @@ def _runner_for(model, runner: str, graphs_ok: bool, cache_len: int, device: tor
 
 
 def _graphs(graphs_ok: bool, graphs_reason: Optional[str], drafter: str, tree, controller,
-            runners: _Runners) -> Tuple[bool, str]:
-    """Rule 4: (CUDA graphs on, why)."""
+            runners: _Runners, serving: bool = False) -> Tuple[bool, str]:
+    """Rule 4: (CUDA graphs on, why); ``serving``: a server plan's (continuous batching)."""
     target_runner, draft_runner = runners.target, runners.draft
     if not graphs_ok:
         return False, graphs_reason
@@ -549,10 +551,15 @@ def _graphs(graphs_ok: bool, graphs_reason: Optional[str], drafter: str, tree, c
         return False, "adaptive k changes the verify width per step (eager)"
     if target_runner != "paged":
         return False, f"the {target_runner} target runner syncs with the host"
-    if drafter in ("ngram", "heads", "cross-tokenizer", "eagle"):
+    if drafter == "eagle" and serving:
+        return False, "the EAGLE-3 drafter's steps are captured in generate(), not yet in continuous batching"
+    if drafter not in GRAPH_DRAFTERS + ("none",):
         return False, f"the {drafter} drafter proposes on the host"
     if drafter == "model" and draft_runner != "paged":
         return False, f"the {draft_runner} draft runner syncs with the host"
+    if drafter == "eagle":
+        return True, ("an EAGLE-3 chain of fixed k on the paged target runner (static shapes, its hidden states "
+                      "tapped on the device): draft, verify and commit are graphs")
     return True, "a chain of fixed k on the paged runners (static shapes): draft, verify and commit are graphs"
 
 

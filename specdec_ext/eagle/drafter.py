@@ -25,10 +25,16 @@ Per step:
 The features come from the target runner built with ``hidden_taps`` = the head's layer ids (the plan
 resolves it: ``RunnerCapabilities.hidden_taps``). Adaptive k: ``skip`` needs nothing (the next feed
 catches up on every committed token).
+
+Fixed shapes (``fixed_shapes=True``, generate() chains under CUDA graphs: the plan's static-shapes
+mode): the prompt is fed at ``prefill``, every later feed is k + 1 positions wide (a step commits at
+most k + 1 tokens per row; rows with fewer repeat their last one into tentative slots) and the draft
+layer attends over its whole cache under the mask, so a propose reads no host value and has the same
+shapes at every step. ``fed`` lives on the device in both modes.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -49,7 +55,7 @@ CACHE_SLACK = 8  # draft cache slots past the token buffer's and the step's
 class EagleDrafter(Drafter):
     """EAGLE-3 chains (``k``) or trees (``tree=(b, d, N)``) over ``target``, a runner with hidden taps."""
 
-    def __init__(self, target, head: Eagle3Model, *, k: int = 4, tree=None):
+    def __init__(self, target, head: Eagle3Model, *, k: int = 4, tree=None, fixed_shapes: bool = False):
         if not target.capabilities.hidden_taps:
             raise ValueError("EagleDrafter needs a target runner built with hidden_taps= (the head's layer ids)")
         if tuple(target.hidden_taps) != tuple(head.config.layer_ids or ()):
@@ -58,6 +64,9 @@ class EagleDrafter(Drafter):
         check_target(head.config, target.model)  # hidden size, vocabulary, layers: EagleMismatchError
         self.target, self.head, self.model = target, head, head
         self.is_tree = tree is not None
+        if fixed_shapes and self.is_tree:
+            raise ValueError("EagleDrafter: fixed shapes (CUDA graphs) run chains, not trees")
+        self.fixed_shapes = bool(fixed_shapes)
         if self.is_tree:
             self.branch, self.depth, budget = tree
             self.widths = beam_widths(self.branch, self.depth, budget)
@@ -68,20 +77,22 @@ class EagleDrafter(Drafter):
             self.slots = k
         self.vocab_size = head.config.vocab_size
         self.cache: Optional[EagleKV] = None
-        self.fed: List[int] = []
+        self.fed: Optional[torch.Tensor] = None  # [B] int64: draft positions holding the target's features
         self.last: Optional[torch.Tensor] = None  # [B, h]
         self.probs: Optional[torch.Tensor] = None
 
     # ------------------------------------------------------------------ lifecycle
     def prefill(self, prompts: Sequence[Sequence[int]], meta: SpecDecodeMetadata) -> None:
         self._allocate(meta)
+        if self.fixed_shapes:  # the prompt's features now: the steps' feeds are k + 1 wide
+            self.feed(meta, width=None)
 
     def start_rows(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], meta: SpecDecodeMetadata) -> None:
         """Continuous batching (chains): rows join. Nothing runs here: the next ``feed`` reads their prompts'
         features from the target runner's taps (written by its start_rows / extend_rows)."""
         if self.is_tree:
             raise ValueError("continuous batching runs EAGLE chains, not trees")
-        if self.cache is None or len(self.fed) != meta.token_buffer.shape[0]:
+        if self.cache is None or self.fed.shape[0] != meta.token_buffer.shape[0]:
             self._allocate(meta)
         self._reset(rows)
 
@@ -89,9 +100,9 @@ class EagleDrafter(Drafter):
         self._reset(rows)
 
     def _reset(self, rows: Sequence[int]) -> None:
-        for row in rows:
-            self.fed[int(row)] = 0
-        self.last[torch.as_tensor(list(rows), dtype=torch.int64, device=self.last.device)] = 0.0
+        index = torch.as_tensor(list(rows), dtype=torch.int64, device=self.last.device)
+        self.fed[index] = 0
+        self.last[index] = 0.0
 
     def _allocate(self, meta: SpecDecodeMetadata) -> None:
         """The draft cache, the per-row state and the proposal buffers for the loop's rows (every slot)."""
@@ -99,7 +110,7 @@ class EagleDrafter(Drafter):
         device = meta.device
         extra = sum(self.widths) if self.is_tree else self.slots
         self.cache = EagleKV(self.head.config, B, S + extra + CACHE_SLACK, device)
-        self.fed = [0] * B
+        self.fed = torch.zeros((B,), dtype=torch.int64, device=device)
         self.last = torch.zeros((B, self.head.config.hidden_size), dtype=torch.float32, device=device)
         self.token_ids = torch.zeros((B, self.slots), dtype=torch.int64, device=device)  # [B, n]
         self.num_draft = torch.full((B,), self.slots, dtype=torch.int32, device=device)  # [B]
@@ -114,40 +125,44 @@ class EagleDrafter(Drafter):
 
     def checkpoint(self):
         """Undo for the cost probes: ``fed`` and ``last`` as they are now."""
-        fed, last = list(self.fed), None if self.last is None else self.last.clone()
+        fed, last = self.fed.clone(), None if self.last is None else self.last.clone()
 
         def undo() -> None:
-            self.fed, self.last = list(fed), last
+            self.fed, self.last = fed.clone(), last
 
         return undo
 
     # ------------------------------------------------------------------ feeding the target's features
-    def feed(self, meta: SpecDecodeMetadata) -> None:
-        """Draft positions fed[b] .. L[b] - 1 from the target's tapped states (step 1 of the docstring)."""
-        B = meta.batch_size  # (a continuous batch's view: its rows 0 .. width - 1)
-        lengths = self.target.lengths.tolist()[:B]
-        lengths += [0] * (B - len(lengths))
-        counts = [max(n - f, 0) for n, f in zip(lengths, self.fed[:B])]
-        W = max(counts, default=0)
+    def feed(self, meta: SpecDecodeMetadata, width: Optional[int] = None) -> None:
+        """Draft positions fed[b] .. L[b] - 1 from the target's tapped states (step 1 of the docstring),
+        ``width`` positions per row (None: as many as the row furthest behind needs, one host read)."""
+        B, device = meta.batch_size, meta.device  # (a continuous batch's view: its rows 0 .. width - 1)
+        lengths = torch.zeros((B,), dtype=torch.int64, device=device)
+        held = self.target.lengths[:B]
+        lengths[: held.shape[0]] = held.to(device)  # [B] (rows the runner does not hold: 0)
+        fed = self.fed[:B]  # [B]
+        count = (lengths - fed).clamp(min=0)  # [B]
+        W = int(count.max()) if width is None else width
         if W == 0:
             return
-        device = meta.device
-        fed = torch.tensor(self.fed[:B], dtype=torch.int64, device=device)
-        ends = torch.tensor(lengths, dtype=torch.int64, device=device)
         slots = fed[:, None] + torch.arange(W, device=device)  # [B, W] (past a row's count: padding)
-        real = slots.clamp(max=(ends - 1).clamp(min=0)[:, None])  # [B, W] positions read
+        real = slots.clamp(max=(lengths - 1).clamp(min=0)[:, None])  # [B, W] positions read
         states = self.target.tapped_states(real)  # [B, W, n * H_t]
-        tokens = torch.gather(meta.token_buffer, 1, real + 1)  # the token at t + 1
+        tokens = torch.gather(meta.token_buffer[:B], 1, real + 1)  # the token at t + 1
         with torch.no_grad():
-            out = self.head.block(tokens, self.head.fuse(states), fed, self.cache)  # [B, W, h]
-        count = torch.tensor(counts, dtype=torch.int64, device=device)
+            out = self.head.block(tokens, self.head.fuse(states), fed, self.cache, span=self._span)  # [B, W, h]
         rows = torch.arange(B, device=device)
         self.last[:B] = torch.where((count > 0)[:, None], out[rows, (count - 1).clamp(min=0)], self.last[:B])
-        self.fed[:B] = [max(n, f) for n, f in zip(lengths, self.fed[:B])]
+        self.fed[:B] = torch.maximum(lengths, fed)
+
+    @property
+    def _span(self) -> Optional[int]:
+        """Draft cache slots a chain pass attends over: all of them with fixed shapes, else as far as it reaches."""
+        return self.cache.capacity if self.fixed_shapes else None
 
     # ------------------------------------------------------------------ chains
     def propose(self, meta: SpecDecodeMetadata, budget: Optional[Sequence[int]] = None) -> Proposal:
-        self.feed(meta)
+        self.feed(meta, self.slots + 1 if self.fixed_shapes else None)
         if self.is_tree:
             return self._propose_tree(meta)
         k, B, greedy = self.slots, meta.batch_size, meta.all_greedy
@@ -160,7 +175,7 @@ class EagleDrafter(Drafter):
             self.probs = torch.zeros((self.token_ids.shape[0], k, self.vocab_size), dtype=torch.float32,
                                      device=meta.device)
         uniforms = None if greedy else draft_uniforms(meta, k)  # [k, B, 1]
-        fed = torch.tensor(self.fed[:B], dtype=torch.int64, device=meta.device)
+        fed = self.fed[:B]
         out = self.last[:B]
         with torch.no_grad():
             for i in range(steps):
@@ -172,14 +187,14 @@ class EagleDrafter(Drafter):
                     token = sample_draft(self.head.to_target_logits(logits), meta, uniforms[i], self.probs[:B, i])
                 self.token_ids[:B, i].copy_(token)
                 if i + 1 < steps:  # the drafted token with the layer's own output, at slot fed + i
-                    out = self.head.block(token[:, None], out[:, None], fed + i, self.cache)[:, 0]
+                    out = self.head.block(token[:, None], out[:, None], fed + i, self.cache, span=self._span)[:, 0]
         probs = None if greedy else self.probs[:B]
         return Proposal(self.token_ids[:B], probs, self.num_draft[:B], longest=None if budget is None else steps)
 
     # ------------------------------------------------------------------ trees
     def _propose_tree(self, meta: SpecDecodeMetadata) -> Proposal:
         B, device = meta.batch_size, meta.device
-        fed = torch.tensor(self.fed[:B], dtype=torch.int64, device=device)
+        fed = self.fed[:B]
         node_out = torch.zeros((B, sum(self.widths), self.head.config.hidden_size), device=device)
 
         def frontier_logprobs(level, tokens, parents, frontier_index):

@@ -258,14 +258,17 @@ class Eagle3Model(nn.Module):
             return flat.view(tuple(out.shape[:-1]) + (flat.shape[-1],))
         return self.lm_head(self.norm(out).to(self.lm_head.weight.dtype)).to(_compute_dtype(self.lm_head.weight))
 
-    def block(self, tokens: torch.Tensor, g: torch.Tensor, start: torch.Tensor, cache: EagleKV) -> torch.Tensor:
+    def block(self, tokens: torch.Tensor, g: torch.Tensor, start: torch.Tensor, cache: EagleKV,
+              span: Optional[int] = None) -> torch.Tensor:
         """A chain pass: tokens [B, T] with features g [B, T, h] at slots and rotary positions start[b] + t
         ([B] int64), each seeing the row's earlier slots and the block causally. On the CPU kernels where
-        they apply (eagle/kernels.py: batch-invariant), else ``step``. Returns the outputs [B, T, h]."""
+        they apply (eagle/kernels.py: batch-invariant), else ``step`` over the first ``span`` cache slots
+        (None: as far as the block reaches, read on the host; a CUDA graph passes the capacity). Returns
+        the outputs [B, T, h]."""
         if kernels_apply(self):
             return kernel_block(self, tokens, g, start, cache)
         positions = start[:, None] + torch.arange(tokens.shape[1], device=tokens.device)  # [B, T]
-        S = int(positions.max()) + 1
+        S = int(positions.max()) + 1 if span is None else span
         visible = torch.arange(S, device=tokens.device)[None, None, :] <= positions[:, :, None]
         return self.step(tokens, g, positions, cache, positions, visible)
 

@@ -7,9 +7,10 @@ kept is rolled back by metadata only (lengths, freed pages). A forward without a
 overwrites the previous tentative tokens. Positions, cache slots and the attention mask come from
 ``layout.step_layout``, as in every runner.
 
-Hidden-state taps (``hidden_taps=...``, runners/taps.py; host mode only): forward pre-hooks on the
-tapped decoder layers keep their inputs during this runner's forwards, written per row and logical
-position beside the pages; ``commit_tree`` moves the accepted path's with the keys and values.
+Hidden-state taps (``hidden_taps=...``, runners/taps.py): forward pre-hooks on the tapped decoder
+layers keep their inputs during this runner's forwards, written per row and logical position beside the
+pages (device work only: a captured chain forward writes them too); ``commit_tree`` moves the accepted
+path's with the keys and values.
 
 Two modes:
 
@@ -110,8 +111,6 @@ class PagedModelRunner:
         max_seq_len) and pre-hooks on the tapped decoder layers, live during this runner's forwards."""
         if hidden_taps is None:
             return None, None
-        if self.static_shapes:
-            raise ValueError("hidden_taps need the paged runner in host mode (static_shapes=False)")
         ids = check_tap_layers(hidden_taps, len(decoder_layers_of(model)))
         hidden = int(model.get_input_embeddings().weight.shape[1])
         buffer = TapBuffer(ids, hidden, self.max_batch_size, self.max_seq_len + 2, self.device)
