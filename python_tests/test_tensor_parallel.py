@@ -3,8 +3,9 @@ processes with gloo (torch.multiprocessing.spawn and a file:// rendezvous; resul
 torch.save files), the target sharded with HF's tensor parallelism, the draft replicated.
 
 Every rank's output equals the single-process generate(): greedy on a Llama and a Qwen3 target, with a
-draft model and with n-gram drafts, a ragged batch with a row that ends early at EOS; a seeded sample
-at T = 1. The ranks run with tp_check="verify", which raises when they disagree on any proposal or
+draft model, with n-gram drafts and with an EAGLE-3 head (greedy and seeded at T = 1: the sharded
+target's runner taps the replicated hidden states), a ragged batch with a row that ends early at EOS; a
+seeded sample at T = 1. The ranks run with tp_check="verify", which raises when they disagree on any proposal or
 verdict: they agree by construction. The target loaded by path with tp_size=2 under torchrun's
 environment; the CLI under torchrun; a rank that raises ends both processes with its error."""
 from __future__ import annotations
@@ -49,6 +50,9 @@ def _save_pair(root, arch):
     draft = noisy_copy(target, noise=0.3)
     target.save_pretrained(os.path.join(root, f"{arch}_target"))
     draft.save_pretrained(os.path.join(root, f"{arch}_draft"))
+    from eagle_utils import random_head
+    from specdec_ext.eagle import save_eagle
+    save_eagle(random_head(target, draft_vocab=40, layer_ids=(0, 1, 1)), os.path.join(root, f"{arch}_eagle"))
     return target, draft
 
 
@@ -59,6 +63,9 @@ SCENARIOS = {  # name -> generate() arguments (besides the prompts and the model
     "seeded_t1": dict(k=3, temperature=1.0, top_p=0.9, seed=[1, 2, 3]),
     "greedy_tree": dict(draft_tree=(2, 2, 4)),
     "greedy_heads": dict(draft="heads", draft_tree=(2, 2, 4)),  # Medusa-style heads on the target, replicated
+    # an EAGLE-3 head, replicated, on the hidden states the sharded target's runner taps (replicated too)
+    "greedy_eagle": dict(k=3, draft="eagle"),
+    "seeded_eagle_t1": dict(k=3, draft="eagle", temperature=1.0, seed=[4, 5, 6]),
 }
 
 
@@ -67,6 +74,16 @@ def _heads():
     from specdec_ext.heads import MedusaHeads
     torch.manual_seed(5)
     return MedusaHeads(64, 2, 64).eval()
+
+
+def _drafter(name, draft, root, arch):
+    """A scenario's draft: the draft model, "ngram", the seeded heads or the saved EAGLE-3 head."""
+    if name == "heads":
+        return _heads()
+    if name == "eagle":
+        from specdec_ext.eagle import EagleDrafterSpec
+        return EagleDrafterSpec(os.path.join(root, f"{arch}_eagle"))
+    return draft if name is None else name
 
 
 def _scenario_kwargs(name, eos):
@@ -83,13 +100,12 @@ def _early_eos(target, draft) -> int:
     return next(t for t in tokens[0][1:NEW // 2] if t not in tokens[1])
 
 
-def _run_scenarios(target, draft, eos):
+def _run_scenarios(target, draft, eos, root, arch):
     import specdec_ext
     out = {}
     for name in SCENARIOS:
         kw = _scenario_kwargs(name, eos)
-        d = kw.pop("draft", draft)
-        d = _heads() if d == "heads" else d
+        d = _drafter(kw.pop("draft", None), draft, root, arch)
         result = specdec_ext.generate(PROMPTS, target, d, max_new_tokens=NEW, cost_probe=False, **kw)
         out[name] = (result.token_ids, result.finish_reasons)
     return out
@@ -113,8 +129,7 @@ def _worker(rank, root, port, arch, mode, eos=None):
     results = {}
     for name in SCENARIOS:
         kw = _scenario_kwargs(name, eos)
-        d = kw.pop("draft", draft)
-        d = _heads() if d == "heads" else d
+        d = _drafter(kw.pop("draft", None), draft, root, arch)
         result = specdec_ext.generate(PROMPTS, os.path.join(root, f"{arch}_target"), d, tp_size=WORLD,
                                       tp_check="verify", max_new_tokens=NEW, cost_probe=False, **kw)
         results[name] = (result.token_ids, result.finish_reasons)
@@ -131,7 +146,7 @@ def tp_results(request, tmp_path_factory):
     torch.set_num_threads(1)
     target, draft = _save_pair(root, arch)
     eos = _early_eos(target, draft)
-    single = _run_scenarios(target, draft, eos)
+    single = _run_scenarios(target, draft, eos, root, arch)
     mp.spawn(_worker, args=(root, _free_port(), arch, "ok", eos), nprocs=WORLD, join=True)
     ranks = [torch.load(os.path.join(root, f"{arch}_rank{r}.pt")) for r in range(WORLD)]
     return arch, single, ranks
