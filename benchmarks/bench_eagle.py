@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """EAGLE-3 against the other drafters on the bundled target (issue 27): tokens per target pass and tok/s for
 an EAGLE-3 head (a chain of k and an EAGLE-2 tree) next to the bundled draft model (chain and tree), the
-n-gram lookup and plain decoding, on the code and edit workloads, interleaved repeats, medians.
+n-gram lookup, the bundled Medusa-style heads (their default tree) and plain decoding, on the code and edit workloads, interleaved repeats, medians.
 
 The head: the bundled one (specdec_ext/default_pair/eagle/, int8 storage), or ``--head DIR``, any EAGLE-3
 checkpoint made for the bundled target (``tools/train_eagle.py``); ``--head`` twice adds a row pair per
@@ -27,7 +27,7 @@ def drafters(heads, k: int, tree):
     """(name, generate() keywords) of every row of the table; ``heads``: checkpoint directories (empty: the
     bundled head)."""
     rows = [("plain", None), ("draft model, k", dict(k=k)), ("draft model, tree", dict(draft_tree=tree)),
-            ("ngram, k", dict(draft="ngram", k=k))]
+            ("ngram, k", dict(draft="ngram", k=k)), ("heads, tree", dict(draft="heads"))]
     for i, head in enumerate(heads or ["eagle"]):
         eagle = head if head == "eagle" else specdec_ext.EagleDrafterSpec(head)
         label = "EAGLE-3" if len(heads or [0]) == 1 else f"EAGLE-3 ({i + 1})"

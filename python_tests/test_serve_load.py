@@ -9,6 +9,8 @@ prefill's.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -273,6 +275,7 @@ def _scripted_run(pair, ks, *, deferrable=True):
 
     controller.choose = scripted_choose
     got = _run(engine, [_request(tokenizer, p, max_new=40) for p in PROMPTS[:2]])
+    assert math.isnan(controller.prefill_per_token) != (deferrable and owed[len(ks)] > 0)  # the prefill, timed
     return got, owed, engine.metrics.steps
 
 
@@ -290,6 +293,30 @@ def test_rows_joining_while_speculation_is_off_get_their_draft_prefill_when_a_st
     at_join, no_owed, reference = _scripted_run(pair, [0] * 6, deferrable=False)
     assert at_join == got and not any(no_owed)
     assert (steps.reached, steps.accepted) == (reference.reached, reference.accepted) and steps.accepted[0] > 0
+
+
+def test_the_catch_up_is_counted_per_row_and_a_deferred_prefill_at_its_own_cost():
+    """What switching speculation on owes: each running row's tokens committed in plain steps since the
+    last draft pass (a row that joined while off is not counted again beside its deferred prefill), at the
+    measured feed time per token, plus the deferred prefills' tokens at their measured time per token."""
+    controller = LoadGatedK(K_MAX, rows=4, pinned_k=4)
+    controller.feed_per_token, controller.prefill_per_token = 1e-3, 2e-4
+    plain = lambda rows: controller.observe(len(rows), DraftChoice(0, MEASURED, [0] * len(rows)),
+                                            StepOutcome(rows, [0] * len(rows), [0] * len(rows)), verify_width=1,
+                                            draft_time=0.0, verify_time=10 * MS, host_time=0.0)
+    for _ in range(5):
+        plain([0, 1])
+    controller.join(2)  # joins while off: its tokens are the batcher's pending tokens
+    for _ in range(3):
+        plain([0, 1, 2])
+    assert controller._catch_up_s(3, [0, 1, 2], pending_tokens=300) == pytest.approx((8 + 8 + 3) * 1e-3 + 300 * 2e-4)
+    assert controller._catch_up_s(3, [0, 1], pending_tokens=0) == pytest.approx(16 * 1e-3)
+    controller.record_draft_prefill(1000, 0.3)
+    assert controller.prefill_per_token == pytest.approx(0.7 * 2e-4 + 0.3 * 3e-4)  # a moving average (0.3)
+    drafted = DraftChoice(2, MEASURED, [2, 2, 2])
+    controller.observe(3, drafted, StepOutcome([0, 1, 2], [2, 2, 2], [1, 1, 1]), verify_width=3, draft_time=40 * MS,
+                       verify_time=12 * MS, host_time=0.0)
+    assert controller._catch_up_s(3, [0, 1, 2]) == 0.0  # the draft pass fed them
 
 
 def test_a_seeded_sample_equals_itself_alone_under_k_by_load(pair):

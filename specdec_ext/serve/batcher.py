@@ -380,6 +380,7 @@ class ContinuousBatcher:
         pending = [row for row in self.running if row.draft_pending]
         if not pending:
             return
+        begin = self.clock()
         slots = [row.slot for row in pending]
         lengths = self.meta.seq_lens[slots].tolist()
         tokens = [self.meta.token_buffer[slot, : length - 1].tolist() for slot, length in zip(slots, lengths)]
@@ -387,6 +388,8 @@ class ContinuousBatcher:
         self.drafter.start_rows(slots, tokens, self.meta)
         for row in pending:
             row.draft_pending = False
+        if self.draft_length is not None:  # what switching speculation on costs, measured
+            self.draft_length.record_draft_prefill(sum(map(len, tokens)), self.clock() - begin)
 
     def _pending_draft_tokens(self) -> int:
         """Tokens the drafter must take in before it can draft for the rows it holds stand-ins for (host

@@ -36,10 +36,12 @@ the best, the K in use kept within SWITCH_MARGIN, switching on only when the bes
 by SWITCH_ON_MARGIN; switching off is never delayed).
 
 Catching up. A draft pass after plain steps first feeds the draft model every token committed since its
-last pass (w rows x the steps since); while off, time(w, K >= 1) is charged that catch-up spread over
-CATCH_UP_HORIZON steps, at the measured feed time per token (before one was measured, the draft's
-per-token cost at w rows / w), and so are the draft prefills the batcher deferred for rows that joined while
-off (``pending_tokens``: their committed tokens, fed before the first step that drafts): a switch on must repay it soon (measured at 16 rows: single on-steps
+last pass (counted per slot: one per plain step its row ran); while off, time(w, K >= 1) is charged that
+catch-up spread over CATCH_UP_HORIZON steps, at the measured feed time per token (before one was measured,
+the draft's per-token cost at w rows / w), and so are the draft prefills the batcher deferred for rows
+that joined while off (``pending_tokens``: their committed tokens, fed before the first step that drafts,
+at their own measured time per token, ``record_draft_prefill``; counting w x the steps since, as this did
+before, charged a row that joined while off twice: 3.5 s estimated against 0.5 s measured at 16 rows): a switch on must repay it soon (measured at 16 rows: single on-steps
 scattered through plain stretches fed the draft every token and cost 3-10% of the throughput).
 
 Measurements are kept fresh two ways. While speculation is off, every EXPLORE_EVERY steps (doubling up to
@@ -213,7 +215,10 @@ class LoadGatedK:
         self._interval = self.explore_every
         self._next_explore = self.explore_every
         self._since_draft = 0  # plain steps since the last draft pass: the next one also feeds their tokens
+        self._behind = np.zeros(rows, dtype=np.int64)  # per slot: tokens its row committed in plain steps since
+        #   the last draft pass (what that pass feeds it; a row that joined while off is in pending_tokens)
         self.feed_per_token = math.nan  # seconds per token the draft model's catch-up feed takes
+        self.prefill_per_token = math.nan  # seconds per token of the deferred draft prefills (record_draft_prefill)
         self._drafted = np.zeros(rows, dtype=bool)  # the slot's row drafted since it joined
         self._schedule: List[int] = []  # calibration: the draft lengths of the next steps
         self._warming = False  # the next observed step is the calibration's first: not timed
@@ -240,6 +245,7 @@ class LoadGatedK:
         self.pooled = np.full(self.k_max, DEFAULT_PRIOR_ACCEPTANCE)
         self.shape = np.ones(self.k_max)
         self._cap, self._since_draft = 0, 0
+        self._behind[:] = 0
         self._interval, self._next_explore = self.explore_every, self.step + self.explore_every
         for slot in range(self.reached.shape[0]):
             self.join(slot)
@@ -250,6 +256,7 @@ class LoadGatedK:
         self.reached[slot] = 0.0
         self.accepted[slot] = 0.0
         self._drafted[slot] = False
+        self._behind[slot] = 0
         self.reached[slot, 0] = self.m
         self.accepted[slot, 0] = self.m * self.pooled[0]
 
@@ -301,7 +308,7 @@ class LoadGatedK:
         else:
             times = np.where(self._excluded, np.inf, times)
             if self._cap == 0 and (self._since_draft or pending_tokens):
-                times[1:] += self._catch_up_s(width, pending_tokens) / CATCH_UP_HORIZON
+                times[1:] += self._catch_up_s(width, running, pending_tokens) / CATCH_UP_HORIZON
             expected = expected_tokens_table(self.acceptance()[list(running)])  # [r, k_max+1]
             active = np.ones(len(running), dtype=bool)
             switch_on = SWITCH_ON_MARGIN if self._cap == 0 else 0.0
@@ -329,14 +336,21 @@ class LoadGatedK:
             budget = [self.pinned_k if seeded_set else cap] * width
         return DraftChoice(max(budget, default=0), reason, budget, rates)
 
-    def _catch_up_s(self, width: int, pending_tokens: int = 0) -> float:
-        """What the next draft pass spends feeding the tokens committed since the last one, and the draft
-        prefills of the rows that joined while speculation was off (``pending_tokens``)."""
+    def record_draft_prefill(self, tokens: int, seconds: float) -> None:
+        """The batcher started the deferred draft prefills of ``tokens`` committed tokens in ``seconds``."""
+        if tokens > 0 and seconds > 0:
+            self.prefill_per_token = moving_average(self.prefill_per_token, seconds / tokens, DEFAULT_COST_SMOOTHING)
+
+    def _catch_up_s(self, width: int, running: Sequence[int], pending_tokens: int = 0) -> float:
+        """What the next draft pass spends feeding the tokens the ``running`` slots' rows committed in plain
+        steps since the last one (counted per slot), and the draft prefills of the rows that joined while
+        speculation was off (``pending_tokens``), each at its measured time per token."""
         per_token = self.feed_per_token
         if math.isnan(per_token):
             line = self.draft.line(width)
             per_token = 0.0 if line is None else line[1] / width
-        return (width * self._since_draft + pending_tokens) * per_token
+        prefill = per_token if math.isnan(self.prefill_per_token) else self.prefill_per_token
+        return int(self._behind[list(running)].sum()) * per_token + pending_tokens * prefill
 
     def observe(self, width: int, choice: DraftChoice, outcome: StepOutcome, *, verify_width: int,
                 draft_time: float, verify_time: float, host_time: float) -> None:
@@ -344,6 +358,7 @@ class LoadGatedK:
         if self._warming:  # a first pass's cold caches and allocations are not what a step costs
             self._warming = False
             self._since_draft += 1
+            self._behind[outcome.rows] += 1
             return
         self.verify.observe(width * verify_width, verify_time, self.step)
         drafted = choice.k
@@ -352,10 +367,14 @@ class LoadGatedK:
         elif drafted > 0:  # a catch-up: its feed time per token, beyond the drafting
             line = self.draft.line(width)
             feed = draft_time - (0.0 if line is None else line[0] + drafted * line[1])
-            if feed > 0:
-                self.feed_per_token = moving_average(self.feed_per_token, feed / (width * self._since_draft),
-                                                     DEFAULT_COST_SMOOTHING)
+            behind = int(self._behind[outcome.rows].sum())
+            if feed > 0 and behind > 0:
+                self.feed_per_token = moving_average(self.feed_per_token, feed / behind, DEFAULT_COST_SMOOTHING)
         self._since_draft = self._since_draft + 1 if drafted == 0 else 0
+        if drafted == 0:
+            self._behind[outcome.rows] += 1
+        else:
+            self._behind[:] = 0
         if host_time > 0:
             self.host = moving_average(self.host, host_time, DEFAULT_COST_SMOOTHING)
         live = [i for i, d in enumerate(outcome.drafted) if d > 0]
