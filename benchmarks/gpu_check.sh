@@ -92,6 +92,7 @@ else
     "$REPO/python_tests/test_kv_ops.py::test_cuda_matches_cpu" \
     "$REPO/python_tests/test_cuda_graphs.py" "$REPO/python_tests/test_serve_graphs.py::test_real_cuda_graphs_give_the_eager_tokens" \
     "$REPO/python_tests/test_serve_graphs.py::test_real_cuda_graphs_with_draft_lengths_by_load_give_the_eager_tokens" \
+    "$REPO/python_tests/test_serve_graphs.py::test_real_cuda_graphs_with_an_eagle_head_give_the_eager_tokens" \
     "$REPO/python_tests/test_profiling.py" \
     "$REPO/python_tests/test_heads.py::test_cuda_heads_and_sampled_trees_match_the_cpu" \
     "$REPO/python_tests/test_process_logits.py::test_cuda_matches_cpu" \

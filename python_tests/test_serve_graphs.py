@@ -239,6 +239,45 @@ def test_measured_draft_lengths_under_graphs_keep_greedy_tokens(pair):
     assert {record.k for record in batcher.step_log if 0 in record.emitted} == {2}
 
 
+def _eagle_batchers(device):
+    """(target, make(graphs, backend=None) -> a batcher over a tiny target and a random EAGLE-3 head on
+    ``device``, its draft length scripted by ScriptedK)."""
+    from eagle_utils import random_head, tiny_target
+    from specdec_ext.eagle import EagleDrafter
+
+    target = tiny_target("llama")
+    head = random_head(target, draft_vocab=48)
+    target, head = target.to(device), head.to(device)
+
+    def make(graphs, backend=None):
+        runner = PagedModelRunner(target, max_batch_size=MAX_ROWS, max_seq_len=SEQ, hidden_taps=head.config.layer_ids)
+        drafter = EagleDrafter(runner, head, k=K, fixed_shapes=graphs)
+        return ContinuousBatcher(runner, drafter, max_rows=MAX_ROWS, slots=K, max_seq_len=SEQ, graphs=graphs,
+                                 graph_backend=backend, scheduling=Scheduling(draft_length=ScriptedK()))
+
+    return target, make
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_eagle_chains_replay_their_captures_with_draft_lengths_by_load(monkeypatch, sampled):
+    """An EAGLE-3 head under graphs (EagleDrafter(fixed_shapes=True), device steps): rows that join and
+    plain steps are fed by catch_up between steps, each captured propose feeds k + 1 positions; every
+    request's tokens equal the eager batcher's (fixed_shapes off) over the same scripted lengths. The CPU
+    kernels are off so that the head runs the torch path a GPU runs (the fake backend refuses their host
+    copies)."""
+    monkeypatch.setenv("SPECDEC_CPU_KERNELS", "0")
+    target, make = _eagle_batchers("cpu")
+    schedule = SCHEDULE if sampled else [(at, SamplingParams(), n) for at, _, n in SCHEDULE]
+    eager = _run(make(False), schedule)
+    backend = FakeBackend()
+    graphs = make(True, backend)
+    assert _run(graphs, schedule) == eager
+    assert {key[-1] for key in graphs._steps} == {0, 1, 2, 3}
+    assert backend.events.count("capture") == graphs.graphs_captured > 0 and backend.events.count("replay") > 0
+    if not sampled:
+        assert eager == _run(_batcher((target, target, None), "cpu", graphs=False, drafter="none"), schedule)
+
+
 def test_the_server_plan_under_graphs_chooses_k_by_load_among_the_captured_lengths(pair, monkeypatch):
     """With graphs on (forced, fake backend), `specdec serve`'s plan keeps the draft length by load: the
     engine's controller chooses among plan.graph_draft_lengths, its calibration steps through each of
@@ -317,3 +356,12 @@ def test_real_cuda_graphs_with_draft_lengths_by_load_give_the_eager_tokens(pair)
     assert _run(batcher) == expected
     assert {key[-1] for key in batcher._steps} == {0, 1, 2, 3} and batcher.graphs_captured > 0
     _pools_are_free(batcher)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (real CUDA graphs)")
+def test_real_cuda_graphs_with_an_eagle_head_give_the_eager_tokens():
+    """The EAGLE-3 chains of the test above on real graphs: the same tokens as eager steps on the GPU."""
+    _, make = _eagle_batchers("cuda")
+    expected = _run(make(False))
+    batcher = make(True)
+    assert _run(batcher) == expected and batcher.graphs_captured > 0

@@ -33,7 +33,7 @@ def build_drafter(plan: DecodePlan, models: Models, target: Optional[ModelRunner
     if plan.drafter == "ngram":
         return NgramDrafter(plan.slots)
     if plan.drafter == "eagle":
-        return EagleDrafter(target, models.draft, k=plan.slots, tree=plan.tree, fixed_shapes=plan.static_shapes)
+        return EagleDrafter(target, models.draft, k=plan.slots, tree=plan.tree, fixed_shapes=plan.cuda_graphs)
     if plan.drafter == "heads":
         b, d, n = plan.tree
         return HeadsDrafter(models.target, models.heads, branch=b, depth=d, budget=n,

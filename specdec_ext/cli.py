@@ -196,7 +196,7 @@ def _serve_parser(sub) -> None:
     _draft_tokenizer_arg(s)
     s.add_argument("--device", default=None,
                    help="where the models run: cpu, cuda or cuda:N (default: cuda where torch sees a GPU, else cpu); "
-                   "on CUDA with a draft model or none the decode steps are captured in CUDA graphs")
+                   "on CUDA with a draft model, an EAGLE-3 head or none the decode steps are captured in CUDA graphs")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
     s.add_argument("--model-name", default=None,

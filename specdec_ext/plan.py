@@ -22,8 +22,8 @@ The rules, in the order ``make_plan`` applies them:
    the paged runner otherwise; a bf16/fp16 draft on the CPU computes in fp32 (the CPU kernels read its
    half-precision weights as they are and widen them exactly). An explicit "lean", "paged" or "recompute" is taken as asked (or refused with why).
 4. CUDA graphs: on only for a chain of fixed k on a CUDA device (SPECDEC_CUDA_GRAPHS not 0) with the
-   paged runner for the target and no drafter, a draft model on the paged runner or (generate() only)
-   an EAGLE-3 head (``GRAPH_DRAFTERS``); the batch is then padded to a bucket (``BUCKETS``) with frozen
+   paged runner for the target and no drafter, a draft model on the paged runner or an EAGLE-3 head
+   (``GRAPH_DRAFTERS``); the batch is then padded to a bucket (``BUCKETS``) with frozen
    rows.
 5. cache: every row holds its prompt, max_new_tokens and two steps of drafts (``required_cache_len``);
    more than max_seq_len (or the models' max_position_embeddings) is refused before any work.
@@ -58,7 +58,7 @@ MIN_PREFILL_CHUNK = 32  # ... at least this many, whatever the running rows' ver
 FIXED_K = 4  # what k=None means where adaptive k is not used: seeded sampling, CUDA-graph-captured steps
 HEADS_TREE = (3, 3, 8)  # default (b, d, N) of a heads tree (BENCHMARKS.md: heads trees on the bundled pair)
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # batch sizes CUDA graphs are captured for
-GRAPH_DRAFTERS = ("model", "eagle")  # drafters whose proposals are device work (the server's: the model only)
+GRAPH_DRAFTERS = ("model", "eagle")  # drafters whose chains are device work (captured in generate() and serve)
 GRAPH_DRAFT_LENGTHS = (0, 1, 2, 4, 8)  # draft lengths a server under CUDA graphs chooses from (with its k_max
 # and pinned k): each one is a capture per bucket and filter, so a few, each about half the next one's pass
 DRAFTER_KINDS = ("model", "cross-tokenizer", "ngram", "heads", "eagle", "none")  # cross-tokenizer: a draft model with
@@ -282,7 +282,7 @@ def plan_server(target_model, draft_model, *, drafter: str, k: Optional[int], ru
     models = _Models.of(target_model, draft_model)
     reasons: List[Tuple[str, str]] = []
     runners = _runners(drafter, runner, None, models, max_seq_len, reasons)
-    graphs, why = _graphs(models.graphs_ok, models.graphs_reason, drafter, None, None, runners, serving=True)
+    graphs, why = _graphs(models.graphs_ok, models.graphs_reason, drafter, None, None, runners)
     slots, by_load = _server_draft_length(drafter, k, graphs, models.tensor_parallel, reasons)
     if required_cache_len(1, 0, slots) > max_seq_len:
         raise ValueError(f"max_seq_len={max_seq_len} leaves no room for a token with {slots} draft slots "
@@ -540,8 +540,8 @@ def _runner_for(model, runner: str, graphs_ok: bool, cache_len: int, device: tor
 
 
 def _graphs(graphs_ok: bool, graphs_reason: Optional[str], drafter: str, tree, controller,
-            runners: _Runners, serving: bool = False) -> Tuple[bool, str]:
-    """Rule 4: (CUDA graphs on, why); ``serving``: a server plan's (continuous batching)."""
+            runners: _Runners) -> Tuple[bool, str]:
+    """Rule 4: (CUDA graphs on, why)."""
     target_runner, draft_runner = runners.target, runners.draft
     if not graphs_ok:
         return False, graphs_reason
@@ -551,8 +551,6 @@ def _graphs(graphs_ok: bool, graphs_reason: Optional[str], drafter: str, tree, c
         return False, "adaptive k changes the verify width per step (eager)"
     if target_runner != "paged":
         return False, f"the {target_runner} target runner syncs with the host"
-    if drafter == "eagle" and serving:
-        return False, "the EAGLE-3 drafter's steps are captured in generate(), not yet in continuous batching"
     if drafter not in GRAPH_DRAFTERS + ("none",):
         return False, f"the {drafter} drafter proposes on the host"
     if drafter == "model" and draft_runner != "paged":

@@ -26,11 +26,13 @@ The features come from the target runner built with ``hidden_taps`` = the head's
 resolves it: ``RunnerCapabilities.hidden_taps``). Adaptive k: ``skip`` needs nothing (the next feed
 catches up on every committed token).
 
-Fixed shapes (``fixed_shapes=True``, generate() chains under CUDA graphs: the plan's static-shapes
-mode): the prompt is fed at ``prefill``, every later feed is k + 1 positions wide (a step commits at
-most k + 1 tokens per row; rows with fewer repeat their last one into tentative slots) and the draft
-layer attends over its whole cache under the mask, so a propose reads no host value and has the same
-shapes at every step. ``fed`` lives on the device in both modes.
+Fixed shapes (``fixed_shapes=True``: chains under CUDA graphs): the prompt is fed at ``prefill``
+(generate()) or by ``catch_up`` before the first drafting step after rows joined or steps were skipped
+(the server, between steps), every feed inside a step is k + 1 positions wide (a step commits at most
+k + 1 tokens per row; rows with fewer repeat their last one into tentative slots) and the draft layer
+attends over its whole cache under the mask, so a propose reads no host value and has the same shapes
+at every step. ``fed`` lives on the device in both modes. Device steps (the server under graphs):
+the draft cache is allocated whole, so ``reserve_step`` and ``sync_host`` have nothing to do.
 """
 from __future__ import annotations
 
@@ -54,6 +56,8 @@ CACHE_SLACK = 8  # draft cache slots past the token buffer's and the step's
 
 class EagleDrafter(Drafter):
     """EAGLE-3 chains (``k``) or trees (``tree=(b, d, N)``) over ``target``, a runner with hidden taps."""
+
+    device_steps = True  # chains propose on the device (with fixed_shapes: what a captured step needs)
 
     def __init__(self, target, head: Eagle3Model, *, k: int = 4, tree=None, fixed_shapes: bool = False):
         if not target.capabilities.hidden_taps:
@@ -80,6 +84,7 @@ class EagleDrafter(Drafter):
         self.fed: Optional[torch.Tensor] = None  # [B] int64: draft positions holding the target's features
         self.last: Optional[torch.Tensor] = None  # [B, h]
         self.probs: Optional[torch.Tensor] = None
+        self._behind = False  # rows joined or steps were skipped since the last feed: catch_up feeds them
 
     # ------------------------------------------------------------------ lifecycle
     def prefill(self, prompts: Sequence[Sequence[int]], meta: SpecDecodeMetadata) -> None:
@@ -95,6 +100,7 @@ class EagleDrafter(Drafter):
         if self.cache is None or self.fed.shape[0] != meta.token_buffer.shape[0]:
             self._allocate(meta)
         self._reset(rows)
+        self._behind = True
 
     def free_rows(self, rows: Sequence[int]) -> None:
         self._reset(rows)
@@ -118,7 +124,21 @@ class EagleDrafter(Drafter):
         self.probs = None
 
     def skip(self, meta: SpecDecodeMetadata) -> None:
-        """Adaptive k: nothing to do (the next feed catches up)."""
+        """Adaptive k: nothing to do (the next feed, or ``catch_up`` with fixed shapes, catches up)."""
+        self._behind = True
+
+    def catch_up(self, meta: SpecDecodeMetadata) -> None:
+        """Fixed shapes, between steps: feed every committed position not yet fed (rows that joined, steps
+        that were skipped), so that a captured propose's k + 1-wide feed covers the next step's."""
+        if self._behind and self.fixed_shapes:
+            self.feed(meta, None)
+        self._behind = False
+
+    def reserve_step(self, width: int) -> None:
+        """Device steps: nothing to reserve (the draft cache is allocated whole; the taps are the target's)."""
+
+    def sync_host(self) -> None:
+        """Device steps: no host state to bring back."""
 
     def commit(self, meta: SpecDecodeMetadata, verdict: Verdict) -> None:
         """Nothing to roll back (module docstring): slots past ``fed`` are tentative."""
@@ -163,12 +183,15 @@ class EagleDrafter(Drafter):
     # ------------------------------------------------------------------ chains
     def propose(self, meta: SpecDecodeMetadata, budget: Optional[Sequence[int]] = None) -> Proposal:
         self.feed(meta, self.slots + 1 if self.fixed_shapes else None)
+        self._behind = False
         if self.is_tree:
             return self._propose_tree(meta)
         k, B, greedy = self.slots, meta.batch_size, meta.all_greedy
         steps = k if budget is None else min(k, max(budget, default=0))
         if budget is None:
             self.num_draft[:B].fill_(k)
+        elif len(set(budget)) == 1:  # one length for every row: no host data (what a capture can hold)
+            self.num_draft[:B].fill_(min(k, budget[0]))
         else:
             self.num_draft[:B].copy_(torch.tensor([min(k, b) for b in budget], dtype=torch.int32))
         if not greedy and self.probs is None:  # every slot's row: a continuous batch's view widens later

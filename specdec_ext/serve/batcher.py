@@ -30,7 +30,7 @@ is sampled as a whole-prompt prefill samples it (decode.join_rows) and the draft
 Each step appends a ``StepRecord`` (width, k and why, prefill chunks, tokens per row) to ``step_log``.
 
 CUDA graphs by batch-size bucket (``graphs=True``: the plan's rule, on a CUDA device with the paged
-runners and a draft model or no drafter). A step covers ``plan.bucket_size(width)`` rows (at most
+runners and a draft model, an EAGLE-3 head or no drafter). A step covers ``plan.bucket_size(width)`` rows (at most
 max_rows) instead of ``width``; the draft, verify and commit steps of each (bucket, filter) pair are
 captured once (step.DecodeSteps) and replayed for the server's life; the filter part of the key is
 whether every row is greedy and whether any row truncates (top-k / top-p), the two host decisions a
@@ -153,7 +153,7 @@ class ContinuousBatcher:
             raise ValueError(f"CUDA graphs in continuous batching need the paged target runner, not "
                              f"{type(target).__name__}")
         if graphs and drafter is not None and not drafter.device_steps:
-            raise ValueError(f"CUDA graphs in continuous batching need a draft model or no drafter: "
+            raise ValueError(f"CUDA graphs in continuous batching need a draft model, an EAGLE-3 head or no drafter: "
                              f"{type(drafter).__name__} proposes on the host")
         draft_length, prefill_chunk = scheduling.draft_length, scheduling.prefill_chunk
         if prefill_chunk and not target.capabilities.chunked_prefill:
