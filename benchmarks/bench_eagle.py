@@ -44,9 +44,9 @@ def run_once(prompts, options, max_new_tokens: int, pair):
         if options is None:
             result = specdec_ext.plain_generate([prompt], target, max_new_tokens=max_new_tokens)
         else:
-            options = dict(options)
-            draft = options.pop("draft", draft_model)
-            result = specdec_ext.generate([prompt], target, draft, max_new_tokens=max_new_tokens, **options)
+            rest = {key: value for key, value in options.items() if key != "draft"}
+            result = specdec_ext.generate([prompt], target, options.get("draft", draft_model),
+                                          max_new_tokens=max_new_tokens, **rest)
         tokens += len(result.token_ids[0])
         passes += result.stats.steps
         seconds += result.stats.total_time
