@@ -37,7 +37,8 @@ def head(target):
 def _serve(target, head, requests, **options) -> List[List[int]]:
     """Submit ``requests`` to a started engine over the pair, two at a time at first and the rest as
     the first finish (rows join and leave a running batch); each one's tokens."""
-    engine = build_engine(Models(target, "eagle", draft=head), EngineOptions(max_seq_len=128, **options))
+    options = {"max_seq_len": 128, **options}
+    engine = build_engine(Models(target, "eagle", draft=head), EngineOptions(**options))
     assert engine.plan.drafter == "eagle" and engine.plan.hidden_taps == tuple(head.config.layer_ids)
     assert engine.batcher.target.capabilities.hidden_taps and not engine.plan.cuda_graphs
     return serve_staggered(engine, requests)
@@ -87,3 +88,13 @@ def test_a_sampled_batch_that_widens_after_its_first_sampled_step(target, head):
         batcher.step()
     assert first.wait().reason == second.wait().reason == "length"
     assert len(first.tokens) == len(second.tokens) == 12
+
+
+@pytest.mark.parametrize("runner", ["lean", "paged"])
+def test_a_long_prompt_joins_beside_a_row_near_the_end_of_its_cache(target, head, runner):
+    """The draft layer's feed writes its width at every row's fed position: an 84-token prompt joining
+    (when the first request ends) while the second row has fed ~40 of its 96 positions is fed in passes
+    that fit every row's cache (one pass would write past the second row's); all get plain greedy."""
+    requests = [_request([2, 30], 35), _request([5, 17, 3, 44, 9], 80), _request(list(range(1, 85)), 2)]
+    served = _serve(target, head, requests, k=3, runner=runner, max_rows=2, max_seq_len=96, prefill_chunk=0)
+    assert served == [hf_greedy(target, r.prompt, r.stop.max_new_tokens) for r in requests]

@@ -295,6 +295,34 @@ def test_rows_joining_while_speculation_is_off_get_their_draft_prefill_when_a_st
     assert (steps.reached, steps.accepted) == (reference.reached, reference.accepted) and steps.accepted[0] > 0
 
 
+def test_speculation_back_on_after_more_plain_steps_than_the_draft_cache_holds(pair):
+    """A long plain stretch (more steps than a row's positions) with rows joining and leaving, then
+    speculation back on: the draft model catches each row up on its own arrears (drafter.catch_up), not
+    on a feed as wide as the steps skipped (which outgrew the lean draft cache and failed every row of
+    the step). Every request still gets its plain greedy tokens."""
+    tokenizer = pair[2]
+    target, draft, _ = pair
+    engine = build_engine(Models(target, "model", draft=draft, tokenizer=tokenizer),
+                          EngineOptions(max_seq_len=96, max_rows=2, prefill_chunk=0))
+    assert engine.plan.draft_runner == "lean"
+    controller = engine.batcher.draft_length
+    requests = [_request(tokenizer, PROMPTS[i % len(PROMPTS)], max_new=24) for i in range(12)]
+    state = {"steps": 0}
+
+    def scripted_choose(width, running, seeded, *, pending_tokens=0, uniform=False):
+        state["steps"] += 1
+        k = 0 if state["steps"] <= 130 else 3  # 130 plain steps > 96 positions, then drafting
+        controller._cap = k
+        return DraftChoice(k, MEASURED, [k if b in running else 0 for b in range(width)])
+
+    controller.choose = scripted_choose
+    got = _run(engine, requests)
+    assert state["steps"] > 130 and engine.metrics.steps.accepted[0] > 0  # it drafted after the stretch
+    for request, tokens in zip(requests, got):
+        want = plain_generate([request.prompt], target, max_new_tokens=24, eos_token_id=False)
+        assert tokens == want.token_ids[0]
+
+
 def test_the_catch_up_is_counted_per_row_and_a_deferred_prefill_at_its_own_cost():
     """What switching speculation on owes: each running row's tokens committed in plain steps since the
     last draft pass (a row that joined while off is not counted again beside its deferred prefill), at the

@@ -3,7 +3,8 @@
 Per step (shapes: B rows, k drafts, V the target's vocabulary, V_d the draft model's):
 
 1. feed the committed tokens the draft has not seen (1 or 2 per row: the recovered/bonus token, and
-   the last draft token when all k were accepted; more after adaptive k skipped steps)
+   the last draft token when all k were accepted; after steps adaptive k skipped, ``catch_up`` first
+   feeds each row all but its last one, row by row where one block would not fit every row's cache)
    -> logits at the last fed position   [B, V_d]
 2. k times: filter like the target (softmax(l / T), top-k, top-p, renormalised) -> q   [B, V]
    sample with Philox uniforms u[:, i] by inverse CDF (greedy: argmax, q not needed)
@@ -49,6 +50,7 @@ class ModelDrafter(Drafter):
         self.vocab_size = int(vocab_size)  # the target's V: proposals and q rows live in it
         self.runner: Optional[ModelRunner] = None
         self.greedy_chains = False  # the draft runner drafts a greedy chain in one call (greedy_chain)
+        self.extends_rows = False  # the draft runner appends tokens to chosen rows (extend_rows: catch_up)
         self.token_ids: Optional[torch.Tensor] = None  # the proposal buffers, made for the loop's rows
         self._fed_drafts = 0  # draft tokens fed to the draft cache in the last propose (<= k - 1)
         self._skipped = 0  # adaptive k: steps skipped since the last feed (each commits <= 1 token per row)
@@ -60,6 +62,7 @@ class ModelDrafter(Drafter):
             self.runner = self.runner_factory(max_batch_size=batch, max_seq_len=seq_len)
             # the runner's declared capabilities (the plan's draft_capabilities), read once
             self.greedy_chains = self.runner.capabilities.greedy_chain
+            self.extends_rows = self.runner.capabilities.chunked_prefill
 
     def prefill(self, prompts: Sequence[Sequence[int]], meta: SpecDecodeMetadata) -> None:
         self._prepare(meta)
@@ -108,13 +111,10 @@ class ModelDrafter(Drafter):
     def _unseen(self, meta: SpecDecodeMetadata) -> Tuple[torch.Tensor, torch.Tensor]:
         """The committed tokens not yet in the draft cache: (feed [B, W], num_feed [B])."""
         seen = self.runner.lengths.to(meta.device)  # [B]
-        num_feed = meta.seq_lens - seen  # [B], 1..MAX_DRAFT_FEED (+ skipped steps)
+        num_feed = meta.seq_lens - seen  # [B], 1..MAX_DRAFT_FEED (catch_up ran after skipped steps)
         columns = self._feed_columns
-        if self._skipped:  # adaptive k skipped the drafter: each skipped step committed <= 1 token per row
-            columns = torch.arange(MAX_DRAFT_FEED + self._skipped, dtype=torch.int64, device=columns.device)
-            self._skipped = 0
         # padding columns repeat the last committed token: past it the buffer holds no token ids (its
-        # scratch column takes the commit's masked-out writes), which a row reaches after enough skips
+        # scratch column takes the commit's masked-out writes)
         positions = torch.minimum(seen[:, None] + columns, (meta.seq_lens - 1)[:, None])  # [B, W]
         return torch.gather(meta.token_buffer, 1, positions), num_feed
 
@@ -128,6 +128,7 @@ class ModelDrafter(Drafter):
 
     # ------------------------------------------------------------------ the step
     def propose(self, meta: SpecDecodeMetadata, budget: Optional[Sequence[int]] = None) -> Proposal:
+        self.catch_up(meta)  # (after skipped steps only: a captured propose never sees any)
         k, B, greedy = self.slots, meta.batch_size, meta.all_greedy
         steps = k if budget is None else min(k, max(budget, default=0))
         # the loop's rows are the first B of the buffers' (all of them, except under continuous batching)
@@ -189,22 +190,40 @@ class ModelDrafter(Drafter):
     def catch_up(self, meta: SpecDecodeMetadata) -> None:
         """After skipped steps, feed each row's committed tokens that the draft cache lacks except the last
         one, so that the next propose feeds one token per row, as wide as a propose after a drafting step
-        (MAX_DRAFT_FEED columns): what a captured draft pass needs, since its feed width is fixed at
-        capture. Between steps, in host mode (``meta`` covers the runner's rows and more)."""
+        (MAX_DRAFT_FEED columns): what a captured draft pass needs (its feed width is fixed at capture),
+        and what keeps a feed as wide as the rows' own arrears, not as the steps skipped (a feed of
+        2 + skipped columns outgrew the cache after ~1000 plain steps in serving). Host mode: between
+        steps, or at the start of an eager propose (``meta`` covers the runner's rows and more)."""
         if not self._skipped:
             return
         self._skipped = 0
         B = self.runner.batch_size
-        seq_lens = meta.seq_lens[:B]  # [B]
-        seen = self.runner.lengths.to(meta.device)  # [B]
-        behind = (seq_lens - seen - 1).clamp(min=0)  # [B]
-        width = int(behind.max())
-        if width == 0:
+        seen = self.runner.lengths[:B].tolist()
+        ends = meta.seq_lens[:B].tolist()
+        rows = [b for b in range(B) if ends[b] - 1 > seen[b]]
+        if rows:
+            self._append(rows, [meta.token_buffer[b, seen[b]: ends[b] - 1].tolist() for b in rows], seen, meta)
+
+    def _append(self, rows: List[int], chunks: List[List[int]], seen: List[int], meta: SpecDecodeMetadata) -> None:
+        """Committed tokens ``chunks[i]`` into the draft cache of ``rows[i]``: extend_rows where the runner
+        has it (in one call where one block fits every row's cache, else row by row: a block is as wide as
+        its longest chunk in every row), else one forward with per-row counts (the paged runner reserves
+        each row's pages by its count)."""
+        if self.extends_rows:
+            if max(seen[b] for b in rows) + max(map(len, chunks)) <= self.runner.max_seq_len:
+                self.runner.extend_rows(rows, chunks)
+            else:
+                for row, chunk in zip(rows, chunks):
+                    self.runner.extend_rows([row], [chunk])
             return
-        columns = torch.arange(width, dtype=torch.int64, device=meta.device)  # [W]
-        positions = torch.minimum(seen[:, None] + columns, (seq_lens - 1)[:, None])  # [B, W]
-        self.runner.forward(torch.gather(meta.token_buffer[:B], 1, positions), behind)
-        self.runner.commit(behind)
+        B = self.runner.batch_size
+        feed = torch.zeros((B, max(map(len, chunks))), dtype=torch.int64)
+        counts = torch.zeros((B,), dtype=torch.int64)
+        for row, chunk in zip(rows, chunks):
+            feed[row, : len(chunk)] = torch.as_tensor(chunk, dtype=torch.int64)
+            counts[row] = len(chunk)
+        self.runner.forward(feed.to(meta.device), counts.to(meta.device))
+        self.runner.commit(counts.to(meta.device))
 
     def commit(self, meta: SpecDecodeMetadata, verdict: Verdict) -> None:
         """Roll the draft cache back to the committed tokens it has fed.

@@ -144,36 +144,46 @@ class EagleDrafter(Drafter):
         """Nothing to roll back (module docstring): slots past ``fed`` are tentative."""
 
     def checkpoint(self):
-        """Undo for the cost probes: ``fed`` and ``last`` as they are now."""
-        fed, last = self.fed.clone(), None if self.last is None else self.last.clone()
+        """Undo for the cost probes: ``fed`` and ``last`` as they are now (restored in place: a captured
+        step reads these tensors)."""
+        if self.fed is None:
+            return None
+        fed, last = self.fed.clone(), self.last.clone()
 
         def undo() -> None:
-            self.fed, self.last = fed.clone(), last
+            self.fed.copy_(fed)
+            self.last.copy_(last)
 
         return undo
 
     # ------------------------------------------------------------------ feeding the target's features
     def feed(self, meta: SpecDecodeMetadata, width: Optional[int] = None) -> None:
         """Draft positions fed[b] .. L[b] - 1 from the target's tapped states (step 1 of the docstring),
-        ``width`` positions per row (None: as many as the row furthest behind needs, one host read)."""
+        ``width`` positions per row (None: as many as the row furthest behind needs, one host read, in
+        passes that fit every row's cache: a pass writes its width at every row's fed, and a long prompt
+        joining beside a row near the end of its cache would not fit in one)."""
         B, device = meta.batch_size, meta.device  # (a continuous batch's view: its rows 0 .. width - 1)
         lengths = torch.zeros((B,), dtype=torch.int64, device=device)
         held = self.target.lengths[:B]
         lengths[: held.shape[0]] = held.to(device)  # [B] (rows the runner does not hold: 0)
-        fed = self.fed[:B]  # [B]
-        count = (lengths - fed).clamp(min=0)  # [B]
-        W = int(count.max()) if width is None else width
-        if W == 0:
-            return
-        slots = fed[:, None] + torch.arange(W, device=device)  # [B, W] (past a row's count: padding)
-        real = slots.clamp(max=(lengths - 1).clamp(min=0)[:, None])  # [B, W] positions read
-        states = self.target.tapped_states(real)  # [B, W, n * H_t]
-        tokens = torch.gather(meta.token_buffer[:B], 1, real + 1)  # the token at t + 1
-        with torch.no_grad():
-            out = self.head.block(tokens, self.head.fuse(states), fed, self.cache, span=self._span)  # [B, W, h]
         rows = torch.arange(B, device=device)
-        self.last[:B] = torch.where((count > 0)[:, None], out[rows, (count - 1).clamp(min=0)], self.last[:B])
-        self.fed[:B] = torch.maximum(lengths, fed)
+        while True:
+            fed = self.fed[:B]  # [B]
+            count = (lengths - fed).clamp(min=0)  # [B]
+            W = width if width is not None else min(int(count.max()), self.cache.capacity - int(fed.max()))
+            if W <= 0:
+                return
+            slots = fed[:, None] + torch.arange(W, device=device)  # [B, W] (past a row's count: padding)
+            real = slots.clamp(max=(lengths - 1).clamp(min=0)[:, None])  # [B, W] positions read
+            states = self.target.tapped_states(real)  # [B, W, n * H_t]
+            tokens = torch.gather(meta.token_buffer[:B], 1, real + 1)  # the token at t + 1
+            with torch.no_grad():
+                out = self.head.block(tokens, self.head.fuse(states), fed, self.cache, span=self._span)  # [B, W, h]
+            taken = torch.minimum(count, torch.full_like(count, W))  # [B] positions this pass fed
+            self.last[:B] = torch.where((count > 0)[:, None], out[rows, (taken - 1).clamp(min=0)], self.last[:B])
+            self.fed[:B] = fed + taken
+            if width is not None:
+                return
 
     @property
     def _span(self) -> Optional[int]:
