@@ -266,7 +266,7 @@ def _scripted_run(pair, ks, *, deferrable=True):
     owed = []
     choose = controller.choose
 
-    def scripted_choose(width, running, seeded, *, pending_tokens=0, uniform=False):
+    def scripted_choose(width, running, seeded, *, pending_tokens=0, uniform=False, steps_left=None):
         choose(width, running, seeded, pending_tokens=pending_tokens)  # its bookkeeping, then the script
         owed.append(pending_tokens)
         k = next(scripted)
@@ -309,7 +309,7 @@ def test_speculation_back_on_after_more_plain_steps_than_the_draft_cache_holds(p
     requests = [_request(tokenizer, PROMPTS[i % len(PROMPTS)], max_new=24) for i in range(12)]
     state = {"steps": 0}
 
-    def scripted_choose(width, running, seeded, *, pending_tokens=0, uniform=False):
+    def scripted_choose(width, running, seeded, *, pending_tokens=0, uniform=False, steps_left=None):
         state["steps"] += 1
         k = 0 if state["steps"] <= 130 else 3  # 130 plain steps > 96 positions, then drafting
         controller._cap = k
@@ -345,6 +345,24 @@ def test_the_catch_up_is_counted_per_row_and_a_deferred_prefill_at_its_own_cost(
     controller.observe(3, drafted, StepOutcome([0, 1, 2], [2, 2, 2], [1, 1, 1]), verify_width=3, draft_time=40 * MS,
                        verify_time=12 * MS, host_time=0.0)
     assert controller._catch_up_s(3, [0, 1, 2]) == 0.0  # the draft pass fed them
+
+
+def test_a_catch_up_is_not_paid_for_rows_about_to_end():
+    """Off after a wide stretch, one row left: with many tokens to go switching on repays the catch-up
+    over CATCH_UP_HORIZON steps and speculation goes on; with 2 tokens left it could not, and the step
+    stays plain."""
+    def controller_after_a_wide_stretch():
+        rng = np.random.default_rng(4)
+        controller = LoadGatedK(K_MAX, rows=32, pinned_k=4)
+        _simulate(controller, 1, 40, memory_bound, 0.8, rng)
+        _simulate(controller, 32, 60, memory_bound, 0.8, rng)  # off: every row falls behind the draft model
+        assert controller._cap == 0 and controller._catch_up_s(1, [0]) > 0
+        controller.feed_per_token = 2 * MS  # 60 tokens behind: 120 ms to catch up
+        return controller
+
+    many = controller_after_a_wide_stretch().choose(1, [0], [], steps_left=200)
+    few = controller_after_a_wide_stretch().choose(1, [0], [], steps_left=2)
+    assert many.k > 0 and few.k == 0
 
 
 def test_a_seeded_sample_equals_itself_alone_under_k_by_load(pair):

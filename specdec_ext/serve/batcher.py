@@ -486,8 +486,9 @@ class ContinuousBatcher:
             k = self.meta.slots
             return DraftChoice(k, FIXED, [k if row is not None else 0 for row in rows])
         seeded = [b for b in running if rows[b].request.seeded]
+        steps_left = max((rows[b].request.max_new_tokens - len(rows[b].state.tokens) for b in running), default=None)
         return self.draft_length.choose(width, running, seeded, pending_tokens=self._pending_draft_tokens(),
-                                        uniform=self.graphs)
+                                        uniform=self.graphs, steps_left=steps_left)
 
     @property
     def graphs_captured(self) -> int:

@@ -41,7 +41,10 @@ catch-up spread over CATCH_UP_HORIZON steps, at the measured feed time per token
 the draft's per-token cost at w rows / w), and so are the draft prefills the batcher deferred for rows
 that joined while off (``pending_tokens``: their committed tokens, fed before the first step that drafts,
 at their own measured time per token, ``record_draft_prefill``; counting w x the steps since, as this did
-before, charged a row that joined while off twice: 3.5 s estimated against 0.5 s measured at 16 rows): a switch on must repay it soon (measured at 16 rows: single on-steps
+before, charged a row that joined while off twice: 3.5 s estimated against 0.5 s measured at 16 rows),
+and over fewer steps when the running rows have fewer tokens left to decode (``steps_left``: as a load
+phase drains, its last rows switched speculation on and paid 0.35 s of catch-up a few tokens before
+their end): a switch on must repay it soon (measured at 16 rows: single on-steps
 scattered through plain stretches fed the draft every token and cost 3-10% of the throughput).
 
 Measurements are kept fresh two ways. While speculation is off, every EXPLORE_EVERY steps (doubling up to
@@ -292,12 +295,13 @@ class LoadGatedK:
         return self._cap > 0
 
     def choose(self, width: int, running: Sequence[int], seeded: Sequence[int], *, pending_tokens: int = 0,
-               uniform: bool = False) -> DraftChoice:
+               uniform: bool = False, steps_left: Optional[int] = None) -> DraftChoice:
         """This step's draft lengths over slots 0..width-1: ``running`` the slots decoding, ``seeded``
         those of them whose request gave a seed; ``pending_tokens`` what the draft model must prefill
         before it drafts (rows that joined while speculation was off), charged like a catch-up;
         ``uniform`` (CUDA graphs: a capture drafts one length for every row): every slot gets the same
-        budget, pinned_k while a seeded row runs."""
+        budget, pinned_k while a seeded row runs; ``steps_left``: the most plain steps any running row may
+        still take (its max_new_tokens left): a catch-up is repaid over at most that many steps."""
         self.step += 1
         times = self.step_times(width)
         reason, rates = MEASURED, None
@@ -308,7 +312,8 @@ class LoadGatedK:
         else:
             times = np.where(self._excluded, np.inf, times)
             if self._cap == 0 and (self._since_draft or pending_tokens):
-                times[1:] += self._catch_up_s(width, running, pending_tokens) / CATCH_UP_HORIZON
+                horizon = CATCH_UP_HORIZON if steps_left is None else max(1, min(CATCH_UP_HORIZON, steps_left))
+                times[1:] += self._catch_up_s(width, running, pending_tokens) / horizon
             expected = expected_tokens_table(self.acceptance()[list(running)])  # [r, k_max+1]
             active = np.ones(len(running), dtype=bool)
             switch_on = SWITCH_ON_MARGIN if self._cap == 0 else 0.0
