@@ -53,7 +53,7 @@ class ModelDrafter(Drafter):
         self.extends_rows = False  # the draft runner appends tokens to chosen rows (extend_rows: catch_up)
         self.token_ids: Optional[torch.Tensor] = None  # the proposal buffers, made for the loop's rows
         self._fed_drafts = 0  # draft tokens fed to the draft cache in the last propose (<= k - 1)
-        self._skipped = 0  # adaptive k: steps skipped since the last feed (each commits <= 1 token per row)
+        self._skipped = False  # adaptive k skipped a step since the last feed: catch_up feeds what it committed
         self._skipped_step = False  # the last step was skipped (commit leaves the cache as it is)
 
     # ------------------------------------------------------------------ lifecycle
@@ -86,7 +86,7 @@ class ModelDrafter(Drafter):
         self._feed_columns = torch.arange(MAX_DRAFT_FEED, dtype=torch.int64, device=device)  # [2]
         self._ones = torch.ones((B,), dtype=torch.int64, device=device)  # [B]
         self._rows = torch.arange(B, dtype=torch.int64, device=device)  # [B]
-        self._skipped, self._skipped_step = 0, False
+        self._skipped, self._skipped_step = False, False
 
     def _allocate(self, meta: SpecDecodeMetadata) -> None:
         """The proposal buffers (static: the same storage every step)."""
@@ -184,7 +184,7 @@ class ModelDrafter(Drafter):
 
     def skip(self, meta: SpecDecodeMetadata) -> None:
         """No draft this step (adaptive k): the next propose feeds the tokens committed meanwhile."""
-        self._skipped += 1
+        self._skipped = True
         self._skipped_step = True
 
     def catch_up(self, meta: SpecDecodeMetadata) -> None:
@@ -196,7 +196,7 @@ class ModelDrafter(Drafter):
         steps, or at the start of an eager propose (``meta`` covers the runner's rows and more)."""
         if not self._skipped:
             return
-        self._skipped = 0
+        self._skipped = False
         B = self.runner.batch_size
         seen = self.runner.lengths[:B].tolist()
         ends = meta.seq_lens[:B].tolist()

@@ -170,7 +170,11 @@ class EagleDrafter(Drafter):
         while True:
             fed = self.fed[:B]  # [B]
             count = (lengths - fed).clamp(min=0)  # [B]
-            W = width if width is not None else min(int(count.max()), self.cache.capacity - int(fed.max()))
+            if width is None:  # one host read: the furthest behind, and the room left past the furthest fed
+                behind, furthest = torch.stack([count.max(), fed.max()]).tolist()
+                W = min(behind, self.cache.capacity - furthest)
+            else:
+                W = width
             if W <= 0:
                 return
             slots = fed[:, None] + torch.arange(W, device=device)  # [B, W] (past a row's count: padding)
@@ -179,7 +183,7 @@ class EagleDrafter(Drafter):
             tokens = torch.gather(meta.token_buffer[:B], 1, real + 1)  # the token at t + 1
             with torch.no_grad():
                 out = self.head.block(tokens, self.head.fuse(states), fed, self.cache, span=self._span)  # [B, W, h]
-            taken = torch.minimum(count, torch.full_like(count, W))  # [B] positions this pass fed
+            taken = count.clamp(max=W)  # [B] positions this pass fed
             self.last[:B] = torch.where((count > 0)[:, None], out[rows, (taken - 1).clamp(min=0)], self.last[:B])
             self.fed[:B] = fed + taken
             if width is not None:
