@@ -19,6 +19,7 @@ from specdec_ext import plain_generate
 from specdec_ext.models import Models
 from specdec_ext.runners import LeanLlamaRunner, RecomputeRunner
 from specdec_ext.sampling import SamplingParams
+from specdec_ext.serve.batcher import FREE_SLOT_TOKEN
 from specdec_ext.serve.build import EngineOptions, build_engine
 from specdec_ext.serve.draft_length import (EXPLORE, EXPLORE_EVERY, MEASURED, PINNED, REFRESH, STALE_STEPS, CostCurve,
                                            DraftChoice, DraftCosts, LoadGatedK)
@@ -293,6 +294,39 @@ def test_rows_joining_while_speculation_is_off_get_their_draft_prefill_when_a_st
     at_join, no_owed, reference = _scripted_run(pair, [0] * 6, deferrable=False)
     assert at_join == got and not any(no_owed)
     assert (steps.reached, steps.accepted) == (reference.reached, reference.accepted) and steps.accepted[0] > 0
+
+
+def test_a_row_joining_while_off_keeps_its_chunked_prefill_stand_in(pair):
+    """Chunked prefill gives the drafter a one-token stand-in for a joining row; where the row's draft
+    prefill is deferred (speculation off), the drafter keeps that stand-in until the first step that
+    drafts, instead of replacing it by another (each one is a draft forward): one stand-in and one real
+    start per row, and the tokens are still plain greedy decoding's."""
+    tokenizer = pair[2]
+    engine = _engine(pair, max_rows=2)
+    batcher, controller = engine.batcher, engine.batcher.draft_length
+    assert batcher.prefill_chunk > 0
+    starts = []
+    start_rows = batcher.drafter.start_rows
+
+    def counted(rows, prompts, meta):
+        starts.extend("stand-in" if list(p) == [FREE_SLOT_TOKEN] else "prompt" for p in prompts)
+        return start_rows(rows, prompts, meta)
+
+    batcher.drafter.start_rows = counted
+    scripted = iter([0] * 6 + [3] * 200)
+
+    def scripted_choose(width, running, seeded, **_):
+        k = next(scripted)
+        controller._cap = k
+        return DraftChoice(k, MEASURED, [k if b in running else 0 for b in range(width)])
+
+    controller.choose = scripted_choose
+    got = _run(engine, [_request(tokenizer, p, max_new=30) for p in PROMPTS[:2]])
+    assert sorted(starts) == ["prompt", "prompt", "stand-in", "stand-in"], starts
+    for prompt, tokens in zip(PROMPTS[:2], got):
+        want = plain_generate([prompt], pair[0], max_new_tokens=30, eos_token_id=False, tokenizer=tokenizer)
+        assert tokens == want.token_ids[0], prompt
+    assert engine.metrics.steps.accepted[0] > 0  # it drafted after the plain steps
 
 
 def test_speculation_back_on_after_more_plain_steps_than_the_draft_cache_holds(pair):

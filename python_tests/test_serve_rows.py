@@ -132,6 +132,19 @@ def test_rows_is_a_view_and_select_a_copy():
     assert meta.seed.tolist() == [0, 1, 2, 3]
 
 
+def test_rows_keeps_the_verify_scratch_and_select_leaves_it_out():
+    """A step's view shares the server's verify_logits (no allocation per step); a joining rows' copy
+    (decode.join_rows) does not copy it: it is a pass's scratch, [B, n+1, V]."""
+    meta = _meta()
+    meta.reserve_verify_logits(11)
+    view = meta.rows(2)
+    assert view.verify_logits.shape == (2, 4, 11)
+    assert view.verify_logits.data_ptr() == meta.verify_logits.data_ptr()
+    picked = meta.select(torch.tensor([3, 1]))
+    assert picked.verify_logits is None and meta.verify_logits.shape == (4, 4, 11)
+    assert picked.target_input.shape == (2, 4)  # (the row state is still copied)
+
+
 def test_set_row_steps_gives_each_row_its_own_philox_counters():
     meta = _meta()
     meta.set_row_steps(torch.tensor([0, 1, 5, 2]))

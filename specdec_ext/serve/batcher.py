@@ -111,7 +111,8 @@ class Row:
     prefilled: int = 0  # prompt tokens in the target's cache (chunked prefill; the prompt's length once decoding)
     group: Optional[PromptGroup] = None  # n choices: the rows that share this one's prompt
     prompt_logprobs: Optional[list] = None  # echo with logprobs: sent with the row's first event
-    draft_pending: bool = False  # the drafter holds a stand-in: it gets the row's tokens when a step drafts
+    draft_stand_in: bool = False  # the drafter holds a one-token stand-in for the row (chunked prefill, deferral)
+    draft_pending: bool = False  # ... which it replaces by the row's tokens before the first step that drafts
 
     @property
     def decoding(self) -> bool:
@@ -318,8 +319,6 @@ class ContinuousBatcher:
                 done.append((row, logits))
         if done:
             starters = [row for row, _ in done]
-            if self.drafter is not None:
-                self.drafter.free_rows([row.slot for row in starters])  # its stand-in (_feed_chunk)
             self._join(*self._fork_followers(starters, torch.cat([logits for _, logits in done])))
         return fed
 
@@ -332,12 +331,15 @@ class ContinuousBatcher:
         if self.drafter is not None:
             self.meta.hold_rows([row.slot], FREE_SLOT_TOKEN)
             self.drafter.start_rows([row.slot], [[FREE_SLOT_TOKEN]], self.meta)
+            row.draft_stand_in = True
         return logits
 
     def _join(self, rows: Sequence[Row], logits: torch.Tensor) -> None:
         """Rows whose prompts are in the target's cache (``logits`` [n, V] at their last tokens): deliver
         each first token (or end a row whose logits failed), then prefill the drafter for those still
-        running (the client need not wait for the draft's prefill)."""
+        running (the client need not wait for the draft's prefill); a row whose draft prefill is deferred
+        keeps the stand-in its chunked prefill gave the drafter (each one is a draft forward: two per
+        joining row cost the speculative server 1-2% of its throughput with every step plain)."""
         for row in rows:  # (after any chunked prefill's stand-in token: the counts start here)
             self.meta.processing.set_row(row.slot, row.request.processing, row.request.prompt, row.request.grammar)
         self.meta.top_logprobs = _widest_logprobs(rows)
@@ -361,11 +363,17 @@ class ContinuousBatcher:
         deferred = [row for row in staying if self._defers_draft(row)]
         started = [row for row in staying if row not in deferred]
         if started:
+            replaced = [row.slot for row in started if row.draft_stand_in]
+            if replaced:
+                self.drafter.free_rows(replaced)
             self.drafter.start_rows([row.slot for row in started], [row.request.prompt for row in started], self.meta)
-        if deferred:
-            self.drafter.start_rows([row.slot for row in deferred], [[FREE_SLOT_TOKEN]] * len(deferred), self.meta)
-            for row in deferred:
-                row.draft_pending = True
+            for row in started:
+                row.draft_stand_in = False
+        holding = [row for row in deferred if not row.draft_stand_in]
+        if holding:
+            self.drafter.start_rows([row.slot for row in holding], [[FREE_SLOT_TOKEN]] * len(holding), self.meta)
+        for row in deferred:
+            row.draft_stand_in = row.draft_pending = True
 
     def _defers_draft(self, row: Row) -> bool:
         """Whether a joining row's draft prefill waits for the first step that drafts: while speculation is
@@ -387,7 +395,7 @@ class ContinuousBatcher:
         self.drafter.free_rows(slots)
         self.drafter.start_rows(slots, tokens, self.meta)
         for row in pending:
-            row.draft_pending = False
+            row.draft_stand_in = row.draft_pending = False
         if self.draft_length is not None:  # what switching speculation on costs, measured
             self.draft_length.record_draft_prefill(sum(map(len, tokens)), self.clock() - begin)
 
