@@ -159,18 +159,15 @@ class SpecDecodeMetadata:
         """Rows ``index`` [n] int64 as metadata of their own: every buffer a gathered copy, but the
         verify pass's scratch (``verify_logits``, made again on first use): a server's is [B, n+1, V],
         and copying its rows cost each join 9 ms at 16 slots, k = 8 (every joining row's prefill)."""
-        picked = self._map_rows(lambda t: t[index], scratch=False)
+        picked = dataclasses.replace(self, verify_logits=None)._map_rows(lambda t: t[index])
         picked.set_row_sampling(None if self.row_sampling is None else [self.row_sampling[i] for i in index.tolist()])
         picked.processing = None if self.processing is None else self.processing.select(index)
         return picked
 
-    def _map_rows(self, take: Callable[[torch.Tensor], torch.Tensor], *, scratch: bool = True) -> "SpecDecodeMetadata":
-        """A copy whose per-row buffers (every tensor field, the no-drafts proposal) are ``take`` of ours
-        (``scratch`` False: verify_logits left out, None)."""
-        def part(name, value):
+    def _map_rows(self, take: Callable[[torch.Tensor], torch.Tensor]) -> "SpecDecodeMetadata":
+        """A copy whose per-row buffers (every tensor field, the no-drafts proposal) are ``take`` of ours."""
+        def part(value):
             if isinstance(value, tuple):  # step_logprobs: a step's output, not row state
-                return None
-            if name == "verify_logits" and not scratch:
                 return None
             if isinstance(value, torch.Tensor):
                 return take(value)
@@ -180,8 +177,7 @@ class SpecDecodeMetadata:
                                                      if isinstance(getattr(value, f.name), torch.Tensor)})
             return value
 
-        mapped = dataclasses.replace(self, **{f.name: part(f.name, getattr(self, f.name))
-                                              for f in dataclasses.fields(self)})
+        mapped = dataclasses.replace(self, **{f.name: part(getattr(self, f.name)) for f in dataclasses.fields(self)})
         mapped.batch_size = mapped.token_buffer.shape[0]
         return mapped
 

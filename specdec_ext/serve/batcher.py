@@ -112,11 +112,15 @@ class Row:
     group: Optional[PromptGroup] = None  # n choices: the rows that share this one's prompt
     prompt_logprobs: Optional[list] = None  # echo with logprobs: sent with the row's first event
     draft_stand_in: bool = False  # the drafter holds a one-token stand-in for the row (chunked prefill, deferral)
-    draft_pending: bool = False  # ... which it replaces by the row's tokens before the first step that drafts
 
     @property
     def decoding(self) -> bool:
         return self.prefilled == len(self.request.prompt)
+
+    @property
+    def draft_pending(self) -> bool:
+        """A decoding row the drafter holds a stand-in for: it gets the row's tokens before a step drafts."""
+        return self.draft_stand_in and self.decoding
 
 
 @dataclass(frozen=True)
@@ -373,7 +377,7 @@ class ContinuousBatcher:
         if holding:
             self.drafter.start_rows([row.slot for row in holding], [[FREE_SLOT_TOKEN]] * len(holding), self.meta)
         for row in deferred:
-            row.draft_stand_in = row.draft_pending = True
+            row.draft_stand_in = True
 
     def _defers_draft(self, row: Row) -> bool:
         """Whether a joining row's draft prefill waits for the first step that drafts: while speculation is
@@ -395,7 +399,7 @@ class ContinuousBatcher:
         self.drafter.free_rows(slots)
         self.drafter.start_rows(slots, tokens, self.meta)
         for row in pending:
-            row.draft_stand_in = row.draft_pending = False
+            row.draft_stand_in = False
         if self.draft_length is not None:  # what switching speculation on costs, measured
             self.draft_length.record_draft_prefill(sum(map(len, tokens)), self.clock() - begin)
 
