@@ -4,12 +4,14 @@ an EAGLE-3 head (a chain of k and an EAGLE-2 tree) next to the bundled draft mod
 n-gram lookup, the bundled Medusa-style heads (their default tree) and plain decoding, on the code and edit workloads, interleaved repeats, medians.
 
 The head: the bundled one (specdec_ext/default_pair/eagle/, int8 storage), or ``--head DIR``, any EAGLE-3
-checkpoint made for the bundled target (``tools/train_eagle.py``); ``--head`` twice adds a row pair per
-head (e.g. the fp32 checkpoint beside its int8 export). Times are the calls' prefill + decode
-(``stats.total_time``).
+checkpoint made for the bundled target (``specdec train-eagle``); ``--head`` twice adds a row pair per
+head (e.g. the fp32 checkpoint beside its int8 export). Each head is loaded once; ``--kernel-dtype`` is the
+dtype the CPU kernels read its matrices in (Eagle3Model.kernel_dtype). Times are the calls' prefill +
+decode (``stats.total_time``).
 
     python benchmarks/bench_eagle.py [--head DIR ...] [--prompts 4] [--max-new-tokens 96] [--k 4] [--tree 3,3,8]
                                      [--repeats 3] [--threads 1] [--workloads code,edit] [--device cuda]
+                                     [--kernel-dtype bfloat16]
 """
 from __future__ import annotations
 
@@ -20,16 +22,19 @@ import torch
 
 import specdec_ext
 from specdec_ext.bench.workloads import workload_prompts
-from specdec_ext.default_pair import load_default_pair
+from specdec_ext.default_pair import load_default_eagle, load_default_pair
+from specdec_ext.eagle import load_eagle
 
 
-def drafters(heads, k: int, tree):
+def drafters(heads, k: int, tree, target, kernel_dtype: torch.dtype):
     """(name, generate() keywords) of every row of the table; ``heads``: checkpoint directories (empty: the
-    bundled head)."""
+    bundled head), each loaded once for ``target``."""
     rows = [("plain", None), ("draft model, k", dict(k=k)), ("draft model, tree", dict(draft_tree=tree)),
             ("ngram, k", dict(draft="ngram", k=k)), ("heads, tree", dict(draft="heads"))]
     for i, head in enumerate(heads or ["eagle"]):
-        eagle = head if head == "eagle" else specdec_ext.EagleDrafterSpec(head)
+        model = load_default_eagle(target) if head == "eagle" else load_eagle(head, target)
+        model.kernel_dtype = kernel_dtype
+        eagle = specdec_ext.EagleDrafterSpec(model)
         label = "EAGLE-3" if len(heads or [0]) == 1 else f"EAGLE-3 ({i + 1})"
         rows += [(f"{label}, k", dict(draft=eagle, k=k)), (f"{label}, tree", dict(draft=eagle, draft_tree=tree))]
     return rows
@@ -67,14 +72,16 @@ def main() -> None:
     parser.add_argument("--workloads", default="code,edit")
     parser.add_argument("--device", default="cpu", help="where the pair and the head run, e.g. cuda (default: cpu; "
                         "the plan's CUDA graphs where they apply)")
+    parser.add_argument("--kernel-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                        help="the dtype the CPU kernels read the EAGLE heads' matrices in (default: bfloat16)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target, draft_model, _ = load_default_pair(device=args.device)
     pair = (target, draft_model)
     tree = tuple(int(x) for x in args.tree.split(","))
-    rows = drafters(args.head, args.k, tree)
+    rows = drafters(args.head, args.k, tree, target, getattr(torch, args.kernel_dtype))
     print(f"bundled target, head(s) {args.head or ['bundled']}, batch 1, {args.max_new_tokens} new tokens, k = {args.k}, tree {tree}, "
-          f"{args.threads} thread(s), device {args.device} "
+          f"{args.threads} thread(s), EAGLE kernels in {args.kernel_dtype}, device {args.device} "
           f"({torch.cuda.get_device_name(torch.device(args.device)) if args.device.startswith('cuda') else 'CPU path ' + specdec_ext.ops.cpu_isa()}), "
           f"torch {torch.__version__}")
     for workload in args.workloads.split(","):

@@ -173,15 +173,46 @@ def record_drafts(target, head, shape, accepts, steps=6):
     return seen
 
 
-@pytest.mark.parametrize("kernels", ["1", "0"])  # the head's chain passes on the CPU kernels, or in torch
-def test_chain_drafts_equal_naive_eagle3_after_rollbacks(target, head, kernels, monkeypatch):
+def rounded_to(head, dtype):
+    """A copy of ``head`` whose matrices are rounded to ``dtype`` (what the kernels read) and kept in fp32."""
+    out = copy.deepcopy(head)
+    with torch.no_grad():
+        for module in out.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.copy_(module.weight.to(dtype).float())
+    return out
+
+
+# the head's chain passes on the CPU kernels (matrices read in fp32, or in bf16: the default), or in torch
+@pytest.mark.parametrize("kernels,kernel_dtype", [("1", torch.float32), ("1", torch.bfloat16), ("0", None)])
+def test_chain_drafts_equal_naive_eagle3_after_rollbacks(target, head, kernels, kernel_dtype, monkeypatch):
     monkeypatch.setenv("SPECDEC_CPU_KERNELS", kernels)
-    target64, head64 = copy.deepcopy(target).double(), copy.deepcopy(head).double()
+    head = copy.deepcopy(head)
+    reference = head if kernel_dtype is None else rounded_to(head, kernel_dtype)
+    head.kernel_dtype = kernel_dtype or head.kernel_dtype
+    target64, head64 = copy.deepcopy(target).double(), copy.deepcopy(reference).double()
     seen = record_drafts(target, head, dict(k=3), accepts=[0, 3, 1, 2, 0])
     assert len(seen) >= 5
     for committed, drafts, _ in seen:
         for b, tokens in enumerate(committed):
             assert drafts[b].tolist() == naive_chain(head64, target64, tokens, 3), (b, tokens)
+
+
+def test_the_kernels_read_the_matrices_in_the_kernel_dtype(target, head):
+    """bf16 kernels compute the head with its matrices rounded to bf16 (fp32 activations and sums): their
+    draft logits match the rounded head's torch logits, not the fp32 head's; fp32 kernels match the latter."""
+    out = torch.randn(6, head.config.hidden_size)
+    logits = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        head.kernel_dtype = dtype
+        logits[dtype] = head.head(out)
+    head.kernel_dtype = torch.bfloat16
+    with torch.no_grad():
+        exact = head.lm_head(head.norm(out))
+        rounded = rounded_to(head, torch.bfloat16).lm_head(head.norm(out))
+    assert torch.allclose(logits[torch.float32], exact, atol=1e-5)
+    assert torch.allclose(logits[torch.bfloat16], rounded, atol=1e-5)
+    assert (logits[torch.bfloat16] - exact).abs().max() > 1e-3
 
 
 def test_tree_drafts_equal_naive_eagle2_expansion(target, head):

@@ -15,7 +15,7 @@ import httpx
 import pytest
 import torch
 
-from specdec_ext import cli
+from specdec_ext import cli, models
 from serve_utils import CHAT_TEMPLATE, MODEL_NAME
 from test_generate_utils import CHAR_VOCAB, char_tokenizer, noisy_copy, tiny_model
 
@@ -123,4 +123,4 @@ def test_serve_on_a_device_torch_cannot_use_names_it(capsys):
         cli.main(["serve", "--draft", "none", "--device", "meta"])
     with pytest.raises(SystemExit, match="specdec serve: device gpu0: "):
         cli.main(["serve", "--draft", "none", "--device", "gpu0"])
-    assert cli.default_device() == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert models.default_device() == ("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,4 +1,4 @@
-"""The ``specdec`` command line (also ``python -m specdec_ext``): generate, audit, bench, demo."""
+"""The ``specdec`` command line (also ``python -m specdec_ext``): generate, audit, bench, demo, serve, train-eagle."""
 from __future__ import annotations
 
 import argparse
@@ -10,6 +10,7 @@ import sys
 from typing import List, NoReturn, Optional
 
 from .bench.workloads import heldout_prompts
+from .eagle import command as eagle_command
 from .plots import check_plot_option, write_plot
 from .progress import hf_progress_bars_off, progress_bar, progress_wanted
 
@@ -130,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="specdec", description="Lossless speculative decoding for Hugging Face models: a small draft "
         "proposes k tokens, the target verifies them in one pass, and the output is distributed exactly as "
         "sampling from the target.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,audit,bench,demo,serve}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,audit,bench,demo,serve,train-eagle}")
 
     _generate_parser(sub)
 
@@ -176,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"dtype of the models (default: {DEMO_DTYPE}, the bundled pair's stored dtype: each pass "
                    "reads half the bytes of float32)")
     _serve_parser(sub)
+    eagle_command.add_parser(sub)
     return parser
 
 
@@ -238,13 +240,6 @@ BUNDLED_MODEL_NAME = "specdec-default-pair"
 
 
 # ---------------------------------------------------------------------------------------- commands
-def default_device() -> str:
-    """Where a command's models run unless told: the GPU where torch sees one."""
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def _set_threads(threads: Optional[int]) -> None:
     if threads is not None:
         import torch
@@ -497,7 +492,7 @@ def cmd_serve(args) -> int:
         require_serve_dependencies()
     except ServeDependencyError as error:
         raise SystemExit(str(error)) from None
-    from .models import load_models
+    from .models import default_device, load_models
     from .serve.build import EngineOptions, build_engine, eos_token_ids
     from .serve.app import create_app
     from .serve.server import run_server
@@ -529,7 +524,8 @@ def cmd_serve(args) -> int:
                       log_level=args.log_level)
 
 
-COMMANDS = {"generate": cmd_generate, "audit": cmd_audit, "bench": cmd_bench, "demo": cmd_demo, "serve": cmd_serve}
+COMMANDS = {"generate": cmd_generate, "audit": cmd_audit, "bench": cmd_bench, "demo": cmd_demo, "serve": cmd_serve,
+            "train-eagle": eagle_command.run}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -539,6 +535,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
+    args.argv = argv  # what the command was given (train-eagle records it)
     _set_threads(getattr(args, "threads", None))
     with hf_progress_bars_off(getattr(args, "quiet", False)):
         return COMMANDS[args.command](args)

@@ -58,6 +58,11 @@ class Models:
         return self
 
 
+def default_device() -> str:
+    """Where a command's models run unless told: the GPU where torch sees one."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def load_models(target: ModelSpec = None, draft: Union[ModelSpec, MedusaHeads] = None, *, tokenizer=None,
                 draft_tokenizer=None, plain: bool = False, tp_size: Optional[int] = None) -> Models:
     """The target and the drafter's model for generate(): both None is the bundled pair; ``draft`` a
@@ -77,7 +82,7 @@ def load_models(target: ModelSpec = None, draft: Union[ModelSpec, MedusaHeads] =
         if isinstance(draft, str) and draft == EAGLE_DRAFT and not is_bundled_target(target):
             raise ValueError("draft='eagle' uses the bundled EAGLE-3 head, trained for the bundled target; for "
                              "another target pass draft=EagleDrafterSpec('path/to/head') with a head trained for "
-                             "it (tools/train_eagle.py; load_eagle reads SafeAILab/EAGLE, SpecForge and "
+                             "it (specdec train-eagle; load_eagle reads SafeAILab/EAGLE, SpecForge and "
                              "speculators checkpoints)")
         target_model, tokenizer = _load_target(target, tokenizer)
         return Models(target_model, "eagle", draft=eagle_head_for(draft, target_model), tokenizer=tokenizer)

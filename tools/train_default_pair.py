@@ -58,18 +58,17 @@ import os
 import random
 import shutil
 import sys
-import sysconfig
 import time
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from specdec_ext.default_pair.corpus import collect_files, is_heldout, source_trees  # noqa: F401 (tools import them from here)
 from specdec_ext.progress import progress_bar, progress_wanted, write_line
 
 EOT = "<|endoftext|>"
 SEQ = 256
-MAX_FILE_BYTES = 512 * 1024
 
 TARGET_SHAPE = dict(hidden_size=512, intermediate_size=1280, num_hidden_layers=6,
                     num_attention_heads=8, num_key_value_heads=8)
@@ -82,39 +81,6 @@ def log(*a):
 
 
 # ----------------------------------------------------------------------------------------- data
-def source_trees():
-    import transformers
-    return [
-        ("stdlib", sysconfig.get_paths()["stdlib"], ("test", "site-packages")),
-        ("torch", os.path.dirname(torch.__file__), ()),
-        ("transformers", os.path.dirname(transformers.__file__), ()),
-    ]
-
-
-def is_heldout(name):
-    return int(hashlib.sha1(name.encode()).hexdigest(), 16) % 100 < 2
-
-
-def collect_files():
-    """Return sorted list of (name, abspath) for every usable *.py file of the three trees."""
-    out = []
-    for tree, root, excluded_top in source_trees():
-        for dirpath, dirnames, filenames in os.walk(root):
-            rel_dir = os.path.relpath(dirpath, root)
-            if rel_dir == ".":
-                dirnames[:] = [d for d in dirnames if d not in excluded_top]
-            dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
-            for fn in sorted(filenames):
-                if not fn.endswith(".py"):
-                    continue
-                p = os.path.join(dirpath, fn)
-                if not os.path.isfile(p) or os.path.getsize(p) > MAX_FILE_BYTES:
-                    continue
-                out.append((tree + "/" + os.path.relpath(p, root).replace(os.sep, "/"), p))
-    out.sort()
-    return out
-
-
 def read_text(path):
     try:
         with open(path, "rb") as f:

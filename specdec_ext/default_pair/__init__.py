@@ -6,7 +6,7 @@ Layout of this directory (weights are committed to git directly, bf16 safetensor
                 committed packed (model.safetensors.planes, packing.py: 35 of 50.5 MiB) and unpacked on
                 first import into ~/.cache/specdec_ext/default_pair/target-<digest>/ (TARGET_DIR)
     heads/      Medusa-style draft heads for the target (specdec_ext/heads.py; tools/train_heads.py)
-    eagle/      an EAGLE-3 head for the target (specdec_ext/eagle/; tools/train_eagle.py), stored int8 with a
+    eagle/      an EAGLE-3 head for the target (specdec_ext/eagle/; specdec train-eagle), stored int8 with a
                 scale per row (eagle/checkpoints.py INT8_WEIGHTS)
     draft/      LlamaForCausalLM save_pretrained dir, same tokenizer, distilled from the target
     tokenizer/  byte-level BPE PreTrainedTokenizerFast (tokenizer.json, tokenizer_config.json)
@@ -51,7 +51,7 @@ TARGET_DIR = _target_dir()
 DRAFT_DIR = os.path.join(PAIR_DIR, "draft")
 TOKENIZER_DIR = os.path.join(PAIR_DIR, "tokenizer")
 HEADS_DIR = os.path.join(PAIR_DIR, "heads")  # Medusa-style heads for the target (tools/train_heads.py)
-EAGLE_DIR = os.path.join(PAIR_DIR, "eagle")  # an EAGLE-3 head for the target (tools/train_eagle.py)
+EAGLE_DIR = os.path.join(PAIR_DIR, "eagle")  # an EAGLE-3 head for the target (specdec train-eagle)
 
 _REQUIRED = {
     TARGET_DIR: ("config.json", "model.safetensors"),

@@ -8,7 +8,8 @@
     kernels.py      the head's chain passes on the project's batch-invariant CPU kernels
     checkpoints.py  load_eagle / save_eagle: SafeAILab/EAGLE and SpecForge checkpoints, vLLM speculators'
                     format; check_target (a head made for another target is refused before any work)
-    training.py     train_eagle: self-distillation with the training-time test, on a CPU (tools/train_eagle.py)
+    training.py     train_eagle: self-distillation with the training-time test, on a CPU or a GPU
+    command.py      ``specdec train-eagle`` (texts.py: the pieces of text the target continues)
     spec.py         EagleDrafterSpec and eagle_head_for: what generate()'s draft= takes
 
 Use: ``runner = make_runner("lean", target, ..., hidden_taps=head.config.layer_ids)`` and

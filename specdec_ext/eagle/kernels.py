@@ -18,6 +18,9 @@ not express).
     out = residual + o(attn)                                   fused_linear, "add"
     out += down(silu(gate(n2(out))) * up(n2(out)))             fused_linear "swiglu" with the norm, then "add"
     draft logits = lm_head(norm(out))                          fused_linear with the final norm
+
+The kernels read the matrices in ``head.kernel_dtype`` (bf16 by default: copies cached while the weights
+are unchanged, ``cached_cast``), with fp32 activations and fp32 accumulation.
 """
 from __future__ import annotations
 
@@ -48,6 +51,13 @@ def _rope(head, capacity: int) -> List[torch.Tensor]:
     return cached
 
 
+def _matrices(head, *linears) -> List[torch.Tensor]:
+    """The linears' weights as the kernels read them: in ``head.kernel_dtype`` (module docstring)."""
+    from ..ops.lean_forward import cached_cast
+
+    return [cached_cast(linear.weight, head.kernel_dtype) for linear in linears]
+
+
 def _biases(*linears) -> Optional[list]:
     biases = [linear.bias for linear in linears]
     return None if all(b is None for b in biases) else biases
@@ -70,7 +80,7 @@ def kernel_block(head, tokens: torch.Tensor, g: torch.Tensor, start: torch.Tenso
                        layer.input_layernorm.eps)
     x = torch.cat([embed, normed], dim=-1).contiguous()  # [M, 2h]
     q, k, v = torch.empty((M, H * D)), torch.empty((M, Hk * D)), torch.empty((M, Hk * D))
-    fused_linear(x, [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], [q, k, v],
+    fused_linear(x, _matrices(head, attn.q_proj, attn.k_proj, attn.v_proj), [q, k, v],
                  biases=_biases(attn.q_proj, attn.k_proj, attn.v_proj))
     positions = (start[:, None].cpu() + torch.arange(T)).reshape(M)
     rows = torch.arange(B).repeat_interleave(T)
@@ -78,13 +88,13 @@ def kernel_block(head, tokens: torch.Tensor, g: torch.Tensor, start: torch.Tenso
     q = rope_cache_write(q.view(M, H, D), k.view(M, Hk, D), v.view(M, Hk, D), cos, sin, positions, rows, positions,
                          cache.k, cache.v)
     a = cache_attention(q.view(B, T, H, D), cache.k, cache.v, start.cpu().to(torch.int64).contiguous(), D ** -0.5)
-    fused_linear(a.view(M, H * D), [attn.o_proj.weight], [residual], biases=_biases(attn.o_proj), epilogue="add")
+    fused_linear(a.view(M, H * D), _matrices(head, attn.o_proj), [residual], biases=_biases(attn.o_proj), epilogue="add")
     mlp = layer.mlp
     act = torch.empty((M, c.intermediate_size))
     norm = layer.post_attention_layernorm
-    fused_linear(residual, [mlp.gate_proj.weight, mlp.up_proj.weight], [act], norm_weight=norm.weight,
+    fused_linear(residual, _matrices(head, mlp.gate_proj, mlp.up_proj), [act], norm_weight=norm.weight,
                  norm_eps=norm.eps, epilogue="swiglu")
-    fused_linear(act, [mlp.down_proj.weight], [residual], epilogue="add")
+    fused_linear(act, _matrices(head, mlp.down_proj), [residual], epilogue="add")
     return residual.view(B, T, c.hidden_size)
 
 
@@ -93,7 +103,7 @@ def kernel_head(head, out: torch.Tensor) -> torch.Tensor:
     from ..ops.lean_forward import fused_linear
 
     logits = torch.empty((out.shape[0], head.config.draft_vocab_size))
-    fused_linear(out.float().contiguous(), [head.lm_head.weight], [logits], norm_weight=head.norm.weight,
+    fused_linear(out.float().contiguous(), _matrices(head, head.lm_head), [logits], norm_weight=head.norm.weight,
                  norm_eps=head.norm.eps)
     return logits
 
@@ -104,5 +114,5 @@ def kernel_fuse(head, states: torch.Tensor) -> torch.Tensor:
 
     flat = states.reshape(-1, states.shape[-1]).float().contiguous()
     out = torch.empty((flat.shape[0], head.config.hidden_size))
-    fused_linear(flat, [head.fc.weight], [out], biases=_biases(head.fc))
+    fused_linear(flat, _matrices(head, head.fc), [out], biases=_biases(head.fc))
     return out.view(tuple(states.shape[:-1]) + (head.config.hidden_size,))

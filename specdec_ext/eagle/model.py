@@ -34,6 +34,7 @@ from .kernels import kernel_block, kernel_fuse, kernel_head, kernels_apply
 __all__ = ["EagleConfig", "Eagle3Model", "EagleKV", "NUM_FEATURES"]
 
 NUM_FEATURES = 3  # EAGLE-3 fuses three of the target's hidden states
+KERNEL_DTYPE = torch.bfloat16  # Eagle3Model.kernel_dtype's default
 
 
 @dataclass(frozen=True)
@@ -189,6 +190,10 @@ class Eagle3Model(nn.Module):
         rotary = LlamaRotaryEmbedding(c.llama_config())
         self.register_buffer("inv_freq", rotary.inv_freq.float().clone(), persistent=False)
         self.rope_scale = float(rotary.attention_scaling)
+        # the dtype the CPU kernels read the head's matrices in (eagle/kernels.py): a chain step reads each
+        # once, so bf16 halves its bytes, as the bf16 target's passes; any head keeps generation lossless.
+        # fp32 computes what the torch path does (the tests' exact comparisons pin it).
+        self.kernel_dtype = KERNEL_DTYPE
 
     # ------------------------------------------------------------------ vocabulary
     def set_draft_vocab(self, target_ids: torch.Tensor) -> None:

@@ -4,10 +4,12 @@
              greedy, or sampled at ``temperature``) to ``prompt_tokens + new_tokens`` tokens: the head
              learns the target's own distribution on the target's own outputs.
 2. vocab     the ``draft_vocab_size`` most frequent target tokens of the sequences (ties: lower id), sorted
-             by id: d2t / t2d (EAGLE-3's choice of a reduced draft vocabulary). Then one target forward
-             per chunk of sequences keeps their tapped hidden states (the inputs of the head's layers, as
-             runners/taps.py taps them) and the target's logits over the draft vocabulary; all cached in
-             ``out_dir/data.pt``.
+             by id: d2t / t2d (EAGLE-3's choice of a reduced draft vocabulary). The sequences and the
+             draft vocabulary are cached in ``out_dir/data.pt``; each step's batch gets its tapped hidden
+             states (the inputs of the head's layers, as runners/taps.py taps them) and the target's
+             logits over the draft vocabulary from one target forward (``target_views``), so the data
+             grows with the token count alone (8192 sequences of 96 tokens would be 11 GB of features
+             and logits kept in fp32; their forward costs about a third of a training step).
 3. steps     the training-time test unrolled over ``ttt_steps`` draft steps (EAGLE-3): step 0 is the
              head over the target's features (position t: g_t with token t + 1, causal); step j feeds
              anchor t the output of step j - 1 at t with token t + 1 + j at position t + j, seeing the
@@ -15,7 +17,9 @@
              anchor t does. The loss of step j at anchor t is the cross-entropy of the head's draft
              distribution against the target's distribution of token t + 2 + j renormalised over the
              draft vocabulary, weighted by ``decay ** j``. AdamW, gradients clipped; the embedding is
-             the target's, frozen.
+             the target's, frozen. The learning rate warms up linearly over ``warmup_steps`` and then
+             follows a cosine down to ``min_lr_ratio`` x ``lr`` at the run's last step (``steps`` of the
+             call: resuming with more steps stretches the rest of the curve).
 4. saves     every ``save_every`` steps and at the end: the head in the "eagle" layout (eagle/checkpoints.py)
              and ``trainer.pt`` (step, optimizer, losses); a later call with the same ``out_dir`` resumes.
 """
@@ -23,15 +27,17 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from dataclasses import asdict, dataclass, field
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
 from .checkpoints import bind_target, load_eagle, save_eagle
 from .model import Eagle3Model, EagleConfig
 
-__all__ = ["TrainConfig", "TrainResult", "train_eagle", "ttt_losses", "choose_draft_vocab"]
+__all__ = ["TrainConfig", "TrainResult", "train_eagle", "ttt_losses", "choose_draft_vocab", "target_views",
+           "learning_rate"]
 
 TRAINER_STATE = "trainer.pt"
 DATA = "data.pt"
@@ -50,11 +56,13 @@ class TrainConfig:
     decay: float = 0.8  # weight of unrolled step j: decay ** j
     batch_size: int = 8
     lr: float = 1e-3
+    warmup_steps: int = 50  # linear warm-up of the learning rate
+    min_lr_ratio: float = 0.1  # the cosine's floor at the last step, a fraction of lr
     weight_decay: float = 0.0
     clip: float = 0.5
     save_every: int = 50
     seed: int = 0
-    layer_ids: Optional[Tuple[int, ...]] = None  # the target's layers (None: (2, L // 2, L - 3))
+    layer_ids: Optional[Tuple[int, ...]] = None  # the target's layers whose inputs are fused (None: (2, L // 2, L - 3))
     intermediate_size: Optional[int] = None  # the head's MLP (None: the target's)
 
 
@@ -64,6 +72,7 @@ class TrainResult:
     losses: List[float] = field(default_factory=list)  # per step, from the first step ever (resumes included)
     start_step: int = 0  # the step this call started from (> 0: resumed)
     path: str = ""
+    seconds: float = 0.0  # training time over the whole run (resumes included; data making not counted)
 
 
 # ------------------------------------------------------------------------------------------ data
@@ -81,10 +90,9 @@ def _continue(target, prompts: List[List[int]], config: TrainConfig) -> torch.Te
 
 
 @torch.no_grad()
-def self_distillation_data(target, tokenizer, texts: Sequence[str], config: TrainConfig, layer_ids) -> dict:
-    """The target's own continuations of ``texts`` (those with at least ``prompt_tokens`` tokens) and what
-    training reads of them: {"tokens": [N, n] int64, "features": [N, n, 3 H] fp32 (the tapped layers'
-    inputs), "teacher": [N, n, V_d] fp32 (the target's logits over the draft vocabulary), "draft_ids": [V_d]}."""
+def self_distillation_data(target, tokenizer, texts: Sequence[str], config: TrainConfig) -> dict:
+    """The target's own continuations of ``texts`` (those with at least ``prompt_tokens`` tokens) and the draft
+    vocabulary chosen from them: {"tokens": [N, n] int64, "draft_ids": [V_d] int64}."""
     prompts = []
     for text in texts:
         ids = tokenizer.encode(text)
@@ -95,14 +103,17 @@ def self_distillation_data(target, tokenizer, texts: Sequence[str], config: Trai
     tokens = torch.cat([_continue(target, prompts[i:i + DATA_CHUNK], config)
                         for i in range(0, len(prompts), DATA_CHUNK)])
     vocab = int(target.get_output_embeddings().weight.shape[0])
-    draft_ids = choose_draft_vocab(tokens, vocab, config.draft_vocab_size or vocab)
+    return {"tokens": tokens, "draft_ids": choose_draft_vocab(tokens, vocab, config.draft_vocab_size or vocab)}
+
+
+@torch.no_grad()
+def target_views(target, tokens: torch.Tensor, layer_ids, draft_ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """What the head trains on for ``tokens`` [B, n]: the tapped layers' inputs [B, n, 3 H] fp32 and the
+    target's logits over the draft vocabulary [B, n, V_d] fp32 (draft-id order), from one target forward."""
     device = next(target.parameters()).device
-    features, teacher = [], []
-    for chunk in tokens.split(DATA_CHUNK):
-        out = target(input_ids=chunk.to(device), output_hidden_states=True, use_cache=False)
-        features.append(torch.cat([out.hidden_states[i].float() for i in layer_ids], dim=-1).cpu())
-        teacher.append(out.logits[..., draft_ids.to(device)].float().cpu())
-    return {"tokens": tokens, "features": torch.cat(features), "teacher": torch.cat(teacher), "draft_ids": draft_ids}
+    out = target(input_ids=tokens.to(device), output_hidden_states=True, use_cache=False)
+    features = torch.cat([out.hidden_states[i].float() for i in layer_ids], dim=-1).cpu()
+    return features, out.logits[..., draft_ids.to(device)].float().cpu()
 
 
 def choose_draft_vocab(tokens: torch.Tensor, vocab_size: int, draft_vocab_size: int) -> torch.Tensor:
@@ -168,8 +179,8 @@ def ttt_losses(head: Eagle3Model, tokens: torch.Tensor, features: torch.Tensor, 
 def _new_head(target, data: dict, config: TrainConfig) -> Eagle3Model:
     vocab = int(target.get_output_embeddings().weight.shape[0])
     overrides = {} if config.intermediate_size is None else dict(intermediate_size=config.intermediate_size)
-    eagle_config = EagleConfig.for_target(target, draft_vocab_size=config.draft_vocab_size or vocab,
-                                          layer_ids=config.layer_ids, **overrides)
+    eagle_config = bind_target(EagleConfig.for_target(target, draft_vocab_size=config.draft_vocab_size or vocab,
+                                                      layer_ids=config.layer_ids, **overrides), target)
     torch.manual_seed(config.seed)
     head = Eagle3Model(eagle_config)
     with torch.no_grad():
@@ -179,14 +190,13 @@ def _new_head(target, data: dict, config: TrainConfig) -> Eagle3Model:
 
 
 def _prepare(target, tokenizer, texts, out_dir: str, config: TrainConfig):
-    """(head, optimizer, data, losses, start step): resumed from ``out_dir`` when it holds a run."""
+    """(head, optimizer, data, losses, start step, seconds trained): resumed from ``out_dir`` when it holds a run."""
     os.makedirs(out_dir, exist_ok=True)
     state_path, data_path = os.path.join(out_dir, TRAINER_STATE), os.path.join(out_dir, DATA)
-    layer_ids = bind_target(EagleConfig.for_target(target, layer_ids=config.layer_ids), target).layer_ids
     if os.path.isfile(data_path):
         data = torch.load(data_path, weights_only=True)
     else:
-        data = self_distillation_data(target, tokenizer, texts, config, layer_ids)
+        data = self_distillation_data(target, tokenizer, texts, config)
         torch.save(data, data_path)
     resumed = os.path.isfile(state_path)
     head = load_eagle(out_dir, target) if resumed else _new_head(target, data, config)
@@ -194,33 +204,49 @@ def _prepare(target, tokenizer, texts, out_dir: str, config: TrainConfig):
     head.embed_tokens.weight.requires_grad_(False)
     params = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
-    losses, start = [], 0
+    losses, start, seconds = [], 0, 0.0
     if resumed:
         state = torch.load(state_path, weights_only=False)
         optimizer.load_state_dict(state["optimizer"])
-        losses, start = list(state["losses"]), int(state["step"])
-    return head, optimizer, data, losses, start
+        losses, start, seconds = list(state["losses"]), int(state["step"]), float(state.get("seconds", 0.0))
+    return head, optimizer, data, losses, start, seconds
 
 
-def _save(head: Eagle3Model, optimizer, losses: List[float], step: int, out_dir: str, config: TrainConfig) -> None:
+def learning_rate(step: int, steps: int, config: TrainConfig) -> float:
+    """The learning rate of optimizer step ``step`` (0-based) of a run of ``steps`` (module docstring, 3)."""
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    progress = (step - config.warmup_steps) / max(steps - 1 - config.warmup_steps, 1)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+    return config.lr * (config.min_lr_ratio + (1.0 - config.min_lr_ratio) * cosine)
+
+
+def _save(head: Eagle3Model, optimizer, losses: List[float], step: int, seconds: float, out_dir: str,
+          config: TrainConfig) -> None:
     save_eagle(head, out_dir, layout="eagle", embed=False)
-    torch.save({"optimizer": optimizer.state_dict(), "losses": losses, "step": step, "config": asdict(config)},
-               os.path.join(out_dir, TRAINER_STATE))
+    torch.save({"optimizer": optimizer.state_dict(), "losses": losses, "step": step, "seconds": seconds,
+                "config": asdict(config)}, os.path.join(out_dir, TRAINER_STATE))
 
 
 def train_eagle(target, tokenizer, texts: Sequence[str], out_dir: str, steps: int,
-                config: TrainConfig = TrainConfig()) -> TrainResult:
+                config: TrainConfig = TrainConfig(),
+                on_step: Optional[Callable[[int, float], None]] = None) -> TrainResult:
     """Train (or resume training) an EAGLE-3 head for ``target`` up to ``steps`` optimizer steps on the
     target's own continuations of ``texts`` (module docstring); the head is saved in ``out_dir``.
-    ``tokenizer``: anything with ``encode(text) -> ids``. Returns the head (eval mode) and the losses."""
-    head, optimizer, data, losses, start = _prepare(target, tokenizer, texts, out_dir, config)
+    ``tokenizer``: anything with ``encode(text) -> ids``; ``on_step(step, loss)`` after each step (a progress
+    bar; ``step`` counts from 1 over the whole run). Returns the head (eval mode) and the losses."""
+    head, optimizer, data, losses, start, seconds = _prepare(target, tokenizer, texts, out_dir, config)
+    started = time.perf_counter()
     generator = torch.Generator().manual_seed(config.seed + start)
     N = data["tokens"].shape[0]
     weights = [config.decay ** j for j in range(config.ttt_steps)]
     for step in range(start, steps):
         batch = torch.randint(N, (min(config.batch_size, N),), generator=generator)
-        step_losses = ttt_losses(head, data["tokens"][batch], data["features"][batch], data["teacher"][batch],
-                                 config.ttt_steps)
+        tokens = data["tokens"][batch]
+        features, teacher = target_views(target, tokens, head.config.layer_ids, data["draft_ids"])
+        step_losses = ttt_losses(head, tokens, features, teacher, config.ttt_steps)
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, steps, config)
         loss = sum(w * l for w, l in zip(weights, step_losses)) / sum(weights[: len(step_losses)])
         optimizer.zero_grad()
         loss.backward()
@@ -229,7 +255,9 @@ def train_eagle(target, tokenizer, texts: Sequence[str], out_dir: str, steps: in
         losses.append(float(loss.detach()))
         if not math.isfinite(losses[-1]):
             raise FloatingPointError(f"train_eagle: the loss is {losses[-1]} at step {step}")
+        if on_step is not None:
+            on_step(step + 1, losses[-1])
         if (step + 1) % config.save_every == 0 or step + 1 == steps:
-            _save(head, optimizer, losses, step + 1, out_dir, config)
+            _save(head, optimizer, losses, step + 1, seconds + time.perf_counter() - started, out_dir, config)
     head.eval().requires_grad_(False)
-    return TrainResult(head, losses, start, out_dir)
+    return TrainResult(head, losses, start, out_dir, seconds + time.perf_counter() - started)

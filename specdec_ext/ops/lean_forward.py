@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import _C  # noqa: F401  (loads the library: registers torch.ops.specdec_ext)
 
@@ -115,6 +116,25 @@ def rope_tables(weights: LlamaWeights, capacity: int) -> List[torch.Tensor]:
     Shape: [capacity, D/2] each."""
     freqs = torch.arange(capacity, dtype=torch.float32)[:, None] * weights.inv_freq.cpu()
     return [(freqs.cos() * weights.rope_scaling).contiguous(), (freqs.sin() * weights.rope_scaling).contiguous()]
+
+
+_CASTS = WeakIdKeyDictionary()  # weight -> (version, dtype, copy)
+
+
+def cached_cast(weight: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """``weight`` in ``dtype`` for the kernels (a contiguous copy where it differs), reused across callers
+    while the weight is unchanged."""
+    if weight is None:
+        return None
+    if weight.dtype == dtype and weight.is_contiguous():
+        return weight.detach()
+    key = (weight._version, weight.data_ptr(), dtype)
+    hit = _CASTS.get(weight)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    copy = weight.detach().to(dtype).contiguous()
+    _CASTS[weight] = (key, copy)
+    return copy
 
 
 def fused_linear(

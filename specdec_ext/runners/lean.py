@@ -43,10 +43,9 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
-from torch.utils.weak import WeakIdKeyDictionary
 
-from ..ops.lean_forward import (Linear, LlamaLayerWeights, LlamaWeights, decoder_layers, greedy_chain, llama_head,
-                                rope_tables)
+from ..ops.lean_forward import (Linear, LlamaLayerWeights, LlamaWeights, cached_cast, decoder_layers, greedy_chain,
+                                llama_head, rope_tables)
 from .capabilities import RunnerCapabilities
 from .checks import (check_extend_chunks, check_forward_inputs, check_row_counts, check_start_prompts, output_vocab_size,
                      tensor_parallel_size,
@@ -208,7 +207,7 @@ class LeanLlamaRunner:
         elif self.dtype == weight_dtype:
             cast = small = (lambda w: w)
         else:
-            cast = small = (lambda w: _cast(w, self.dtype))
+            cast = small = (lambda w: cached_cast(w, self.dtype))
         self.weights = _llama_weights(model, text_config(model.config), cast, small)
         self.hidden_taps = check_tap_layers(hidden_taps, len(self.weights.layers))  # runners/taps.py
         self._segments = _tap_segments(self.weights, self.hidden_taps)
@@ -555,22 +554,6 @@ def _tap_segments(weights: LlamaWeights, taps: Optional[Tuple[int, ...]]) -> Lis
     bounds = [0] + sorted(set(taps)) + [len(weights.layers)]
     return [(begin, end, dataclasses.replace(weights, layers=weights.layers[begin:end]))
             for begin, end in zip(bounds, bounds[1:])]
-
-
-_CASTS = WeakIdKeyDictionary()  # weight -> (version, dtype, copy)
-
-
-def _cast(weight: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
-    """``weight`` in ``dtype``, reused across runners while the weight is unchanged."""
-    if weight is None:
-        return None
-    key = (weight._version, weight.data_ptr(), dtype)
-    hit = _CASTS.get(weight)
-    if hit is not None and hit[0] == key:
-        return hit[1]
-    copy = weight.detach().to(dtype)
-    _CASTS[weight] = (key, copy)
-    return copy
 
 
 def _f32(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

@@ -1,0 +1,95 @@
+"""``specdec train-eagle`` (specdec_ext/eagle/command.py; issue 27, item 4): it trains a head for a target
+directory on text files with a progress bar, resumes, exports the shipped int8 layout, and refuses bad
+input with a message naming it before any work."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from eagle_utils import tiny_target
+from specdec_ext import cli
+from specdec_ext.eagle import EagleMismatchError, load_eagle
+from specdec_ext.eagle.texts import read_pieces, text_files
+from test_generate_utils import CHAR_VOCAB, char_tokenizer
+from test_plots import FakeTerminal
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+FAST = ["--pieces", "6", "--chars", "40", "--prompt-tokens", "8", "--new-tokens", "8", "--draft-vocab", "16",
+        "--batch", "4", "--save-every", "3", "--warmup-steps", "2", "--layer-ids", "1,3,5", "--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eagle_cli")
+    model = tiny_target("llama", vocab=CHAR_VOCAB, layers=6, hidden=64, seed=0, logit_scale=10.0)
+    model.save_pretrained(root / "target")
+    char_tokenizer().save_pretrained(root / "target")
+    texts = root / "texts"
+    texts.mkdir()
+    (texts / "a.txt").write_text("def read(path):\n    with open(path) as f:\n        return f.read()\n" * 8)
+    (texts / "b.txt").write_text("for i in range(10):\n    print(i * i, end=' ')\n" * 8)
+    return str(root / "target"), str(texts)
+
+
+def test_train_eagle_trains_resumes_and_exports(target_dir, tmp_path, monkeypatch, capsys):
+    target, texts = target_dir
+    terminal = FakeTerminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    out, exported = str(tmp_path / "run"), str(tmp_path / "export")
+    assert cli.main(["train-eagle", "--target", target, "--data", texts, "--out", out, "--steps", "6", *FAST]) == 0
+    assert "train-eagle" in terminal.getvalue() and "6/6" in terminal.getvalue()  # the progress bar, on stderr
+    printed = capsys.readouterr().out
+    assert "6 pieces, 6 steps" in printed and "trained steps 0..6" in printed
+
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(target)
+    head = load_eagle(out, model)
+    assert head.config.layer_ids == (1, 3, 5) and head.config.draft_vocab_size == 16
+
+    assert cli.main(["train-eagle", "--target", target, "--data", texts, "--out", out, "--steps", "9", "--quiet",
+                     "--export", exported, *FAST]) == 0
+    assert "trained steps 6..9" in capsys.readouterr().out
+    summary = json.load(open(os.path.join(exported, "train_summary.json")))
+    assert summary["steps"] == 9 and summary["layer_ids"] == [1, 3, 5] and summary["training_seconds"] >= 0
+    assert summary["command"].startswith(f"specdec train-eagle --target {target} --data {texts} --out {out} --steps 9")
+    resumed, shipped = load_eagle(out, model), load_eagle(exported, model)
+    for name, tensor in resumed.state_dict().items():
+        if name.endswith("weight") and tensor.dim() == 2 and not name.startswith("embed_tokens"):
+            scale = tensor.abs().amax(dim=1, keepdim=True) / 127  # int8 with a scale per row
+            assert torch.all((shipped.state_dict()[name] - tensor).abs() <= scale / 2 + 1e-6), name
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--data", "{texts}", "--layer-ids", "1,x"], "--layer-ids takes comma-separated integers, not '1,x'"),
+    (["--data", "{texts}/missing.txt"], "is neither a file nor a directory"),
+    (["--data", "{texts}", "--steps", "0"], "--steps must be at least 1, not 0"),
+    ([], "--target needs --data"),
+])
+def test_train_eagle_refuses_bad_input_by_name(target_dir, tmp_path, flags, message):
+    target, texts = target_dir
+    flags = [f.format(texts=texts) for f in flags]
+    with pytest.raises(SystemExit) as error:
+        cli.main(["train-eagle", "--target", target, "--out", str(tmp_path / "run"), "--quiet", *flags])
+    assert message in str(error.value)
+    assert not os.path.exists(tmp_path / "run")  # refused before any work
+
+
+def test_train_eagle_refuses_layers_the_target_does_not_have(target_dir, tmp_path):
+    target, texts = target_dir
+    with pytest.raises(EagleMismatchError, match=r"layers \[1, 3, 9\].*6"):
+        cli.main(["train-eagle", "--target", target, "--data", texts, "--out", str(tmp_path / "run"), "--quiet",
+                  "--steps", "2", *FAST[:-4], "--layer-ids", "1,3,9"])
+
+
+def test_pieces_come_from_the_files_in_a_seeded_order(target_dir):
+    _, texts = target_dir
+    files = text_files([texts])
+    assert [os.path.basename(f) for f in files] == ["a.txt", "b.txt"]
+    pieces = read_pieces(files, 5, 40, seed=0)
+    assert len(pieces) == 5 and all(len(p) == 40 for p in pieces) and pieces == read_pieces(files, 5, 40, seed=0)
+    assert any(p.startswith("def read") for p in pieces) and any(p.startswith("for i") for p in pieces)

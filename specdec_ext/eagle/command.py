@@ -1,0 +1,144 @@
+"""``specdec train-eagle``: train an EAGLE-3 head for a frozen target by self-distillation, on a CPU or a GPU.
+
+The target continues pieces of text (``--data``: files or directories; by default, for the bundled target,
+the bundled pair's training files, default_pair/corpus.py) and the head learns its distribution with the
+training-time test (eagle/training.py). ``--out`` holds the head in the SafeAILab/EAGLE layout (load_eagle
+and ``generate(..., draft=DIR)`` read it) and the trainer state: the same command again resumes, and more
+``--steps`` continues. ``--export DIR`` also writes the head as the bundled one ships (int8, a scale per
+row) with a train_summary.json.
+
+    specdec train-eagle --out runs/eagle --steps 400 --pieces 256
+    specdec train-eagle --target my-llama --data corpus/ --out runs/eagle --steps 4000
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Optional
+
+DEFAULTS = dict(pieces=4096, chars=400, steps=2400, draft_vocab=2048, prompt_tokens=32, new_tokens=64,
+                ttt_steps=3, batch=8, lr=1e-3, warmup_steps=50, min_lr_ratio=0.1, save_every=100, seed=0)
+
+
+def add_parser(sub) -> None:
+    """The ``train-eagle`` subcommand of ``specdec`` (cli.py)."""
+    t = sub.add_parser("train-eagle", help="train an EAGLE-3 head for a target by self-distillation",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    t.add_argument("--out", required=True, help="where the head and the trainer state go (resumed when present)")
+    t.add_argument("--target", help="the target model directory (default: the bundled target)")
+    t.add_argument("--data", nargs="+", metavar="PATH",
+                   help="text files or directories the target continues (default, for the bundled target: the "
+                   "bundled pair's training files; needed with --target)")
+    d = DEFAULTS
+    t.add_argument("--steps", type=int, default=d["steps"], help=f"optimizer steps in all (default: {d['steps']})")
+    t.add_argument("--pieces", type=int, default=d["pieces"], help=f"text pieces continued (default: {d['pieces']})")
+    t.add_argument("--chars", type=int, default=d["chars"], help=f"characters per piece (default: {d['chars']})")
+    t.add_argument("--prompt-tokens", type=int, default=d["prompt_tokens"],
+                   help=f"tokens of each piece kept as the prompt (default: {d['prompt_tokens']})")
+    t.add_argument("--new-tokens", type=int, default=d["new_tokens"],
+                   help=f"tokens the target continues each prompt with (default: {d['new_tokens']})")
+    t.add_argument("--temperature", type=float, default=0.0, help="of the continuations (default: 0, greedy)")
+    t.add_argument("--draft-vocab", type=int, default=d["draft_vocab"],
+                   help=f"the head's vocabulary: the most frequent tokens of the continuations (default: {d['draft_vocab']})")
+    t.add_argument("--layer-ids", help="the target layers whose inputs the head fuses, e.g. 1,3,5 "
+                   "(default: 2, L // 2, L - 3)")
+    t.add_argument("--intermediate-size", type=int, help="the head's MLP width (default: the target's)")
+    t.add_argument("--ttt-steps", type=int, default=d["ttt_steps"],
+                   help=f"draft steps unrolled in training (default: {d['ttt_steps']})")
+    t.add_argument("--batch", type=int, default=d["batch"], help=f"sequences per step (default: {d['batch']})")
+    t.add_argument("--lr", type=float, default=d["lr"], help=f"peak learning rate (default: {d['lr']})")
+    t.add_argument("--warmup-steps", type=int, default=d["warmup_steps"],
+                   help=f"linear warm-up of the learning rate (default: {d['warmup_steps']})")
+    t.add_argument("--min-lr-ratio", type=float, default=d["min_lr_ratio"],
+                   help=f"the cosine schedule's floor at the last step, a fraction of --lr (default: {d['min_lr_ratio']})")
+    t.add_argument("--save-every", type=int, default=d["save_every"],
+                   help=f"steps between checkpoints (default: {d['save_every']})")
+    t.add_argument("--seed", type=int, default=d["seed"], help=f"pieces, initialisation and batches (default: {d['seed']})")
+    t.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    t.add_argument("--device", default=None, help="where the target and the head run (default: cuda if torch sees it)")
+    t.add_argument("--export", metavar="DIR", help="also write the head as the bundled one ships (int8, a scale "
+                   "per row) and a train_summary.json to DIR")
+    t.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _layer_ids(text: Optional[str]):
+    if not text:
+        return None
+    try:
+        return tuple(int(i) for i in text.split(","))
+    except ValueError:
+        raise SystemExit(f"specdec train-eagle: --layer-ids takes comma-separated integers, not {text!r}") from None
+
+
+def _load_target(args, device: str):
+    import transformers
+
+    from ..default_pair import load_default_pair
+
+    if args.target is None:
+        target, _, tokenizer = load_default_pair(device=device)
+        return target, tokenizer
+    target = transformers.AutoModelForCausalLM.from_pretrained(args.target).to(device).eval()
+    return target, transformers.AutoTokenizer.from_pretrained(args.target)
+
+
+def export(head, out_dir: str, losses, seconds: float, argv) -> None:
+    """The head as the bundled pair ships it (eagle/checkpoints.py INT8_WEIGHTS) and how it was trained
+    (``argv``: the command's arguments)."""
+    from .checkpoints import save_eagle
+
+    save_eagle(head, out_dir, embed=False, int8=True)
+    summary = {"command": "specdec " + " ".join(argv), "steps": len(losses), "loss_first": losses[0],
+               "loss_last_100": sum(losses[-100:]) / len(losses[-100:]), "training_seconds": round(seconds),
+               "parameters": sum(p.numel() for name, p in head.named_parameters() if not name.startswith("embed_tokens")),
+               "draft_vocab_size": head.config.draft_vocab_size, "layer_ids": list(head.config.layer_ids or ())}
+    with open(os.path.join(out_dir, "train_summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+
+
+def run(args) -> int:
+    from ..models import default_device
+    from ..progress import progress_bar
+    from .texts import read_pieces, text_files
+    from .training import TrainConfig, train_eagle
+
+    if args.steps < 1:
+        raise SystemExit(f"specdec train-eagle: --steps must be at least 1, not {args.steps}")
+    if args.target is not None and args.data is None:
+        raise SystemExit("specdec train-eagle: --target needs --data (the texts it continues)")
+    layer_ids = _layer_ids(args.layer_ids)
+    try:
+        files = text_files(args.data)
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"specdec {error}") from None
+    device = args.device or default_device()
+    target, tokenizer = _load_target(args, device)
+    texts = read_pieces(files, args.pieces, args.chars, args.seed)
+    config = TrainConfig(draft_vocab_size=args.draft_vocab, prompt_tokens=args.prompt_tokens,
+                         new_tokens=args.new_tokens, temperature=args.temperature, ttt_steps=args.ttt_steps,
+                         batch_size=args.batch, lr=args.lr, warmup_steps=args.warmup_steps,
+                         min_lr_ratio=args.min_lr_ratio, save_every=args.save_every, seed=args.seed,
+                         layer_ids=layer_ids, intermediate_size=args.intermediate_size)
+    print(f"specdec train-eagle: {len(texts)} pieces, {args.steps} steps, target "
+          f"{args.target or 'bundled'} on {device}, head in {args.out}", flush=True)
+    started = time.time()
+    with progress_bar(args.steps, "train-eagle", unit="step", show=None if not args.quiet else False) as bar:
+        def on_step(step: int, loss: float) -> None:
+            bar.n = step
+            bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
+            bar.update(0)
+
+        result = train_eagle(target, tokenizer, texts, args.out, args.steps, config, on_step=on_step)
+    losses = result.losses
+    if result.start_step >= len(losses):
+        print(f"the head in {args.out} already has {len(losses)} steps (--steps {args.steps}): nothing to do")
+    else:
+        print(f"trained steps {result.start_step}..{len(losses)} in {time.time() - started:.0f} s; loss "
+              f"{losses[0]:.3f} -> {sum(losses[-10:]) / len(losses[-10:]):.3f} (mean of the last 10); head in {args.out}")
+    if args.export:
+        export(result.head, args.export, losses, result.seconds, getattr(args, "argv", sys.argv[1:]))
+        print(f"exported (int8, a scale per row) to {args.export}")
+    return 0
