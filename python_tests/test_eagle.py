@@ -358,5 +358,5 @@ def test_the_bundled_head_keeps_the_bundled_targets_output_and_drafts():
     chain = specdec_ext.generate(prompts, draft="eagle", k=4, max_new_tokens=32, eos_token_id=False)
     tree = specdec_ext.generate(prompts, draft="eagle", draft_tree=(3, 3, 8), max_new_tokens=32, eos_token_id=False)
     assert chain.token_ids == plain and tree.token_ids == plain
-    assert chain.plan.drafter == "eagle" and chain.plan.hidden_taps == (2, 3, 3)
+    assert chain.plan.drafter == "eagle" and chain.plan.hidden_taps == (1, 3, 5)
     assert chain.stats.emitted / chain.stats.row_steps > 1.5
