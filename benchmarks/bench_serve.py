@@ -39,7 +39,8 @@ import httpx
 
 import torch
 
-from specdec_ext.cli import BUNDLED_MODEL_NAME, default_device, heldout_prompts
+from specdec_ext.cli import BUNDLED_MODEL_NAME, heldout_prompts
+from specdec_ext.models import default_device
 from specdec_ext.ops import cpu_isa
 
 START_TIMEOUT_S = 300.0
@@ -70,6 +71,8 @@ def start_server(mode: str, args) -> tuple:
     if args.device is not None:
         command += ["--device", args.device]
     command += MODES[mode]
+    if args.dtype is not None:
+        command += ["--dtype", args.dtype]
     if args.prefill_chunk is not None and "--prefill-chunk" not in MODES[mode]:
         command += ["--prefill-chunk", str(args.prefill_chunk)]
     process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
@@ -202,6 +205,8 @@ def main(argv=None) -> int:
     parser.add_argument("--prefill-chunk", type=int, default=None,
                         help="the servers' --prefill-chunk where the mode does not set it (default: theirs)")
     parser.add_argument("--repeats", type=int, default=1, help="interleaved runs of every mode (default: 1)")
+    parser.add_argument("--dtype", default=None, choices=["auto", "bfloat16", "float32"],
+                        help="the servers' --dtype (default: theirs, auto: bf16 for the bundled pair)")
     args = parser.parse_args(argv)
     clients = [int(x) for x in args.clients.split(",")]
     modes = args.modes.split(",")
@@ -215,7 +220,7 @@ def main(argv=None) -> int:
     print(f"# {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} CPUs, python {platform.python_version()};"
           f" device {device} ({where});"
           f" {args.max_tokens} tokens per request, T={args.temperature}, {args.requests_per_client} requests per "
-          f"client, server threads {args.threads}, prefill chunk {args.prefill_chunk or 'default'}, {args.repeats} interleaved run(s) per mode (medians)")
+          f"client, server threads {args.threads}, dtype {args.dtype or 'auto'}, prefill chunk {args.prefill_chunk or 'default'}, {args.repeats} interleaved run(s) per mode (medians)")
     runs: Dict[str, List[Dict[int, dict]]] = {m: [] for m in modes}
     for _ in range(args.repeats):
         for mode in modes:
@@ -230,12 +235,15 @@ def main(argv=None) -> int:
                   f"{m['ttft99']:.0f} | {m['tpot50']:.1f} / {m['tpot99']:.1f} | {m['per_pass']:.2f} | "
                   f"{m['mean_k']:.2f} / {100 * m['off']:.0f}% |")
     if "plain" in modes:
-        print("\nratios to plain (medians): output tokens/s, TPOT p99")
+        print("\nratios to plain: output tokens/s (of the medians; the median of the runs' paired ratios, run i "
+              "against plain's run i), TPOT p99 (medians)")
         for mode in (m for m in modes if m != "plain"):
             for n in clients:
                 med = lambda key, which: statistics.median(run[n][key] for run in runs[which])
-                print(f"  {mode} N={n}: {med('tokens/s', mode) / med('tokens/s', 'plain'):.2f}x tok/s, "
-                      f"TPOT p99 {med('tpot99', mode):.1f} vs {med('tpot99', 'plain'):.1f} ms")
+                paired = statistics.median(a[n]["tokens/s"] / b[n]["tokens/s"]
+                                           for a, b in zip(runs[mode], runs["plain"]))
+                print(f"  {mode} N={n}: {med('tokens/s', mode) / med('tokens/s', 'plain'):.2f}x tok/s (paired "
+                      f"{paired:.2f}x), TPOT p99 {med('tpot99', mode):.1f} vs {med('tpot99', 'plain'):.1f} ms")
     return 0
 
 

@@ -38,3 +38,23 @@ def test_every_benchmark_flag_gpu_check_passes_is_declared():
             if f'"{flag}"' not in source:
                 undeclared.append(f"{path} {flag}")
     assert not undeclared, f"gpu_check.sh passes flags its benchmarks do not declare: {undeclared}"
+
+
+def test_every_benchmark_script_imports(monkeypatch):
+    """Each script under benchmarks/ imports (its module level only: main() is not run), so that a name
+    moved inside the package breaks a test here, not a benchmark run (bench_serve.py imported default_device
+    from cli.py for a session after it had moved to models.py)."""
+    import importlib.util
+    import sys
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    broken = []
+    for path in sorted((ROOT / "benchmarks").glob("*.py")):
+        spec = importlib.util.spec_from_file_location(f"benchmark_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, spec.name, module)  # (dataclasses look their module up there)
+        try:
+            spec.loader.exec_module(module)
+        except Exception as error:  # noqa: BLE001 (every failure is reported by name)
+            broken.append(f"{path.name}: {type(error).__name__}: {error}")
+    assert not broken, f"benchmark scripts that do not import: {broken}"

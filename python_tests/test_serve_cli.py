@@ -86,7 +86,7 @@ def test_sigterm_aborts_in_flight_requests_with_a_message_and_exits_0(saved_pair
             process.kill()
             process.wait()
     stderr = process.stderr.read()
-    assert f"'{MODEL_NAME}' on http://127.0.0.1:{port}/v1" in stderr and "steps eager" in stderr
+    assert f"'{MODEL_NAME}' on http://127.0.0.1:{port}/v1 (models in float32;" in stderr and "steps eager" in stderr
     with pytest.raises(httpx.ConnectError):  # nothing listens any more
         httpx.get(url + "/health", timeout=2)
 
@@ -107,6 +107,26 @@ def test_serve_help_lists_its_flags(capsys):
     for flag in ("--device", "--host", "--port", "--max-rows", "--max-queue", "--max-seq-len", "--cache-tokens",
                  "--shutdown-grace", "--model-name", "'none'", "--draft-tokenizer", "'eagle'"):
         assert flag in out
+
+
+def test_serve_dtype_auto_is_the_bundled_pairs_stored_dtype_and_a_targets_own():
+    """--dtype auto: bf16 for the bundled pair (the dtype it is stored in), the loaded dtype for a --target;
+    an explicit dtype wins; the cast copies the models (the process's cached pair keeps its dtype) and leaves
+    an EAGLE-3 head in float32 (its kernels read bf16 copies of float32 master weights)."""
+    parse = cli.build_parser().parse_args
+    assert cli._serve_dtype(parse(["serve"])) == "bfloat16"
+    assert cli._serve_dtype(parse(["serve", "--target", "t", "--draft", "d"])) is None
+    assert cli._serve_dtype(parse(["serve", "--target", "t", "--draft", "d", "--dtype", "bfloat16"])) == "bfloat16"
+    assert cli._serve_dtype(parse(["serve", "--dtype", "float32"])) == "float32"
+    with pytest.raises(SystemExit):
+        parse(["serve", "--dtype", "float16"])
+    pair = models.load_models(draft="eagle")
+    cast = cli._in_dtype(pair, "bfloat16")
+    assert next(cast.target.parameters()).dtype == torch.bfloat16 and cast.target is not pair.target
+    assert next(pair.target.parameters()).dtype == torch.float32
+    assert cast.draft is pair.draft and next(cast.draft.parameters()).dtype == torch.float32
+    plain = cli._in_dtype(models.load_models(), "bfloat16")
+    assert next(plain.draft.parameters()).dtype == torch.bfloat16
 
 
 def test_serve_on_a_device_torch_cannot_use_names_it(capsys):

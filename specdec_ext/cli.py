@@ -18,7 +18,7 @@ DEMO_PROMPT_LINES = 20  # lines of each held-out file used as a demo prompt
 DEMO_FILES = 3
 DEMO_NEW_TOKENS = 64
 DEMO_THREADS = 1  # the bundled models are small: intra-op threads cost more than they save on a CPU
-DEMO_DTYPE = "bfloat16"  # the bundled pair's stored dtype: a pass reads half the bytes of float32
+BUNDLED_PAIR_DTYPE = "bfloat16"  # the bundled pair's stored dtype: a pass reads half the bytes of float32
 # specdec serve's start-up request (Engine.calibrate): ordinary code, whatever the model
 SERVE_CALIBRATION_TEXT = "import os\nimport sys\n\n\ndef read_lines(path):\n    with open(path) as handle:\n"
 DEFAULT_AUDIT_PROMPTS = ["import os\nimport sys\n\n\ndef main(", "class Parser:\n    def __init__(self"]
@@ -173,9 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"new tokens per prompt (default: {DEMO_NEW_TOKENS})")
     d.add_argument("-k", "--k", type=_draft_length, default=None, dest="k",
                    help="draft tokens per step, or 'auto' (default: generate()'s, 'auto' on the CPU)")
-    d.add_argument("--dtype", default=DEMO_DTYPE, choices=["bfloat16", "float32"],
-                   help=f"dtype of the models (default: {DEMO_DTYPE}, the bundled pair's stored dtype: each pass "
-                   "reads half the bytes of float32)")
+    d.add_argument("--dtype", default=BUNDLED_PAIR_DTYPE, choices=["bfloat16", "float32"],
+                   help=f"dtype of the models (default: {BUNDLED_PAIR_DTYPE}, the bundled pair's stored dtype: each "
+                   "pass reads half the bytes of float32)")
     _serve_parser(sub)
     eagle_command.add_parser(sub)
     return parser
@@ -199,6 +199,10 @@ def _serve_parser(sub) -> None:
     s.add_argument("--device", default=None,
                    help="where the models run: cpu, cuda or cuda:N (default: cuda where torch sees a GPU, else cpu); "
                    "on CUDA with a draft model, an EAGLE-3 head or none the decode steps are captured in CUDA graphs")
+    s.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help=f"dtype of the target and draft model: auto is {BUNDLED_PAIR_DTYPE} for the bundled pair (its "
+                   "stored dtype: each pass reads half the bytes of float32) and the loaded dtype for a --target "
+                   "(default: auto); an EAGLE-3 head keeps its float32 weights (its CPU kernels read bf16 copies)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     s.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
     s.add_argument("--model-name", default=None,
@@ -442,7 +446,8 @@ def _draft_shape(stats, tree: bool) -> str:
 
 def _in_dtype(models, dtype_name: str):
     """``models`` with their weights in ``dtype_name``: copies where the dtype differs, so that the bundled
-    pair that load_models caches for the process keeps its own dtype."""
+    pair that load_models caches for the process keeps its own dtype. An EAGLE-3 head is left as it is: its
+    CPU kernels run only over float32 master weights (they read bf16 copies, Eagle3Model.kernel_dtype)."""
     import torch
 
     dtype = getattr(torch, dtype_name)
@@ -452,7 +457,16 @@ def _in_dtype(models, dtype_name: str):
             return module
         return copy.deepcopy(module).to(dtype=dtype)
 
-    return dataclasses.replace(models, target=cast(models.target), draft=cast(models.draft), heads=cast(models.heads))
+    draft = models.draft if models.drafter == "eagle" else cast(models.draft)
+    return dataclasses.replace(models, target=cast(models.target), draft=draft, heads=cast(models.heads))
+
+
+def _serve_dtype(args) -> Optional[str]:
+    """The dtype ``specdec serve`` casts the models to (None: as loaded): ``--dtype``, where auto is the bundled
+    pair's stored dtype for the bundled target."""
+    if args.dtype != "auto":
+        return args.dtype
+    return BUNDLED_PAIR_DTYPE if args.target is None else None
 
 
 def cmd_demo(args) -> int:
@@ -502,6 +516,9 @@ def cmd_serve(args) -> int:
     else:
         draft_tokenizer = None if args.draft_tokenizer is None else _load_tokenizer_arg(args.draft_tokenizer)
         models = load_models(*_pair_args(args), draft_tokenizer=draft_tokenizer)
+    dtype = _serve_dtype(args)
+    if dtype is not None:
+        models = _in_dtype(models, dtype)
     try:
         models.to(args.device or default_device())
     except ValueError as error:
@@ -519,7 +536,9 @@ def cmd_serve(args) -> int:
     if args.calibrate:
         steps = engine.calibrate(models.tokenizer.encode(SERVE_CALIBRATION_TEXT))
         engine.description += f"; step costs calibrated in {steps} steps" if steps else ""
-    print(f"specdec serve: {name!r} on http://{args.host}:{args.port}/v1 ({engine.description})", file=sys.stderr)
+    running_dtype = str(next(models.target.parameters()).dtype).replace("torch.", "")
+    print(f"specdec serve: {name!r} on http://{args.host}:{args.port}/v1 (models in {running_dtype}; "
+          f"{engine.description})", file=sys.stderr)
     return run_server(app, engine, host=args.host, port=args.port, shutdown_grace_s=args.shutdown_grace,
                       log_level=args.log_level)
 
