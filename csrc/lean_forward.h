@@ -75,6 +75,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/List.h>
 
+#include <algorithm>
 #include <string>
 #include <utility>
 #include <vector>
@@ -378,6 +379,16 @@ struct DecoderLayersShape {
   int64_t layers, batch, tokens, heads, kv_heads, head_dim, intermediate;
 };
 
+// A contiguous [B, *] matrix of one of `dtypes`, on the device of `tokens` (whose dimension 0 is B).
+inline void check_rows_matrix(const char* op, const char* name, const at::Tensor& t, const char* layout, int64_t B,
+                              std::initializer_list<at::ScalarType> dtypes, const at::Tensor& tokens) {
+  check_rank(op, name, t, 2, layout);
+  check_size(op, name, t, 0, B, "B (tokens dimension 0)");
+  check_dtype(op, name, t, dtypes);
+  check_contiguous(op, name, t);
+  check_same_device(op, name, t, tokens, "tokens");
+}
+
 inline void check_index_column(const char* op, const char* name, const at::Tensor& t, int64_t rows,
                                const char* what) {
   check_rank(op, name, t, 1, "[B]");
@@ -427,11 +438,7 @@ inline void check_feed(const ChainRows& rows, int64_t B, const at::Tensor& token
   constexpr const char* op = "greedy_chain";
   const at::Tensor& feed = *rows.feed;
   const at::Tensor& feed_counts = *rows.feed_counts;
-  check_rank(op, "feed", feed, 2, "[B, W]");
-  check_size(op, "feed", feed, 0, B, "B (tokens dimension 0)");
-  check_dtype(op, "feed", feed, {at::kLong});
-  check_contiguous(op, "feed", feed);
-  check_same_device(op, "feed", feed, tokens, "tokens");
+  check_rows_matrix(op, "feed", feed, "[B, W]", B, {at::kLong}, tokens);
   const int64_t W = feed.size(1);
   TORCH_CHECK(W > 0, op, ": feed must hold at least one column, got ", shape_str(feed.sizes()));
   check_index_column(op, "feed_counts", feed_counts, B, "B (tokens dimension 0)");
@@ -494,6 +501,63 @@ inline void check_greedy_chain(const at::Tensor& tokens, int64_t steps, const Ll
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(given[b * n] >= 0 && given[b * n] < embed.size(0), op, ": tokens[", b, ", 0] = ", given[b * n],
                 " is outside the embedding's [0, ", embed.size(0), ")");
+}
+
+// eagle_chain (EAGLE-3's greedy chain): the layer's q, k, v read 2d wide ([embedding; features]), its
+// residual stream and the head d wide; `eagle` = [hidden_norm [d], target_ids [V_d] int64 in [0, V_in)].
+// Returns (B, steps capacity-checked).
+inline void check_eagle_chain(const at::Tensor& tokens, int64_t steps, const at::Tensor& last,
+                              const LlamaModelView& model, at::TensorList eagle, c10::ArrayRef<double> eagle_scalars,
+                              const RopeCache& state, const at::Tensor& start) {
+  constexpr const char* op = "eagle_chain";
+  TORCH_CHECK(model.layers.size() == 1, op, ": weights must hold one layer (the EAGLE-3 layer), got ",
+              model.layers.size());
+  TORCH_CHECK(eagle.size() == 2, op, ": eagle must hold [hidden_norm, target_ids], got ", eagle.size(), " tensors");
+  TORCH_CHECK(eagle_scalars.size() == 2, op, ": eagle_scalars must hold [hidden_norm_eps, norm_before_residual], got ",
+              eagle_scalars.size());
+  check_rank(op, "tokens", tokens, 2, "[B, n]");
+  check_dtype(op, "tokens", tokens, {at::kLong});
+  check_contiguous(op, "tokens", tokens);
+  const int64_t B = tokens.size(0), n = tokens.size(1);
+  TORCH_CHECK(B > 0 && n > 0, op, ": tokens must hold at least one row and one column, got ",
+              shape_str(tokens.sizes()));
+  TORCH_CHECK(steps >= 1 && steps <= n, op, ": steps must be in [1, n] = [1, ", n, "], got ", steps);
+  check_rows_matrix(op, "last", last, "[B, d]", B, {at::kFloat}, tokens);
+  const int64_t d = last.size(1);
+  const at::Tensor& embed = model.embed;
+  check_rank(op, "embed", embed, 2, "[V_in, d]");
+  check_size(op, "embed", embed, 1, d, "d (last dimension 1)");
+  check_dtype(op, "embed", embed, {at::kFloat, at::kBFloat16, at::kHalf});
+  check_contiguous(op, "embed", embed);
+  const LlamaLayerView& w = model.layers[0];
+  check_float_vector(op, "input_norm", w.input_norm, d, last, "d (last dimension 1)");
+  check_float_vector(op, "hidden_norm", eagle[0], d, last, "d (last dimension 1)");
+  check_rank(op, "q", w.q.weight, 2, "[H*D, 2d]");
+  check_size(op, "q", w.q.weight, 1, 2 * d, "2d: the layer reads [embedding; features]");
+  check_rank(op, "gate", w.gate.weight, 2, "[I, d]");
+  check_float_vector(op, "norm", model.norm, d, last, "d (last dimension 1)");
+  check_rank(op, "head", model.head.weight, 2, "[V_d, d]");
+  check_size(op, "head", model.head.weight, 1, d, "d (last dimension 1)");
+  const at::Tensor& target_ids = eagle[1];
+  check_index_column(op, "target_ids", target_ids, model.head.weight.size(0), "V_d (head dimension 0)");
+  const int64_t* ids = target_ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < target_ids.numel(); ++i)
+    TORCH_CHECK(ids[i] >= 0 && ids[i] < embed.size(0), op, ": target_ids[", i, "] = ", ids[i],
+                " is outside the embedding's [0, ", embed.size(0), ")");
+  const at::Tensor& k_cache = state.k_cache;
+  check_rank(op, "k_cache", k_cache, 5, "[1, Bc, Hk, capacity, D]");
+  check_size(op, "k_cache", k_cache, 0, 1, "one layer");
+  TORCH_CHECK(state.v_cache.sizes() == k_cache.sizes(), op, ": v_cache must have the shape of k_cache ",
+              shape_str(k_cache.sizes()), ", got ", shape_str(state.v_cache.sizes()));
+  TORCH_CHECK(k_cache.size(1) >= B, op, ": the cache holds ", k_cache.size(1), " rows, fewer than B = ", B);
+  check_index_column(op, "start", start, B, "B (tokens dimension 0)");
+  // Every slot the chain writes (start[b] .. start[b] + steps - 2) checked before the first pass.
+  const int64_t limit = std::min(k_cache.size(3), state.cos.size(0));
+  const int64_t* first = start.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(first[b] >= 0 && first[b] + steps - 1 <= limit, op, ": start[", b, "] = ", first[b],
+                " must be in [0, ", limit - steps + 1, "] (the chain writes ", steps - 1, " slots from start; the cache "
+                "and the rotary tables hold ", limit, ")");
 }
 
 }  // namespace specdec

@@ -3,6 +3,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
@@ -192,19 +193,48 @@ OptionalTensors biases_of(std::initializer_list<const Projection*> projections) 
   return out;
 }
 
+// The activations of one layer pass over B blocks of T tokens (M = B * T), allocated once per call.
+struct LayerScratch {
+  at::Tensor q, k, v, attended, act;         // [M, H*D], [M, Hk*D] x 2, [M, H*D], [M, I] fp32
+  at::Tensor q_heads, k_heads, v_heads;      // [M, H, D], [M, Hk, D] x 2 (views)
+  at::Tensor q_blocks, attended_blocks;      // [B, T, H, D] (views)
+
+  LayerScratch(int64_t B, int64_t T, int64_t H, int64_t Hk, int64_t D, int64_t I, const at::TensorOptions& f32)
+      : q(at::empty({B * T, H * D}, f32)), k(at::empty({B * T, Hk * D}, f32)), v(at::empty({B * T, Hk * D}, f32)),
+        attended(at::empty({B * T, H * D}, f32)), act(at::empty({B * T, I}, f32)),
+        q_heads(q.view({B * T, H, D})), k_heads(k.view({B * T, Hk, D})), v_heads(v.view({B * T, Hk, D})),
+        q_blocks(q.view({B, T, H, D})), attended_blocks(attended.view({B, T, H, D})) {}
+};
+
+// One decoder layer over the residual stream x [M, d]: q, k, v of qkv_input (RMSNorm'd by qkv_norm when
+// given), rotary + cache write, attention, x += o(.), x += down(SwiGLU(gate, up of RMSNorm(x))). A Llama
+// layer reads x itself (qkv_input = x, qkv_norm = input_norm); EAGLE-3's reads the token's embedding beside
+// the features (eagle_chain). rows: each block's cache row.
+void layer_pass(Isa isa, const at::Tensor& qkv_input, const c10::optional<at::Tensor>& qkv_norm, double qkv_norm_eps,
+                at::Tensor& x, const LlamaLayerView& w, double scale, const at::Tensor& cos, const at::Tensor& sin,
+                at::Tensor& k_layer, at::Tensor& v_layer, const PassLayout& pass, const int64_t* rows,
+                LayerScratch& s, bool bf16_activations, bool weights_cached) {
+  static const std::string store = "store", add = "add", swiglu = "swiglu";
+  linear_on(isa, qkv_input, qkv_norm, qkv_norm_eps, {w.q.weight, w.k.weight, w.v.weight},
+            biases_of({&w.q, &w.k, &w.v}), store, bf16_activations, {s.q, s.k, s.v}, weights_cached);
+  rope_cache_write(s.q_heads, s.k_heads, s.v_heads, cos, sin, pass.positions, pass.cache_rows, pass.cache_positions,
+                   k_layer, v_layer);
+  attend(isa, s.q_blocks, k_layer, v_layer, pass.start, pass.visible, scale, s.attended_blocks, rows);
+  linear_on(isa, s.attended, c10::nullopt, 0.0, {w.o.weight}, biases_of({&w.o}), add, bf16_activations, {x},
+            weights_cached);
+  linear_on(isa, x, w.post_norm, w.post_norm_eps, {w.gate.weight, w.up.weight}, biases_of({&w.gate, &w.up}), swiglu,
+            bf16_activations, {s.act}, weights_cached);
+  linear_on(isa, s.act, c10::nullopt, 0.0, {w.down.weight}, biases_of({&w.down}), add, bf16_activations, {x},
+            weights_cached);
+}
+
 // One call for the whole stack: the per-op Python dispatch (some 5 us a call, 37 calls a pass for a
 // 6-layer model) cost more than a draft model's kernels. weights_cached: see gemm_tiles.
 void decoder_layers_on(at::Tensor& x, const LlamaModelView& model, bool bf16_activations, const RopeCache& state,
                        const PassLayout& pass, bool weights_cached) {
   const DecoderLayersShape s = check_decoder_layers(x, model, state, pass);
-  const int64_t M = x.size(0), HD = s.heads * s.head_dim, HkD = s.kv_heads * s.head_dim;
-  const auto f32 = x.options();
-  at::Tensor q = at::empty({M, HD}, f32), k = at::empty({M, HkD}, f32), v = at::empty({M, HkD}, f32);
-  at::Tensor attended = at::empty({M, HD}, f32), act = at::empty({M, s.intermediate}, f32);
-  at::Tensor q_heads = q.view({M, s.heads, s.head_dim});
-  const at::Tensor k_heads = k.view({M, s.kv_heads, s.head_dim}), v_heads = v.view({M, s.kv_heads, s.head_dim});
-  const at::Tensor q_blocks = q.view({s.batch, s.tokens, s.heads, s.head_dim});
-  at::Tensor attended_blocks = attended.view({s.batch, s.tokens, s.heads, s.head_dim});
+  const int64_t M = x.size(0);
+  LayerScratch scratch(s.batch, s.tokens, s.heads, s.kv_heads, s.head_dim, s.intermediate, x.options());
   // Every index checked before the first layer writes anything (the per-op checks repeat them per layer).
   constexpr const char* op = "decoder_layers";
   const at::Tensor& k_cache = state.k_cache;
@@ -219,22 +249,12 @@ void decoder_layers_on(at::Tensor& x, const LlamaModelView& model, bool bf16_act
                 " must be in [0, capacity - T] = [0, ", k_cache.size(3) - s.tokens, "]");
   std::vector<int64_t> rows(s.batch);
   for (int64_t b = 0; b < s.batch; ++b) rows[b] = pass.cache_rows.data_ptr<int64_t>()[b * s.tokens];
-  const std::string store = "store", add = "add", swiglu = "swiglu";
   const Isa isa = isa_or_throw();
   for (int64_t l = 0; l < s.layers; ++l) {
     const LlamaLayerView& w = model.layers[l];
     at::Tensor k_layer = k_cache.select(0, l), v_layer = state.v_cache.select(0, l);
-    linear_on(isa, x, w.input_norm, w.input_norm_eps, {w.q.weight, w.k.weight, w.v.weight},
-              biases_of({&w.q, &w.k, &w.v}), store, bf16_activations, {q, k, v}, weights_cached);
-    rope_cache_write(q_heads, k_heads, v_heads, state.cos, state.sin, pass.positions, pass.cache_rows,
-                     pass.cache_positions, k_layer, v_layer);
-    attend(isa, q_blocks, k_layer, v_layer, pass.start, pass.visible, model.scale, attended_blocks, rows.data());
-    linear_on(isa, attended, c10::nullopt, 0.0, {w.o.weight}, biases_of({&w.o}), add, bf16_activations, {x},
-              weights_cached);
-    linear_on(isa, x, w.post_norm, w.post_norm_eps, {w.gate.weight, w.up.weight}, biases_of({&w.gate, &w.up}), swiglu,
-              bf16_activations, {act}, weights_cached);
-    linear_on(isa, act, c10::nullopt, 0.0, {w.down.weight}, biases_of({&w.down}), add, bf16_activations, {x},
-              weights_cached);
+    layer_pass(isa, x, w.input_norm, w.input_norm_eps, x, w, model.scale, state.cos, state.sin, k_layer, v_layer,
+               pass, rows.data(), scratch, bf16_activations, weights_cached);
   }
 }
 
@@ -380,6 +400,75 @@ void greedy_chain(at::Tensor& tokens, int64_t steps, const OptionalTensors& weig
   }
 }
 
+// rows x [M, d] -> out (row stride out_stride): x * rsqrt(mean(x^2) + eps) * weight, in fp32.
+void rms_rows(const float* x, int64_t M, int64_t d, const at::Tensor& weight, double eps, float* out,
+              int64_t out_stride) {
+  const at::Tensor w32 = weight.to(at::kFloat).contiguous();
+  const float* w = w32.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = x + m * d;
+    float squares = 0.0f;
+    for (int64_t k = 0; k < d; ++k) squares += row[k] * row[k];
+    const float scale = 1.0f / std::sqrt(squares / static_cast<float>(d) + static_cast<float>(eps));
+    for (int64_t k = 0; k < d; ++k) out[m * out_stride + k] = row[k] * scale * w[k];
+  }
+}
+
+// EAGLE-3's greedy chain in one call (specdec_ext/eagle/kernels.py): the Python of a chain step (some 25
+// torch calls around the head's matrices) cost as much as the matrices. Step i: the head (final norm,
+// lm_head) of the layer output `out` gives draft id argmax, tokens[:, i] = target_ids[it]; then, before the
+// next step, the layer pass of that token at slot start[b] + i: q, k, v of [input_norm(embed(token));
+// hidden_norm(out)], the residual stream hidden_norm(out) or out (norm_before_residual), the rest a Llama
+// layer's. The keys and values of the fed tokens are in the cache afterwards.
+void eagle_chain(at::Tensor& tokens, int64_t steps, const at::Tensor& last, const OptionalTensors& weights,
+                 at::ArrayRef<double> scalars, at::TensorList eagle, at::ArrayRef<double> eagle_scalars,
+                 at::TensorList rope, at::TensorList cache, const at::Tensor& start) {
+  constexpr const char* op = "eagle_chain";
+  const LlamaModelView model = llama_model_view(op, weights, scalars);
+  const RopeCache state = rope_cache(op, rope, cache);
+  check_eagle_chain(tokens, steps, last, model, eagle, eagle_scalars, state, start);
+  const LlamaLayerView& w = model.layers[0];
+  const at::Tensor& hidden_norm = eagle[0];
+  const double hidden_norm_eps = eagle_scalars[0];
+  const bool norm_before_residual = eagle_scalars[1] != 0.0;
+  const int64_t* target_ids = eagle[1].data_ptr<int64_t>();
+  const int64_t B = tokens.size(0), n = tokens.size(1), d = last.size(1), Vd = model.head.weight.size(0);
+  const int64_t Hk = state.k_cache.size(2), D = state.k_cache.size(4), H = w.q.weight.size(0) / D;
+  const auto f32 = last.options();
+  at::Tensor out = last.clone();                  // [B, d] the layer's output, then its residual stream
+  at::Tensor features = at::empty({B, 2 * d}, f32);  // [B, 2d] the layer's q, k, v input
+  at::Tensor embedded = at::empty({B, d}, f32);
+  at::Tensor logits = at::empty({B, Vd}, f32);
+  at::Tensor slots = at::empty({B}, start.options()), cache_rows = at::arange(B, start.options());
+  LayerScratch scratch(B, 1, H, Hk, D, w.gate.weight.size(0), f32);
+  at::Tensor k_layer = state.k_cache.select(0, 0), v_layer = state.v_cache.select(0, 0);
+  const OptionalTensors head_bias = biases_of({&model.head});
+  int64_t bytes = static_cast<int64_t>(model.head.weight.nbytes());
+  for (const at::Tensor* t : {&w.q.weight, &w.k.weight, &w.v.weight, &w.o.weight, &w.gate.weight, &w.up.weight,
+                              &w.down.weight})
+    bytes += static_cast<int64_t>(t->nbytes());
+  const bool cached = bytes <= kCachedModelBytes;
+  const Isa isa = isa_or_throw();
+  int64_t* token = tokens.data_ptr<int64_t>();
+  const int64_t* first = start.data_ptr<int64_t>();
+  float* x = features.data_ptr<float>();
+  for (int64_t i = 0; i < steps; ++i) {
+    linear_on(isa, out, model.norm, model.norm_eps, {model.head.weight}, head_bias, "store", false, {logits}, cached);
+    for (int64_t b = 0; b < B; ++b)
+      token[b * n + i] = target_ids[argmax_row(logits.data_ptr<float>() + b * Vd, Vd)];
+    if (i + 1 == steps) break;
+    for (int64_t b = 0; b < B; ++b) {
+      embed_rows(model.embed, token + b * n + i, 1, embedded.data_ptr<float>() + b * d);
+      slots.data_ptr<int64_t>()[b] = first[b] + i;
+    }
+    rms_rows(embedded.data_ptr<float>(), B, d, w.input_norm, w.input_norm_eps, x, 2 * d);
+    rms_rows(out.data_ptr<float>(), B, d, hidden_norm, hidden_norm_eps, x + d, 2 * d);
+    if (norm_before_residual) out.copy_(features.narrow(1, d, d));
+    layer_pass(isa, features, c10::nullopt, 0.0, out, w, model.scale, state.cos, state.sin, k_layer, v_layer,
+               {slots, cache_rows, slots, slots, c10::nullopt}, cache_rows.data_ptr<int64_t>(), scratch, false, cached);
+  }
+}
+
 std::string cpu_isa() { return isa_name(isa_or_throw()); }
 
 }  // namespace
@@ -390,6 +479,7 @@ TORCH_LIBRARY_IMPL(specdec_ext, CPU, m) {
   m.impl("cache_attention", &cache_attention);
   m.impl("decoder_layers", &decoder_layers);
   m.impl("greedy_chain", &greedy_chain);
+  m.impl("eagle_chain", &eagle_chain);
 }
 
 TORCH_LIBRARY_IMPL(specdec_ext, CompositeExplicitAutograd, m) { m.impl("cpu_isa", &cpu_isa); }

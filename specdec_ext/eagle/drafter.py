@@ -215,13 +215,12 @@ class EagleDrafter(Drafter):
         fed = self.fed[:B]
         out = self.last[:B]
         with torch.no_grad():
-            for i in range(steps):
+            if greedy and steps >= 1:
+                self.head.greedy_chain(self.token_ids[:B], steps, out, fed, self.cache, span=self._span)
+            for i in range(0 if greedy else steps):
+                # q is 0 off the draft vocabulary
                 logits = self.head.head(out)  # [B, V_d]
-                if greedy:
-                    token = self.head.target_ids[logits.argmax(-1)]
-                else:
-                    # q is 0 off the draft vocabulary
-                    token = sample_draft(self.head.to_target_logits(logits), meta, uniforms[i], self.probs[:B, i])
+                token = sample_draft(self.head.to_target_logits(logits), meta, uniforms[i], self.probs[:B, i])
                 self.token_ids[:B, i].copy_(token)
                 if i + 1 < steps:  # the drafted token with the layer's own output, at slot fed + i
                     out = self.head.block(token[:, None], out[:, None], fed + i, self.cache, span=self._span)[:, 0]

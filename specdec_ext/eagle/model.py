@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..runners.taps import default_tap_layers
-from .kernels import kernel_block, kernel_fuse, kernel_head, kernels_apply
+from .kernels import kernel_block, kernel_fuse, kernel_greedy_chain, kernel_head, kernels_apply
 
 __all__ = ["EagleConfig", "Eagle3Model", "EagleKV", "NUM_FEATURES"]
 
@@ -278,6 +278,23 @@ class Eagle3Model(nn.Module):
         return self.step(tokens, g, positions, cache, positions, visible)
 
     # ------------------------------------------------------------------ over a cache
+    def greedy_chain(self, tokens: torch.Tensor, steps: int, last: torch.Tensor, start: torch.Tensor, cache: EagleKV,
+                     span: Optional[int] = None) -> torch.Tensor:
+        """A greedy draft chain: tokens[:, i] (target ids) = the argmax of the head over the layer's output,
+        starting from ``last`` [B, h] (the output at each row's last fed position); each token but the last
+        is fed with that output at slot start[b] + i ([B] int64), as trained. On the CPU kernels in one call
+        where they apply (``eagle_chain``), else ``head`` and ``block`` step by step (``span`` as ``block``'s).
+        tokens [B, n] int64 (n >= steps), written; returns it."""
+        if kernels_apply(self):
+            return kernel_greedy_chain(self, tokens, steps, last, start, cache)
+        out = last
+        for i in range(steps):
+            token = self.target_ids[self.head(out).argmax(-1)]  # [B]
+            tokens[:, i].copy_(token)
+            if i + 1 < steps:  # the drafted token with the layer's own output, at slot start + i
+                out = self.block(token[:, None], out[:, None], start + i, cache, span=span)[:, 0]
+        return tokens
+
     def step(self, tokens: torch.Tensor, g: torch.Tensor, positions: torch.Tensor, cache: EagleKV,
              slots: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
         """One pass over T tokens per row against ``cache``: tokens [B, T], features g [B, T, h], rotary

@@ -26,12 +26,14 @@ from .. import _C  # noqa: F401  (loads the library: registers torch.ops.specdec
 EPILOGUES = ("store", "add", "swiglu")
 # The ops of this module: registered for CPU only (a CUDA build has no kernel for them, by design;
 # tools/cuda_compile_check.sh requires a CUDA kernel for every other op).
-CPU_ONLY_OPS = ("cache_attention", "cpu_isa", "decoder_layers", "fused_linear", "greedy_chain", "rope_cache_write")
+CPU_ONLY_OPS = ("cache_attention", "cpu_isa", "decoder_layers", "eagle_chain", "fused_linear", "greedy_chain",
+                "rope_cache_write")
 
 # Bound once: the runner calls these at every pass (an attribute walk through torch.ops costs a little each time).
 _FUSED_LINEAR = torch.ops.specdec_ext.fused_linear.default
 _DECODER_LAYERS = torch.ops.specdec_ext.decoder_layers.default
 _GREEDY_CHAIN = torch.ops.specdec_ext.greedy_chain.default
+_EAGLE_CHAIN = torch.ops.specdec_ext.eagle_chain.default
 
 
 @dataclass(frozen=True, eq=False)
@@ -409,6 +411,77 @@ def greedy_chain(
     return tokens
 
 
+@dataclass(frozen=True, eq=False)
+class EagleLayerExtras:
+    """What an EAGLE-3 layer adds to a Llama layer (``eagle_chain``): the features' RMSNorm, where the
+    residual stream starts, and the target id of each draft id. Shapes: hidden_norm [d]; target_ids [V_d]
+    int64."""
+
+    hidden_norm: torch.Tensor
+    hidden_norm_eps: float
+    norm_before_residual: bool  # the residual stream is hidden_norm(features), not the features
+    target_ids: torch.Tensor
+
+
+def eagle_chain(
+    tokens: torch.Tensor,
+    steps: int,
+    last: torch.Tensor,
+    weights: LlamaWeights,
+    extras: EagleLayerExtras,
+    rope: Sequence[torch.Tensor],
+    cache: Sequence[torch.Tensor],
+    start: torch.Tensor,
+) -> torch.Tensor:
+    """EAGLE-3's greedy draft chain in one call (specdec_ext/eagle): for i = 0 .. steps - 1, the head (the
+    final norm and lm_head of ``weights``) of the layer output gives tokens[:, i] = target_ids[argmax]; before
+    the next step, the layer pass of that token at slot (and rotary position) start[b] + i: q, k, v of
+    [input_norm(embed(token)); hidden_norm(out)], the residual stream hidden_norm(out) when
+    ``extras.norm_before_residual`` else out, then the Llama layer's attention, o, SwiGLU MLP. What
+    eagle/kernels.py's ``kernel_head`` / ``kernel_block`` and ``torch.argmax`` give one step at a time, up to
+    the RMSNorms' rounding (computed here in one fp32 loop per row, there by torch). The fed tokens' keys
+    and values are in the cache afterwards.
+
+    Parameters
+    ----------
+    tokens : torch.Tensor
+        int64, contiguous; columns 0 .. steps - 1 written.
+        Shape: [B, n]
+    steps : int
+        Draft tokens per row, 1 <= steps <= n (steps - 1 layer passes).
+    last : torch.Tensor
+        The layer's output at each row's last fed position, fp32 contiguous.
+        Shape: [B, d]
+    weights : LlamaWeights
+        One layer: its q, k, v read 2d ([embedding; features]) and its input_norm normalises the embedding
+        half; embed (the token embedding, fp32 / bf16 / fp16), norm and head (lm_head over the draft
+        vocabulary) as ``greedy_chain``'s.
+        Shape: q [H*D, 2d], head [V_d, d]
+    extras : EagleLayerExtras
+        The features' RMSNorm, ``norm_before_residual`` and the draft vocabulary's target ids.
+        Shape: hidden_norm [d], target_ids [V_d]
+    rope : sequence of torch.Tensor
+        [cos, sin], as ``rope_cache_write``.
+        Shape: [P, D/2]
+    cache : sequence of torch.Tensor
+        [k_cache, v_cache] of the layer, written in place (start[b] + steps - 1 <= min(capacity, P)).
+        Shape: [1, Bc, Hk, capacity, D]
+    start : torch.Tensor
+        int64: each row's first chain slot (its fed length); row b uses cache row b.
+        Shape: [B]
+
+    Returns
+    -------
+    torch.Tensor
+        ``tokens``.
+        Shape: [B, n]
+    """
+    tensors, scalars = weights.flat()
+    _EAGLE_CHAIN(tokens, steps, last, tensors, scalars, [extras.hidden_norm, extras.target_ids],
+                 [float(extras.hidden_norm_eps), float(bool(extras.norm_before_residual))], rope, cache, start)
+    return tokens
+
+
 def cpu_isa() -> str:
     """The instruction-set path the CPU forward kernels take now: ``"avx512bf16"``, ``"avx2"``,
     ``"neon"`` or ``"portable"`` (``SPECDEC_CPU_ISA`` when set, else the best this CPU runs)."""
@@ -439,4 +512,9 @@ def _decoder_layers_fake(x, weights, scalars, bf16_activations, rope, cache, lay
 @torch.library.register_fake("specdec_ext::greedy_chain")
 def _greedy_chain_fake(tokens, steps, weights, scalars, bf16_activations, rope, cache, rows, vocab_limit,
                        check_logits=False):
+    return None
+
+
+@torch.library.register_fake("specdec_ext::eagle_chain")
+def _eagle_chain_fake(tokens, steps, last, weights, scalars, eagle, eagle_scalars, rope, cache, start):
     return None
