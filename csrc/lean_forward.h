@@ -508,7 +508,7 @@ inline void check_greedy_chain(const at::Tensor& tokens, int64_t steps, const Ll
 // Returns (B, steps capacity-checked).
 inline void check_eagle_chain(const at::Tensor& tokens, int64_t steps, const at::Tensor& last,
                               const LlamaModelView& model, at::TensorList eagle, c10::ArrayRef<double> eagle_scalars,
-                              const RopeCache& state, const at::Tensor& start) {
+                              const RopeCache& state, const at::Tensor& start, at::TensorList feed) {
   constexpr const char* op = "eagle_chain";
   TORCH_CHECK(model.layers.size() == 1, op, ": weights must hold one layer (the EAGLE-3 layer), got ",
               model.layers.size());
@@ -551,13 +551,42 @@ inline void check_eagle_chain(const at::Tensor& tokens, int64_t steps, const at:
               shape_str(k_cache.sizes()), ", got ", shape_str(state.v_cache.sizes()));
   TORCH_CHECK(k_cache.size(1) >= B, op, ": the cache holds ", k_cache.size(1), " rows, fewer than B = ", B);
   check_index_column(op, "start", start, B, "B (tokens dimension 0)");
-  // Every slot the chain writes (start[b] .. start[b] + steps - 2) checked before the first pass.
+  TORCH_CHECK(feed.empty() || feed.size() == 3, op, ": feed must be empty or hold [tokens, features, counts], got ",
+              feed.size(), " tensors");
+  const int64_t W = feed.empty() ? 0 : feed[0].size(-1);
+  const int64_t* counts = nullptr;
+  if (!feed.empty()) {
+    check_rows_matrix(op, "feed tokens", feed[0], "[B, W]", B, {at::kLong}, tokens);
+    TORCH_CHECK(W > 0, op, ": the feed must hold at least one column, got ", shape_str(feed[0].sizes()));
+    const int64_t* fed = feed[0].data_ptr<int64_t>();
+    for (int64_t i = 0; i < B * W; ++i)
+      TORCH_CHECK(fed[i] >= 0 && fed[i] < embed.size(0), op, ": feed tokens[", i / W, ", ", i % W, "] = ", fed[i],
+                  " is outside the embedding's [0, ", embed.size(0), ")");
+    check_rank(op, "feed features", feed[1], 3, "[B, W, d]");
+    TORCH_CHECK(feed[1].size(0) == B && feed[1].size(1) == W && feed[1].size(2) == d, op,
+                ": feed features must have shape [B, W, d] = [", B, ", ", W, ", ", d, "], got ",
+                shape_str(feed[1].sizes()));
+    check_dtype(op, "feed features", feed[1], {at::kFloat});
+    check_contiguous(op, "feed features", feed[1]);
+    check_index_column(op, "feed counts", feed[2], B, "B (tokens dimension 0)");
+    counts = feed[2].data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b)
+      TORCH_CHECK(counts[b] >= 0 && counts[b] <= W, op, ": feed counts[", b, "] = ", counts[b], " must be in [0, W] = [0, ",
+                  W, "]");
+  }
+  // Every slot the feed and the chain write (start[b] .. start[b] + W - 1, then start[b] + count ..
+  // start[b] + count + steps - 2) checked before the first pass.
   const int64_t limit = std::min(k_cache.size(3), state.cos.size(0));
   const int64_t* first = start.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b)
-    TORCH_CHECK(first[b] >= 0 && first[b] + steps - 1 <= limit, op, ": start[", b, "] = ", first[b],
-                " must be in [0, ", limit - steps + 1, "] (the chain writes ", steps - 1, " slots from start; the cache "
-                "and the rotary tables hold ", limit, ")");
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(first[b] >= 0 && first[b] + W <= limit, op, ": start[", b, "] = ", first[b], " must be in [0, ",
+                limit - W, "] (the feed writes its W = ", W, " columns from start; the cache and the rotary tables "
+                "hold ", limit, ")");
+    const int64_t chain = first[b] + (counts == nullptr ? 0 : counts[b]);
+    TORCH_CHECK(chain + steps - 1 <= limit, op, ": start[", b, "] = ", chain, counts == nullptr ? "" :
+                " (with its feed count)", " must be in [0, ", limit - steps + 1, "] (the chain writes ", steps - 1,
+                " slots from start; the cache and the rotary tables hold ", limit, ")");
+  }
 }
 
 }  // namespace specdec

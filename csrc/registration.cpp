@@ -45,9 +45,11 @@ TORCH_LIBRARY(specdec_ext, m) {
         "Tensor[] rope, Tensor(b!)[] cache, Tensor[] rows, int vocab_limit, bool check_logits=False) -> ()");
   // EAGLE-3's greedy chain: `weights` / `scalars` a one-layer model whose q, k, v read 2d (the layer's
   // input_norm normalises the embedding half), eagle = [hidden_norm, target_ids], eagle_scalars =
-  // [hidden_norm_eps, norm_before_residual]; cache = [k_cache, v_cache] [1, Bc, Hk, capacity, D].
-  m.def("eagle_chain(Tensor(a!) tokens, int steps, Tensor last, Tensor?[] weights, float[] scalars, Tensor[] eagle, "
-        "float[] eagle_scalars, Tensor[] rope, Tensor(b!)[] cache, Tensor start) -> ()");
+  // [hidden_norm_eps, norm_before_residual]; cache = [k_cache, v_cache] [1, Bc, Hk, capacity, D];
+  // feed = [] or [tokens [B, W], features [B, W, d], counts [B]] (a block fed first; last then written).
+  m.def("eagle_chain(Tensor(a!) tokens, int steps, Tensor(c!) last, Tensor?[] weights, float[] scalars, "
+        "Tensor[] eagle, float[] eagle_scalars, Tensor[] rope, Tensor(b!)[] cache, Tensor start, "
+        "Tensor[] feed) -> ()");
   // The OpenAI sampling surface in place on a verification pass's logits [B, P, V]: logit bias,
   // repetition / frequency / presence penalties counting each column's draft prefix, a grammar
   // bitmask, min_p (csrc/logits_processing.h).

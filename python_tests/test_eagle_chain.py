@@ -2,8 +2,9 @@
 equals the head and layer passes it replaces, step by step on the same kernels (``kernel_head``,
 ``kernel_block``, torch.argmax, the d2t map): the same tokens and the same cache up to the RMSNorms'
 rounding, on every instruction-set path, fp32 and bf16 kernel weights, biases, norm_before_residual, rows
-at different slots; a NumPy float64 reference of one chain; errors named before anything is written;
-opcheck; and the drafter's greedy chains take it (no layer pass of their own)."""
+at different slots, with and without a feed of the target's features first; a NumPy float64 reference of
+one chain; errors named before anything is written; opcheck; and the drafter's greedy steps take it (no
+layer pass of their own)."""
 from __future__ import annotations
 
 import numpy as np
@@ -138,12 +139,46 @@ def test_a_chain_equals_a_numpy_float64_reference(target):
     np.testing.assert_allclose(cache.v[0].double().numpy(), v_cache, rtol=1e-4, atol=1e-4)
 
 
-def _op_args(head, tokens, steps, last, start, cache):
+def _op_args(head, tokens, steps, last, start, cache, feed=()):
     layer = head.midlayer
     tensors, scalars = kernels._chain_weights(head).flat()
     cos, sin = kernels._rope(head, cache.capacity)
     return (tokens, steps, last, tensors, scalars, [layer.hidden_norm.weight, head.target_ids.contiguous()],
-            [layer.hidden_norm.eps, 0.0], [cos, sin], [cache.k[None], cache.v[None]], start)
+            [layer.hidden_norm.eps, 0.0], [cos, sin], [cache.k[None], cache.v[None]], start, list(feed))
+
+
+def _feed(head, rows=3, width=4, counts=(4, 2, 0), seed=3):
+    """A feed block: tokens [B, W], features [B, W, h], counts [B] (a row with nothing to feed)."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, head.config.vocab_size, (rows, width), generator=g)
+    features = torch.randn((rows, width, head.config.hidden_size), generator=g)
+    return tokens, features, torch.tensor(counts[:rows])
+
+
+@pytest.mark.parametrize("overrides", [{}, dict(norm_before_residual=True)])
+def test_a_feed_then_the_chain_equals_the_feed_pass_and_the_steps(target, overrides, monkeypatch):
+    """With a feed the op first runs the layer over each row's block (what the drafter's feed runs with
+    kernel_block), takes each row's output at its last real column as ``last`` (a row with a count of 0
+    keeps its own) and starts its chain count slots later."""
+    head = random_head(target, draft_vocab=48, **overrides)
+    for isa in ISAS:
+        monkeypatch.setenv("SPECDEC_CPU_ISA", isa)
+        last, start, cache = _state(head)
+        tokens_f, features, counts = _feed(head)
+        reference_cache = _copy(cache)
+        out = kernels.kernel_block(head, tokens_f, features, start, reference_cache)  # [B, W, h]
+        rows = torch.arange(3)
+        expected_last = torch.where((counts > 0)[:, None], out[rows, (counts - 1).clamp(min=0)], last)
+        expected = _step_by_step(head, torch.zeros((3, 4), dtype=torch.int64), 4, expected_last, start + counts,
+                                 reference_cache)
+        tokens = torch.zeros((3, 4), dtype=torch.int64)
+        with torch.no_grad():
+            kernels.kernel_greedy_chain(head, tokens, 4, last, start, cache, feed=(tokens_f, features, counts))
+        assert torch.equal(tokens, expected), isa
+        torch.testing.assert_close(last, expected_last, rtol=1e-4, atol=1e-4)
+        assert torch.equal(last[2], _state(head)[0][2]), "a row with nothing fed keeps its last"
+        for name in ("k", "v"):
+            torch.testing.assert_close(getattr(cache, name), getattr(reference_cache, name), rtol=1e-4, atol=1e-4)
 
 
 def test_bad_input_is_named_before_anything_is_written(target):
@@ -155,7 +190,7 @@ def test_bad_input_is_named_before_anything_is_written(target):
 
     def call(**changes):
         args = dict(zip(("tokens", "steps", "last", "weights", "scalars", "eagle", "eagle_scalars", "rope",
-                         "cache", "start"), _op_args(head, tokens, 4, last, start, cache)))
+                         "cache", "start", "feed"), _op_args(head, tokens, 4, last, start, cache)))
         args.update(changes)
         op(*args.values())
 
@@ -163,6 +198,15 @@ def test_bad_input_is_named_before_anything_is_written(target):
         call(steps=5)
     with pytest.raises(RuntimeError, match=r"eagle_chain: start\[1\] = 62 must be in \[0, 61\]"):
         call(start=torch.tensor([0, 62, 0]))
+    tokens_f, features, counts = _feed(head)
+    with pytest.raises(RuntimeError, match=r"eagle_chain: feed counts\[0\] = 5 must be in \[0, W\] = \[0, 4\]"):
+        call(feed=[tokens_f, features, torch.tensor([5, 0, 0])])
+    with pytest.raises(RuntimeError, match=r"eagle_chain: start\[1\] = 61 must be in \[0, 60\] \(the feed writes"):
+        call(start=torch.tensor([0, 61, 0]), feed=[tokens_f, features, counts])
+    with pytest.raises(RuntimeError, match=r"eagle_chain: start\[0\] = 62 \(with its feed count\) must be in"):
+        call(start=torch.tensor([58, 0, 0]), feed=[tokens_f, features, counts])
+    with pytest.raises(RuntimeError, match=r"eagle_chain: feed features must have shape \[B, W, d\]"):
+        call(feed=[tokens_f, features[:, :3].contiguous(), counts])
     with pytest.raises(RuntimeError, match=r"eagle_chain: last dimension 0 must be B \(tokens dimension 0\) = 3, "
                                            r"got shape \[2, 64\]"):
         call(last=last[:2].contiguous())
@@ -175,6 +219,7 @@ def test_bad_input_is_named_before_anything_is_written(target):
     with pytest.raises(RuntimeError, match="eagle_chain: q dimension 1 must be 2d"):
         call(weights=tensors)
     assert torch.equal(cache.k, k_before) and torch.equal(tokens, torch.zeros((3, 4), dtype=torch.int64))
+    assert torch.equal(last, _state(head)[0])
 
 
 def test_eagle_chain_opcheck(target):
@@ -182,11 +227,13 @@ def test_eagle_chain_opcheck(target):
     last, start, cache = _state(head)
     tokens = torch.zeros((3, 4), dtype=torch.int64)
     torch.library.opcheck(torch.ops.specdec_ext.eagle_chain.default, _op_args(head, tokens, 4, last, start, cache))
+    torch.library.opcheck(torch.ops.specdec_ext.eagle_chain.default,
+                          _op_args(head, tokens, 4, last, start, cache, feed=_feed(head)))
 
 
 def test_the_drafters_greedy_chains_take_the_op(target, monkeypatch):
-    """Greedy generation with a head on the kernels runs each chain in one eagle_chain call: kernel_block
-    runs only for the features' feed (once per step), and the output is still plain greedy."""
+    """Greedy generation with a head on the kernels runs each step's feed and chain in one eagle_chain call
+    (no kernel_block of its own), and the output is still plain greedy."""
     head = random_head(target, draft_vocab=48)
     calls = {"chain": 0, "block": 0}
     chain, block = kernels.kernel_greedy_chain, kernels.kernel_block
@@ -197,9 +244,9 @@ def test_the_drafters_greedy_chains_take_the_op(target, monkeypatch):
             return fn(*args, **kwargs)
         return run
 
-    monkeypatch.setattr("specdec_ext.eagle.model.kernel_greedy_chain", count("chain", chain))
+    monkeypatch.setattr("specdec_ext.eagle.drafter.kernel_greedy_chain", count("chain", chain))
     monkeypatch.setattr("specdec_ext.eagle.model.kernel_block", count("block", block))
     prompt = [5, 17, 3, 44, 9, 12, 61]
     assert eagle_generate(target, head, [prompt], 16, k=4) == [hf_greedy(target, prompt, 16)]
-    assert calls["chain"] >= 4 and calls["block"] == calls["chain"]  # per step: the feed, then the chain
+    assert calls["chain"] >= 4 and calls["block"] == 0
     assert ops.CPU_ONLY_OPS.count("eagle_chain") == 1

@@ -414,56 +414,100 @@ void rms_rows(const float* x, int64_t M, int64_t d, const at::Tensor& weight, do
   }
 }
 
+// The EAGLE-3 layer's q, k, v input [M, 2d] = [input_norm(embed(tokens)); hidden_norm(g)] and its residual
+// stream [M, d] (hidden_norm(g) with norm_before_residual, else g), for M rows of features g [M, d].
+struct EagleInputs {
+  const LlamaModelView& model;
+  const at::Tensor& hidden_norm;
+  double hidden_norm_eps;
+  bool norm_before_residual;
+
+  void build(const int64_t* tokens, const float* g, int64_t M, at::Tensor& features, at::Tensor& residual,
+             at::Tensor& embedded) const {
+    const LlamaLayerView& w = model.layers[0];
+    const int64_t d = residual.size(1);
+    float* x = features.data_ptr<float>();
+    embed_rows(model.embed, tokens, M, embedded.data_ptr<float>());
+    rms_rows(embedded.data_ptr<float>(), M, d, w.input_norm, w.input_norm_eps, x, 2 * d);
+    rms_rows(g, M, d, hidden_norm, hidden_norm_eps, x + d, 2 * d);
+    if (norm_before_residual)
+      residual.copy_(features.narrow(1, d, d));
+    else if (residual.data_ptr<float>() != g)
+      std::copy_n(g, M * d, residual.data_ptr<float>());
+  }
+};
+
 // EAGLE-3's greedy chain in one call (specdec_ext/eagle/kernels.py): the Python of a chain step (some 25
-// torch calls around the head's matrices) cost as much as the matrices. Step i: the head (final norm,
-// lm_head) of the layer output `out` gives draft id argmax, tokens[:, i] = target_ids[it]; then, before the
-// next step, the layer pass of that token at slot start[b] + i: q, k, v of [input_norm(embed(token));
-// hidden_norm(out)], the residual stream hidden_norm(out) or out (norm_before_residual), the rest a Llama
-// layer's. The keys and values of the fed tokens are in the cache afterwards.
-void eagle_chain(at::Tensor& tokens, int64_t steps, const at::Tensor& last, const OptionalTensors& weights,
+// torch calls around the head's matrices) cost as much as the matrices. With a feed, first the layer pass
+// over each row's block of committed tokens and their features (feed = [tokens [B, W], features [B, W, d],
+// counts [B]] at slots start[b] .. start[b] + W - 1; a row's columns past its count are padding, written
+// past its tokens), last[b] := the output at its column counts[b] - 1 (rows with a count of 0 keep theirs),
+// and the chain starts at start[b] + counts[b]. Step i: the head (final norm, lm_head) of the layer output
+// gives draft id argmax, tokens[:, i] = target_ids[it]; then, before the next step, the layer pass of that
+// token at its slot: q, k, v of [input_norm(embed(token)); hidden_norm(out)], the residual stream
+// hidden_norm(out) or out (norm_before_residual), the rest a Llama layer's. The fed tokens' keys and
+// values are in the cache afterwards.
+void eagle_chain(at::Tensor& tokens, int64_t steps, at::Tensor& last, const OptionalTensors& weights,
                  at::ArrayRef<double> scalars, at::TensorList eagle, at::ArrayRef<double> eagle_scalars,
-                 at::TensorList rope, at::TensorList cache, const at::Tensor& start) {
+                 at::TensorList rope, at::TensorList cache, const at::Tensor& start, at::TensorList feed) {
   constexpr const char* op = "eagle_chain";
   const LlamaModelView model = llama_model_view(op, weights, scalars);
   const RopeCache state = rope_cache(op, rope, cache);
-  check_eagle_chain(tokens, steps, last, model, eagle, eagle_scalars, state, start);
+  check_eagle_chain(tokens, steps, last, model, eagle, eagle_scalars, state, start, feed);
   const LlamaLayerView& w = model.layers[0];
-  const at::Tensor& hidden_norm = eagle[0];
-  const double hidden_norm_eps = eagle_scalars[0];
-  const bool norm_before_residual = eagle_scalars[1] != 0.0;
+  const EagleInputs inputs{model, eagle[0], eagle_scalars[0], eagle_scalars[1] != 0.0};
   const int64_t* target_ids = eagle[1].data_ptr<int64_t>();
   const int64_t B = tokens.size(0), n = tokens.size(1), d = last.size(1), Vd = model.head.weight.size(0);
   const int64_t Hk = state.k_cache.size(2), D = state.k_cache.size(4), H = w.q.weight.size(0) / D;
+  const int64_t I = w.gate.weight.size(0);
   const auto f32 = last.options();
-  at::Tensor out = last.clone();                  // [B, d] the layer's output, then its residual stream
-  at::Tensor features = at::empty({B, 2 * d}, f32);  // [B, 2d] the layer's q, k, v input
-  at::Tensor embedded = at::empty({B, d}, f32);
-  at::Tensor logits = at::empty({B, Vd}, f32);
-  at::Tensor slots = at::empty({B}, start.options()), cache_rows = at::arange(B, start.options());
-  LayerScratch scratch(B, 1, H, Hk, D, w.gate.weight.size(0), f32);
   at::Tensor k_layer = state.k_cache.select(0, 0), v_layer = state.v_cache.select(0, 0);
-  const OptionalTensors head_bias = biases_of({&model.head});
   int64_t bytes = static_cast<int64_t>(model.head.weight.nbytes());
   for (const at::Tensor* t : {&w.q.weight, &w.k.weight, &w.v.weight, &w.o.weight, &w.gate.weight, &w.up.weight,
                               &w.down.weight})
     bytes += static_cast<int64_t>(t->nbytes());
   const bool cached = bytes <= kCachedModelBytes;
   const Isa isa = isa_or_throw();
+  at::Tensor cache_rows = at::arange(B, start.options());
+  std::vector<int64_t> chain_start(start.data_ptr<int64_t>(), start.data_ptr<int64_t>() + B);
+  if (!feed.empty()) {
+    const int64_t W = feed[0].size(1), M = B * W;
+    const int64_t* counts = feed[2].data_ptr<int64_t>();
+    at::Tensor features = at::empty({M, 2 * d}, f32), residual = at::empty({M, d}, f32);
+    at::Tensor embedded = at::empty({M, d}, f32);
+    inputs.build(feed[0].data_ptr<int64_t>(), feed[1].data_ptr<float>(), M, features, residual, embedded);
+    at::Tensor slots = at::empty({M}, start.options()), rows = at::empty({M}, start.options());
+    for (int64_t m = 0; m < M; ++m) {
+      slots.data_ptr<int64_t>()[m] = chain_start[m / W] + m % W;
+      rows.data_ptr<int64_t>()[m] = m / W;
+    }
+    LayerScratch scratch(B, W, H, Hk, D, I, f32);
+    layer_pass(isa, features, c10::nullopt, 0.0, residual, w, model.scale, state.cos, state.sin, k_layer, v_layer,
+               {slots, rows, slots, start, c10::nullopt}, cache_rows.data_ptr<int64_t>(), scratch, false, cached);
+    for (int64_t b = 0; b < B; ++b) {
+      if (counts[b] == 0) continue;
+      std::copy_n(residual.data_ptr<float>() + (b * W + counts[b] - 1) * d, d, last.data_ptr<float>() + b * d);
+      chain_start[b] += counts[b];
+    }
+  }
+  at::Tensor out = last.clone();                     // [B, d] the layer's output, then its residual stream
+  at::Tensor features = at::empty({B, 2 * d}, f32);  // [B, 2d] the layer's q, k, v input
+  at::Tensor embedded = at::empty({B, d}, f32);
+  at::Tensor logits = at::empty({B, Vd}, f32);
+  at::Tensor slots = at::empty({B}, start.options());
+  LayerScratch scratch(B, 1, H, Hk, D, I, f32);
+  const OptionalTensors head_bias = biases_of({&model.head});
   int64_t* token = tokens.data_ptr<int64_t>();
-  const int64_t* first = start.data_ptr<int64_t>();
-  float* x = features.data_ptr<float>();
+  std::vector<int64_t> fed(B);
   for (int64_t i = 0; i < steps; ++i) {
     linear_on(isa, out, model.norm, model.norm_eps, {model.head.weight}, head_bias, "store", false, {logits}, cached);
-    for (int64_t b = 0; b < B; ++b)
-      token[b * n + i] = target_ids[argmax_row(logits.data_ptr<float>() + b * Vd, Vd)];
-    if (i + 1 == steps) break;
     for (int64_t b = 0; b < B; ++b) {
-      embed_rows(model.embed, token + b * n + i, 1, embedded.data_ptr<float>() + b * d);
-      slots.data_ptr<int64_t>()[b] = first[b] + i;
+      token[b * n + i] = target_ids[argmax_row(logits.data_ptr<float>() + b * Vd, Vd)];
+      fed[b] = token[b * n + i];
+      slots.data_ptr<int64_t>()[b] = chain_start[b] + i;
     }
-    rms_rows(embedded.data_ptr<float>(), B, d, w.input_norm, w.input_norm_eps, x, 2 * d);
-    rms_rows(out.data_ptr<float>(), B, d, hidden_norm, hidden_norm_eps, x + d, 2 * d);
-    if (norm_before_residual) out.copy_(features.narrow(1, d, d));
+    if (i + 1 == steps) break;
+    inputs.build(fed.data(), out.data_ptr<float>(), B, features, out, embedded);
     layer_pass(isa, features, c10::nullopt, 0.0, out, w, model.scale, state.cos, state.sin, k_layer, v_layer,
                {slots, cache_rows, slots, slots, c10::nullopt}, cache_rows.data_ptr<int64_t>(), scratch, false, cached);
   }

@@ -47,6 +47,7 @@ from ..drafters.tree_drafter import beam_widths, draw_without_replacement, grow_
 from ..metadata import Proposal, SpecDecodeMetadata, Verdict
 from ..sampling import filtered_probs
 from .checkpoints import check_target
+from .kernels import kernel_greedy_chain, kernels_apply
 from .model import Eagle3Model, EagleKV
 
 __all__ = ["EagleDrafter"]
@@ -162,32 +163,44 @@ class EagleDrafter(Drafter):
         ``width`` positions per row (None: as many as the row furthest behind needs, one host read, in
         passes that fit every row's cache: a pass writes its width at every row's fed, and a long prompt
         joining beside a row near the end of its cache would not fit in one)."""
-        B, device = meta.batch_size, meta.device  # (a continuous batch's view: its rows 0 .. width - 1)
+        B = meta.batch_size  # (a continuous batch's view: its rows 0 .. width - 1)
+        rows = torch.arange(B, device=meta.device)
+        while True:
+            block = self._feed_block(meta, width)
+            if block is None:
+                return
+            tokens, g, taken, _ = block
+            with torch.no_grad():
+                out = self.head.block(tokens, g, self.fed[:B], self.cache, span=self._span)  # [B, W, h]
+            self.last[:B] = torch.where((taken > 0)[:, None], out[rows, (taken - 1).clamp(min=0)], self.last[:B])
+            self.fed[:B] += taken
+            if width is not None:
+                return
+
+    def _feed_block(self, meta: SpecDecodeMetadata, width: Optional[int]):
+        """One feed pass's inputs: (tokens [B, W], features g = fc(tapped states) [B, W, h], taken [B] the
+        positions it feeds per row, done: whether it feeds every position left), or None when there is
+        nothing to feed. ``width``: as ``feed``'s."""
+        B, device = meta.batch_size, meta.device
         lengths = torch.zeros((B,), dtype=torch.int64, device=device)
         held = self.target.lengths[:B]
         lengths[: held.shape[0]] = held.to(device)  # [B] (rows the runner does not hold: 0)
-        rows = torch.arange(B, device=device)
-        while True:
-            fed = self.fed[:B]  # [B]
-            count = (lengths - fed).clamp(min=0)  # [B]
-            if width is None:  # one host read: the furthest behind, and the room left past the furthest fed
-                behind, furthest = torch.stack([count.max(), fed.max()]).tolist()
-                W = min(behind, self.cache.capacity - furthest)
-            else:
-                W = width
-            if W <= 0:
-                return
-            slots = fed[:, None] + torch.arange(W, device=device)  # [B, W] (past a row's count: padding)
-            real = slots.clamp(max=(lengths - 1).clamp(min=0)[:, None])  # [B, W] positions read
-            states = self.target.tapped_states(real)  # [B, W, n * H_t]
-            tokens = torch.gather(meta.token_buffer[:B], 1, real + 1)  # the token at t + 1
-            with torch.no_grad():
-                out = self.head.block(tokens, self.head.fuse(states), fed, self.cache, span=self._span)  # [B, W, h]
-            taken = count.clamp(max=W)  # [B] positions this pass fed
-            self.last[:B] = torch.where((count > 0)[:, None], out[rows, (taken - 1).clamp(min=0)], self.last[:B])
-            self.fed[:B] = fed + taken
-            if width is not None:
-                return
+        fed = self.fed[:B]  # [B]
+        count = (lengths - fed).clamp(min=0)  # [B]
+        if width is None:  # one host read: the furthest behind, and the room left past the furthest fed
+            behind, furthest = torch.stack([count.max(), fed.max()]).tolist()
+            W = min(behind, self.cache.capacity - furthest)
+        else:
+            W = behind = width
+        if W <= 0:
+            return None
+        slots = fed[:, None] + torch.arange(W, device=device)  # [B, W] (past a row's count: padding)
+        real = slots.clamp(max=(lengths - 1).clamp(min=0)[:, None])  # [B, W] positions read
+        states = self.target.tapped_states(real)  # [B, W, n * H_t]
+        tokens = torch.gather(meta.token_buffer[:B], 1, real + 1)  # the token at t + 1
+        with torch.no_grad():
+            g = self.head.fuse(states)  # [B, W, h]
+        return tokens, g, count.clamp(max=W), W >= behind
 
     @property
     def _span(self) -> Optional[int]:
@@ -196,7 +209,14 @@ class EagleDrafter(Drafter):
 
     # ------------------------------------------------------------------ chains
     def propose(self, meta: SpecDecodeMetadata, budget: Optional[Sequence[int]] = None) -> Proposal:
-        self.feed(meta, self.slots + 1 if self.fixed_shapes else None)
+        fused = (meta.all_greedy and not self.is_tree and not self.fixed_shapes and kernels_apply(self.head)
+                 and (budget is None or max(budget, default=0) >= 1))
+        block = self._feed_block(meta, None) if fused else None
+        if block is not None and not block[3]:  # the feed needs more than one pass (cache room): feed first
+            self.feed(meta)
+            block = None
+        if not fused:
+            self.feed(meta, self.slots + 1 if self.fixed_shapes else None)
         self._behind = False
         if self.is_tree:
             return self._propose_tree(meta)
@@ -215,7 +235,12 @@ class EagleDrafter(Drafter):
         fed = self.fed[:B]
         out = self.last[:B]
         with torch.no_grad():
-            if greedy and steps >= 1:
+            if fused:  # the feed's pass and the chain in one call (eagle/kernels.py kernel_greedy_chain)
+                kernel_greedy_chain(self.head, self.token_ids[:B], steps, out, fed, self.cache,
+                                    feed=None if block is None else block[:3])
+                if block is not None:
+                    self.fed[:B] += block[2]
+            elif greedy and steps >= 1:
                 self.head.greedy_chain(self.token_ids[:B], steps, out, fed, self.cache, span=self._span)
             for i in range(0 if greedy else steps):
                 # q is 0 off the draft vocabulary

@@ -152,16 +152,23 @@ def _chain_weights(head):
 
 
 def kernel_greedy_chain(head, tokens: torch.Tensor, steps: int, last: torch.Tensor, start: torch.Tensor,
-                        cache) -> torch.Tensor:
+                        cache, feed=None) -> torch.Tensor:
     """The greedy chain on the kernels in one ``eagle_chain`` call: tokens[:, :steps] (target ids) drafted
     from the layer outputs ``last`` [B, h] at slots start[b] .. (int64 [B]); the fed tokens' keys and values
-    written into ``cache`` (EagleKV) rows 0..B-1. tokens [B, n] int64 contiguous."""
+    written into ``cache`` (EagleKV) rows 0..B-1. tokens [B, n] int64 contiguous. ``feed``: (tokens [B, W],
+    features g [B, W, h], counts [B]), a feed pass first at slots start[b] ..; ``last`` [B] then holds each
+    fed row's output at its last fed position, and its chain starts count positions later."""
     from ..ops.lean_forward import EagleLayerExtras, eagle_chain
 
     layer = head.midlayer
     cos, sin = _rope(head, cache.capacity)
     extras = EagleLayerExtras(layer.hidden_norm.weight.detach().float(), layer.hidden_norm.eps,
                               head.config.norm_before_residual, head.target_ids.contiguous())
-    eagle_chain(tokens, steps, last.float().contiguous(), _chain_weights(head), extras, [cos, sin],
-                [cache.k[None], cache.v[None]], start.to(torch.int64).contiguous())
+    buffer = last if last.dtype == torch.float32 and last.is_contiguous() else last.float().contiguous()
+    if feed is not None:
+        feed = (feed[0].contiguous(), feed[1].float().contiguous(), feed[2].to(torch.int64).contiguous())
+    eagle_chain(tokens, steps, buffer, _chain_weights(head), extras, [cos, sin], [cache.k[None], cache.v[None]],
+                start.to(torch.int64).contiguous(), feed)
+    if buffer is not last:
+        last.copy_(buffer)
     return tokens

@@ -432,6 +432,7 @@ def eagle_chain(
     rope: Sequence[torch.Tensor],
     cache: Sequence[torch.Tensor],
     start: torch.Tensor,
+    feed: Optional[Sequence[torch.Tensor]] = None,
 ) -> torch.Tensor:
     """EAGLE-3's greedy draft chain in one call (specdec_ext/eagle): for i = 0 .. steps - 1, the head (the
     final norm and lm_head of ``weights``) of the layer output gives tokens[:, i] = target_ids[argmax]; before
@@ -450,7 +451,7 @@ def eagle_chain(
     steps : int
         Draft tokens per row, 1 <= steps <= n (steps - 1 layer passes).
     last : torch.Tensor
-        The layer's output at each row's last fed position, fp32 contiguous.
+        The layer's output at each row's last fed position, fp32 contiguous; written by a ``feed``.
         Shape: [B, d]
     weights : LlamaWeights
         One layer: its q, k, v read 2d ([embedding; features]) and its input_norm normalises the embedding
@@ -467,8 +468,15 @@ def eagle_chain(
         [k_cache, v_cache] of the layer, written in place (start[b] + steps - 1 <= min(capacity, P)).
         Shape: [1, Bc, Hk, capacity, D]
     start : torch.Tensor
-        int64: each row's first chain slot (its fed length); row b uses cache row b.
+        int64: each row's first slot (its fed length); row b uses cache row b.
         Shape: [B]
+    feed : sequence of torch.Tensor, optional
+        [tokens (int64), features (fp32), counts (int64)]: first a layer pass over each row's block of W
+        tokens with their features (the fc of the target's tapped states) at slots start[b] ..
+        start[b] + W - 1 (columns past a row's count are padding, written past its tokens); ``last[b]`` is
+        then that pass's output at column counts[b] - 1 (kept where the count is 0) and the chain starts at
+        start[b] + counts[b] (start[b] + W <= min(capacity, P)).
+        Shape: [B, W], [B, W, d], [B]
 
     Returns
     -------
@@ -478,7 +486,8 @@ def eagle_chain(
     """
     tensors, scalars = weights.flat()
     _EAGLE_CHAIN(tokens, steps, last, tensors, scalars, [extras.hidden_norm, extras.target_ids],
-                 [float(extras.hidden_norm_eps), float(bool(extras.norm_before_residual))], rope, cache, start)
+                 [float(extras.hidden_norm_eps), float(bool(extras.norm_before_residual))], rope, cache, start,
+                 [] if feed is None else list(feed))
     return tokens
 
 
@@ -516,5 +525,5 @@ def _greedy_chain_fake(tokens, steps, weights, scalars, bf16_activations, rope, 
 
 
 @torch.library.register_fake("specdec_ext::eagle_chain")
-def _eagle_chain_fake(tokens, steps, last, weights, scalars, eagle, eagle_scalars, rope, cache, start):
+def _eagle_chain_fake(*args):  # (tokens, steps, last, weights, scalars, eagle, eagle_scalars, rope, cache, start, feed)
     return None
