@@ -77,6 +77,7 @@
 
 #include <algorithm>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -550,13 +551,30 @@ inline void check_eagle_chain(const at::Tensor& tokens, int64_t steps, const at:
   TORCH_CHECK(state.v_cache.sizes() == k_cache.sizes(), op, ": v_cache must have the shape of k_cache ",
               shape_str(k_cache.sizes()), ", got ", shape_str(state.v_cache.sizes()));
   TORCH_CHECK(k_cache.size(1) >= B, op, ": the cache holds ", k_cache.size(1), " rows, fewer than B = ", B);
+  // The layer's shapes, so that a wrong one fails here and not after tokens[:, 0] is written.
+  const int64_t Hk = k_cache.size(2), D = k_cache.size(4);
+  TORCH_CHECK(D > 0 && Hk > 0 && w.q.weight.size(0) % (D * Hk) == 0, op, ": the q weight's ", w.q.weight.size(0),
+              " rows must be a multiple of Hk * D = ", Hk * D, " (k_cache dimensions 2 and 4)");
+  const int64_t HD = w.q.weight.size(0), I = w.gate.weight.size(0);
+  for (const auto& [name, weight, rows, cols] :
+       {std::tuple<const char*, const at::Tensor*, int64_t, int64_t>{"k", &w.k.weight, Hk * D, 2 * d},
+        {"v", &w.v.weight, Hk * D, 2 * d}, {"o", &w.o.weight, d, HD}, {"up", &w.up.weight, I, d},
+        {"gate", &w.gate.weight, I, d}, {"down", &w.down.weight, d, I}}) {
+    check_rank(op, name, *weight, 2, "[N, K]");
+    TORCH_CHECK(weight->size(0) == rows && weight->size(1) == cols, op, ": ", name, " must have shape [", rows, ", ",
+                cols, "], got ", shape_str(weight->sizes()));
+  }
+  TORCH_CHECK(state.cos.dim() == 2 && state.cos.size(1) == D / 2 && state.sin.sizes() == state.cos.sizes(), op,
+              ": rope must hold cos and sin of shape [P, D/2] = [P, ", D / 2, "], got ", shape_str(state.cos.sizes()),
+              " and ", shape_str(state.sin.sizes()));
   check_index_column(op, "start", start, B, "B (tokens dimension 0)");
   TORCH_CHECK(feed.empty() || feed.size() == 3, op, ": feed must be empty or hold [tokens, features, counts], got ",
               feed.size(), " tensors");
-  const int64_t W = feed.empty() ? 0 : feed[0].size(-1);
+  int64_t W = 0;
   const int64_t* counts = nullptr;
   if (!feed.empty()) {
     check_rows_matrix(op, "feed tokens", feed[0], "[B, W]", B, {at::kLong}, tokens);
+    W = feed[0].size(1);
     TORCH_CHECK(W > 0, op, ": the feed must hold at least one column, got ", shape_str(feed[0].sizes()));
     const int64_t* fed = feed[0].data_ptr<int64_t>();
     for (int64_t i = 0; i < B * W; ++i)
@@ -571,8 +589,8 @@ inline void check_eagle_chain(const at::Tensor& tokens, int64_t steps, const at:
     check_index_column(op, "feed counts", feed[2], B, "B (tokens dimension 0)");
     counts = feed[2].data_ptr<int64_t>();
     for (int64_t b = 0; b < B; ++b)
-      TORCH_CHECK(counts[b] >= 0 && counts[b] <= W, op, ": feed counts[", b, "] = ", counts[b], " must be in [0, W] = [0, ",
-                  W, "]");
+      TORCH_CHECK(counts[b] >= 0 && counts[b] <= W, op, ": feed counts[", b, "] = ", counts[b],
+                  " must be in [0, W] = [0, ", W, "]");
   }
   // Every slot the feed and the chain write (start[b] .. start[b] + W - 1, then start[b] + count ..
   // start[b] + count + steps - 2) checked before the first pass.

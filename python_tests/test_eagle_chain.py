@@ -218,6 +218,13 @@ def test_bad_input_is_named_before_anything_is_written(target):
     tensors[2] = tensors[2][:, :64].contiguous()  # q reading d columns, as a Llama layer's
     with pytest.raises(RuntimeError, match="eagle_chain: q dimension 1 must be 2d"):
         call(weights=tensors)
+    tensors = list(_op_args(head, tokens, 4, last, start, cache)[3])
+    tensors[8] = tensors[8][:, :32].contiguous()  # o, the layer's output projection
+    with pytest.raises(RuntimeError, match=r"eagle_chain: o must have shape \[64, 64\], got \[64, 32\]"):
+        call(weights=tensors)
+    cos, sin = kernels._rope(head, cache.capacity)
+    with pytest.raises(RuntimeError, match=r"eagle_chain: rope must hold cos and sin of shape \[P, D/2\] = \[P, 8\]"):
+        call(rope=[cos[:, :3].contiguous(), sin[:, :3].contiguous()])
     assert torch.equal(cache.k, k_before) and torch.equal(tokens, torch.zeros((3, 4), dtype=torch.int64))
     assert torch.equal(last, _state(head)[0])
 

@@ -498,16 +498,16 @@ void eagle_chain(at::Tensor& tokens, int64_t steps, at::Tensor& last, const Opti
   LayerScratch scratch(B, 1, H, Hk, D, I, f32);
   const OptionalTensors head_bias = biases_of({&model.head});
   int64_t* token = tokens.data_ptr<int64_t>();
-  std::vector<int64_t> fed(B);
+  std::vector<int64_t> drafted(B);  // this step's tokens, fed to the next step's layer pass
   for (int64_t i = 0; i < steps; ++i) {
     linear_on(isa, out, model.norm, model.norm_eps, {model.head.weight}, head_bias, "store", false, {logits}, cached);
     for (int64_t b = 0; b < B; ++b) {
       token[b * n + i] = target_ids[argmax_row(logits.data_ptr<float>() + b * Vd, Vd)];
-      fed[b] = token[b * n + i];
+      drafted[b] = token[b * n + i];
       slots.data_ptr<int64_t>()[b] = chain_start[b] + i;
     }
     if (i + 1 == steps) break;
-    inputs.build(fed.data(), out.data_ptr<float>(), B, features, out, embedded);
+    inputs.build(drafted.data(), out.data_ptr<float>(), B, features, out, embedded);
     layer_pass(isa, features, c10::nullopt, 0.0, out, w, model.scale, state.cos, state.sin, k_layer, v_layer,
                {slots, cache_rows, slots, slots, c10::nullopt}, cache_rows.data_ptr<int64_t>(), scratch, false, cached);
   }
