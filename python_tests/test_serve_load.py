@@ -21,8 +21,8 @@ from specdec_ext.runners import LeanLlamaRunner, RecomputeRunner
 from specdec_ext.sampling import SamplingParams
 from specdec_ext.serve.batcher import FREE_SLOT_TOKEN
 from specdec_ext.serve.build import EngineOptions, build_engine
-from specdec_ext.serve.draft_length import (EXPLORE, EXPLORE_EVERY, MEASURED, PINNED, REFRESH, STALE_STEPS, CostCurve,
-                                           DraftChoice, DraftCosts, LoadGatedK)
+from specdec_ext.serve.draft_length import (EXPLORE, EXPLORE_EVERY, MEASURED, PASS_FLOOR_MARGIN, PINNED, REFRESH,
+                                           STALE_STEPS, CostCurve, DraftChoice, DraftCosts, LoadGatedK, PassFloor)
 from specdec_ext.serve.request import GenerationRequest
 from specdec_ext.serve.slo import TpotSlo
 from specdec_ext.stats import StepOutcome
@@ -131,6 +131,49 @@ def test_cost_curve_interpolates_and_extrapolates_optimistically():
     curve.observe(8, 100.0, step=3)  # a spike counts as SPIKE_CAP x the average
     assert curve.times[8] == pytest.approx(6.0)
     assert curve.fresh(8, step=3) and not curve.fresh(4, step=2 + STALE_STEPS)
+
+
+def test_the_pass_floor_is_the_dearest_time_per_token_of_the_chunks_at_least_as_long():
+    """A pass of n tokens costs at least n x t(c) / c for every chunk of c >= n tokens timed (its time per
+    token does not rise with its tokens), less PASS_FLOOR_MARGIN; nothing is known above the longest chunk."""
+    floor = PassFloor(smoothing=1.0)
+    assert floor.at(16) == 0.0
+    floor.observe(256, 256 * 0.45 * MS)
+    assert floor.at(144) == pytest.approx(PASS_FLOOR_MARGIN * 144 * 0.45 * MS)
+    assert floor.at(257) == 0.0
+    floor.observe(32, 32 * 0.6 * MS)  # a shorter chunk, dearer per token: it bounds the passes up to its length
+    assert floor.at(32) == pytest.approx(PASS_FLOOR_MARGIN * 32 * 0.6 * MS)
+    assert floor.at(33) == pytest.approx(PASS_FLOOR_MARGIN * 33 * 0.45 * MS)
+    floor.observe(0, 1.0)
+    floor.observe(8, 0.0)
+    assert sorted(floor.per_token) == [32, 256]
+
+
+def test_prompt_chunks_keep_a_wide_batch_from_trying_long_drafts_on_an_extrapolated_cost():
+    """After one row's steps measured passes of 1..9 tokens only (memory-bound: nearly flat), a batch of 16
+    rows extrapolates its verify cost from that flat segment and tries drafts that lose (the failure seen
+    at 16 clients: K = 8 estimated at 2098 tok/s, run at 635, against plain's 1140). With the floor of
+    a timed 256-token prompt chunk it drafts at most one token, in a few steps (K = 1 is a close call
+    there: it measures it)."""
+    drafted = {}
+    for with_floor in (False, True):
+        rng = np.random.default_rng(4)
+        controller = LoadGatedK(K_MAX, rows=16, pinned_k=4)
+        _simulate(controller, 1, 40, memory_bound, 0.8, rng)
+        if with_floor:
+            for _ in range(2):  # (the first chunk a controller sees is not timed: the process's first pass)
+                controller.observe_prefill(256, memory_bound(256))
+        drafted[with_floor] = [choice.k for choice in _simulate(controller, 16, 40, memory_bound, 0.8, rng)]
+    assert max(drafted[False]) >= 4, drafted[False]
+    assert max(drafted[True]) <= 1 and sum(k > 0 for k in drafted[True]) <= 3, drafted[True]
+
+
+def test_the_first_prefill_chunk_a_controller_sees_is_not_timed():
+    controller = LoadGatedK(K_MAX, rows=2, pinned_k=4)
+    controller.observe_prefill(64, 1.0)
+    assert controller.floor.per_token == {}
+    controller.observe_prefill(64, 64 * MS)
+    assert controller.floor.per_token == {64: pytest.approx(MS)}
 
 
 def test_draft_costs_fit_a_fixed_part_and_a_per_token_part_per_width():

@@ -248,7 +248,10 @@ class ContinuousBatcher:
         if self.prefill_chunk:
             return
         starters = [row for row in joining if row.group is None or row.group.leader is row]
+        begin = self.clock()
         logits = self.target.start_rows([row.slot for row in starters], [row.request.prompt for row in starters])
+        if self.draft_length is not None and len(starters) == 1:  # (prompts prefilled together are padded)
+            self.draft_length.observe_prefill(len(starters[0].request.prompt), self.clock() - begin)
         for row in starters:
             row.prefilled = len(row.request.prompt)
         self._join(*self._fork_followers(starters, logits))
@@ -314,8 +317,11 @@ class ContinuousBatcher:
                 log.exception("specdec serve: prefilling request %s failed", row.request.request_id)
                 self.end(row, FAILED, message=f"its prefill failed ({type(error).__name__}: {error})")
                 continue
+            seconds = self.clock() - begin
             if self.slo is not None:
-                self.slo.observe_prefill(len(chunk), self.clock() - begin)
+                self.slo.observe_prefill(len(chunk), seconds)
+            if self.draft_length is not None:
+                self.draft_length.observe_prefill(len(chunk), seconds)
             row.prefilled += len(chunk)
             fed[row.slot] = len(chunk)
             left -= len(chunk)

@@ -19,7 +19,12 @@ with the costs keyed by the load:
   was never measured looks cheap, gets chosen and is then measured, so no option stays untried because
   a guess made it look dear. Keyed by tokens, not by (w, t): the GEMMs of a 16 x 1 pass see the 16 rows a 4 x 4
   pass does, so what one width measured serves the others (attention over the context differs, and the
-  measurements at each n correct for the mix the server runs).
+  measurements at each n correct for the mix the server runs). Never below the floor the prompt
+  chunks give (``PassFloor``): a pass's time per token does not rise with its tokens, so a pass of n
+  tokens takes at least n t(c) / c for any prefill chunk of c >= n tokens timed. Without it the last
+  segment's slope, measured between two nearby sizes, extrapolated a [16, 9] pass at 30 ms where it
+  takes 67 (its tokens at 466 us each, a 256-token chunk's at 455: one thread, bf16, this CPU) and the
+  server speculated at 16 rows at 0.6x plain decoding's rate for dozens of steps.
 - D(w, K): a draft step's time at w rows drafting K tokens (K sequential passes of [w, 1] and a fixed
   part: feeding the committed tokens, host work): per width, the least-squares line d_0 + K c (c >= 0,
   adaptive.nonneg_line) through the moving averages per K drafted there, through the origin while one K
@@ -98,6 +103,9 @@ EXPLORE_EVERY = 16  # steps between explorations while speculation is off
 CATCH_UP_HORIZON = 16  # steps over which a switch on must repay the draft model's catch-up
 STALE_STEPS = 16  # a plain step's cost (V(w)) older than this is measured again where the choice is close
 EXPLORE_K = 1  # drafts per row of an exploration
+PASS_FLOOR_MARGIN = 0.9  # of a prefill chunk's time per token: the chunk's own overheads (a row's start, the draft's
+#   stand-in) are not in a verify pass, nor is all of its attention (measured: verify passes of 20-144 tokens at
+#   1.03-1.2x a 256-token chunk's time per token, this CPU)
 EXPLORE_BAND = 0.97  # ... made only where the best K's estimated rate is at least this x plain decoding's (near)
 # Why a step drafted what it did (the /metrics label of each choice)
 MEASURED = "measured"  # the argmax of the measured rates
@@ -164,6 +172,34 @@ class CostCurve:
         return (1 - f) * self.times[lo] + f * self.times[hi]
 
 
+class PassFloor:
+    """A lower bound on a pass's time from the prompt chunks the server prefilled (module docstring, V(n)):
+    ``at(n)`` = PASS_FLOOR_MARGIN x n x the largest time per token among the chunks of >= n tokens timed
+    (0 where none was). Per chunk size, a moving average of its time per token."""
+
+    def __init__(self, smoothing: float = DEFAULT_COST_SMOOTHING):
+        self.smoothing = smoothing
+        self.per_token: Dict[int, float] = {}  # chunk tokens -> seconds per token (moving average)
+        self._sizes: List[int] = []  # sorted
+        self._suffix: List[float] = []  # [i]: the largest per_token over _sizes[i:]
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens <= 0 or seconds <= 0:
+            return
+        if tokens not in self.per_token:
+            bisect.insort(self._sizes, tokens)
+        self.per_token[tokens] = moving_average(self.per_token.get(tokens, math.nan), seconds / tokens, self.smoothing)
+        suffix, largest = [], 0.0
+        for size in reversed(self._sizes):
+            largest = max(largest, self.per_token[size])
+            suffix.append(largest)
+        self._suffix = suffix[::-1]
+
+    def at(self, tokens: int) -> float:
+        i = bisect.bisect_left(self._sizes, tokens)
+        return PASS_FLOOR_MARGIN * tokens * self._suffix[i] if i < len(self._sizes) else 0.0
+
+
 class DraftCosts:
     """D(w, K), a draft step's time at w rows drafting K tokens (module docstring)."""
 
@@ -211,7 +247,7 @@ class LoadGatedK:
         self.pooled = np.full(k_max, DEFAULT_PRIOR_ACCEPTANCE)  # acceptance of the rows that ended
         self.shape = np.ones(k_max)  # s_i of the pooled acceptance (adaptive.acceptance_by_position)
         self._prefix = np.tri(k_max + 1, k_max, k=-1)  # row j: j ones, then zeros
-        self.verify, self.draft = CostCurve(), DraftCosts()
+        self.verify, self.draft, self.floor = CostCurve(), DraftCosts(), PassFloor()
         self.host = math.nan
         self.step = 0
         self._cap = 0  # K* of the last measured choice (0: speculation off)
@@ -225,6 +261,7 @@ class LoadGatedK:
         self._drafted = np.zeros(rows, dtype=bool)  # the slot's row drafted since it joined
         self._schedule: List[int] = []  # calibration: the draft lengths of the next steps
         self._warming = False  # the next observed step is the calibration's first: not timed
+        self._prefill_seen = False  # observe_prefill saw a chunk (the first is not timed)
         for slot in range(rows):
             self.join(slot)
 
@@ -281,6 +318,7 @@ class LoadGatedK:
         verify = [self.verify.at(width * (K + 1)) for K in range(self.k_max + 1)]
         if verify[0] is None:
             return None
+        verify = [max(v, self.floor.at(width * (K + 1))) for K, v in enumerate(verify)]
         line = self.draft.line(width)
         fixed, per_token = line if line is not None else (0.0, DEFAULT_PRIOR_DRAFT_COST * verify[0])
         drafts = np.maximum(fixed + per_token * np.arange(self.k_max + 1), 0.0)
@@ -340,6 +378,13 @@ class LoadGatedK:
         if uniform:
             budget = [self.pinned_k if seeded_set else cap] * width
         return DraftChoice(max(budget, default=0), reason, budget, rates)
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """The batcher prefilled a chunk of ``tokens`` prompt tokens (one row) in ``seconds``: V's floor. Not the
+        first chunk it reports: the process's first pass (cold caches, first-use copies of the weights)."""
+        if self._prefill_seen:
+            self.floor.observe(tokens, seconds)
+        self._prefill_seen = True
 
     def record_draft_prefill(self, tokens: int, seconds: float) -> None:
         """The batcher started the deferred draft prefills of ``tokens`` committed tokens in ``seconds``."""
