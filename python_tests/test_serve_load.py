@@ -21,8 +21,8 @@ from specdec_ext.runners import LeanLlamaRunner, RecomputeRunner
 from specdec_ext.sampling import SamplingParams
 from specdec_ext.serve.batcher import FREE_SLOT_TOKEN
 from specdec_ext.serve.build import EngineOptions, build_engine
-from specdec_ext.serve.draft_length import (EXPLORE, EXPLORE_EVERY, MEASURED, PASS_FLOOR_MARGIN, PINNED, REFRESH,
-                                           STALE_STEPS, CostCurve, DraftChoice, DraftCosts, LoadGatedK, PassFloor)
+from specdec_ext.serve.draft_length import (EXPLORE, EXPLORE_EVERY, HOLD_STEPS, MEASURED, PASS_FLOOR_MARGIN, PINNED,
+                                           REFRESH, STALE_STEPS, CostCurve, DraftChoice, DraftCosts, LoadGatedK, PassFloor)
 from specdec_ext.serve.request import GenerationRequest
 from specdec_ext.serve.slo import TpotSlo
 from specdec_ext.stats import StepOutcome
@@ -101,6 +101,22 @@ def test_a_seeded_row_drafts_the_pinned_length_whatever_the_load():
     assert all(c.budget[3] == 4 for c in choices)
     off = [c for c in choices[20:] if c.budget[0] == 0]
     assert off and all(c.reason == PINNED and c.k == 4 for c in off)
+
+
+def test_a_clear_off_is_held_for_a_few_steps_while_the_rows_stay_the_same(monkeypatch):
+    """Far from paying (a compute-bound pass at 32 rows), the choice to stay off is evaluated once per
+    HOLD_STEPS steps while the running rows stay the same, and at once when a row joins or leaves."""
+    rng = np.random.default_rng(5)
+    controller = LoadGatedK(K_MAX, rows=32, pinned_k=4)
+    _simulate(controller, 32, 80, memory_bound, 0.8, rng)  # measured: off
+    evaluations = []
+    step_times = controller.step_times
+    monkeypatch.setattr(controller, "step_times", lambda width: evaluations.append(width) or step_times(width))
+    choices = _simulate(controller, 32, 3 * HOLD_STEPS, memory_bound, 0.8, rng)
+    assert all(c.k == 0 for c in choices) and len(evaluations) == 3, evaluations
+    choice = controller.choose(32, list(range(31)), [])  # a row left
+    assert len(evaluations) == 4 and choice.k == 0
+    assert controller.choose(32, list(range(31)), [3]).budget[3] == 4  # a seeded row is never held off
 
 
 def test_a_close_call_measures_plain_decoding_again_when_its_cost_is_stale():

@@ -66,6 +66,13 @@ REFRESH_BAND of plain decoding) and V(w) was not measured in the last STALE_STEP
 measures it again (with k="auto"'s 64 steps, a plain cost measured during a moment of load on the shared
 CPU kept speculation on at 0.90x plain for a whole 32-client run).
 
+Holding a clear "off". Where the best K's estimated rate is below HOLD_BAND x plain decoding's, the choice
+(K = 0) is kept for the next HOLD_STEPS steps while the running rows stay the same: between joins and
+leaves nothing a plain step measures can move the estimate that far (no acceptance is observed while off;
+the rows' growing catch-up only makes drafting dearer), and the estimate costs ~0.5 ms of Python per step
+at 16 rows, 4% of a plain step of the bundled pair there (measured: the speculative server's plain steps
+cost 13.4 ms of CPU against the plain server's 12.8, in-process).
+
 Calibration. A server process starts knowing no cost. ``specdec serve`` runs one request of its own before it
 listens (Engine.calibrate): its steps draft the schedule of ``start_calibration`` (plain steps, then every
 K up and down again), so V(n) holds t = 1..k_max + 1 tokens at width 1 and D(1, K) every K before the
@@ -103,6 +110,8 @@ EXPLORE_EVERY = 16  # steps between explorations while speculation is off
 CATCH_UP_HORIZON = 16  # steps over which a switch on must repay the draft model's catch-up
 STALE_STEPS = 16  # a plain step's cost (V(w)) older than this is measured again where the choice is close
 EXPLORE_K = 1  # drafts per row of an exploration
+HOLD_BAND = 0.9  # a choice to stay off is kept while the best K's rate is below this x plain decoding's ...
+HOLD_STEPS = 8  # ... for this many steps, while the running rows stay the same
 PASS_FLOOR_MARGIN = 0.9  # of a prefill chunk's time per token: the chunk's own overheads (a row's start, the draft's
 #   stand-in) are not in a verify pass, nor is all of its attention (measured: verify passes of 20-144 tokens at
 #   1.03-1.2x a 256-token chunk's time per token, this CPU)
@@ -251,6 +260,7 @@ class LoadGatedK:
         self.host = math.nan
         self.step = 0
         self._cap = 0  # K* of the last measured choice (0: speculation off)
+        self._held: Optional[Tuple[int, Tuple[int, ...], DraftChoice]] = None  # (until step, running, choice)
         self._interval = self.explore_every
         self._next_explore = self.explore_every
         self._since_draft = 0  # plain steps since the last draft pass: the next one also feeds their tokens
@@ -284,7 +294,7 @@ class LoadGatedK:
         self._schedule = []
         self.pooled = np.full(self.k_max, DEFAULT_PRIOR_ACCEPTANCE)
         self.shape = np.ones(self.k_max)
-        self._cap, self._since_draft = 0, 0
+        self._cap, self._since_draft, self._held = 0, 0, None
         self._behind[:] = 0
         self._interval, self._next_explore = self.explore_every, self.step + self.explore_every
         for slot in range(self.reached.shape[0]):
@@ -341,6 +351,11 @@ class LoadGatedK:
         budget, pinned_k while a seeded row runs; ``steps_left``: the most plain steps any running row may
         still take (its max_new_tokens left): a catch-up is repaid over at most that many steps."""
         self.step += 1
+        held = self._held
+        if held is not None and self.step < held[0] and held[1] == tuple(running) and not seeded \
+                and len(held[2].budget) == width:
+            return held[2]
+        self._held = None
         times = self.step_times(width)
         reason, rates = MEASURED, None
         if self._schedule:
@@ -377,7 +392,10 @@ class LoadGatedK:
             reason = PINNED
         if uniform:
             budget = [self.pinned_k if seeded_set else cap] * width
-        return DraftChoice(max(budget, default=0), reason, budget, rates)
+        choice = DraftChoice(max(budget, default=0), reason, budget, rates)
+        if reason == MEASURED and choice.k == 0 and rates is not None and rates[1] < HOLD_BAND * rates[0]:
+            self._held = (self.step + HOLD_STEPS, tuple(running), choice)
+        return choice
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """The batcher prefilled a chunk of ``tokens`` prompt tokens (one row) in ``seconds``: V's floor. Not the
