@@ -170,6 +170,7 @@ class ContinuousBatcher:
         self.slo = None if scheduling.tpot_slo is None else TpotSlo(scheduling.tpot_slo)
         self.step_log: Deque[StepRecord] = deque(maxlen=STEP_LOG_LENGTH)
         self._last_k = slots
+        self._emit_s = 0.0  # the last step's emission (events to the sinks): host time of a step, H in the draft length's costs
         self.graphs, self.graph_backend = bool(graphs), graph_backend
         self._steps: Dict[tuple, Stepper] = {}  # step key -> the Stepper of its rows view
         self.max_rows, self.max_seq_len = int(max_rows), int(max_seq_len)
@@ -465,11 +466,14 @@ class ContinuousBatcher:
         if self.graphs:
             width = min(bucket_size(width), self.max_rows)
         rows = [row if row is not None and row.decoding else None for row in self.rows[:width]]
+        decode_begin = self.clock()
         choice = self._choose(width, rows)
+        catch_up_begin = self.clock()
         if choice.k > 0:
             self._start_pending_drafts()
             if self.graphs:  # a captured draft pass feeds as few tokens as one after a drafting step
                 self.drafter.catch_up(self.meta)
+        catch_up_s = self.clock() - catch_up_begin  # (the draft prefills' own cost: record_draft_prefill)
         stepper = self._stepper_for(width, choice.k)
         stepper.meta.set_row_steps(torch.tensor([row.steps if row is not None else 0 for row in rows]))
         stepper.meta.top_logprobs = _widest_logprobs([row for row in rows if row is not None])
@@ -477,13 +481,15 @@ class ContinuousBatcher:
         result = stepper.step([None if row is None else row.state for row in rows],
                               [None if row is None else row.request.stop for row in rows],
                               None if self.draft_length is None else choice.budget)
-        if self.draft_length is not None:
-            host = self.clock() - begin - result.draft_time - result.verify_time
+        if self.draft_length is not None:  # host: the whole step's but its draft and verify parts (the choice, the
+            #   step's own bookkeeping, the last step's emission), which a step of any k pays once
+            host = self.clock() - decode_begin - catch_up_s - result.draft_time - result.verify_time + self._emit_s
             self.draft_length.observe(width, choice, result.outcome, verify_width=result.width,
                                       draft_time=result.draft_time, verify_time=result.verify_time, host_time=host)
         self._last_k = choice.k
         self.metrics.record_draft_length(choice.k, choice.reason)
         emitted: Dict[int, int] = {}
+        emit_begin = self.clock()
         for b, row in enumerate(rows):
             if row is None:
                 continue
@@ -493,6 +499,7 @@ class ContinuousBatcher:
             row.steps += 1
             emitted[b] = len(result.new_tokens[b])
             self._emit(row, result.new_tokens[b])
+        self._emit_s = self.clock() - emit_begin
         self.step_log.append(StepRecord(width, choice.k, choice.reason, prefilled, emitted, choice.rates))
         if self.slo is not None and emitted:
             self.slo.observe_step(width, self.clock() - begin, begin - start, sum(emitted.values()) / len(emitted))
