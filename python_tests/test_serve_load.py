@@ -315,6 +315,35 @@ def test_calibration_times_every_draft_length_then_forgets_its_request(pair):
     assert _engine(pair, max_rows=2, k=3).calibrate([1, 2, 3]) == 0  # a fixed k: nothing to choose
 
 
+def test_the_host_time_of_a_step_counts_the_choice_and_the_emission(pair):
+    """H, the time a step of any k pays besides its draft and verify parts, is measured over the whole
+    decode step: the controller's own choice (here 50 ms on the batcher's clock) and the emission of the
+    last step's tokens (20 ms) are in it, not only the Stepper's bookkeeping."""
+    tokenizer = pair[2]
+    engine = _engine(pair, max_rows=2)
+    batcher, controller = engine.batcher, engine.batcher.draft_length
+    now = [0.0]
+    batcher.clock = lambda: now[0]
+    choose, emit, hosts = controller.choose, batcher._emit, []
+
+    def slow_choose(*args, **kwargs):
+        now[0] += 0.05
+        return choose(*args, **kwargs)
+
+    def slow_emit(*args, **kwargs):
+        now[0] += 0.02 / 2  # (two rows)
+        return emit(*args, **kwargs)
+
+    observe = controller.observe
+    controller.choose, batcher._emit = slow_choose, slow_emit
+    controller.observe = lambda *args, host_time, **kwargs: hosts.append(host_time) or observe(
+        *args, host_time=host_time, **kwargs)
+    _run(engine, [_request(tokenizer, p, max_new=12) for p in PROMPTS[:2]])
+    assert len(hosts) >= 3
+    assert all(h >= 0.04 for h in hosts), hosts  # the choice (less the real draft and verify times)
+    assert any(h >= 0.06 for h in hosts[1:]), hosts  # ... and the last step's emission
+
+
 def _scripted_run(pair, ks, *, deferrable=True):
     """Two greedy requests through an engine whose draft length follows the script ``ks`` (then 3);
     (tokens, the draft tokens owed at each step, the engine's step statistics)."""
