@@ -184,6 +184,27 @@ def test_prompt_chunks_keep_a_wide_batch_from_trying_long_drafts_on_an_extrapola
     assert max(drafted[True]) <= 1 and sum(k > 0 for k in drafted[True]) <= 3, drafted[True]
 
 
+def test_joining_prompts_charge_every_draft_length_their_draft_prefill():
+    """While speculating, each joining request pays the draft model's prefill of its prompt: every K >= 1
+    is charged J (prompt tokens joining per step, a moving average) x the draft prefill's time per token,
+    plain steps nothing. A K that beats plain decoding by a few percent stops paying once requests of
+    250 tokens join every ten steps at 40 us a token."""
+    rng = np.random.default_rng(6)
+    controller = LoadGatedK(K_MAX, rows=8, pinned_k=4)
+    steep = lambda tokens: 5 * MS + 0.55 * MS * tokens
+    _simulate(controller, 4, 60, steep, 0.75, rng)
+    before = controller.step_times(4)
+    assert max(c.k for c in _simulate(controller, 4, 10, steep, 0.75, rng)) > 0
+    controller.record_draft_prefill(250, 250 * 40e-6)
+    for step in range(200):
+        controller.record_joins(250 if step % 10 == 0 else 0)
+    assert controller.join_tokens == pytest.approx(25.0, rel=0.3)
+    after = controller.step_times(4)
+    assert after[0] == before[0] and np.allclose(after[1:] - before[1:], controller.join_tokens * 40e-6, rtol=0.05)
+    running = list(range(4))
+    assert controller.choose(4, running, []).k == 0
+
+
 def test_the_first_prefill_chunk_a_controller_sees_is_not_timed():
     controller = LoadGatedK(K_MAX, rows=2, pinned_k=4)
     controller.observe_prefill(64, 1.0)
@@ -363,8 +384,12 @@ def _scripted_run(pair, ks, *, deferrable=True):
         return DraftChoice(k, MEASURED, [k if b in running else 0 for b in range(width)])
 
     controller.choose = scripted_choose
+    prefills, record = [], controller.record_draft_prefill
+    controller.record_draft_prefill = lambda tokens, seconds: prefills.append(tokens) or record(tokens, seconds)
     got = _run(engine, [_request(tokenizer, p, max_new=40) for p in PROMPTS[:2]])
-    assert math.isnan(controller.prefill_per_token) != (deferrable and owed[len(ks)] > 0)  # the prefill, timed
+    assert prefills and not math.isnan(controller.prefill_per_token)  # every draft prefill is timed: at a join ...
+    if deferrable and owed[len(ks)] > 0:  # ... or, deferred, at the first step that drafts (each row's committed
+        assert owed[len(ks)] - 2 in prefills, (owed, prefills)  # tokens but its last, which the step feeds)
     return got, owed, engine.metrics.steps
 
 

@@ -170,6 +170,7 @@ class ContinuousBatcher:
         self.slo = None if scheduling.tpot_slo is None else TpotSlo(scheduling.tpot_slo)
         self.step_log: Deque[StepRecord] = deque(maxlen=STEP_LOG_LENGTH)
         self._last_k = slots
+        self._joined_tokens = 0  # prompt tokens of the rows that joined since the last decode step (LoadGatedK J)
         self._emit_s = 0.0  # the last step's emission (events to the sinks): host time of a step, H in the draft length's costs
         self.graphs, self.graph_backend = bool(graphs), graph_backend
         self._steps: Dict[tuple, Stepper] = {}  # step key -> the Stepper of its rows view
@@ -371,13 +372,18 @@ class ContinuousBatcher:
         staying = [row for row in rows if self.rows[row.slot] is row]
         if self.drafter is None or not staying:
             return
+        self._joined_tokens += sum(len(row.request.prompt) for row in staying)
         deferred = [row for row in staying if self._defers_draft(row)]
         started = [row for row in staying if row not in deferred]
         if started:
             replaced = [row.slot for row in started if row.draft_stand_in]
             if replaced:
                 self.drafter.free_rows(replaced)
+            begin = self.clock()
             self.drafter.start_rows([row.slot for row in started], [row.request.prompt for row in started], self.meta)
+            if self.draft_length is not None:
+                self.draft_length.record_draft_prefill(sum(len(row.request.prompt) for row in started),
+                                                       self.clock() - begin)
             for row in started:
                 row.draft_stand_in = False
         holding = [row for row in deferred if not row.draft_stand_in]
@@ -467,6 +473,9 @@ class ContinuousBatcher:
             width = min(bucket_size(width), self.max_rows)
         rows = [row if row is not None and row.decoding else None for row in self.rows[:width]]
         decode_begin = self.clock()
+        if self.draft_length is not None:
+            self.draft_length.record_joins(self._joined_tokens)
+            self._joined_tokens = 0
         choice = self._choose(width, rows)
         catch_up_begin = self.clock()
         if choice.k > 0:

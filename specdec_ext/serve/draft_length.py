@@ -66,6 +66,14 @@ REFRESH_BAND of plain decoding) and V(w) was not measured in the last STALE_STEP
 measures it again (with k="auto"'s 64 steps, a plain cost measured during a moment of load on the shared
 CPU kept speculation on at 0.90x plain for a whole 32-client run).
 
+Joining rows. While speculating, every request that joins pays the draft model's prefill of its prompt
+before its first drafting step; while off, a later switch on pays it (``pending_tokens`` above). So each
+K >= 1 is also charged J x (the draft prefill's time per token), J the prompt tokens joining per step
+(a moving average over steps, ``record_joins``). Measured at 4 clients (64-token requests): the drafting
+steps at 4 rows gained 5-25% over plain ones, and the steps in which a request joined cost 81-106 ms
+against the plain server's 67-69 (the draft's prefill of ~250 tokens, ~8 ms, and a drafting step beside
+the prompt chunk): the two about cancelled, where the estimate had seen the gain alone.
+
 Holding a clear "off". Where the best K's estimated rate is below HOLD_BAND x plain decoding's, the choice
 (K = 0) is kept for the next HOLD_STEPS steps while the running rows stay the same: between joins and
 leaves nothing a plain step measures can move the estimate that far (no acceptance is observed while off;
@@ -110,6 +118,7 @@ EXPLORE_EVERY = 16  # steps between explorations while speculation is off
 CATCH_UP_HORIZON = 16  # steps over which a switch on must repay the draft model's catch-up
 STALE_STEPS = 16  # a plain step's cost (V(w)) older than this is measured again where the choice is close
 EXPLORE_K = 1  # drafts per row of an exploration
+JOIN_SMOOTHING = 0.05  # weight of a step in J, the prompt tokens joining per step (joins are rare and large)
 HOLD_BAND = 0.9  # a choice to stay off is kept while the best K's rate is below this x plain decoding's ...
 HOLD_STEPS = 8  # ... for this many steps, while the running rows stay the same
 PASS_FLOOR_MARGIN = 0.9  # of a prefill chunk's time per token: the chunk's own overheads (a row's start, the draft's
@@ -267,7 +276,8 @@ class LoadGatedK:
         self._behind = np.zeros(rows, dtype=np.int64)  # per slot: tokens its row committed in plain steps since
         #   the last draft pass (what that pass feeds it; a row that joined while off is in pending_tokens)
         self.feed_per_token = math.nan  # seconds per token the draft model's catch-up feed takes
-        self.prefill_per_token = math.nan  # seconds per token of the deferred draft prefills (record_draft_prefill)
+        self.prefill_per_token = math.nan  # seconds per token of the draft prefills (record_draft_prefill)
+        self.join_tokens = 0.0  # J: prompt tokens joining per step (record_joins)
         self._drafted = np.zeros(rows, dtype=bool)  # the slot's row drafted since it joined
         self._schedule: List[int] = []  # calibration: the draft lengths of the next steps
         self._warming = False  # the next observed step is the calibration's first: not timed
@@ -332,6 +342,7 @@ class LoadGatedK:
         line = self.draft.line(width)
         fixed, per_token = line if line is not None else (0.0, DEFAULT_PRIOR_DRAFT_COST * verify[0])
         drafts = np.maximum(fixed + per_token * np.arange(self.k_max + 1), 0.0)
+        drafts[1:] += self.join_tokens * self._draft_prefill_per_token(width)  # (module docstring, "Joining rows")
         drafts[0] = 0.0  # no draft pass
         host = 0.0 if math.isnan(self.host) else self.host
         return np.array(verify) + drafts + host
@@ -404,8 +415,13 @@ class LoadGatedK:
             self.floor.observe(tokens, seconds)
         self._prefill_seen = True
 
+    def record_joins(self, tokens: int) -> None:
+        """Once per decode step: the prompt tokens of the rows that joined since the last one (J)."""
+        self.join_tokens = (1.0 - JOIN_SMOOTHING) * self.join_tokens + JOIN_SMOOTHING * max(int(tokens), 0)
+
     def record_draft_prefill(self, tokens: int, seconds: float) -> None:
-        """The batcher started the deferred draft prefills of ``tokens`` committed tokens in ``seconds``."""
+        """The batcher prefilled ``tokens`` tokens into the drafter in ``seconds`` (a joining row's prompt, or
+        the deferred draft prefills when speculation switches on)."""
         if tokens > 0 and seconds > 0:
             self.prefill_per_token = moving_average(self.prefill_per_token, seconds / tokens, DEFAULT_COST_SMOOTHING)
 
@@ -413,12 +429,18 @@ class LoadGatedK:
         """What the next draft pass spends feeding the tokens the ``running`` slots' rows committed in plain
         steps since the last one (counted per slot), and the draft prefills of the rows that joined while
         speculation was off (``pending_tokens``), each at its measured time per token."""
-        per_token = self.feed_per_token
-        if math.isnan(per_token):
-            line = self.draft.line(width)
-            per_token = 0.0 if line is None else line[1] / width
-        prefill = per_token if math.isnan(self.prefill_per_token) else self.prefill_per_token
-        return int(self._behind[list(running)].sum()) * per_token + pending_tokens * prefill
+        per_token = self._feed_per_token(width)
+        return int(self._behind[list(running)].sum()) * per_token + pending_tokens * self._draft_prefill_per_token(width)
+
+    def _feed_per_token(self, width: int) -> float:
+        """Seconds per token of a catch-up feed (before one was timed: the draft's per-token cost at w rows / w)."""
+        if not math.isnan(self.feed_per_token):
+            return self.feed_per_token
+        line = self.draft.line(width)
+        return 0.0 if line is None else line[1] / width
+
+    def _draft_prefill_per_token(self, width: int) -> float:
+        return self._feed_per_token(width) if math.isnan(self.prefill_per_token) else self.prefill_per_token
 
     def observe(self, width: int, choice: DraftChoice, outcome: StepOutcome, *, verify_width: int,
                 draft_time: float, verify_time: float, host_time: float) -> None:
