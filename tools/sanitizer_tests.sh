@@ -3,7 +3,8 @@
 # (cpp_tests/*.cpp, with the CPU kernels of csrc/cpu instrumented) and the emulated CUDA kernel
 # tests (cpp_tests/cuda_emu, cpp_tests/emulated, with the kernels of csrc/cuda instrumented). Any
 # report fails the run (UBSan does not recover). Run inside the environment where torch is
-# installed (.venv); see docs/testing.md.
+# installed (.venv); see docs/testing.md. `--build-only`: build, run nothing (.ci/run builds beside the
+# Python suite, which keeps one core busy, and runs the tests after it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . tools/cmake_prerequisites.sh
@@ -13,6 +14,7 @@ build="${SPECDEC_SANITIZE_BUILD:-build/sanitize}"
 cmake -S . -B "$build" -DCMAKE_PREFIX_PATH="$TORCH_PREFIX" -DSPECDEC_EMULATED_TESTS=ON -DSPECDEC_SANITIZE=ON \
   -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 >/dev/null
 cmake --build "$build" -j"${MAX_JOBS:-2}"
+[ "${1:-}" = "--build-only" ] && exit 0
 # libtorch is not instrumented and keeps allocations alive until exit (leak checks off); the
 # emulator's fibers are announced to ASan, so stack switches are not reported.
 export ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:strict_string_checks=1:check_initialization_order=1${ASAN_OPTIONS:+:$ASAN_OPTIONS}"
