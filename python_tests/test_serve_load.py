@@ -327,6 +327,7 @@ def test_calibration_times_every_draft_length_then_forgets_its_request(pair):
     assert not engine.batcher.running and not engine.metrics.finished and not engine.metrics.draft_lengths
     assert engine.metrics.steps.steps == 0
     assert np.allclose(controller.pooled, controller.pooled[0]) and controller.acceptance().shape == (4, k)
+    assert controller.join_tokens == 0.0  # (its own prompt's join is not the clients')
     got = _run(engine, [_request(tokenizer, p, max_new=24) for p in PROMPTS[:3]])
     for prompt, tokens in zip(PROMPTS[:3], got):
         want = plain_generate([prompt], pair[0], max_new_tokens=24, eos_token_id=False, tokenizer=tokenizer)

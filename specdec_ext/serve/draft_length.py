@@ -300,11 +300,11 @@ class LoadGatedK:
         return bool(self._schedule)
 
     def end_calibration(self) -> None:
-        """Forget the calibration request's rows (acceptance, the pooled prior); keep the costs it measured."""
+        """Forget the calibration request's rows (acceptance, the pooled prior, its join); keep the costs it measured."""
         self._schedule = []
         self.pooled = np.full(self.k_max, DEFAULT_PRIOR_ACCEPTANCE)
         self.shape = np.ones(self.k_max)
-        self._cap, self._since_draft, self._held = 0, 0, None
+        self._cap, self._since_draft, self._held, self.join_tokens = 0, 0, None, 0.0
         self._behind[:] = 0
         self._interval, self._next_explore = self.explore_every, self.step + self.explore_every
         for slot in range(self.reached.shape[0]):
