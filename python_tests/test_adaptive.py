@@ -784,6 +784,91 @@ def test_the_model_drafter_after_many_skipped_steps_feeds_committed_tokens_only(
     assert torch.equal(fresh.propose(meta).token_ids, proposed)
 
 
+def test_a_windowed_draft_prefill_drafts_as_a_drafter_given_the_window_alone(tiny_pair):
+    """prefill_window over 40 committed tokens with a window of 12 proposes, after skipped steps and a
+    commit, exactly what a drafter prefilled with those 12 tokens alone proposes over a buffer holding
+    them alone (its cache positions count from the window's start: the same relative positions); the
+    cache lengths differ by the offset throughout."""
+    from specdec_ext.drafters import ModelDrafter
+    from specdec_ext.metadata import SpecDecodeMetadata, Verdict
+    from specdec_ext.runners import make_runner
+    from specdec_ext.sampling import SamplingParams
+    _, draft_model = tiny_pair
+    factory = lambda **kw: make_runner("lean", draft_model, **kw)  # noqa: E731
+    committed = [(7 * i + 3) % 60 + 1 for i in range(41)]  # 40 fed at the prefill, the 41st pending
+    window, offset = 12, 40 - 12
+    metas, drafters = [], []
+    for tokens in (committed, committed[offset:]):
+        meta = SpecDecodeMetadata.allocate(batch_size=1, slots=4, max_seq_len=80, sampling=SamplingParams(),
+                                           seeds=torch.zeros(1, dtype=torch.int64))
+        meta.token_buffer[0, : len(tokens)] = torch.tensor(tokens)
+        meta.seq_lens[0] = len(tokens)
+        meta.target_input[0, 0] = tokens[-1]
+        metas.append(meta)
+        drafters.append(ModelDrafter(draft_model, factory, k=4, vocab_size=64))
+    drafters[0].prefill_window([committed[:40]], metas[0], window)
+    drafters[1].prefill([committed[offset:40]], metas[1])
+    assert drafters[0].runner.lengths.tolist() == drafters[1].runner.lengths.tolist() == [window]
+    for step in range(3):  # plain steps the drafter skips, then a proposal that catches up
+        for meta, drafter in zip(metas, drafters):
+            drafter.skip(meta)
+            meta.token_buffer[0, meta.seq_lens[0]] = 5 + step
+            meta.seq_lens[0] += 1
+    proposals = [d.propose(m).token_ids.clone() for d, m in zip(drafters, metas)]
+    assert torch.equal(proposals[0], proposals[1])
+    for meta, drafter in zip(metas, drafters):  # two drafts accepted and a bonus token: 3 committed
+        meta.num_kept.fill_(3)
+        meta.token_buffer[0, meta.seq_lens[0]: meta.seq_lens[0] + 3] = torch.tensor([*proposals[0][0, :2].tolist(), 9])
+        meta.seq_lens[0] += 3
+        drafter.commit(meta, Verdict(meta.output_tokens, torch.tensor([2], dtype=torch.int32)))
+    assert drafters[0].runner.lengths.tolist() == drafters[1].runner.lengths.tolist()  # the same tokens kept
+    assert torch.equal(drafters[0].propose(metas[0]).token_ids, drafters[1].propose(metas[1]).token_ids)
+
+
+class LookThenSpeculate(AdaptiveK):
+    """Plain segments, one look (an exploration while off), plain segments, then speculation from
+    ``switch_on`` steps on; records the drafter prefills it is told of (tokens)."""
+
+    def __init__(self, k_max, switch_on=5):
+        super().__init__(k_max)
+        self.calls, self.switch_on, self.prefills = 0, switch_on, []
+
+    def plan(self, active, remaining=None, prefill=0):
+        self.calls += 1
+        self._speculating = self.calls >= self.switch_on
+        k = 3 if self._speculating else (1 if self.calls == 3 else 0)
+        return [k if a else 0 for a in active]
+
+    def record_prefill(self, seconds, tokens):
+        self.prefills.append(tokens)
+        super().record_prefill(seconds, tokens)
+
+
+def test_a_look_prefills_the_draft_with_a_window_and_speculation_with_the_whole_context(tiny_pair):
+    """k="auto"'s first look at a long prompt prefills the draft model with the last LOOK_WINDOW committed
+    tokens of each row; the first step that speculates prefills it with every committed token (its
+    cache offsets back to 0); the greedy tokens are plain greedy's throughout."""
+    from specdec_ext import plain_generate
+    from specdec_ext.decode import LOOK_WINDOW
+    from specdec_ext.drafters import ModelDrafter
+    from specdec_ext.runners import make_runner
+    from test_generate_utils import one_thread
+    target, draft = tiny_pair
+    prompts = [[(5 * i + 1) % 63 + 1 for i in range(LOOK_WINDOW + 20)], [9, 8, 7] * 15]
+    with one_thread():
+        plain = plain_generate(prompts, target, max_new_tokens=40, eos_token_id=False)
+        def fresh():
+            return ModelDrafter(draft, lambda **kw: make_runner("lean", draft, **kw), k=4, vocab_size=64)
+        run_decode(target, fresh(), prompts, AdaptiveK(4), 4)  # the start-up probes (they prefill the drafter whole)
+        drafter, controller = fresh(), LookThenSpeculate(4)
+        rows, stats = run_decode(target, drafter, prompts, controller, 40)
+    assert [r.tokens for r in rows] == plain.token_ids
+    assert controller.prefills[0] == 2 * LOOK_WINDOW  # the look: each row's window
+    assert len(controller.prefills) == 2 and controller.prefills[1] > sum(map(len, prompts))  # then everything
+    assert drafter._offsets.tolist() == [0, 0]
+    assert stats.adaptive["plain_chain_passes"] > 0 and stats.draft_time > 0
+
+
 @pytest.mark.parametrize("controller_kind", ["auto", "random"])
 def test_greedy_through_adaptive_k_equals_the_target_greedy(tiny_pair, controller_kind):
     from specdec_ext import generate
@@ -890,7 +975,8 @@ def test_greedy_through_plain_segments_and_steps_mixed_equals_plain_greedy(tiny_
     from specdec_ext.runners import make_runner
     from test_generate_utils import one_thread
     target, draft = tiny_pair
-    prompts = [[1, 2, 3, 4, 5], [9, 8, 7], [3, 3, 3, 3, 3, 3], [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]]
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7], [3, 3, 3, 3, 3, 3], [5, 6, 7, 8, 5, 6, 7, 8, 5, 6],
+               [(3 * i + 2) % 61 + 1 for i in range(45)]]  # longer than a look's window (decode.LOOK_WINDOW)
     with one_thread():
         free = plain_generate(prompts, target, max_new_tokens=40, eos_token_id=False)
         eos = free.token_ids[2][12]

@@ -141,6 +141,9 @@ the drafter's earlier generations, until the rows have their own). This is an ex
 a prompt whose acceptance turns out low has paid the drafter's prefill and the steps it takes the
 counts to see it (measured on the bundled pair: the prefill is 2.5% of a 64-token generation of a
 147-token prompt, prefill included; the steps about as much again), which no later step earns back.
+So a look (``looking``: the plan's drafts are explorations only) prefills the draft model with the
+prompt's last tokens only (decode.py, ``DrafterPrefill`` and LOOK_WINDOW), and the whole prefill is
+paid by the first step that speculates, which ``plan``'s ``prefill`` makes repay it.
 
 Exploration. A row whose choice is 0 stops producing acceptance data, so its estimate could never
 recover after a change of regime (the text becomes repetitive, a new prompt section...). Every
@@ -820,6 +823,11 @@ class AdaptiveK:
         self.accepted[:, 0] = m * a[0]
         self.shape = np.ones(self.k_max)
         self.shape[1:] = np.where(a[:-1] > 0, a[1:] / np.maximum(a[:-1], 1e-12), 1.0)
+
+    @property
+    def looking(self) -> bool:
+        """Whether the last plan's drafts are explorations only (speculation is off): a look at the prompt."""
+        return not self._speculating
 
     def finish(self) -> Dict[str, object]:
         """The loop's call at the end: leave the draft costs (per token, per count, the prefill's) and the

@@ -34,13 +34,17 @@ from .profiling import nvtx_range
 from .runners import ModelRunner
 from .sampling import SamplingParams
 from .stats import GenerationStats, StepOutcome, Timer
-from .step import StepOptions, Stepper, Verifier, append_tokens, emit, lossless_verify, read_logprobs, sample_plain
+from .step import StepOptions, Stepper, Verifier, emit, lossless_verify, read_logprobs, sample_plain
 from .stops import RowState, StopCriteria, apply_stops
 
 FIRST_DECODE_STEP = 1  # Philox step 0 samples the first token from the prefill logits
 # Greedy plain decoding on a runner that chains (the CPU kernels): one-token passes per greedy_chain
 # call, the stops checked between calls; the passes past a row's stop are wasted, at most this many - 1.
 PLAIN_CHAIN_TOKENS = 8
+# Adaptive k's first look at a prompt (an exploration before the drafter was prefilled) prefills the draft
+# model with this many of the prompt's last tokens only (``DrafterPrefill``): on prompts that do not pay,
+# the look is what k="auto" loses to plain decoding, and the draft's prefill was most of it
+LOOK_WINDOW = 32
 
 
 @dataclass(frozen=True)
@@ -233,23 +237,39 @@ def plain_segment(target: ModelRunner, drafter: Optional[Drafter], meta: SpecDec
     n = 0 (nothing run) when the cache has no room for a pass."""
     B = len(rows)
     active = [not r.finished for r in rows]
-    meta.active.copy_(torch.tensor(active))
     n = chain_length(target, rows, stop)
     if n < 1:
         return [], 0
+    kept = [n if a else 0 for a in active]
     lengths = None if all(active) else target.lengths.clone()  # [B]
     chain = torch.empty((B, n + 1), dtype=torch.int64)  # [B, 1 + n]: pending, then n argmaxes
-    chain[:, 0] = meta.pending_tokens()[:, 0].cpu()
+    chain[:, 0] = meta.target_input[:, 0].cpu()  # (the pending tokens)
     target.greedy_chain(chain, n + 1, check_logits=True)
-    if lengths is None:
-        meta.num_kept.fill_(n)
-    else:
-        meta.num_kept.copy_(torch.tensor([n if a else 0 for a in active], dtype=torch.int64))
-        target.truncate(lengths + meta.num_kept.to(lengths.device))
-    append_tokens(meta, chain[:, 1:].to(meta.device))
+    if lengths is not None:
+        target.truncate(lengths + torch.tensor(kept, dtype=torch.int64, device=lengths.device))
+    append_chain(meta, chain, kept)
     if drafter is not None:
+        meta.active.copy_(torch.tensor(active))
+        meta.num_kept.copy_(torch.tensor(kept, dtype=torch.int64))
         skip_drafter(drafter, meta, n)
     return chain[:, 1:].tolist(), n
+
+
+def append_chain(meta: SpecDecodeMetadata, chain: torch.Tensor, kept: List[int]) -> None:
+    """A plain segment's tokens into the token buffer: row b keeps the first ``kept[b]`` of chain[b, 1:]
+    (host [B, 1 + n]); what ``append_tokens`` does for a step, in a few host-indexed copies (a segment
+    runs between two passes that stream the weights through the caches, where every op call is dear)."""
+    ends = meta.seq_lens.tolist()
+    for b, count in enumerate(kept):
+        if count:
+            meta.token_buffer[b, ends[b]: ends[b] + count] = chain[b, 1: 1 + count].to(meta.device)
+    meta.seq_lens.add_(torch.tensor(kept, dtype=torch.int64, device=meta.device))
+    if all(kept):
+        meta.target_input[:, 0].copy_(chain[:, -1].to(meta.device))
+        return
+    for b, count in enumerate(kept):
+        if count:
+            meta.target_input[b, 0] = chain[b, count].item()
 
 
 def timed_segment(loop: "LoopState", drafter: Optional[Drafter], adaptive: AdaptiveK,
@@ -312,13 +332,13 @@ def run_steps(loop: LoopState, config: LoopConfig, adaptive: Optional[AdaptiveK]
             active = [not r.finished for r in loop.rows]
             budget = adaptive.plan(active, tokens_left(loop.rows, loop.stop), drafter_prefill.pending())
         if segments and max(budget) == 0:
-            new, passes = timed_segment(loop, loop.drafter if drafter_prefill.done else None, adaptive, host)
+            new, passes = timed_segment(loop, loop.drafter if drafter_prefill.ready else None, adaptive, host)
             if passes:
                 step += passes
                 yield from host.hand_over(new)
                 continue
-        if not drafter_prefill.done:
-            host.held_since(drafter_prefill.run())  # (the drafter's prefill is not host work between steps)
+        if not drafter_prefill.done:  # (the drafter's prefill is not host work between steps)
+            host.held_since(drafter_prefill.run(look=adaptive is not None and adaptive.looking))
         result = stepper.step(loop.rows, stops, budget)
         loop.stats.draft_time += result.draft_time
         loop.stats.verify_time += result.verify_time
@@ -342,31 +362,47 @@ class DrafterPrefill:
     plain chain segments) until the loop first needs the drafter, so that a generation that never
     speculates never pays for it. A deferred prefill feeds every committed token but the pending one,
     what ``prefill`` gives it at the start; its time counts as prefill time, and adaptive k learns its
-    cost per token (``AdaptiveK.record_prefill``)."""
+    cost per token (``AdaptiveK.record_prefill``). A ``look`` (the loop's steps draft explorations only)
+    prefills a drafter that has ``windowed_prefill`` with the last LOOK_WINDOW committed tokens of each
+    row: enough for the exploration to measure the acceptance, at a fraction of the cost where the
+    prompt turns out not to pay; the first step that speculates then prefills the whole context."""
 
     def __init__(self, drafter: Optional[Drafter], meta: SpecDecodeMetadata, timer: Timer,
                  stats: GenerationStats, deferred: bool, adaptive: Optional[AdaptiveK]):
         self.drafter, self.meta, self.timer, self.stats, self.adaptive = drafter, meta, timer, stats, adaptive
-        self.done = not deferred
+        self.done = not deferred  # the drafter holds every committed token but the pending ones
+        self.windowed = False  # it holds a look's window (it can draft; a switch on prefills all)
+
+    @property
+    def ready(self) -> bool:
+        """Whether the drafter can propose now (its whole context, or a look's window)."""
+        return self.done or self.windowed
 
     def pending(self) -> int:
-        """Tokens a prefill now would feed (0 once done)."""
+        """Tokens the whole prefill would feed (0 once done): what a switch on must repay."""
         return 0 if self.done else int(self.meta.seq_lens.sum()) - self.meta.batch_size
 
-    def run(self) -> float:
-        """Prefill the drafter now (at most once); returns when it started (``timer.now()``)."""
+    def run(self, look: bool = False) -> float:
+        """Prefill the drafter now, unless it is ready for what the step needs (``look``: a window does);
+        returns when it started (``timer.now()``)."""
         begin = self.timer.now()
-        if not self.done:
-            tokens = self.pending()
-            self.done = True
-            lengths = self.meta.seq_lens.tolist()
-            buffer = self.meta.token_buffer.cpu()  # [B, S]
-            with nvtx_range("prefill"):
-                self.drafter.prefill([buffer[b, : lengths[b] - 1].tolist() for b in range(len(lengths))], self.meta)
-            seconds = self.timer.now() - begin
-            self.stats.prefill_time += seconds
-            if self.adaptive is not None:
-                self.adaptive.record_prefill(seconds, tokens)
+        if self.done or (look and self.windowed):
+            return begin
+        lengths = self.meta.seq_lens.tolist()
+        buffer = self.meta.token_buffer.cpu()  # [B, S]
+        committed = [buffer[b, : lengths[b] - 1].tolist() for b in range(len(lengths))]
+        window = look and self.drafter.windowed_prefill and max(map(len, committed)) > LOOK_WINDOW
+        with nvtx_range("prefill"):
+            if window:
+                self.drafter.prefill_window(committed, self.meta, LOOK_WINDOW)
+            else:
+                self.drafter.prefill(committed, self.meta)
+        self.done, self.windowed = not window, window
+        tokens = sum(min(len(c), LOOK_WINDOW) if window else len(c) for c in committed)
+        seconds = self.timer.now() - begin
+        self.stats.prefill_time += seconds
+        if self.adaptive is not None:
+            self.adaptive.record_prefill(seconds, tokens)
         return begin
 
 

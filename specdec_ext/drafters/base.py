@@ -18,9 +18,15 @@ class Drafter:
     # serving: a row may join with a one-token stand-in and be started with its committed tokens when it
     # first drafts (start_rows needs nothing but token ids)
     deferrable_start: bool = False
+    # prefill_window: a first look at a prompt may prefill its last tokens only (adaptive k, decode.py)
+    windowed_prefill: bool = False
 
     def prefill(self, prompts: Sequence[Sequence[int]], meta: SpecDecodeMetadata) -> None:
         raise NotImplementedError
+
+    def prefill_window(self, prompts: Sequence[Sequence[int]], meta: SpecDecodeMetadata, window: int) -> None:
+        """``prefill`` with each prompt's last ``window`` tokens (``windowed_prefill`` drafters)."""
+        raise NotImplementedError(f"{type(self).__name__} has no windowed prefill")
 
     def propose(self, meta: SpecDecodeMetadata, budget: Optional[Sequence[int]] = None) -> Proposal:
         raise NotImplementedError

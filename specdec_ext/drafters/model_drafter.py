@@ -11,6 +11,11 @@ Per step (shapes: B rows, k drafts, V the target's vocabulary, V_d the draft mod
    feed the sampled token (except after the last one)
 3. commit (after verification): truncate the draft cache to the tokens it fed that were committed.
 
+A windowed prefill (``prefill_window``, adaptive k's first look at a prompt, decode.py ``DrafterPrefill``)
+gives the draft model only the last ``window`` tokens of each prompt: row b's cache then starts at
+committed position ``offsets[b]`` (its positions count from 0 there: a rotary model sees the same
+relative positions), and every comparison of the cache's length with the committed length adds it.
+
 Vocabularies padded to different sizes are reconciled here: draft logits beyond the target's V are
 dropped, missing ones are -inf (never proposed).
 """
@@ -36,6 +41,7 @@ class ModelDrafter(Drafter):
 
     device_steps = True  # proposes on the device (needs a runner with device steps: the paged one in host mode)
     deferrable_start = True
+    windowed_prefill = True
 
     def __init__(self, model, runner_factory: RunnerFactory, *, k: int, vocab_size: int,
                  confidence_threshold: float = 0.0):
@@ -68,11 +74,22 @@ class ModelDrafter(Drafter):
         self._prepare(meta)
         self.runner.start([list(p) for p in prompts])  # the draft's prompt logits are not needed
 
+    def prefill_window(self, prompts: Sequence[Sequence[int]], meta: SpecDecodeMetadata, window: int) -> None:
+        """``prefill`` with the last ``window`` tokens of each prompt (at least one); the earlier ones are
+        never fed (module docstring)."""
+        if window < 1:
+            raise ValueError(f"prefill_window: window must be >= 1, got {window}")
+        self._prepare(meta)
+        cut = [list(p)[-window:] for p in prompts]
+        self.runner.start(cut)
+        self._offsets[: len(cut)] = torch.tensor([len(p) - len(c) for p, c in zip(prompts, cut)], dtype=torch.int64)
+
     def start_rows(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], meta: SpecDecodeMetadata) -> None:
         """Continuous batching: rows join (``meta`` covers every slot; the buffers are made once)."""
         if self.token_ids is None or self.token_ids.shape[0] != meta.batch_size:
             self._prepare(meta)
         self.runner.start_rows(rows, [list(p) for p in prompts])
+        self._offsets[list(rows)] = 0
 
     def free_rows(self, rows: Sequence[int]) -> None:
         self.runner.free_rows(rows)
@@ -86,6 +103,7 @@ class ModelDrafter(Drafter):
         self._feed_columns = torch.arange(MAX_DRAFT_FEED, dtype=torch.int64, device=device)  # [2]
         self._ones = torch.ones((B,), dtype=torch.int64, device=device)  # [B]
         self._rows = torch.arange(B, dtype=torch.int64, device=device)  # [B]
+        self._offsets = torch.zeros((B,), dtype=torch.int64, device=device)  # [B] committed position of cache slot 0
         self._skipped, self._skipped_step = False, False
 
     def _allocate(self, meta: SpecDecodeMetadata) -> None:
@@ -110,7 +128,8 @@ class ModelDrafter(Drafter):
 
     def _unseen(self, meta: SpecDecodeMetadata) -> Tuple[torch.Tensor, torch.Tensor]:
         """The committed tokens not yet in the draft cache: (feed [B, W], num_feed [B])."""
-        seen = self.runner.lengths.to(meta.device)  # [B]
+        cached = self.runner.lengths.to(meta.device)  # [B]
+        seen = cached + self._offsets[: cached.shape[0]]  # [B] committed positions
         num_feed = meta.seq_lens - seen  # [B], 1..MAX_DRAFT_FEED (catch_up ran after skipped steps)
         columns = self._feed_columns
         # padding columns repeat the last committed token: past it the buffer holds no token ids (its
@@ -198,14 +217,16 @@ class ModelDrafter(Drafter):
             return
         self._skipped = False
         B = self.runner.batch_size
-        seen = self.runner.lengths[:B].tolist()
+        cached = self.runner.lengths[:B].tolist()
+        offsets = self._offsets[:B].tolist()
+        seen = [c + o for c, o in zip(cached, offsets)]  # committed positions
         ends = meta.seq_lens[:B].tolist()
         rows = [b for b in range(B) if ends[b] - 1 > seen[b]]
         if rows:
-            self._append(rows, [meta.token_buffer[b, seen[b]: ends[b] - 1].tolist() for b in rows], seen, meta)
+            self._append(rows, [meta.token_buffer[b, seen[b]: ends[b] - 1].tolist() for b in rows], cached, meta)
 
     def _append(self, rows: List[int], chunks: List[List[int]], seen: List[int], meta: SpecDecodeMetadata) -> None:
-        """Committed tokens ``chunks[i]`` into the draft cache of ``rows[i]``: extend_rows where the runner
+        """Committed tokens ``chunks[i]`` into the draft cache of ``rows[i]`` (``seen[b]``: row b's cache length): extend_rows where the runner
         has it (in one call where one block fits every row's cache, else row by row: a block is as wide as
         its longest chunk in every row), else one forward with per-row counts (the paged runner reserves
         each row's pages by its count)."""
@@ -237,8 +258,8 @@ class ModelDrafter(Drafter):
             return
         seq_old = meta.seq_lens - meta.num_kept  # [B]
         accepted = verdict.num_accepted.to(torch.int64).clamp(min=0, max=self._fed_drafts)  # [B]
-        valid = torch.minimum(seq_old + accepted, meta.seq_lens - 1)  # [B]
-        self.runner.truncate(valid)
+        valid = torch.minimum(seq_old + accepted, meta.seq_lens - 1)  # [B] committed positions
+        self.runner.truncate(valid - self._offsets[: valid.shape[0]])
 
     # ------------------------------------------------------------------ device steps (serve/batcher.py)
     def reserve_step(self, width: int) -> None:
