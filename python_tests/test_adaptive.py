@@ -826,21 +826,24 @@ def test_a_windowed_draft_prefill_drafts_as_a_drafter_given_the_window_alone(tin
 
 
 class LookThenSpeculate(AdaptiveK):
-    """Plain segments, one look (an exploration while off), plain segments, then speculation from
-    ``switch_on`` steps on; records the drafter prefills it is told of (tokens)."""
+    """Plain segments, one look at call ``look_at`` (an exploration while off), plain segments, then
+    speculation from call ``switch_on`` on; records the drafter prefills it is told of (tokens) and how
+    many steps had drafted before each."""
 
-    def __init__(self, k_max, switch_on=5):
+    def __init__(self, k_max, switch_on=5, look_at=3):
         super().__init__(k_max)
-        self.calls, self.switch_on, self.prefills = 0, switch_on, []
+        self.calls, self.switch_on, self.look_at = 0, switch_on, look_at
+        self.prefills, self.prefilled_after = [], []
 
     def plan(self, active, remaining=None, prefill=0):
         self.calls += 1
         self._speculating = self.calls >= self.switch_on
-        k = 3 if self._speculating else (1 if self.calls == 3 else 0)
+        k = 3 if self._speculating else (1 if self.calls == self.look_at else 0)
         return [k if a else 0 for a in active]
 
     def record_prefill(self, seconds, tokens):
         self.prefills.append(tokens)
+        self.prefilled_after.append(self._drafted_steps)
         super().record_prefill(seconds, tokens)
 
 
@@ -867,6 +870,29 @@ def test_a_look_prefills_the_draft_with_a_window_and_speculation_with_the_whole_
     assert len(controller.prefills) == 2 and controller.prefills[1] > sum(map(len, prompts))  # then everything
     assert drafter._offsets.tolist() == [0, 0]
     assert stats.adaptive["plain_chain_passes"] > 0 and stats.draft_time > 0
+
+
+def test_speculation_on_the_prior_alone_drafts_from_a_window_for_its_first_steps(tiny_pair):
+    """A generation that speculates from its first step (the prior's word, before the rows' own counts)
+    drafts from the look's window for its first LOOK_STEPS drafting steps, then prefills the whole
+    context; the greedy tokens are plain greedy's."""
+    from specdec_ext import plain_generate
+    from specdec_ext.adaptive import LOOK_STEPS
+    from specdec_ext.decode import LOOK_WINDOW
+    from specdec_ext.drafters import ModelDrafter
+    from specdec_ext.runners import make_runner
+    from test_generate_utils import one_thread
+    target, draft = tiny_pair
+    prompts = [[(5 * i + 1) % 63 + 1 for i in range(LOOK_WINDOW + 20)], [9, 8, 7] * 15]
+    with one_thread():
+        plain = plain_generate(prompts, target, max_new_tokens=40, eos_token_id=False)
+        def fresh():
+            return ModelDrafter(draft, lambda **kw: make_runner("lean", draft, **kw), k=4, vocab_size=64)
+        run_decode(target, fresh(), prompts, AdaptiveK(4), 4)  # the start-up probes
+        controller = LookThenSpeculate(4, switch_on=1, look_at=None)
+        rows, _ = run_decode(target, fresh(), prompts, controller, 40)
+    assert [r.tokens for r in rows] == plain.token_ids
+    assert controller.prefills[0] == 2 * LOOK_WINDOW and controller.prefilled_after == [0, LOOK_STEPS]
 
 
 @pytest.mark.parametrize("controller_kind", ["auto", "random"])

@@ -141,9 +141,10 @@ the drafter's earlier generations, until the rows have their own). This is an ex
 a prompt whose acceptance turns out low has paid the drafter's prefill and the steps it takes the
 counts to see it (measured on the bundled pair: the prefill is 2.5% of a 64-token generation of a
 147-token prompt, prefill included; the steps about as much again), which no later step earns back.
-So a look (``looking``: the plan's drafts are explorations only) prefills the draft model with the
-prompt's last tokens only (decode.py, ``DrafterPrefill`` and LOOK_WINDOW), and the whole prefill is
-paid by the first step that speculates, which ``plan``'s ``prefill`` makes repay it.
+So a look (``looking``: the plan's drafts are explorations, or the generation's first LOOK_STEPS
+drafting steps, speculation switched on by the prior alone) prefills the draft model with the prompt's
+last tokens only (decode.py, ``DrafterPrefill`` and LOOK_WINDOW), and the whole prefill is paid by the
+first step that speculates after it, which ``plan``'s ``prefill`` makes repay it.
 
 Exploration. A row whose choice is 0 stops producing acceptance data, so its estimate could never
 recover after a change of regime (the text becomes repetitive, a new prompt section...). Every
@@ -238,6 +239,12 @@ SWITCH_MARGIN = 0.04
 SWITCH_ON_MARGIN = 0.05
 COST_REFRESH_STEPS = 8  # plan() refits time(k) to the measurements every this many steps
 EXPLORE_BACKOFF = 4  # fruitless explorations stretch the interval up to this many times explore_every
+# A generation's first steps that draft are a look at its prompt (``looking``: the drafter may run from a
+# window of it, decode.py) until this many of them gave the rows their own counts: a speculation switched
+# on by the prior alone (earlier generations' acceptance) then pays the whole draft prefill only where the
+# prompt's own first drafts bear it out (measured: anchor prompts of acceptance 0.65 after ones of 1.0
+# started speculating on the prior, paid the draft's prefill of 290 tokens and lost 10-12% to plain)
+LOOK_STEPS = 4
 # Weight of a finished generation's pooled acceptance in the next generations' prior (about the last
 # three generations): with the last one's alone, whether a prompt started speculating followed the
 # prompt before it (measured: the anchor's prompts alternate between acceptance 0.55 and 1.0).
@@ -826,8 +833,9 @@ class AdaptiveK:
 
     @property
     def looking(self) -> bool:
-        """Whether the last plan's drafts are explorations only (speculation is off): a look at the prompt."""
-        return not self._speculating
+        """Whether the last plan's drafts are a look at the prompt: explorations (speculation is off), or
+        among the generation's first LOOK_STEPS steps that drafted."""
+        return not self._speculating or self._drafted_steps < LOOK_STEPS
 
     def finish(self) -> Dict[str, object]:
         """The loop's call at the end: leave the draft costs (per token, per count, the prefill's) and the

@@ -362,10 +362,11 @@ class DrafterPrefill:
     plain chain segments) until the loop first needs the drafter, so that a generation that never
     speculates never pays for it. A deferred prefill feeds every committed token but the pending one,
     what ``prefill`` gives it at the start; its time counts as prefill time, and adaptive k learns its
-    cost per token (``AdaptiveK.record_prefill``). A ``look`` (the loop's steps draft explorations only)
-    prefills a drafter that has ``windowed_prefill`` with the last LOOK_WINDOW committed tokens of each
-    row: enough for the exploration to measure the acceptance, at a fraction of the cost where the
-    prompt turns out not to pay; the first step that speculates then prefills the whole context."""
+    cost per token (``AdaptiveK.record_prefill``). A ``look`` (``AdaptiveK.looking``: explorations, or a
+    generation's first drafting steps) prefills a drafter that has ``windowed_prefill`` with the last
+    LOOK_WINDOW committed tokens of each row: enough to measure the prompt's acceptance, at a fraction of
+    the cost where it turns out not to pay; the first step that speculates after the look prefills the
+    whole context."""
 
     def __init__(self, drafter: Optional[Drafter], meta: SpecDecodeMetadata, timer: Timer,
                  stats: GenerationStats, deferred: bool, adaptive: Optional[AdaptiveK]):
