@@ -847,10 +847,9 @@ class LookThenSpeculate(AdaptiveK):
         super().record_prefill(seconds, tokens)
 
 
-def test_a_look_prefills_the_draft_with_a_window_and_speculation_with_the_whole_context(tiny_pair):
-    """k="auto"'s first look at a long prompt prefills the draft model with the last LOOK_WINDOW committed
-    tokens of each row; the first step that speculates prefills it with every committed token (its
-    cache offsets back to 0); the greedy tokens are plain greedy's throughout."""
+def run_look(tiny_pair, controller):
+    """Two rows longer than a look's window through decode with ``controller`` (after a warm-up that runs
+    the start-up probes, which prefill the drafter whole): (rows, stats, drafter, plain greedy's tokens)."""
     from specdec_ext import plain_generate
     from specdec_ext.decode import LOOK_WINDOW
     from specdec_ext.drafters import ModelDrafter
@@ -862,12 +861,22 @@ def test_a_look_prefills_the_draft_with_a_window_and_speculation_with_the_whole_
         plain = plain_generate(prompts, target, max_new_tokens=40, eos_token_id=False)
         def fresh():
             return ModelDrafter(draft, lambda **kw: make_runner("lean", draft, **kw), k=4, vocab_size=64)
-        run_decode(target, fresh(), prompts, AdaptiveK(4), 4)  # the start-up probes (they prefill the drafter whole)
-        drafter, controller = fresh(), LookThenSpeculate(4)
+        run_decode(target, fresh(), prompts, AdaptiveK(4), 4)
+        drafter = fresh()
         rows, stats = run_decode(target, drafter, prompts, controller, 40)
-    assert [r.tokens for r in rows] == plain.token_ids
+    return rows, stats, drafter, plain.token_ids
+
+
+def test_a_look_prefills_the_draft_with_a_window_and_speculation_with_the_whole_context(tiny_pair):
+    """k="auto"'s first look at a long prompt prefills the draft model with the last LOOK_WINDOW committed
+    tokens of each row; the first step that speculates prefills it with every committed token (its
+    cache offsets back to 0); the greedy tokens are plain greedy's throughout."""
+    from specdec_ext.decode import LOOK_WINDOW
+    controller = LookThenSpeculate(4)
+    rows, stats, drafter, plain = run_look(tiny_pair, controller)
+    assert [r.tokens for r in rows] == plain
     assert controller.prefills[0] == 2 * LOOK_WINDOW  # the look: each row's window
-    assert len(controller.prefills) == 2 and controller.prefills[1] > sum(map(len, prompts))  # then everything
+    assert len(controller.prefills) == 2 and controller.prefills[1] > 2 * (LOOK_WINDOW + 20)  # then everything
     assert drafter._offsets.tolist() == [0, 0]
     assert stats.adaptive["plain_chain_passes"] > 0 and stats.draft_time > 0
 
@@ -876,22 +885,11 @@ def test_speculation_on_the_prior_alone_drafts_from_a_window_for_its_first_steps
     """A generation that speculates from its first step (the prior's word, before the rows' own counts)
     drafts from the look's window for its first LOOK_STEPS drafting steps, then prefills the whole
     context; the greedy tokens are plain greedy's."""
-    from specdec_ext import plain_generate
     from specdec_ext.adaptive import LOOK_STEPS
     from specdec_ext.decode import LOOK_WINDOW
-    from specdec_ext.drafters import ModelDrafter
-    from specdec_ext.runners import make_runner
-    from test_generate_utils import one_thread
-    target, draft = tiny_pair
-    prompts = [[(5 * i + 1) % 63 + 1 for i in range(LOOK_WINDOW + 20)], [9, 8, 7] * 15]
-    with one_thread():
-        plain = plain_generate(prompts, target, max_new_tokens=40, eos_token_id=False)
-        def fresh():
-            return ModelDrafter(draft, lambda **kw: make_runner("lean", draft, **kw), k=4, vocab_size=64)
-        run_decode(target, fresh(), prompts, AdaptiveK(4), 4)  # the start-up probes
-        controller = LookThenSpeculate(4, switch_on=1, look_at=None)
-        rows, _ = run_decode(target, fresh(), prompts, controller, 40)
-    assert [r.tokens for r in rows] == plain.token_ids
+    controller = LookThenSpeculate(4, switch_on=1, look_at=None)
+    rows, _, _, plain = run_look(tiny_pair, controller)
+    assert [r.tokens for r in rows] == plain
     assert controller.prefills[0] == 2 * LOOK_WINDOW and controller.prefilled_after == [0, LOOK_STEPS]
 
 
