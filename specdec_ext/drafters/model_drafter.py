@@ -226,10 +226,10 @@ class ModelDrafter(Drafter):
             self._append(rows, [meta.token_buffer[b, seen[b]: ends[b] - 1].tolist() for b in rows], cached, meta)
 
     def _append(self, rows: List[int], chunks: List[List[int]], seen: List[int], meta: SpecDecodeMetadata) -> None:
-        """Committed tokens ``chunks[i]`` into the draft cache of ``rows[i]`` (``seen[b]``: row b's cache length): extend_rows where the runner
-        has it (in one call where one block fits every row's cache, else row by row: a block is as wide as
-        its longest chunk in every row), else one forward with per-row counts (the paged runner reserves
-        each row's pages by its count)."""
+        """Committed tokens ``chunks[i]`` into the draft cache of ``rows[i]`` (``seen[b]``: row b's cache
+        length): extend_rows where the runner has it (in one call where one block fits every row's cache,
+        else row by row: a block is as wide as its longest chunk in every row), else one forward with
+        per-row counts (the paged runner reserves each row's pages by its count)."""
         if self.extends_rows:
             if max(seen[b] for b in rows) + max(map(len, chunks)) <= self.runner.max_seq_len:
                 self.runner.extend_rows(rows, chunks)
