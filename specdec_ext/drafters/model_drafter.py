@@ -83,6 +83,7 @@ class ModelDrafter(Drafter):
         cut = [list(p)[-window:] for p in prompts]
         self.runner.start(cut)
         self._offsets[: len(cut)] = torch.tensor([len(p) - len(c) for p, c in zip(prompts, cut)], dtype=torch.int64)
+        self._windowed = True
 
     def start_rows(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], meta: SpecDecodeMetadata) -> None:
         """Continuous batching: rows join (``meta`` covers every slot; the buffers are made once)."""
@@ -104,6 +105,7 @@ class ModelDrafter(Drafter):
         self._ones = torch.ones((B,), dtype=torch.int64, device=device)  # [B]
         self._rows = torch.arange(B, dtype=torch.int64, device=device)  # [B]
         self._offsets = torch.zeros((B,), dtype=torch.int64, device=device)  # [B] committed position of cache slot 0
+        self._windowed = False  # some offset may be > 0 (prefill_window): else the steps never read them
         self._skipped, self._skipped_step = False, False
 
     def _allocate(self, meta: SpecDecodeMetadata) -> None:
@@ -128,8 +130,9 @@ class ModelDrafter(Drafter):
 
     def _unseen(self, meta: SpecDecodeMetadata) -> Tuple[torch.Tensor, torch.Tensor]:
         """The committed tokens not yet in the draft cache: (feed [B, W], num_feed [B])."""
-        cached = self.runner.lengths.to(meta.device)  # [B]
-        seen = cached + self._offsets[: cached.shape[0]]  # [B] committed positions
+        seen = self.runner.lengths.to(meta.device)  # [B] committed positions
+        if self._windowed:
+            seen = seen + self._offsets[: seen.shape[0]]
         num_feed = meta.seq_lens - seen  # [B], 1..MAX_DRAFT_FEED (catch_up ran after skipped steps)
         columns = self._feed_columns
         # padding columns repeat the last committed token: past it the buffer holds no token ids (its
@@ -218,7 +221,7 @@ class ModelDrafter(Drafter):
         self._skipped = False
         B = self.runner.batch_size
         cached = self.runner.lengths[:B].tolist()
-        offsets = self._offsets[:B].tolist()
+        offsets = self._offsets[:B].tolist() if self._windowed else [0] * B
         seen = [c + o for c, o in zip(cached, offsets)]  # committed positions
         ends = meta.seq_lens[:B].tolist()
         rows = [b for b in range(B) if ends[b] - 1 > seen[b]]
@@ -259,7 +262,7 @@ class ModelDrafter(Drafter):
         seq_old = meta.seq_lens - meta.num_kept  # [B]
         accepted = verdict.num_accepted.to(torch.int64).clamp(min=0, max=self._fed_drafts)  # [B]
         valid = torch.minimum(seq_old + accepted, meta.seq_lens - 1)  # [B] committed positions
-        self.runner.truncate(valid - self._offsets[: valid.shape[0]])
+        self.runner.truncate(valid - self._offsets[: valid.shape[0]] if self._windowed else valid)
 
     # ------------------------------------------------------------------ device steps (serve/batcher.py)
     def reserve_step(self, width: int) -> None:
