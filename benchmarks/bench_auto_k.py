@@ -105,7 +105,7 @@ GROUPS = {
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--isa", choices=["avx512bf16", "avx2", "neon", "portable"],
+    p.add_argument("--isa", choices=["amxbf16", "avx512bf16", "avx2", "neon", "portable"],
                    help="force the CPU kernels' instruction-set path (SPECDEC_CPU_ISA; default: the best this "
                    "CPU runs)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default: 1, as specdec demo and bench)")

@@ -1,13 +1,15 @@
 // The projections of one pass of the bundled target (6 layers of q/k/v, o, gate/up, down and the LM
 // head: 44.6 MB of bf16 weights, streamed from memory: a 64-MB buffer is swept before each pass) or of
 // the bundled draft (2.3 MB, cached), at M = 1 .. 16 rows, on every instruction-set path this CPU has
-// (csrc/cpu/simd), one thread, no torch. Time is the thread's CPU time (robust to a busy machine's
-// descheduling, not to its memory traffic), median of the repeats, the paths interleaved within each;
-// GB/s counts the weights once per pass.
-// Results: BENCHMARKS.md ("The CPU backend on every instruction set").
+// (csrc/cpu/simd; amxbf16 reads the target's weights as packed AMX tiles, as the ops do), one thread,
+// no torch. Time is the thread's CPU time (robust to a busy machine's descheduling, not to its memory
+// traffic), median of the repeats, the paths interleaved within each; GB/s counts the weights once per
+// pass. "warm" leaves out the sweep: the target's weights then come from wherever the last pass left
+// them (a CPU with a large L3 holds all 45 MB, as in decoding).
+// Results: BENCHMARKS.md ("The CPU backend on every instruction set", "Intel AMX").
 //
 //   g++ -std=c++20 -O3 -fno-math-errno -fno-trapping-math -ffp-contract=off -Icsrc
-//       benchmarks/bench_cpu_tiles.cpp -o /tmp/bench_cpu_tiles && /tmp/bench_cpu_tiles [repeats]
+//       benchmarks/bench_cpu_tiles.cpp -o /tmp/bench_cpu_tiles && /tmp/bench_cpu_tiles [repeats] [warm]
 #include <time.h>
 
 #include <algorithm>
@@ -31,8 +33,14 @@ double thread_seconds() {
 }
 
 struct Weight {
-  std::vector<uint16_t> bits;  // bf16 [rows, cols]
+  std::vector<uint16_t> bits, amx_tiles;  // bf16 [rows, cols]; the same as simd/amx.h's packed tiles
   int64_t rows, cols;
+
+  GemmWeight view(Isa isa) const {
+    GemmWeight g{bits.data(), DType::kBF16, rows, cols, cols};
+    if (isa == Isa::kAmxBf16) g.amx_packed = amx_tiles.data();
+    return g;
+  }
 };
 
 std::vector<Weight> model(bool draft, std::mt19937& rng) {
@@ -40,8 +48,10 @@ std::vector<Weight> model(bool draft, std::mt19937& rng) {
   std::normal_distribution<float> normal(0.0f, 0.02f);
   std::vector<Weight> out;
   auto add = [&](int64_t n, int64_t k) {
-    Weight w{std::vector<uint16_t>(n * k), n, k};
+    Weight w{std::vector<uint16_t>(n * k), {}, n, k};
     for (uint16_t& x : w.bits) x = float_to_bf16(normal(rng));
+    w.amx_tiles.resize(amx::packed_elements(w.view(Isa::kPortable)));
+    amx::pack_weight(w.view(Isa::kPortable), w.amx_tiles.data());
     out.push_back(std::move(w));
   };
   for (int64_t l = 0; l < layers; ++l) add(3 * d, d), add(d, d), add(2 * inter, d), add(d, inter);
@@ -51,14 +61,12 @@ std::vector<Weight> model(bool draft, std::mt19937& rng) {
 
 // One pass: every weight applied to M rows of bf16-rounded activations (a bf16 model's), as linear_on does.
 double pass_seconds(Isa isa, const std::vector<Weight>& weights, int64_t M, bool cached, std::vector<float>& x) {
-  const TilePath path = tile_path(isa);
-  std::vector<float> a32(M * 1280), out(M * 8192);
-  std::vector<uint16_t> a16(M * 1280);
+  std::vector<float> out(M * 8192);
+  ActivationBuffers buffers;
   const double t0 = thread_seconds();
   for (const Weight& w : weights) {
-    prepare_activations(x.data(), w.cols, M, w.cols, nullptr, 0.0f, true, a32.data(), w.cols, a16.data(), w.cols);
-    const GemmActivations a{a32.data(), w.cols, path.bf16_dot ? a16.data() : nullptr, w.cols};
-    const GemmWeight g{w.bits.data(), DType::kBF16, w.rows, w.cols, w.cols};
+    const GemmActivations a = prepare_gemm_activations(isa, x.data(), M, w.cols, nullptr, 0.0f, true, cached, buffers);
+    const GemmWeight g = w.view(isa);
     const LinearOutput o{out.data(), w.rows, nullptr};
     fused_linear_range(isa, a, M, LinearEpilogue::kStore, &g, &o, 1, 0, num_tiles(w.rows), cached);
   }
@@ -69,23 +77,25 @@ double pass_seconds(Isa isa, const std::vector<Weight>& weights, int64_t M, bool
 
 int main(int argc, char** argv) {
   const int repeats = argc > 1 ? std::atoi(argv[1]) : 15;
+  const bool warm = argc > 2 && std::string(argv[2]) == "warm";
   std::mt19937 rng(1);
   std::vector<uint8_t> sweep(64 << 20);
   std::vector<float> x(16 * 1280);
   for (float& v : x) v = std::normal_distribution<float>(0.0f, 1.0f)(rng);
-  std::printf("model   path        rows   ms/pass   GB/s  (median of %d, thread CPU time)\n", repeats);
+  std::printf("model   path        rows   ms/pass   GB/s  (median of %d, thread CPU time%s)\n", repeats,
+              warm ? ", target warm" : "");
   for (bool draft : {false, true}) {
     const std::vector<Weight> weights = model(draft, rng);
     double bytes = 0.0;
     for (const Weight& w : weights) bytes += 2.0 * w.bits.size();
     std::vector<Isa> paths;
-    for (Isa isa : {Isa::kPortable, Isa::kAvx2, Isa::kNeon, Isa::kAvx512Bf16})
+    for (Isa isa : {Isa::kPortable, Isa::kAvx2, Isa::kNeon, Isa::kAvx512Bf16, Isa::kAmxBf16})
       if (isa_supported(isa)) paths.push_back(isa);
     for (int64_t M : {1, 2, 3, 5, 9, 16}) {
       std::vector<std::vector<double>> times(paths.size());
       for (int r = 0; r < repeats; ++r) {  // the paths interleaved within every repeat
         for (size_t p = 0; p < paths.size(); ++p) {
-          if (!draft)
+          if (!draft && !warm)
             for (size_t i = 0; i < sweep.size(); i += 64) sweep[i]++;
           times[p].push_back(pass_seconds(paths[p], weights, M, draft, x));
         }

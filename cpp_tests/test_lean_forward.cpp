@@ -31,7 +31,7 @@ constexpr double kFp32Eps = 5.9604644775390625e-8;  // 2^-24
 // The paths this CPU runs, each forced through the environment as a test of the switch itself.
 std::vector<Isa> paths() {
   std::vector<Isa> out;
-  for (Isa isa : {Isa::kPortable, Isa::kAvx2, Isa::kAvx512Bf16}) {
+  for (Isa isa : {Isa::kPortable, Isa::kAvx2, Isa::kAvx512Bf16, Isa::kAmxBf16}) {
     if (!isa_supported(isa)) continue;
     setenv("SPECDEC_CPU_ISA", isa_name(isa), 1);
     EXPECT_EQ(selected_isa(), isa);
@@ -74,11 +74,8 @@ std::vector<float> run_linear(Isa isa, const std::vector<float>& x, int64_t M, c
                               const float* norm, LinearEpilogue epilogue = LinearEpilogue::kStore,
                               const Matrix* up = nullptr, std::vector<float> init = {}, bool weights_cached = false) {
   const int64_t K = w.cols;
-  std::vector<float> a32(M * K);
-  std::vector<uint16_t> a16(M * K);
-  const bool dot = bf16 && isa == Isa::kAvx512Bf16;
-  prepare_activations(x.data(), K, M, K, norm, 1e-5f, bf16, a32.data(), K, dot ? a16.data() : nullptr, K);
-  const GemmActivations a{a32.data(), K, dot ? a16.data() : nullptr, K};
+  ActivationBuffers buffers;
+  const GemmActivations a = prepare_gemm_activations(isa, x.data(), M, K, norm, 1e-5f, bf16, weights_cached, buffers);
   std::vector<float> out = init.empty() ? std::vector<float>(M * w.rows, NAN) : init;
   GemmWeight ws[2] = {w.weight(), up ? up->weight() : w.weight()};
   LinearOutput os[2] = {{out.data(), w.rows, nullptr}, {nullptr, 0, nullptr}};
@@ -189,7 +186,9 @@ TEST(LeanForwardKernels, CachedWeightsGiveTheStreamedBits) {
         for (LinearEpilogue e : {LinearEpilogue::kStore, LinearEpilogue::kAdd, LinearEpilogue::kSwiGLU}) {
           const Matrix* second = e == LinearEpilogue::kSwiGLU ? &up : nullptr;
           const std::vector<float> init = e == LinearEpilogue::kAdd ? residual : std::vector<float>{};
-          const std::vector<float> streamed = run_linear(isa, x, 1, w, bf16, nullptr, e, second, init, false);
+          // (amxbf16's AMX route is for streamed weights: its cached passes are avx512bf16's, simd/amx.h)
+          const Isa cached_path = isa == Isa::kAmxBf16 ? Isa::kAvx512Bf16 : isa;
+          const std::vector<float> streamed = run_linear(cached_path, x, 1, w, bf16, nullptr, e, second, init, false);
           const std::vector<float> cached = run_linear(isa, x, 1, w, bf16, nullptr, e, second, init, true);
           for (int64_t n = 0; n < N; ++n)
             ASSERT_EQ(cached[n], streamed[n]) << isa_name(isa) << " N=" << N << " K=" << K << " n=" << n;

@@ -11,7 +11,8 @@ import torch
 from specdec_ext import ops
 
 # each includes the one before it
-ALL_ISAS = ["portable", "neon"] if platform.machine() in ("aarch64", "arm64") else ["portable", "avx2", "avx512bf16"]
+ALL_ISAS = (["portable", "neon"] if platform.machine() in ("aarch64", "arm64")
+            else ["portable", "avx2", "avx512bf16", "amxbf16"])
 
 
 def supported_isas():

@@ -122,17 +122,20 @@ def test_fused_linear_paths_agree_and_bf16_rounding_is_torchs():
     rng = np.random.default_rng(9)
     x = torch.tensor(rng.standard_normal((4, 300)) * 7, dtype=torch.float32)
     assert np.array_equal(round_bf16(to_f64(x)), to_f64(x.bfloat16()))  # the reference rounds as torch does
-    (w,) = _weights(rng, [(21, 300)], torch.bfloat16)
-    results = {}
-    import os
-    for name in ISAS:
-        os.environ["SPECDEC_CPU_ISA"] = name
-        out = torch.empty(4, 21)
-        ops.fused_linear(x, [w], [out], bf16_activations=True)
-        results[name] = out
-    os.environ.pop("SPECDEC_CPU_ISA")
-    for name in ISAS:
-        torch.testing.assert_close(results[name], results[ISAS[0]], rtol=1e-5, atol=1e-5)
+    # (21 x 300: no path's AMX groups; 40 x 288 (x[:, :288]): amxbf16's AMX route, two groups and a partial one)
+    for n, k in [(21, 300), (40, 288)]:
+        (w,) = _weights(rng, [(n, k)], torch.bfloat16)
+        xk = x[:, :k].contiguous()
+        results = {}
+        import os
+        for name in ISAS:
+            os.environ["SPECDEC_CPU_ISA"] = name
+            out = torch.empty(4, n)
+            ops.fused_linear(xk, [w], [out], bf16_activations=True)
+            results[name] = out
+        os.environ.pop("SPECDEC_CPU_ISA")
+        for name in ISAS:
+            torch.testing.assert_close(results[name], results[ISAS[0]], rtol=1e-5, atol=1e-5)
 
 
 def test_fused_linear_errors():
@@ -166,7 +169,7 @@ def test_fused_linear_errors():
 
 def test_isa_environment_variable(monkeypatch):
     monkeypatch.setenv("SPECDEC_CPU_ISA", "avx1024")
-    with pytest.raises(RuntimeError, match="is not one of avx512bf16, avx2, neon, portable, auto"):
+    with pytest.raises(RuntimeError, match="is not one of amxbf16, avx512bf16, avx2, neon, portable, auto"):
         ops.cpu_isa()
     with pytest.raises(RuntimeError, match="is not one of"):
         ops.fused_linear(torch.zeros(1, 4), [torch.zeros(4, 4)], [torch.zeros(1, 4)])

@@ -1,6 +1,7 @@
 // Every instruction-set path of the CPU forward kernels (csrc/cpu/simd) against a float64 reference and
 // against itself (batch invariance, cached = streamed weights, the vector exp and SwiGLU = the scalar
-// ones bit for bit), without torch or GoogleTest: the same source runs natively under ctest (every x86
+// ones bit for bit; on amxbf16 the AMX route's row blocks, partial groups and cut ranges), without torch
+// or GoogleTest: the same source runs natively under ctest (every x86
 // path this CPU has) and cross-compiled for AArch64 under qemu-user (portable and NEON,
 // tools/neon_kernel_tests.sh). Prints "N passed, N failed" and exits non-zero on a failure.
 #include <algorithm>
@@ -33,7 +34,7 @@ void check(bool ok, const std::string& what) {
 
 std::vector<Isa> paths() {
   std::vector<Isa> out;
-  for (Isa isa : {Isa::kPortable, Isa::kAvx2, Isa::kAvx512Bf16, Isa::kNeon})
+  for (Isa isa : {Isa::kPortable, Isa::kAvx2, Isa::kAvx512Bf16, Isa::kAmxBf16, Isa::kNeon})
     if (isa_supported(isa)) out.push_back(isa);
   return out;
 }
@@ -69,23 +70,27 @@ struct Weight {
   }
 };
 
-// fused_linear_range over every tile: out [M, N] = A W^T (optionally a SwiGLU of w and up).
+// fused_linear_range over the tiles [0, total) in ranges of `range` tiles (0: one range), as threads split
+// them: out [M, N] = A W^T (optionally a SwiGLU of w and up).
 std::vector<float> linear(Isa isa, const std::vector<float>& x, int64_t M, const Weight& w, bool bf16, bool cached,
-                          const Weight* up = nullptr) {
+                          const Weight* up = nullptr, int64_t range = 0) {
   const int64_t K = w.cols, N = w.rows;
-  std::vector<float> a32(M * K);
-  std::vector<uint16_t> a16(M * K);
-  const bool dot_bf16 = bf16 && tile_path(isa).bf16_dot;
-  prepare_activations(x.data(), K, M, K, nullptr, 0.0f, bf16, a32.data(), K, dot_bf16 ? a16.data() : nullptr, K);
-  const GemmActivations a{a32.data(), K, dot_bf16 ? a16.data() : nullptr, K};
+  ActivationBuffers buffers;
+  const GemmActivations a = prepare_gemm_activations(isa, x.data(), M, K, nullptr, 0.0f, bf16, cached, buffers);
   std::vector<float> out(M * N, 0.0f);
   GemmWeight ws[2] = {w.view(), up != nullptr ? up->view() : w.view()};
   LinearOutput os[2] = {{out.data(), N, nullptr}, {out.data(), N, nullptr}};
   const LinearEpilogue mode = up != nullptr ? LinearEpilogue::kSwiGLU : LinearEpilogue::kStore;
   const int count = up != nullptr ? 2 : 1;
-  fused_linear_range(isa, a, M, mode, ws, os, count, 0, fused_linear_num_tiles(mode, ws, count), cached);
+  const int64_t total = fused_linear_num_tiles(mode, ws, count), step = range > 0 ? range : total;
+  for (int64_t begin = 0; begin < total; begin += step)
+    fused_linear_range(isa, a, M, mode, ws, os, count, begin, std::min(total, begin + step), cached);
   return out;
 }
+
+// The path whose tiles a pass over cached weights takes: amxbf16's AMX route is for weights streamed
+// from memory (simd/amx.h), its cached passes are avx512bf16's.
+Isa cached_path(Isa isa) { return isa == Isa::kAmxBf16 ? Isa::kAvx512Bf16 : isa; }
 
 void test_gemm(Isa isa) {
   std::mt19937 rng(1);
@@ -94,10 +99,12 @@ void test_gemm(Isa isa) {
   struct Shape {
     int64_t N, K;
   };
-  for (const Shape s : {Shape{37, 83}, Shape{64, 128}, Shape{5, 7}, Shape{16, 1280}, Shape{9, 33}}) {
+  // (64 x 128, 16 x 1280, 40 x 96 and 80 x 64: AMX groups, 40 x 96 with a partial one; the rest avx512bf16's tiles)
+  for (const Shape s : {Shape{37, 83}, Shape{64, 128}, Shape{5, 7}, Shape{16, 1280}, Shape{9, 33}, Shape{40, 96},
+                        Shape{80, 64}}) {
     for (DType type : {DType::kF32, DType::kBF16, DType::kF16}) {
       const Weight w(type, s.N, s.K, rng), up(type, s.N, s.K, rng);
-      std::vector<float> x(16 * s.K);
+      std::vector<float> x(40 * s.K);
       for (float& v : x) v = normal(rng);
       for (bool bf16 : {false, true}) {
         if (bf16 && type != DType::kBF16) continue;
@@ -117,25 +124,39 @@ void test_gemm(Isa isa) {
             if (std::fabs(all[m * s.N + n] - expected) > 4.0 * s.K * 1.2e-7 * magnitude + 1e-30) close = false;
           }
         check(close, where + ": out = A W^T within 4 K eps |A||W|");
-        // batch invariance: every row block split (6, 4 + 3, 5 + 4 + 4, ...) gives the 16-row pass's bits
-        for (int64_t M : {1, 2, 3, 4, 5, 6, 7, 9, 11, 13}) {
+        // batch invariance: every row block split (6, 4 + 3, 5 + 4 + 4, ...; AMX's 16 + 1, 16 + 16 + 8) gives
+        // the 16-row pass's bits, and so do ranges of tiles that cut AMX's 16-feature groups
+        for (int64_t M : {1, 2, 3, 4, 5, 6, 7, 9, 11, 13, 17, 40}) {
           const std::vector<float> part(x.begin(), x.begin() + M * s.K);
           const std::vector<float> out = linear(isa, part, M, w, bf16, false);
           bool same = true;
-          for (int64_t i = 0; i < M * s.N; ++i) same = same && same_bits(out[i], all[i]);
+          for (int64_t i = 0; i < std::min<int64_t>(M, 16) * s.N; ++i) same = same && same_bits(out[i], all[i]);
           check(same, where + " M=" + std::to_string(M) + ": the rows of the 16-row pass, bit for bit");
         }
-        // a one-row pass over cached weights (wide tiles) = streamed
+        for (int64_t range : {1, 3, 5}) {
+          const std::vector<float> out = linear(isa, x, 16, w, bf16, false, nullptr, range);
+          bool same = true;
+          for (int64_t i = 0; i < 16 * s.N; ++i) same = same && same_bits(out[i], all[i]);
+          check(same, where + " ranges of " + std::to_string(range) + " tiles: the one range's bits");
+        }
+        // a one-row pass over cached weights (wide tiles) = streamed (on the path cached passes take)
         const std::vector<float> one(x.begin(), x.begin() + s.K);
         const std::vector<float> cached = linear(isa, one, 1, w, bf16, true);
+        const std::vector<float> streamed =
+            cached_path(isa) == isa ? all : linear(cached_path(isa), x, 16, w, bf16, false);
         bool same = true;
-        for (int64_t n = 0; n < s.N; ++n) same = same && same_bits(cached[n], all[n]);
-        check(same, where + ": cached weights give the streamed bits");
+        for (int64_t n = 0; n < s.N; ++n) same = same && same_bits(cached[n], streamed[n]);
+        check(same, where + ": cached weights give the streamed bits of " + isa_name(cached_path(isa)));
         const std::vector<float> gated = linear(isa, one, 1, w, bf16, true, &up);
-        const std::vector<float> gated_many = linear(isa, x, 3, w, bf16, false, &up);
+        const std::vector<float> gated_many = linear(cached_path(isa), x, 3, w, bf16, false, &up);
         same = true;
         for (int64_t n = 0; n < s.N; ++n) same = same && same_bits(gated[n], gated_many[n]);
         check(same, where + ": SwiGLU, one cached row = a row of a streamed pass");
+        const std::vector<float> gated_16 = linear(isa, x, 16, w, bf16, false, &up);
+        const std::vector<float> gated_40 = linear(isa, x, 40, w, bf16, false, &up, 3);
+        same = true;
+        for (int64_t i = 0; i < 16 * s.N; ++i) same = same && same_bits(gated_16[i], gated_40[i]);
+        check(same, where + ": SwiGLU, a 40-row pass in ranges of 3 tiles = the 16-row pass");
       }
     }
   }

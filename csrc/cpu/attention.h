@@ -28,6 +28,7 @@ inline void cache_attention_range(Isa isa, const AttentionProblem& p, int64_t be
                                   int64_t* keys) {
   switch (isa) {
 #if SPECDEC_HAVE_X86_PATHS
+    case Isa::kAmxBf16:  // (AMX is for the GEMMs only: small_gemm.h)
     case Isa::kAvx512Bf16:
       return avx512::attend_range(p, begin, end, scratch, keys);
     case Isa::kAvx2:

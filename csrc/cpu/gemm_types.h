@@ -67,12 +67,14 @@ inline int64_t prefetch_rows_ahead(int64_t ld, int64_t element_bytes) {
 
 // The activations A [M, K] as the kernels read them. f32 holds the values every path multiplies
 // (already rounded to bf16 when the products are bf16 x bf16); bf16 holds the same values as bf16
-// bits for the AVX512-BF16 dot product, or is null when the products are fp32.
+// bits for the AVX512-BF16 dot product, or is null when the products are fp32; vnni, on the amxbf16
+// path only, the same bits as AMX B tiles read them (simd/amx.h: pack_vnni), or null.
 struct GemmActivations {
   const float* f32;
   int64_t ld_f32;
   const uint16_t* bf16;
   int64_t ld_bf16;
+  const uint16_t* vnni = nullptr;  // Shape: [ceil(M / 16)][K / 2][rows of the block][2]
 };
 
 // A weight W [rows, cols] row-major with row stride ld, of dtype type (fp32, bf16 or fp16).
@@ -80,6 +82,9 @@ struct GemmWeight {
   const void* data;
   DType type;
   int64_t rows, cols, ld;
+  // On the amxbf16 path, where given: the same weight's full 16-row groups as AMX tiles
+  // (simd/amx.h: pack_weight), which the route reads instead of data. The sums do not change.
+  const uint16_t* amx_packed = nullptr;
 
   const void* row(int64_t n) const {
     const int64_t bytes = type == DType::kF32 ? 4 : 2;

@@ -15,11 +15,16 @@
   _Pragma("clang attribute push(__attribute__((target(\"avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c\"))), apply_to = function)")
 #define SPECDEC_BEGIN_TARGET_AVX2 \
   _Pragma("clang attribute push(__attribute__((target(\"avx2,fma,f16c\"))), apply_to = function)")
+#define SPECDEC_BEGIN_TARGET_AMX                                                                        \
+  _Pragma("clang attribute push(__attribute__((target(\"amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c\"))), apply_to = function)")
 #define SPECDEC_END_TARGET _Pragma("clang attribute pop")
 #else
 #define SPECDEC_BEGIN_TARGET_AVX512BF16 \
   _Pragma("GCC push_options") _Pragma("GCC target(\"avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c\")")
 #define SPECDEC_BEGIN_TARGET_AVX2 _Pragma("GCC push_options") _Pragma("GCC target(\"avx2,fma,f16c\")")
+#define SPECDEC_BEGIN_TARGET_AMX \
+  _Pragma("GCC push_options")    \
+      _Pragma("GCC target(\"amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c\")")
 #define SPECDEC_END_TARGET _Pragma("GCC pop_options")
 #endif
 #endif

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "../lean_forward.h"
+#include "amx_packed_weights.h"
 #include "attention.h"
 #include "fused_linear.h"
 #include "isa.h"
@@ -77,16 +78,11 @@ void linear_on(Isa isa, const at::Tensor& x, const c10::optional<at::Tensor>& no
                               : epilogue == "add"  ? LinearEpilogue::kAdd
                                                    : LinearEpilogue::kStore;
   // The activations, prepared once on this thread (rows are independent, so M does not matter).
-  thread_local std::vector<float> a32;
-  thread_local std::vector<uint16_t> a16;
-  a32.resize(M * K);
-  const bool dot_bf16 = bf16_activations && tile_path(isa).bf16_dot;
-  if (dot_bf16) a16.resize(M * K);
+  thread_local ActivationBuffers buffers;
   const at::Tensor norm32 = norm_weight ? norm_weight->to(at::kFloat).contiguous() : at::Tensor();
-  prepare_activations(x.data_ptr<float>(), K, M, K, norm_weight ? norm32.data_ptr<float>() : nullptr,
-                      static_cast<float>(norm_eps), bf16_activations, a32.data(), K, dot_bf16 ? a16.data() : nullptr,
-                      K);
-  const GemmActivations a{a32.data(), K, dot_bf16 ? a16.data() : nullptr, K};
+  const GemmActivations a =
+      prepare_gemm_activations(isa, x.data_ptr<float>(), M, K, norm_weight ? norm32.data_ptr<float>() : nullptr,
+                               static_cast<float>(norm_eps), bf16_activations, weights_cached, buffers);
 
   GemmWeight w[kMaxGemmWeights + 1];
   LinearOutput o[kMaxGemmWeights + 1];
@@ -94,11 +90,16 @@ void linear_on(Isa isa, const at::Tensor& x, const c10::optional<at::Tensor>& no
   std::vector<GemmWeight> many_w(many ? count : 0);
   std::vector<LinearOutput> many_o(many ? count : 0);
   std::vector<at::Tensor> bias32(biases.size() > 0 ? count : 0);  // biases in fp32, converted once per call
+  std::vector<at::Tensor> packed(a.vnni != nullptr ? count : 0);   // (held for the call)
   GemmWeight* ws = many ? many_w.data() : w;
   LinearOutput* os = many ? many_o.data() : o;
   for (int i = 0; i < count; ++i) {
     const at::Tensor& wi = weights[i];
     ws[i] = {wi.data_ptr(), dtype_of(wi), wi.size(0), wi.size(1), wi.stride(0)};
+    if (!packed.empty() && amx::takes_route(a, ws[i]) && amx::full_groups(ws[i]) > 0) {
+      packed[i] = amx_packed_weight(wi);
+      ws[i].amx_packed = static_cast<const uint16_t*>(packed[i].data_ptr());
+    }
     const at::Tensor& out = outs[mode == LinearEpilogue::kSwiGLU ? 0 : i];
     const bool has_bias = biases.size() > 0 && biases.get(i).has_value();
     if (has_bias) bias32[i] = biases.get(i)->to(at::kFloat).contiguous();

@@ -2,11 +2,14 @@
 // rounding to bf16) and runs one instruction-set path's tiles over a range of output tiles, handing
 // each finished block to an epilogue. No torch: threads and tensors are the caller's (lean_forward.cpp).
 #pragma once
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "gemm_types.h"
 #include "isa.h"
+#include "simd/amx.h"
 #include "simd/avx2.h"
 #include "simd/avx512.h"
 #include "simd/neon.h"
@@ -52,6 +55,7 @@ inline void prepare_activations(const float* x, int64_t ldx, int64_t M, int64_t 
 inline TilePath tile_path(Isa isa) {
   switch (isa) {
 #if SPECDEC_HAVE_X86_PATHS
+    case Isa::kAmxBf16:  // (its AMX route: gemm_tiles)
     case Isa::kAvx512Bf16:
       return avx512::tile_path();
     case Isa::kAvx2:
@@ -66,6 +70,28 @@ inline TilePath tile_path(Isa isa) {
   }
 }
 
+// The activations of one call as path `isa`'s kernels read them (GemmActivations): prepare_activations'
+// a32, its bf16 bits where the path multiplies bf16 pairs, and on amxbf16 the same bits as AMX B tiles
+// where the weights stream from memory (weights_cached false) and K is a multiple of 32. Rows: K apart.
+struct ActivationBuffers {
+  std::vector<float> a32;
+  std::vector<uint16_t> a16, vnni;
+};
+
+inline GemmActivations prepare_gemm_activations(Isa isa, const float* x, int64_t M, int64_t K, const float* norm_weight,
+                                                float eps, bool round_bf16, bool weights_cached, ActivationBuffers& b) {
+  const bool pairs = round_bf16 && tile_path(isa).bf16_dot;
+  const bool amx = pairs && isa == Isa::kAmxBf16 && !weights_cached && K % amx::kTileK == 0;
+  b.a32.resize(M * K);
+  if (pairs) b.a16.resize(M * K);
+  prepare_activations(x, K, M, K, norm_weight, eps, round_bf16, b.a32.data(), K, pairs ? b.a16.data() : nullptr, K);
+  if (amx) {
+    b.vnni.resize(amx::vnni_elements(M, K));
+    amx::pack_vnni(b.a16.data(), K, M, K, b.vnni.data());
+  }
+  return {b.a32.data(), K, pairs ? b.a16.data() : nullptr, K, amx ? b.vnni.data() : nullptr};
+}
+
 constexpr int kMaxGemmWeights = 2;
 
 inline int64_t num_tiles(int64_t rows) { return (rows + kTileN - 1) / kTileN; }
@@ -75,9 +101,54 @@ inline int64_t num_tiles(int64_t rows) { return (rows + kTileN - 1) / kTileN; }
 // (which share their shapes, e.g. the gate and up projections), then epilogue(m0, mb, n0, nt, tiles).
 // weights_cached: the weights sit in cache (a small draft model's, read pass after pass), so a one-row
 // pass takes them path.wide_tiles tiles at a time (TilePath::wide_row) rather than streaming them row by row.
+#if SPECDEC_HAVE_X86_PATHS
+// The amxbf16 route (simd/amx.h) over the output tiles [tile_begin, tile_end) that fall in full 16-feature
+// groups: every row block of up to 16 rows per group, then epilogue per tile as gemm_tiles. A group
+// that the range cuts is computed whole and only the range's tiles are handed on. Returns the first
+// tile after the range's full groups (the rest take the avx512bf16 tiles).
+template <typename Epilogue>
+inline int64_t amx_gemm_tiles(const GemmActivations& a, int64_t M, const GemmWeight* weights, int count,
+                              int64_t tile_begin, int64_t tile_end, Epilogue&& epilogue) {
+  constexpr int kTilesPerGroup = amx::kGroup / kTileN;
+  const int64_t last_group = std::min(amx::full_groups(weights[0]), (tile_end + kTilesPerGroup - 1) / kTilesPerGroup);
+  const int per_sweep = amx::kAccumulators / count;
+  alignas(64) float c[amx::kAccumulators][amx::kGroup * amx::kMaxRows];
+  float parts[kMaxGemmWeights][amx::kMaxRows * kTileN];
+  const float* tiles[kMaxGemmWeights] = {parts[0], parts[1]};
+  int configured = 0;  // the B tiles' rows the tiles are configured for
+  for (int64_t g = tile_begin / kTilesPerGroup; g < last_group; g += per_sweep) {
+    const int groups = static_cast<int>(std::min<int64_t>(per_sweep, last_group - g));
+    for (int64_t m0 = 0; m0 < M; m0 += amx::kMaxRows) {
+      const int mb = static_cast<int>(std::min<int64_t>(amx::kMaxRows, M - m0));
+      if (mb != configured) amx::configure(configured = mb);
+      amx::multiply_groups(a, m0 / amx::kMaxRows, mb, weights, count, g, groups, c[0]);
+      for (int gi = 0; gi < groups; ++gi)
+        for (int q = 0; q < kTilesPerGroup; ++q) {
+          const int64_t t = (g + gi) * kTilesPerGroup + q;
+          if (t < tile_begin || t >= tile_end) continue;
+          for (int i = 0; i < count; ++i) {
+            const float* group = c[gi * count + i] + q * kTileN * mb;  // [16 features][mb rows]
+            for (int m = 0; m < mb; ++m)
+              for (int j = 0; j < kTileN; ++j) parts[i][m * kTileN + j] = group[j * mb + m];
+          }
+          epilogue(m0, mb, t * kTileN, kTileN, tiles);
+        }
+    }
+  }
+  if (configured != 0) amx::release();
+  return std::max(tile_begin, last_group * kTilesPerGroup);
+}
+#endif
+
 template <typename Epilogue>
 inline void gemm_tiles(Isa isa, const GemmActivations& a, int64_t M, const GemmWeight* weights, int count,
                        int64_t tile_begin, int64_t tile_end, bool weights_cached, Epilogue&& epilogue) {
+#if SPECDEC_HAVE_X86_PATHS
+  if (isa == Isa::kAmxBf16 && !weights_cached && amx::takes_route(a, weights[0])) {
+    tile_begin = amx_gemm_tiles(a, M, weights, count, tile_begin, tile_end, epilogue);
+    if (tile_begin >= tile_end) return;
+  }
+#endif
   const TilePath path = tile_path(isa);
   float buffers[kMaxGemmWeights][kMaxTileM * kTileN];
   const float* tiles[kMaxGemmWeights] = {buffers[0], buffers[1]};

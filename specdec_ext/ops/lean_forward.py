@@ -4,8 +4,8 @@ greedy_chain, cpu_isa (typed wrappers and fake kernels), and the model they read
 CPU only. The kernels (csrc/cpu/small_gemm.h, fused_linear.h, rope_cache.h, attention.h) read each
 weight once per call for all the rows of a pass, accumulate in fp32 and give every row the same
 result whatever else is in the pass (batch invariance: a verification pass reproduces a one-token
-pass bit for bit). ``SPECDEC_CPU_ISA=avx512bf16|avx2|neon|portable`` forces an instruction-set path (read
-at every call); ``cpu_isa()`` says which one a call takes now. The contract is csrc/lean_forward.h.
+pass bit for bit). ``SPECDEC_CPU_ISA=amxbf16|avx512bf16|avx2|neon|portable`` forces an instruction-set path
+(read at every call); ``cpu_isa()`` says which one a call takes now. The contract is csrc/lean_forward.h.
 
 ``LlamaWeights`` (with ``LlamaLayerWeights`` and ``Linear``) names a Llama-family model's tensors by
 field; the lean runner builds it once from the HF model and both of its forwards read it (the torch
@@ -492,8 +492,9 @@ def eagle_chain(
 
 
 def cpu_isa() -> str:
-    """The instruction-set path the CPU forward kernels take now: ``"avx512bf16"``, ``"avx2"``,
-    ``"neon"`` or ``"portable"`` (``SPECDEC_CPU_ISA`` when set, else the best this CPU runs)."""
+    """The instruction-set path the CPU forward kernels take now: ``"amxbf16"`` (avx512bf16 with the bf16
+    projections from memory on Intel AMX tiles), ``"avx512bf16"``, ``"avx2"``, ``"neon"`` or ``"portable"``
+    (``SPECDEC_CPU_ISA`` when set, else the best this CPU runs)."""
     return torch.ops.specdec_ext.cpu_isa()
 
 

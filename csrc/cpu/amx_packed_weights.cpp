@@ -1,0 +1,52 @@
+// amx_packed_weights.h: one packed copy per live weight, keyed by the weight's TensorImpl.
+#include "amx_packed_weights.h"
+
+#include <ATen/ops/empty.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <mutex>
+#include <unordered_map>
+
+#include "simd/amx.h"
+
+namespace specdec::cpu {
+namespace {
+
+using WeakTensor = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+
+struct PackedEntry {
+  WeakTensor owner;  // (a weak reference also keeps the TensorImpl's address from being reused)
+  const void* data;
+  int64_t version;
+  at::Tensor packed;
+};
+
+std::mutex packed_mutex;
+std::unordered_map<const c10::TensorImpl*, PackedEntry> packed_entries;
+
+// Inference tensors keep no version counter (they cannot change outside inference mode).
+int64_t version_of(const at::Tensor& t) { return t.is_inference() ? 0 : static_cast<int64_t>(t._version()); }
+
+}  // namespace
+
+at::Tensor amx_packed_weight(const at::Tensor& weight) {
+  const c10::TensorImpl* key = weight.unsafeGetTensorImpl();
+  const int64_t version = version_of(weight);
+  {
+    std::lock_guard<std::mutex> lock(packed_mutex);
+    const auto found = packed_entries.find(key);
+    if (found != packed_entries.end() && !found->second.owner.expired() && found->second.data == weight.data_ptr() &&
+        found->second.version == version)
+      return found->second.packed;
+  }
+  const GemmWeight w{weight.data_ptr(), DType::kBF16, weight.size(0), weight.size(1), weight.stride(0)};
+  at::Tensor packed = at::empty({amx::packed_elements(w)}, at::TensorOptions().dtype(at::kBFloat16));
+  amx::pack_weight(w, static_cast<uint16_t*>(packed.data_ptr()));
+  std::lock_guard<std::mutex> lock(packed_mutex);
+  for (auto it = packed_entries.begin(); it != packed_entries.end();)
+    it = it->second.owner.expired() ? packed_entries.erase(it) : std::next(it);
+  packed_entries.insert_or_assign(key, PackedEntry{WeakTensor(weight.getIntrusivePtr()), weight.data_ptr(), version, packed});
+  return packed;
+}
+
+}  // namespace specdec::cpu
