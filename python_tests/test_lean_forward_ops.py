@@ -118,6 +118,32 @@ def test_fused_linear_rows_are_batch_invariant(isa, dtype):
         assert torch.equal(out, alone[:M]), M
 
 
+def test_fused_linear_follows_its_weights_changes_views_and_reuse(isa):
+    # (amxbf16 reads a packed copy of a bf16 weight, kept per storage: csrc/cpu/amx_packed_weights.h)
+    rng = np.random.default_rng(12)
+    x = torch.tensor(rng.standard_normal((3, 64)), dtype=torch.float32)
+    base = _weights(rng, [(80, 64)], torch.bfloat16)[0]
+
+    def run(w):
+        out = torch.empty(3, w.shape[0])
+        ops.fused_linear(x, [w], [out], bf16_activations=True)
+        return out
+
+    def check(w):
+        exp, bounds = ref_linear(to_f64(x), [to_f64(w)], [None], None, 1e-6, "store", True, None)
+        _check([run(w)], exp, bounds)
+
+    first = run(base)
+    assert torch.equal(run(base.detach()), first)  # a detached copy: the same storage, the same bits
+    check(base)
+    with torch.no_grad():
+        base.mul_(-2.0)  # in place: a new version
+    check(base)
+    check(base[16:64])  # a view with an offset: its own copy, not the whole weight's
+    for seed in range(3):  # weights freed and allocated again (an address may come back)
+        check(_weights(np.random.default_rng(seed), [(80, 64)], torch.bfloat16)[0])
+
+
 def test_fused_linear_paths_agree_and_bf16_rounding_is_torchs():
     rng = np.random.default_rng(9)
     x = torch.tensor(rng.standard_normal((4, 300)) * 7, dtype=torch.float32)

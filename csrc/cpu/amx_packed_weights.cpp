@@ -1,28 +1,34 @@
-// amx_packed_weights.h: one packed copy per live weight, keyed by the weight's TensorImpl.
+// amx_packed_weights.h: one packed copy per live weight, keyed by the weight's storage and where in it
+// the weight lies. (Not by its TensorImpl: every runner the package builds hands the ops its own
+// detach()ed tensors of the model's parameters, which share the storage and the version counter.)
 #include "amx_packed_weights.h"
 
 #include <ATen/ops/empty.h>
+#include <c10/core/StorageImpl.h>
 #include <c10/util/intrusive_ptr.h>
 
+#include <map>
 #include <mutex>
-#include <unordered_map>
+#include <tuple>
 
 #include "simd/amx.h"
 
 namespace specdec::cpu {
 namespace {
 
-using WeakTensor = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+using WeakStorage = c10::weak_intrusive_ptr<c10::StorageImpl>;
+// (storage, byte offset of the weight in it, rows, columns, row stride)
+using PackedKey = std::tuple<const c10::StorageImpl*, int64_t, int64_t, int64_t, int64_t>;
 
 struct PackedEntry {
-  WeakTensor owner;  // (a weak reference also keeps the TensorImpl's address from being reused)
+  WeakStorage owner;  // (a weak reference also keeps the StorageImpl's address from being reused)
   const void* data;
   int64_t version;
   at::Tensor packed;
 };
 
 std::mutex packed_mutex;
-std::unordered_map<const c10::TensorImpl*, PackedEntry> packed_entries;
+std::map<PackedKey, PackedEntry> packed_entries;
 
 // Inference tensors keep no version counter (they cannot change outside inference mode).
 int64_t version_of(const at::Tensor& t) { return t.is_inference() ? 0 : static_cast<int64_t>(t._version()); }
@@ -30,7 +36,9 @@ int64_t version_of(const at::Tensor& t) { return t.is_inference() ? 0 : static_c
 }  // namespace
 
 at::Tensor amx_packed_weight(const at::Tensor& weight) {
-  const c10::TensorImpl* key = weight.unsafeGetTensorImpl();
+  const c10::StorageImpl* storage = weight.storage().unsafeGetStorageImpl();
+  const PackedKey key{storage, weight.storage_offset() * static_cast<int64_t>(weight.element_size()), weight.size(0),
+                      weight.size(1), weight.stride(0)};
   const int64_t version = version_of(weight);
   {
     std::lock_guard<std::mutex> lock(packed_mutex);
@@ -45,7 +53,8 @@ at::Tensor amx_packed_weight(const at::Tensor& weight) {
   std::lock_guard<std::mutex> lock(packed_mutex);
   for (auto it = packed_entries.begin(); it != packed_entries.end();)
     it = it->second.owner.expired() ? packed_entries.erase(it) : std::next(it);
-  packed_entries.insert_or_assign(key, PackedEntry{WeakTensor(weight.getIntrusivePtr()), weight.data_ptr(), version, packed});
+  packed_entries.insert_or_assign(
+      key, PackedEntry{WeakStorage(weight.storage().getWeakStorageImpl()), weight.data_ptr(), version, packed});
   return packed;
 }
 

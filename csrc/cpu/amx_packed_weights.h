@@ -7,9 +7,12 @@
 
 namespace specdec::cpu {
 
-// The packed copy of `weight` (bf16 [N, K], K a multiple of 32, N >= 16; row stride weight.stride(0)):
-// packed on first use, again when the weight's data pointer or version counter has changed, dropped
-// once the weight is freed. Thread safe; the returned tensor keeps the tiles alive for the caller.
+// The packed copy of `weight` (bf16 [N, K], K a multiple of 32, N >= 16; row stride weight.stride(0)),
+// shared by every tensor over the same storage, offset and shape (a parameter and its detach()ed
+// copies): packed on first use, again when the data pointer or the version counter has changed, dropped
+// once the storage is freed. As the Python side's cached_cast: a write the version counter does not see
+// (through `.data`, or inside inference mode) leaves the copy stale. Thread safe; the returned tensor
+// keeps the tiles alive for the caller.
 // Shape: [N / 16 * 16 * K] bf16 (simd/amx.h's [N / 16][K / 32][16][32])
 at::Tensor amx_packed_weight(const at::Tensor& weight);
 
