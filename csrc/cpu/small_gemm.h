@@ -96,11 +96,6 @@ constexpr int kMaxGemmWeights = 2;
 
 inline int64_t num_tiles(int64_t rows) { return (rows + kTileN - 1) / kTileN; }
 
-// For every output tile t in [tile_begin, tile_end) (features t*kTileN ..) and every row block:
-// tiles[i][m * kTileN + j] = sum_k A[m0 + m, k] * weights[i][n0 + j, k] for the `count` weights
-// (which share their shapes, e.g. the gate and up projections), then epilogue(m0, mb, n0, nt, tiles).
-// weights_cached: the weights sit in cache (a small draft model's, read pass after pass), so a one-row
-// pass takes them path.wide_tiles tiles at a time (TilePath::wide_row) rather than streaming them row by row.
 #if SPECDEC_HAVE_X86_PATHS
 // The amxbf16 route (simd/amx.h) over the output tiles [tile_begin, tile_end) that fall in full 16-feature
 // groups: every row block of up to 16 rows per group, then epilogue per tile as gemm_tiles. A group
@@ -140,6 +135,12 @@ inline int64_t amx_gemm_tiles(const GemmActivations& a, int64_t M, const GemmWei
 }
 #endif
 
+// For every output tile t in [tile_begin, tile_end) (features t*kTileN ..) and every row block:
+// tiles[i][m * kTileN + j] = sum_k A[m0 + m, k] * weights[i][n0 + j, k] for the `count` weights
+// (which share their shapes, e.g. the gate and up projections), then epilogue(m0, mb, n0, nt, tiles).
+// weights_cached: the weights sit in cache (a small draft model's, read pass after pass), so a one-row
+// pass takes them path.wide_tiles tiles at a time (TilePath::wide_row) rather than streaming them row by row.
+// On amxbf16 a streamed bf16 weight's full 16-feature groups take amx_gemm_tiles, whatever M.
 template <typename Epilogue>
 inline void gemm_tiles(Isa isa, const GemmActivations& a, int64_t M, const GemmWeight* weights, int count,
                        int64_t tile_begin, int64_t tile_end, bool weights_cached, Epilogue&& epilogue) {

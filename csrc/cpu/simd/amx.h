@@ -5,11 +5,12 @@
 // Why: on AVX-512 a verification pass of 9 rows costs about 2x a one-row pass and 16 rows 3x
 // (VDPBF16PS multiplies each weight vector by one row at a time); an AMX tile multiplies each weight
 // tile loaded by all the pass's rows at once, so a pass of up to 16 rows streams the weights at the
-// memory's pace (benchmarks/bench_amx_probe.cpp, BENCHMARKS.md).
+// memory's pace (benchmarks/bench_cpu_tiles.cpp; BENCHMARKS.md, "Intel AMX").
 //
 // The tiles: C = four 16-feature x M accumulators (tmm0-3, fp32), A = a weight tile, 16 features x 32
-// bf16 of K read straight from the row-major weight (tmm4, tmm6 in turn), B = 16 pairs of K x M rows
-// of activations in the VNNI layout (tmm5). A C element is the sum over K of its own products, in K
+// bf16 of K (tmm4, tmm6 in turn) read from the weight's packed copy (pack_weight) where the caller
+// gives one, else straight from the row-major weight, B = 16 pairs of K x M rows of activations in the
+// VNNI layout (tmm5). A C element is the sum over K of its own products, in K
 // order 32 at a time, whatever M, the other rows and the other features: the route is batch invariant
 // (gemm_types.h), and its sums differ from avx512bf16's (which folds 16 lanes) only in rounding.
 //
