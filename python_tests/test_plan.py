@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import specdec_ext
-from specdec_ext import cli
+from specdec_ext import cli, ops
 from specdec_ext.models import load_pair
 from specdec_ext.plan import FIXED_K, HEADS_TREE, make_plan
 from specdec_ext.sampling import SamplingParams
@@ -45,7 +45,11 @@ def test_the_target_runner_says_whether_its_forward_runs_on_the_cpu_kernels(pair
     target, draft = pair
     reason = lambda plan: dict(plan.reasons)["target runner"]
     plan = make_plan(target, draft, drafter="model", prompt_lengths=[5], max_new_tokens=4)
-    assert plan.target_runner == "lean" and "the CPU kernels (csrc/cpu)" in reason(plan)
+    assert plan.target_runner == "lean" and f"the CPU kernels (csrc/cpu, the {ops.cpu_isa()} path)" in reason(plan)
+    monkeypatch.setenv("SPECDEC_CPU_ISA", "portable")
+    plan = make_plan(target, draft, drafter="model", prompt_lengths=[5], max_new_tokens=4)
+    assert "the CPU kernels (csrc/cpu, the portable path)" in reason(plan)
+    monkeypatch.delenv("SPECDEC_CPU_ISA")
     monkeypatch.setenv("SPECDEC_CPU_KERNELS", "0")
     plan = make_plan(target, draft, drafter="model", prompt_lengths=[5], max_new_tokens=4)
     assert "a pure-torch forward (not the CPU kernels: SPECDEC_CPU_KERNELS=0)" in reason(plan)

@@ -44,8 +44,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from ..ops.lean_forward import (Linear, LlamaLayerWeights, LlamaWeights, cached_cast, decoder_layers, greedy_chain,
-                                llama_head, rope_tables)
+from ..ops.lean_forward import (Linear, LlamaLayerWeights, LlamaWeights, cached_cast, cpu_isa, decoder_layers,
+                                greedy_chain, llama_head, rope_tables)
 from .capabilities import RunnerCapabilities
 from .checks import (check_extend_chunks, check_forward_inputs, check_row_counts, check_start_prompts, output_vocab_size,
                      tensor_parallel_size,
@@ -136,10 +136,16 @@ def _kernels_reason(model, compute_dtype: Optional[torch.dtype]) -> Optional[str
 
 def forward_description(model) -> str:
     """What the lean runner's forward of a supported ``model`` runs on, for the decode plan: "the CPU
-    kernels" or "a pure-torch forward (why not the kernels)"."""
+    kernels" and their instruction-set path now, or "a pure-torch forward (why not the kernels)"."""
     # A runner computes in its weights' dtype or in fp32, both of which the kernels take.
     reason = _kernels_reason(model, None)
-    return "the CPU kernels (csrc/cpu)" if reason is None else f"a pure-torch forward (not the CPU kernels: {reason})"
+    if reason is not None:
+        return f"a pure-torch forward (not the CPU kernels: {reason})"
+    try:
+        path = f"the {cpu_isa()} path"
+    except RuntimeError as error:  # SPECDEC_CPU_ISA names no path this CPU runs: the ops will refuse too
+        path = str(error)
+    return f"the CPU kernels (csrc/cpu, {path})"
 
 
 def _head_hooked(model) -> bool:
