@@ -3,6 +3,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/List.h>
 #include <ATen/core/Tensor.h>
+#include <c10/util/SmallVector.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
@@ -90,7 +91,7 @@ void linear_on(Isa isa, const at::Tensor& x, const c10::optional<at::Tensor>& no
   std::vector<GemmWeight> many_w(many ? count : 0);
   std::vector<LinearOutput> many_o(many ? count : 0);
   std::vector<at::Tensor> bias32(biases.size() > 0 ? count : 0);  // biases in fp32, converted once per call
-  std::vector<at::Tensor> packed(a.vnni != nullptr ? count : 0);   // (held for the call)
+  c10::SmallVector<at::Tensor, kMaxGemmWeights + 1> packed(a.vnni != nullptr ? count : 0);  // (held for the call)
   GemmWeight* ws = many ? many_w.data() : w;
   LinearOutput* os = many ? many_o.data() : o;
   for (int i = 0; i < count; ++i) {
