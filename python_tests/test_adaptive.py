@@ -1093,3 +1093,132 @@ def test_sampling_through_ragged_budgets_and_skipped_steps_follows_the_target():
         assert tgs.chi_square_p(out.token_ids, joint) > tgs.PASS_P
         broken = sample(tgs.residual_from_p_verifier)
         assert tgs.chi_square_p(broken.token_ids, joint) < tgs.PASS_P  # (seeded: deterministic)
+
+
+# ------------------------------------------------------------------------------------ greedy looks
+def one_row_meta(tokens, slots=4, max_seq_len=96):
+    """Metadata of one row whose committed tokens are ``tokens`` (the last one pending)."""
+    from specdec_ext.metadata import SpecDecodeMetadata
+    from specdec_ext.sampling import SamplingParams
+    meta = SpecDecodeMetadata.allocate(batch_size=1, slots=slots, max_seq_len=max_seq_len, sampling=SamplingParams(),
+                                       seeds=torch.zeros(1, dtype=torch.int64))
+    meta.token_buffer[0, : len(tokens)] = torch.tensor(tokens)
+    meta.seq_lens[0] = len(tokens)
+    meta.target_input[0, 0] = tokens[-1]
+    return meta
+
+
+def test_a_greedy_look_reads_what_a_first_draft_from_each_position_would_propose(tiny_pair):
+    """ModelDrafter.look after a windowed prefill and skipped steps: for each of the last ``shown`` fed
+    positions p of each row (rows of different lengths and counts in one pass), whether the draft's greedy
+    token after p equals token p + 1 is what a drafter prefilled with the same context (the window's start
+    .. p - 1, p pending) proposes first; afterwards the draft cache holds every committed token but the
+    pending one, and its next proposal is a drafter's prefilled with all of them."""
+    from specdec_ext.drafters import ModelDrafter
+    from specdec_ext.metadata import SpecDecodeMetadata
+    from specdec_ext.runners import make_runner
+    from specdec_ext.sampling import SamplingParams
+    _, draft_model = tiny_pair
+    factory = lambda **kw: make_runner("lean", draft_model, **kw)  # noqa: E731
+    from specdec_ext import plain_generate
+    from test_generate_utils import one_thread
+    starts = [[(7 * i + 3) % 60 + 1 for i in range(30)], [(11 * i + 5) % 60 + 1 for i in range(25)]]
+    with one_thread():  # the draft's own greedy continuations, one token changed: matches and mismatches
+        rows = [s + t for s, t in zip(starts, plain_generate(starts, draft_model, max_new_tokens=12,
+                                                             eos_token_id=False).token_ids)]
+    rows[0][-4] = rows[0][-4] % 60 + 1
+    rows[1][-2] = rows[1][-2] % 60 + 1
+    shown, window, fed_at_prefill = [8, 5], 12, [30, 25]  # the rest arrives in skipped steps
+    meta = SpecDecodeMetadata.allocate(batch_size=2, slots=4, max_seq_len=96, sampling=SamplingParams(),
+                                       seeds=torch.zeros(2, dtype=torch.int64))
+    for b, tokens in enumerate(rows):
+        meta.token_buffer[b, : fed_at_prefill[b] + 1] = torch.tensor(tokens[: fed_at_prefill[b] + 1])
+        meta.seq_lens[b] = fed_at_prefill[b] + 1
+    drafter = ModelDrafter(draft_model, factory, k=4, vocab_size=64)
+    drafter.prefill_window([t[: n] for t, n in zip(rows, fed_at_prefill)], meta, window)
+    drafter.skip(meta)
+    for b, tokens in enumerate(rows):
+        meta.token_buffer[b, : len(tokens)] = torch.tensor(tokens)
+        meta.seq_lens[b] = len(tokens)
+    matches = drafter.look(meta, shown)
+    assert [len(m) for m in matches] == shown
+    assert drafter.runner.lengths.tolist() == [len(t) - 1 - (n - window) for t, n in zip(rows, fed_at_prefill)]
+    for b, tokens in enumerate(rows):
+        start = fed_at_prefill[b] - window  # the window's first committed position
+        for j, p in enumerate(range(len(tokens) - 1 - shown[b], len(tokens) - 1)):
+            reference = ModelDrafter(draft_model, factory, k=1, vocab_size=64)
+            context = one_row_meta(tokens[start: p + 1])
+            reference.prefill([tokens[start: p]], context)
+            first = reference.propose(context, [1]).token_ids[0, 0].item()
+            assert matches[b][j] == (first == tokens[p + 1]), (b, p)
+    seen = sum(matches, [])
+    assert any(seen) and not all(seen), matches
+    whole = ModelDrafter(draft_model, factory, k=4, vocab_size=64)
+    single = one_row_meta(rows[0][fed_at_prefill[0] - window:])
+    whole.prefill([rows[0][fed_at_prefill[0] - window: -1]], single)
+    assert torch.equal(drafter.propose(meta).token_ids[0], whole.propose(single).token_ids[0])
+
+
+def test_a_look_counts_each_position_as_a_drafting_step_of_its_run_of_matches():
+    """observe_look: position j of a look is a drafting step whose chain is accepted up to the first
+    mismatch: run r from j accepts 1..r and reaches 1..r+1, or, where the run reaches the look's end,
+    reaches and accepts the n - j positions seen; capped at k_max; rows outside ``active`` untouched."""
+    c = AdaptiveK(3, forgetting=1.0, explore_every=0)
+    c.reset(2)
+    c.reached[:] = 0.0
+    c.accepted[:] = 0.0
+    c.observe_look([[True, True, False, True, True, True, True], [True, False]], [True, False])
+    # runs from j = 0..6: 2, 1, 0, 4 (to the end: 4 seen), 3, 2, 1 (each to the end)
+    reached = [3, 2, 1, 3, 3, 2, 1]  # min(r + 1, K) before a mismatch, else min(n - j, K)
+    accepted = [2, 1, 0, 3, 3, 2, 1]
+    for i in range(3):
+        assert c.reached[0, i] == sum(r > i for r in reached)
+        assert c.accepted[0, i] == sum(a > i for a in accepted)
+    assert not c.reached[1].any() and not c.accepted[1].any()
+    assert c._looked and not c.look_due and c.looks_observed == 1
+
+
+def test_switching_on_again_waits_for_a_look_and_follows_what_it_saw():
+    """With looks (greedy rows over a drafter that can), speculation that is off after plain segments
+    switches on only after a look: the plan that would switch on asks for one (no drafts, look_due), and
+    the plan after it switches on where the look saw the drafts accepted and stays off where it did not;
+    a look also stands in for the scheduled explorations (no drafts while off)."""
+    for seen, expect_on in ((True, True), (False, False)):
+        c = known([[0.95] * 8], flat, 0.05 * V1, plain=V1)
+        c.reached[:], c.accepted[:] = 2.0, 2.0 * 0.95  # (few observations: a look's count)
+        c.looks, c.plain_chain, c.explore_every = True, 8, 16
+        c.observe_plain(8, 8 * V1, [True])  # a plain segment ran: switching on needs a look
+        assert c.plan([True], remaining=200) == [0] and c.look_due
+        c.observe_plain(8, 8 * V1, [True])
+        c.observe_look([[seen] * 16], [True])
+        plan = c.plan([True], remaining=200)
+        assert (max(plan) > 0) == expect_on and not c.look_due
+    off = known([[0.1] * 8], steep, 0.5 * V1, plain=0.9 * V1)
+    off.looks, off.plain_chain, off.explore_every = True, 8, 16
+    plans = []
+    for _ in range(12):
+        plans.append(off.plan([True], remaining=500))
+        off.observe_plain(8, 8 * 0.9 * V1, [True])
+        if off.look_due:
+            off.observe_look([[False] * 16], [True])
+    assert all(p == [0] for p in plans) and off.looks_observed >= 2
+
+
+def test_greedy_k_auto_with_looks_equals_plain_greedy(tiny_pair):
+    """Through decode with k="auto"'s controller and the model drafter, greedy rows of different prompt
+    lengths: looks run (after plain segments), the tokens are plain greedy's, and the drafter's agreement
+    the looks read is the controller's data (its counts moved)."""
+    from specdec_ext import plain_generate
+    from specdec_ext.drafters import ModelDrafter
+    from specdec_ext.runners import make_runner
+    from test_generate_utils import one_thread
+    target, draft = tiny_pair
+    prompts = [[(5 * i + 1) % 63 + 1 for i in range(45)], [9, 8, 7] * 4]
+    with one_thread():
+        plain = plain_generate(prompts, target, max_new_tokens=60, eos_token_id=False)
+        controller = AdaptiveK(4, explore_every=8, share_costs=False)
+        drafter = ModelDrafter(draft, lambda **kw: make_runner("lean", draft, **kw), k=4, vocab_size=64)
+        rows, stats = run_decode(target, drafter, prompts, controller, 60)
+    assert [r.tokens for r in rows] == plain.token_ids
+    assert controller.looks and stats.adaptive["looks"] >= 1
+    assert stats.adaptive["plain_chain_passes"] > 0

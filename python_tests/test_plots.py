@@ -63,9 +63,12 @@ def missing_matplotlib(monkeypatch):
 @pytest.mark.parametrize("k", [3, "auto"])
 def test_generation_stats_plot(pair, tmp_path, k):
     target, draft = pair
+    sampling = {}
     if k == "auto":  # adaptive k that drafts something: exploring every step while speculation does not pay
         k = specdec_ext.AdaptiveK(8, explore_every=1)  # (on the tiny pair, plain chains can beat every k)
-    stats = specdec_ext.generate([PROMPT], target, draft, max_new_tokens=30, k=k, eos_token_id=False).stats
+        sampling = dict(temperature=1.0, seed=3)  # (greedy rows explore by looks, which verify no drafts)
+    stats = specdec_ext.generate([PROMPT], target, draft, max_new_tokens=30, k=k, eos_token_id=False,
+                                 **sampling).stats
     path = tmp_path / "generation.png"
     assert stats.plot(str(path), label="tiny pair") == str(path)
     assert png_size(path) == plots.figure_pixels(1) == (1200, 450)

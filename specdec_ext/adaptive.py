@@ -169,6 +169,23 @@ cores changes them); V falls back to its probe shifted by the last observed offs
 run for COST_MEMORY_STEPS steps, D to its probe at the counts not run; while off, the steps' costs
 follow P, and while speculating a stale P is measured again where the choice is close (above).
 
+Looks (greedy rows). Where every row is greedy and the loop runs plain chain segments, a drafter that has
+``greedy_looks`` (a draft model) can say without any target pass what speculating would have accepted:
+fed the generated tokens (teacher-forced, one draft pass whose LM head runs on the last LOOK_TOKENS of
+them, decode.py ``DrafterPrefill.greedy_look``), its greedy token after position p is the first draft a
+step from p would propose, accepted exactly when it is token p + 1, and a chain from p is accepted up to
+the first mismatch. So one look gives, per row, one observation of a drafting step per position
+(``observe_look``) instead of an exploration's one. With looks (``start``'s ``looks``): every exploration
+is a look (the first one right after the generation's first plain segment, later ones on the backed-off
+schedule; none with fewer than LOOK_REMAINING x explore_every tokens left), and speculation that is off
+after plain segments switches on again only on the plan right after a look (a plan that would switch on
+asks for one: ``look_due``, no drafts, then chooses with what it saw). A generation's start still
+follows the prior (LOOK_STEPS below): betting there costs high-acceptance prompts nothing, where a look
+first would cost them a segment of plain passes. Measured (BENCHMARKS.md, "Greedy looks"): a
+verification exploration costs about as much as a look (a step of width 2 against a chained pass, and
+the draft's catch-up) but reads one position, and the steps that a switch on made on the strength of one
+accepted exploration (or of the pooled prior) were where prompts of acceptance 0.5-0.7 lost.
+
 Losslessness does not depend on any of this: every choice of k per row and step verifies with the
 same lossless rule. Two consequences to know: greedy output is unchanged (it is the target's greedy
 output), but a SEEDED sample at temperature > 0 depends on the per-step choices (the Philox counters
@@ -239,6 +256,7 @@ SWITCH_MARGIN = 0.04
 SWITCH_ON_MARGIN = 0.05
 COST_REFRESH_STEPS = 8  # plan() refits time(k) to the measurements every this many steps
 EXPLORE_BACKOFF = 4  # fruitless explorations stretch the interval up to this many times explore_every
+LOOK_REMAINING = 2  # a look (greedy rows) needs this many times explore_every tokens left to use what it finds
 # A generation's first steps that draft are a look at its prompt (``looking``: the drafter may run from a
 # window of it, decode.py) until this many of them gave the rows their own counts: a speculation switched
 # on by the prior alone (earlier generations' acceptance) then pays the whole draft prefill only where the
@@ -472,6 +490,7 @@ class AdaptiveK:
         self._memory: Optional[DrafterMemory] = None
         self._cost_batch_size: Optional[int] = None  # the batch size self.costs were measured at (reset)
         self.plain_chain = 0  # passes per greedy plain chain call of the loop (0: it cannot chain; ``start``)
+        self.looks = False  # the loop runs looks after plain segments (greedy rows, a drafter that can; ``start``)
         self.reset(1)
 
     # ------------------------------------------------------------------ state
@@ -498,6 +517,9 @@ class AdaptiveK:
         self._speculating = False  # the last plan's cap was > 0 (else SWITCH_ON_MARGIN applies)
         self._refreshing = False  # the last plan was a plain segment to measure a stale P (REFRESH_BAND)
         self._drafted_steps = 0  # steps in which some row drafted (acceptance data for the next generations)
+        self.look_due = False  # the last plan asks for a look after its plain segment (``observe_look``)
+        self._looked = False  # a look was observed since the last plan (a switch on may follow)
+        self.looks_observed = 0  # looks this generation
         self._times: Optional[np.ndarray] = None  # time(k) as of step _times_step (plan() refreshes it)
         self._times_step = 0
         self._last_active: tuple = ()
@@ -599,12 +621,14 @@ class AdaptiveK:
         prefill; 0: it is ready); speculation then switches on only if the time it saves over the
         ``remaining`` passes repays that prefill (``record_prefill``'s measured cost per token)."""
         key = tuple(active)
-        explore = bool(self.explore_every and self.explore_k
-                       and (remaining is None or remaining >= self._longest_interval()))
+        explore = bool(self.explore_every and (self.explore_k or self.looks)
+                       and (remaining is None or remaining >= (LOOK_REMAINING * self.explore_every if self.looks
+                                                               else self._longest_interval())))
         every = OFF_REPLAN_CALLS if self._last_cap == 0 else REPLAN_STEPS
+        looked, self._looked, self.look_due = self._looked, False, False
         if (self._last_plan is not None and self._repeats + 1 < every and key == self._last_active
                 and not self._exploring_any and not self.follow_up_any and not self._refreshing
-                and not (explore and self.step >= self._next_explore)):
+                and not looked and not (explore and self.step >= self._next_explore)):
             self._repeats += 1
             return list(self._last_plan)
         active = np.asarray(active, dtype=bool)
@@ -615,6 +639,12 @@ class AdaptiveK:
         current = self._last_cap if key == self._last_active else None  # (other rows: other rates)
         switch_on = SWITCH_ON_MARGIN if not self._speculating else 0.0
         cap = padded_batch_cap(expected, times, active, LONGER_TOLERANCE, current, SWITCH_MARGIN, switch_on)
+        if cap > 0 and self.looks and not self._speculating and not looked and self.plain_passes:
+            # switching on again over greedy rows waits for a look at the tokens just generated (one
+            # plain segment, then the drafter's greedy agreement with them)
+            if remaining is None or remaining > self.plain_chain:
+                return self._look_plan(key)
+            cap = 0
         self._refreshing = cap > 0 and self._plain_stale() and self._close(expected, times, active)
         if self._refreshing:  # one plain segment measures P again; the choice is made after it
             plan = [0] * len(active)
@@ -631,6 +661,9 @@ class AdaptiveK:
         if cap > 0:  # speculating: the explorations of a later switch-off start at the shortest interval
             self._explore_interval = max(self.explore_every, 1)
             self._next_explore = self.step + self._explore_interval
+        elif explore and self.looks:
+            if self.step >= self._next_explore:
+                return self._look_plan(key)
         elif explore:
             scheduled = self.step >= self._next_explore  # all rows at once: one draft pass
             due = active & (budget == 0) & (scheduled | self.follow_up)
@@ -642,6 +675,15 @@ class AdaptiveK:
         budget[~active] = 0
         plan = [int(x) for x in budget]
         self._last_plan, self._last_active, self._repeats = plan, key, 0
+        return plan
+
+    def _look_plan(self, key: tuple) -> List[int]:
+        """A plan of no drafts whose plain segment is followed by a look (``look_due``; ``observe_look``)."""
+        plan = [0] * len(key)
+        self._last_plan, self._last_active, self._repeats, self._last_cap = plan, key, 0, 0
+        self._speculating = self._refreshing = self._exploring_any = False
+        self.exploring[:] = False
+        self.look_due = True
         return plan
 
     @staticmethod
@@ -752,6 +794,36 @@ class AdaptiveK:
             self.follow_up[:] = False
             self.follow_up_any = False
 
+    def observe_look(self, matches: Sequence[Sequence[bool]], active: Sequence[bool]) -> None:
+        """A look the last plan asked for (``look_due``), after its plain segment: ``matches[b]`` says, for
+        row b's last generated positions oldest first, whether a first draft from there equals the
+        committed token (greedy verification would accept it); ``active`` the rows the plan covered.
+
+        A chain of drafts from position j is accepted up to the first mismatch, so every position j of a
+        look is one observation of a drafting step: the run r of matches from j accepts positions 1..r
+        and reaches 1..r+1, or, where the run reaches the look's end (n - j positions seen), reaches and
+        accepts 1..n-j (what lies beyond is unseen); each decays the counts as a step does. The next
+        plan chooses with them (``_looked``), and the next scheduled look is an interval later, doubled
+        up to EXPLORE_BACKOFF x explore_every until speculation switches on."""
+        self.look_due = False
+        self._looked = True
+        self.looks_observed += 1
+        self._explore_interval = min(2 * self._explore_interval, self._longest_interval())
+        self._next_explore = self.step + self._explore_interval
+        g, prefix, K = self.forgetting, self._prefix_ones, self.k_max
+        for b, seen in enumerate(matches):
+            if b >= len(active) or not active[b] or not seen:
+                continue
+            n = len(seen)
+            run = [0] * (n + 1)  # run[j]: consecutive matches from j
+            for j in range(n - 1, -1, -1):
+                run[j] = run[j + 1] + 1 if seen[j] else 0
+            for j in range(n):
+                accepted = min(run[j], K)
+                reached = min(run[j] + 1 if run[j] < n - j else n - j, K)
+                self.reached[b] = g * self.reached[b] + prefix[reached]
+                self.accepted[b] = g * self.accepted[b] + prefix[accepted]
+
     def _probe_at(self, width: int) -> Optional[float]:
         """The probe's forward time at ``width``, interpolated between the probed widths (cached)."""
         costs = self.costs
@@ -764,15 +836,20 @@ class AdaptiveK:
 
     # ------------------------------------------------------------------ start, probe, finish
     def start(self, batch_size: int, target_key, drafter_key, *, probe: bool = True,
-              plain_chain: int = 0) -> "ProbeRequest":
+              plain_chain: int = 0, looks: bool = False) -> "ProbeRequest":
         """The loop's call after prefill: forget the rows (``reset``) and pick up what earlier
         generations with this target (``target_key``: the target model) / drafter / batch size
         measured. ``plain_chain``: the passes per call of the loop's greedy plain chains where it can
-        run them when no row drafts (0: it cannot; time(0) is then its one-token step). Returns the
+        run them when no row drafts (0: it cannot; time(0) is then its one-token step). ``looks``: the
+        loop can follow such a chain by a look (``observe_look``), which then stands in for every
+        exploration and precedes every switch on. Returns the
         start-up probes still needed (none when they were shared, or with ``probe`` False); the loop
         runs them and hands the times to ``record_probes``."""
         self.reset(batch_size)
         self.plain_chain = max(int(plain_chain), 0)
+        self.looks = bool(looks) and self.plain_chain > 0
+        if self.looks:  # the first look follows the first plain segment
+            self._next_explore = self.plain_chain
         self._memory = None
         table = None
         if self.share_costs and target_key is not None:
@@ -846,7 +923,7 @@ class AdaptiveK:
             self._memory.draft_obs_step = self.draft_obs_step.copy()
             # a generation that drafted nothing has no news: the prior relaxes towards p0 (so that a
             # workload that switched speculation off for every prompt comes to try it again)
-            pooled = (self.acceptance().mean(axis=0) if self._drafted_steps
+            pooled = (self.acceptance().mean(axis=0) if self._drafted_steps or self.looks_observed
                       else np.full(self.k_max, self.prior_acceptance))
             old = self._memory.acceptance
             self._memory.acceptance = pooled if old is None else (
@@ -869,6 +946,7 @@ class AdaptiveK:
             "host_time_per_step_s": None if math.isnan(self.costs.host) else self.costs.host,
             "plain_time_per_pass_s": self.plain_time(),
             "plain_chain_passes": self.plain_passes,
+            "looks": self.looks_observed,
             "acceptance_by_position": [float(a) for a in self.acceptance().mean(axis=0)],
         }
 

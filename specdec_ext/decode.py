@@ -45,6 +45,9 @@ PLAIN_CHAIN_TOKENS = 8
 # model with this many of the prompt's last tokens only (``DrafterPrefill``): on prompts that do not pay,
 # the look is what k="auto" loses to plain decoding, and the draft's prefill was most of it
 LOOK_WINDOW = 32
+# ... and adaptive k's look over greedy rows (``DrafterPrefill.greedy_look``) reads the draft's agreement
+# with at most this many of the last generated tokens (the draft's LM head runs on each of them)
+LOOK_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -335,6 +338,10 @@ def run_steps(loop: LoopState, config: LoopConfig, adaptive: Optional[AdaptiveK]
             new, passes = timed_segment(loop, loop.drafter if drafter_prefill.ready else None, adaptive, host)
             if passes:
                 step += passes
+                if adaptive.look_due:  # (not host work between steps: a one-off, like a prefill)
+                    begin = loop.timer.now()
+                    adaptive.observe_look(drafter_prefill.greedy_look(LOOK_TOKENS), active)
+                    host.held_since(begin)
                 yield from host.hand_over(new)
                 continue
         if not drafter_prefill.done:  # (the drafter's prefill is not host work between steps)
@@ -366,7 +373,7 @@ class DrafterPrefill:
     generation's first drafting steps) prefills a drafter that has ``windowed_prefill`` with the last
     LOOK_WINDOW committed tokens of each row: enough to measure the prompt's acceptance, at a fraction of
     the cost where it turns out not to pay; the first step that speculates after the look prefills the
-    whole context."""
+    whole context. ``greedy_look`` runs adaptive k's look without a target pass (``AdaptiveK.look_due``)."""
 
     def __init__(self, drafter: Optional[Drafter], meta: SpecDecodeMetadata, timer: Timer,
                  stats: GenerationStats, deferred: bool, adaptive: Optional[AdaptiveK]):
@@ -391,7 +398,16 @@ class DrafterPrefill:
             return begin
         lengths = self.meta.seq_lens.tolist()
         buffer = self.meta.token_buffer.cpu()  # [B, S]
-        committed = [buffer[b, : lengths[b] - 1].tolist() for b in range(len(lengths))]
+        self._prefill([buffer[b, : lengths[b] - 1].tolist() for b in range(len(lengths))], look)
+        return begin
+
+    def _prefill(self, committed: List[List[int]], look: bool) -> None:
+        """Prefill the drafter with ``committed`` (each row's tokens from position 0), only their last
+        LOOK_WINDOW for a ``look`` by a drafter that can; timed as prefill (adaptive k learns its cost per
+        token from it, the drafter's build left out)."""
+        begin = self.timer.now()
+        self.drafter.prepare(self.meta)
+        built = self.timer.now()
         window = look and self.drafter.windowed_prefill and max(map(len, committed)) > LOOK_WINDOW
         with nvtx_range("prefill"):
             if window:
@@ -400,11 +416,29 @@ class DrafterPrefill:
                 self.drafter.prefill(committed, self.meta)
         self.done, self.windowed = not window, window
         tokens = sum(min(len(c), LOOK_WINDOW) if window else len(c) for c in committed)
-        seconds = self.timer.now() - begin
-        self.stats.prefill_time += seconds
+        end = self.timer.now()
+        self.stats.prefill_time += end - begin
         if self.adaptive is not None:
-            self.adaptive.record_prefill(seconds, tokens)
-        return begin
+            self.adaptive.record_prefill(end - built, tokens)
+
+    def greedy_look(self, tokens: int) -> List[List[bool]]:
+        """Adaptive k's look over greedy rows (``Drafter.look``): per row, whether a first draft from each
+        of its last ``tokens`` committed positions (generated ones only: a prompt's tokens are not the
+        target's) would have been accepted, oldest first. A deferred drafter is prefilled first, with
+        the LOOK_WINDOW tokens before those (a look's window). The prefill counts as prefill time, the
+        look's draft pass as draft time."""
+        meta = self.meta
+        lengths, prompt_lens = meta.seq_lens.tolist(), meta.prompt_lens.tolist()
+        # position p + 1 in [S - shown, S - 1] is generated; a deferred prefill keeps >= 1 token of context
+        shown = [max(0, min(tokens, S - P, S - 2 if not self.ready else S)) for S, P in zip(lengths, prompt_lens)]
+        if not self.ready:
+            buffer = meta.token_buffer.cpu()  # [B, S]
+            self._prefill([buffer[b, : lengths[b] - 1 - shown[b]].tolist() for b in range(len(lengths))], True)
+        begin = self.timer.now()
+        with nvtx_range("look"):
+            matches = self.drafter.look(meta, shown)
+        self.stats.draft_time += self.timer.now() - begin
+        return matches
 
 
 def start_adaptive(adaptive: AdaptiveK, target: ModelRunner, drafter: Drafter, meta: SpecDecodeMetadata,
@@ -414,7 +448,8 @@ def start_adaptive(adaptive: AdaptiveK, target: ModelRunner, drafter: Drafter, m
     drafter's deferred prefill runs first. Returns the probes' seconds (not part of the run)."""
     begin = timer.now()
     request = adaptive.start(meta.batch_size, target.model, drafter_key(drafter), probe=running,
-                             plain_chain=PLAIN_CHAIN_TOKENS if segments else 0)
+                             plain_chain=PLAIN_CHAIN_TOKENS if segments else 0,
+                             looks=segments and drafter.greedy_looks)
     if request.draft_counts and not drafter_prefill.done:
         prefill_start = drafter_prefill.run()
         begin += timer.now() - prefill_start  # (part of the run)

@@ -17,6 +17,16 @@ HF draft model (chains or trees), n-gram / suffix lookup, or heads on the target
                                            worth timing)
     drafter.close()                        once, when the loop ends (releases hooks on the target)
 
+Adaptive k's deferred prefill and looks (decode.py ``DrafterPrefill``), where the flags say so:
+
+    drafter.prepare(meta)                  build what a prefill needs before it is timed (a runner)
+    drafter.prefill_window(prompts, meta, window)
+                                           ``windowed_prefill``: the prompts' last ``window`` tokens only
+    drafter.look(meta, tokens) -> [B][n] bool
+                                           ``greedy_looks``: feed the committed tokens it lacks, the last
+                                           tokens[b] with logits; whether its greedy token after each
+                                           equals the committed one that follows (no target pass)
+
 Declared flags (class attributes of ``Drafter``, read instead of probing the object): ``slots``,
 ``is_tree``, ``model`` (the draft model or None), ``device_steps`` (``reserve_step`` / ``sync_host``
 run a step on the device: a draft model on the paged runner in host mode, serving under CUDA graphs).

@@ -1,7 +1,7 @@
 """The drafter interface (the package docstring, specdec_ext/drafters/__init__.py, describes it)."""
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
@@ -20,13 +20,26 @@ class Drafter:
     deferrable_start: bool = False
     # prefill_window: a first look at a prompt may prefill its last tokens only (adaptive k, decode.py)
     windowed_prefill: bool = False
+    # look: the greedy agreement of the drafter with committed tokens, without a verification pass
+    # (adaptive k while speculation is off over greedy rows, decode.py ``DrafterPrefill.look``)
+    greedy_looks: bool = False
 
     def prefill(self, prompts: Sequence[Sequence[int]], meta: SpecDecodeMetadata) -> None:
         raise NotImplementedError
 
+    def prepare(self, meta: SpecDecodeMetadata) -> None:
+        """Build what a prefill over ``meta``'s rows needs before it is timed (nothing by default; a
+        draft model's runner), so that adaptive k learns the prefill's cost per token, not the build's."""
+
     def prefill_window(self, prompts: Sequence[Sequence[int]], meta: SpecDecodeMetadata, window: int) -> None:
         """``prefill`` with each prompt's last ``window`` tokens (``windowed_prefill`` drafters)."""
         raise NotImplementedError(f"{type(self).__name__} has no windowed prefill")
+
+    def look(self, meta: SpecDecodeMetadata, tokens: Sequence[int]) -> List[List[bool]]:
+        """Feed every committed token the drafter lacks but the pending one, the last ``tokens[b]`` of row
+        b with their logits; returns per row whether the drafter's greedy token after each of those
+        equals the committed token that follows it, oldest first (``greedy_looks`` drafters)."""
+        raise NotImplementedError(f"{type(self).__name__} has no greedy look")
 
     def propose(self, meta: SpecDecodeMetadata, budget: Optional[Sequence[int]] = None) -> Proposal:
         raise NotImplementedError

@@ -42,6 +42,7 @@ class ModelDrafter(Drafter):
     device_steps = True  # proposes on the device (needs a runner with device steps: the paged one in host mode)
     deferrable_start = True
     windowed_prefill = True
+    greedy_looks = True
 
     def __init__(self, model, runner_factory: RunnerFactory, *, k: int, vocab_size: int,
                  confidence_threshold: float = 0.0):
@@ -69,6 +70,9 @@ class ModelDrafter(Drafter):
             # the runner's declared capabilities (the plan's draft_capabilities), read once
             self.greedy_chains = self.runner.capabilities.greedy_chain
             self.extends_rows = self.runner.capabilities.chunked_prefill
+
+    def prepare(self, meta: SpecDecodeMetadata) -> None:
+        self._ensure_runner(*meta.token_buffer.shape)
 
     def prefill(self, prompts: Sequence[Sequence[int]], meta: SpecDecodeMetadata) -> None:
         self._prepare(meta)
@@ -227,6 +231,42 @@ class ModelDrafter(Drafter):
         rows = [b for b in range(B) if ends[b] - 1 > seen[b]]
         if rows:
             self._append(rows, [meta.token_buffer[b, seen[b]: ends[b] - 1].tolist() for b in rows], cached, meta)
+
+    def look(self, meta: SpecDecodeMetadata, tokens: Sequence[int]) -> List[List[bool]]:
+        """(``Drafter.look``) The unseen tokens before the last ``tokens[b]`` are fed as ``catch_up`` feeds
+        them, those in one forward whose logits are kept: a first draft from committed position p is the
+        argmax of the logits after token p (in the target's vocabulary), which greedy verification accepts
+        exactly when it is token p + 1; so a look reads, on the committed text, what drafting from each
+        position would have been accepted without a target pass. Needs a prefilled draft (whole or window)."""
+        self._skipped = False  # (the look feeds what catch_up would)
+        B = self.runner.batch_size
+        cached = self.runner.lengths[:B].tolist()
+        offsets = self._offsets[:B].tolist() if self._windowed else [0] * B
+        seen = [c + o for c, o in zip(cached, offsets)]  # committed positions in the draft cache
+        ends = meta.seq_lens[:B].tolist()
+        unseen = [max(ends[b] - 1 - seen[b], 0) for b in range(B)]  # (the pending token is never fed)
+        shown = [min(max(int(tokens[b]), 0), unseen[b]) for b in range(B)]
+        early = [b for b in range(B) if unseen[b] > shown[b]]
+        if early:
+            self._append(early, [meta.token_buffer[b, seen[b]: ends[b] - 1 - shown[b]].tolist() for b in early],
+                         cached, meta)
+        width = max(shown, default=0)
+        if width == 0:
+            return [[] for _ in range(B)]
+        feed = torch.zeros((B, width), dtype=torch.int64)  # [B, W]: positions ends - 1 - shown .. ends - 2
+        following: List[List[int]] = []  # per row: the committed token after each fed one
+        for b in range(B):
+            if shown[b]:
+                span = meta.token_buffer[b, ends[b] - 1 - shown[b]: ends[b]].tolist()
+                feed[b, : shown[b]] = torch.as_tensor(span[:-1], dtype=torch.int64)
+                following.append(span[1:])
+            else:
+                following.append([])
+        counts = torch.tensor(shown, dtype=torch.int64, device=meta.device)  # [B]
+        logits = self.runner.forward(feed.to(meta.device), counts)  # [B, W, V_d]
+        self.runner.commit(counts)
+        drafted = self._fit_vocab(logits).argmax(-1).tolist()  # [B][W]
+        return [[drafted[b][j] == following[b][j] for j in range(shown[b])] for b in range(B)]
 
     def _append(self, rows: List[int], chunks: List[List[int]], seen: List[int], meta: SpecDecodeMetadata) -> None:
         """Committed tokens ``chunks[i]`` into the draft cache of ``rows[i]`` (``seen[b]``: row b's cache

@@ -215,6 +215,7 @@ class TreeModelDrafter(ModelDrafter):
     is_tree = True
     device_steps = False  # a tree's forwards vary per step (eager)
     windowed_prefill = False  # (adaptive k, whose looks window the prefill, runs chains only)
+    greedy_looks = False
 
     def __init__(self, model, runner_factory: RunnerFactory, *, branch: int, depth: int, budget: int,
                  vocab_size: int, calibration: Optional[NodeCalibration] = None):
