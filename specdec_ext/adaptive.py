@@ -647,11 +647,7 @@ class AdaptiveK:
             cap = 0
         self._refreshing = cap > 0 and self._plain_stale() and self._close(expected, times, active)
         if self._refreshing:  # one plain segment measures P again; the choice is made after it
-            plan = [0] * len(active)
-            self._last_plan, self._last_active, self._repeats, self._last_cap = plan, key, 0, 0
-            self.exploring[:] = False
-            self._exploring_any = False
-            return plan
+            return self._segment_plan(key)
         if cap > 0 and prefill > 0 and remaining is not None and not self._repays(
                 expected, times, active, cap, remaining, prefill):
             cap = 0
@@ -677,14 +673,19 @@ class AdaptiveK:
         self._last_plan, self._last_active, self._repeats = plan, key, 0
         return plan
 
-    def _look_plan(self, key: tuple) -> List[int]:
-        """A plan of no drafts whose plain segment is followed by a look (``look_due``; ``observe_look``)."""
+    def _segment_plan(self, key: tuple) -> List[int]:
+        """A plan of no drafts for the rows ``key`` (a plain segment), the choice left to the plan after it."""
         plan = [0] * len(key)
         self._last_plan, self._last_active, self._repeats, self._last_cap = plan, key, 0, 0
-        self._speculating = self._refreshing = self._exploring_any = False
         self.exploring[:] = False
-        self.look_due = True
+        self._exploring_any = False
         return plan
+
+    def _look_plan(self, key: tuple) -> List[int]:
+        """A plain segment followed by a look (``look_due``; ``observe_look``)."""
+        self._speculating = self._refreshing = False
+        self.look_due = True
+        return self._segment_plan(key)
 
     @staticmethod
     def _close(expected: np.ndarray, times: np.ndarray, active: np.ndarray) -> bool:

@@ -21,7 +21,7 @@ class Drafter:
     # prefill_window: a first look at a prompt may prefill its last tokens only (adaptive k, decode.py)
     windowed_prefill: bool = False
     # look: the greedy agreement of the drafter with committed tokens, without a verification pass
-    # (adaptive k while speculation is off over greedy rows, decode.py ``DrafterPrefill.look``)
+    # (adaptive k while speculation is off over greedy rows, decode.py ``DrafterPrefill.greedy_look``)
     greedy_looks: bool = False
 
     def prefill(self, prompts: Sequence[Sequence[int]], meta: SpecDecodeMetadata) -> None:

@@ -213,6 +213,14 @@ class ModelDrafter(Drafter):
         self._skipped = True
         self._skipped_step = True
 
+    def _arrears(self, meta: SpecDecodeMetadata) -> Tuple[int, List[int], List[int], List[int]]:
+        """(B, each row's draft-cache length, the committed positions it holds, its committed length) of
+        the runner's rows: host lists (one read each)."""
+        B = self.runner.batch_size
+        cached = self.runner.lengths[:B].tolist()
+        offsets = self._offsets[:B].tolist() if self._windowed else [0] * B
+        return B, cached, [c + o for c, o in zip(cached, offsets)], meta.seq_lens[:B].tolist()
+
     def catch_up(self, meta: SpecDecodeMetadata) -> None:
         """After skipped steps, feed each row's committed tokens that the draft cache lacks except the last
         one, so that the next propose feeds one token per row, as wide as a propose after a drafting step
@@ -223,11 +231,7 @@ class ModelDrafter(Drafter):
         if not self._skipped:
             return
         self._skipped = False
-        B = self.runner.batch_size
-        cached = self.runner.lengths[:B].tolist()
-        offsets = self._offsets[:B].tolist() if self._windowed else [0] * B
-        seen = [c + o for c, o in zip(cached, offsets)]  # committed positions
-        ends = meta.seq_lens[:B].tolist()
+        B, cached, seen, ends = self._arrears(meta)
         rows = [b for b in range(B) if ends[b] - 1 > seen[b]]
         if rows:
             self._append(rows, [meta.token_buffer[b, seen[b]: ends[b] - 1].tolist() for b in rows], cached, meta)
@@ -239,11 +243,7 @@ class ModelDrafter(Drafter):
         exactly when it is token p + 1; so a look reads, on the committed text, what drafting from each
         position would have been accepted without a target pass. Needs a prefilled draft (whole or window)."""
         self._skipped = False  # (the look feeds what catch_up would)
-        B = self.runner.batch_size
-        cached = self.runner.lengths[:B].tolist()
-        offsets = self._offsets[:B].tolist() if self._windowed else [0] * B
-        seen = [c + o for c, o in zip(cached, offsets)]  # committed positions in the draft cache
-        ends = meta.seq_lens[:B].tolist()
+        B, cached, seen, ends = self._arrears(meta)
         unseen = [max(ends[b] - 1 - seen[b], 0) for b in range(B)]  # (the pending token is never fed)
         shown = [min(max(int(tokens[b]), 0), unseen[b]) for b in range(B)]
         early = [b for b in range(B) if unseen[b] > shown[b]]
