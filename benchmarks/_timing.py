@@ -57,4 +57,7 @@ def machine_description(device: torch.device) -> str:
     import os
     import platform
 
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
+    from specdec_ext.ops import cpu_isa
+
+    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, CPU path {cpu_isa()}, "
+            f"{torch.get_num_threads()} torch threads, torch {torch.__version__}")

@@ -189,7 +189,7 @@ class ScriptedK(LoadGatedK):
         super().__init__(K, rows=MAX_ROWS, pinned_k=K, lengths=graph_draft_lengths(K, K))
         self.chosen = []
 
-    def choose(self, width, running, seeded, *, pending_tokens=0, uniform=False, steps_left=None):
+    def choose(self, width, running, seeded, *, pending_tokens=0, uniform=False, steps_left=None, after_prefill=False):
         k = self.CYCLE[len(self.chosen) % len(self.CYCLE)]
         self.chosen.append(k)
         budget = [k] * width if uniform else [k if b in running else 0 for b in range(width)]

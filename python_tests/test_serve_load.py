@@ -9,6 +9,7 @@ prefill's.
 """
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
@@ -19,10 +20,12 @@ from specdec_ext import plain_generate
 from specdec_ext.models import Models
 from specdec_ext.runners import LeanLlamaRunner, RecomputeRunner
 from specdec_ext.sampling import SamplingParams
+from specdec_ext.serve import draft_length
 from specdec_ext.serve.batcher import FREE_SLOT_TOKEN
 from specdec_ext.serve.build import EngineOptions, build_engine
-from specdec_ext.serve.draft_length import (EXPLORE, EXPLORE_EVERY, HOLD_STEPS, MEASURED, PASS_FLOOR_MARGIN, PINNED,
-                                           REFRESH, STALE_STEPS, CostCurve, DraftChoice, DraftCosts, LoadGatedK, PassFloor)
+from specdec_ext.serve.draft_length import (EXPLORE, EXPLORE_EVERY, EXPLORE_OVERHEAD, HOLD_STEPS, MEASURED,
+                                           PASS_FLOOR_MARGIN, PINNED, REFRESH, STALE_STEPS, CostCurve, DraftChoice,
+                                           DraftCosts, FeedCost, LoadGatedK, PassFloor)
 from specdec_ext.serve.request import GenerationRequest
 from specdec_ext.serve.slo import TpotSlo
 from specdec_ext.stats import StepOutcome
@@ -92,6 +95,42 @@ def test_low_acceptance_switches_speculation_off_and_explorations_keep_measuring
     assert explored and min(np.diff(explored), default=EXPLORE_EVERY) >= EXPLORE_EVERY
 
 
+def test_an_exploration_is_skipped_where_its_catch_up_outweighs_the_plain_steps_it_would_inform(monkeypatch):
+    """While off, an exploration pays the whole catch-up (the deferred draft prefills of the rows that
+    joined while off and every row's plain stretch) in one step: it is made only where that costs at most
+    EXPLORE_OVERHEAD x the plain steps until the next one."""
+    rng = np.random.default_rng(1)
+    controller = LoadGatedK(K_MAX, rows=4, pinned_k=4)
+    _simulate(controller, 1, 60, memory_bound, 0.0, rng)  # off, explorations backing off
+    for _ in range(500):  # up to a step that explores
+        if copy.deepcopy(controller).choose(1, [0], []).reason == EXPLORE:
+            break
+        _simulate(controller, 1, 1, memory_bound, 0.0, rng)
+    else:
+        pytest.fail("no exploration in 500 steps")
+    catch_up = controller._catch_up_s(1, [0])
+    bound = EXPLORE_OVERHEAD * controller._interval * controller.step_times(1)[0]
+    assert 0 < catch_up <= bound
+    for overhead, explores in [(EXPLORE_OVERHEAD, True), (0.9 * EXPLORE_OVERHEAD * catch_up / bound, False)]:
+        monkeypatch.setattr(draft_length, "EXPLORE_OVERHEAD", overhead)
+        assert (copy.deepcopy(controller).choose(1, [0], []).reason == EXPLORE) == explores, overhead
+
+
+def test_the_catch_up_feed_is_a_fixed_part_and_a_time_per_token():
+    """One feed timed: in proportion to its tokens; feeds of several sizes: the least-squares line, so a
+    one-row feed's call overhead is not taken for a per-token cost (0.25 ms per token estimated where a
+    233-token feed took 2.8 ms, measured)."""
+    feed = FeedCost()
+    assert feed.at(100) is None
+    feed.observe(2, 0.5 * MS)
+    assert feed.at(8) == pytest.approx(2.0 * MS)
+    feed.observe(233, 2.8 * MS)
+    assert feed.at(233) == pytest.approx(2.8 * MS) and feed.at(2) == pytest.approx(0.5 * MS)
+    assert feed.at(466) == pytest.approx(2.8 * MS + 233 * (2.3 / 231) * MS)
+    controller = LoadGatedK(K_MAX, rows=4, pinned_k=4)
+    assert controller._feed_s(4, 0) == 0.0
+
+
 def test_a_seeded_row_drafts_the_pinned_length_whatever_the_load():
     """Seeded rows' tokens must not depend on the load: they draft pinned_k every step even where the
     others are off."""
@@ -130,6 +169,35 @@ def test_a_close_call_measures_plain_decoding_again_when_its_cost_is_stale():
     refreshes = [i for i, c in enumerate(choices) if c.reason == REFRESH]
     assert refreshes and all(i > STALE_STEPS for i in refreshes)
     assert all(choices[i + 1].k > 0 for i in refreshes if i + 1 < len(choices))
+
+
+def test_a_pass_after_a_prompt_chunk_is_not_timed_into_v_and_cannot_refresh_it():
+    """A step whose pass follows a prompt chunk (its caches evicted) leaves V as it was: at 16 rows a plain
+    pass timed at 6 ms stays the estimate when passes after chunks take 9 ms; and a close call whose V(w)
+    is stale refreshes it only in a step without a chunk (where the plain pass can measure it)."""
+    controller = LoadGatedK(K_MAX, rows=16, pinned_k=4)
+    running = list(range(16))
+    plain = DraftChoice(0, MEASURED, [0] * 16)
+    for seconds, after in [(6 * MS, False)] * 3 + [(9 * MS, True)] * 5:
+        controller.observe(16, plain, StepOutcome(running, [0] * 16, [0] * 16), verify_width=1, draft_time=0.0,
+                           verify_time=seconds, host_time=0.05 * MS, after_prefill=after)
+    assert controller.verify.at(16) == pytest.approx(6 * MS)
+    controller.observe(16, plain, StepOutcome(running, [0] * 16, [0] * 16), verify_width=1, draft_time=0.0,
+                       verify_time=9 * MS, host_time=0.05 * MS)
+    assert controller.verify.at(16) > 6.5 * MS  # (the same time without a chunk before it is V's)
+
+    rng = np.random.default_rng(3)
+    controller = LoadGatedK(K_MAX, rows=8, pinned_k=4)
+    steep = lambda tokens: 10 * MS + 0.6 * MS * tokens
+    choices = _simulate(controller, 2, 150, steep, 0.45, rng)
+    assert any(c.reason == REFRESH for c in choices)
+    for _ in range(500):  # up to a step that refreshes V(2) ...
+        if copy.deepcopy(controller).choose(2, [0, 1], []).reason == REFRESH:
+            break
+        _simulate(controller, 2, 1, steep, 0.45, rng)
+    else:
+        pytest.fail("no refresh in 500 steps")
+    assert controller.choose(2, [0, 1], [], after_prefill=True).reason != REFRESH  # ... but for the chunk
 
 
 def test_cost_curve_interpolates_and_extrapolates_optimistically():
@@ -377,7 +445,7 @@ def _scripted_run(pair, ks, *, deferrable=True):
     owed = []
     choose = controller.choose
 
-    def scripted_choose(width, running, seeded, *, pending_tokens=0, uniform=False, steps_left=None):
+    def scripted_choose(width, running, seeded, *, pending_tokens=0, uniform=False, steps_left=None, after_prefill=False):
         choose(width, running, seeded, pending_tokens=pending_tokens)  # its bookkeeping, then the script
         owed.append(pending_tokens)
         k = next(scripted)
@@ -457,7 +525,7 @@ def test_speculation_back_on_after_more_plain_steps_than_the_draft_cache_holds(p
     requests = [_request(tokenizer, PROMPTS[i % len(PROMPTS)], max_new=24) for i in range(12)]
     state = {"steps": 0}
 
-    def scripted_choose(width, running, seeded, *, pending_tokens=0, uniform=False, steps_left=None):
+    def scripted_choose(width, running, seeded, *, pending_tokens=0, uniform=False, steps_left=None, after_prefill=False):
         state["steps"] += 1
         k = 0 if state["steps"] <= 130 else 3  # 130 plain steps > 96 positions, then drafting
         controller._cap = k
@@ -476,7 +544,8 @@ def test_the_catch_up_is_counted_per_row_and_a_deferred_prefill_at_its_own_cost(
     last draft pass (a row that joined while off is not counted again beside its deferred prefill), at the
     measured feed time per token, plus the deferred prefills' tokens at their measured time per token."""
     controller = LoadGatedK(K_MAX, rows=4, pinned_k=4)
-    controller.feed_per_token, controller.prefill_per_token = 1e-3, 2e-4
+    controller.feed.observe(10, 10e-3)  # (one feed timed: in proportion to the tokens)
+    controller.prefill_per_token = 2e-4
     plain = lambda rows: controller.observe(len(rows), DraftChoice(0, MEASURED, [0] * len(rows)),
                                             StepOutcome(rows, [0] * len(rows), [0] * len(rows)), verify_width=1,
                                             draft_time=0.0, verify_time=10 * MS, host_time=0.0)
@@ -505,7 +574,8 @@ def test_a_catch_up_is_not_paid_for_rows_about_to_end():
         _simulate(controller, 1, 40, memory_bound, 0.8, rng)
         _simulate(controller, 32, 60, memory_bound, 0.8, rng)  # off: every row falls behind the draft model
         assert controller._cap == 0 and controller._catch_up_s(1, [0]) > 0
-        controller.feed_per_token = 2 * MS  # 60 tokens behind: 120 ms to catch up
+        controller.feed = FeedCost()
+        controller.feed.observe(10, 20 * MS)  # 60 tokens behind: 120 ms to catch up
         return controller
 
     many = controller_after_a_wide_stretch().choose(1, [0], [], steps_left=200)

@@ -8,6 +8,7 @@ import torch
 from specdec_ext.drafters import NgramDrafter
 from specdec_ext.metadata import SpecDecodeMetadata
 from specdec_ext.runners import LeanLlamaRunner, PagedModelRunner, RecomputeRunner, make_runner
+from specdec_ext.runners.lean import PREFILL_GROUP_TOKENS, PREFILL_PADDING_SLACK, prefill_groups
 from specdec_ext.sampling import SamplingParams
 from test_generate_utils import tiny_model
 
@@ -46,6 +47,43 @@ def test_start_rows_matches_a_fresh_start_and_leaves_other_rows_alone(model, kin
     fresh.commit(torch.tensor([1, 0, 1, 0]))
     following = torch.tensor([[1], [first[1]], [2], [first[3]]])  # [4, 1]
     torch.testing.assert_close(runner.forward(following), fresh.forward(following), rtol=1e-4, atol=1e-4)
+
+
+def test_prefill_groups_bound_each_forwards_padding_and_tokens():
+    """Ragged prompts are prefilled in groups of similar lengths: every prompt in exactly one group, a
+    group's forward (members x its longest) within (1 + slack) x the tokens it holds and within
+    PREFILL_GROUP_TOKENS unless it is one prompt; equal short prompts share one forward."""
+    lengths = [300, 20, 290, 18, 700, 5, 16, 250, 19, 17]
+    groups = prefill_groups(lengths)
+    assert sorted(i for group in groups for i in group) == list(range(len(lengths)))
+    for group in groups:
+        longest = max(lengths[i] for i in group)
+        if len(group) > 1:
+            assert len(group) * longest <= PREFILL_GROUP_TOKENS
+            assert len(group) * longest <= (1 + PREFILL_PADDING_SLACK) * sum(lengths[i] for i in group)
+    assert [4] in groups and [0] in groups  # 700 alone; 300 with 290 would be 600 tokens
+    assert sorted(next(g for g in groups if 1 in g)) == [1, 3, 6, 8, 9]  # 16-20 together, 5 not
+    assert prefill_groups([8] * 10) == [list(range(10))]
+    assert prefill_groups([]) == []
+
+
+def test_lean_prefill_in_groups_is_bit_for_bit_each_prompt_alone(model):
+    """A ragged start (several forwards, prefill_groups) gives every row the logits and the cache it gets
+    prefilled alone, bit for bit: the next step's logits are equal too."""
+    lengths = [40, 3, 37, 9, 2]
+    prompts = [[(7 * b + 3 * t) % 60 + 2 for t in range(n)] for b, n in enumerate(lengths)]
+    assert 1 < len(prefill_groups(lengths)) < len(lengths)
+    runner = LeanLlamaRunner(model, max_batch_size=5, max_seq_len=64)
+    logits = runner.start(prompts)  # [5, V]
+    following = runner.forward(torch.tensor([[9]] * 5))  # [5, 1, V]
+    for b, prompt in enumerate(prompts):
+        alone = LeanLlamaRunner(model, max_batch_size=1, max_seq_len=64)
+        assert torch.equal(alone.start([prompt])[0], logits[b]), b
+        assert torch.equal(alone.forward(torch.tensor([[9]]))[0], following[b]), b
+    rows = LeanLlamaRunner(model, max_batch_size=6, max_seq_len=64)
+    rows.start_rows([5, 1, 0, 3, 2], prompts)
+    assert rows.lengths.tolist() == [37, 3, 2, 9, 0, 40]
+    assert torch.equal(rows.forward(torch.tensor([[9]] * 6), torch.tensor([1, 1, 1, 1, 0, 1]))[5, 0], following[0, 0])
 
 
 @pytest.mark.parametrize("kind", RUNNERS)

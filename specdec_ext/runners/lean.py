@@ -56,7 +56,34 @@ from .rows import RowsInUse
 from .taps import TapBuffer, check_tap_layers
 from .trees import token_tree_inputs, tree_commit_plan
 
-__all__ = ["LeanLlamaRunner", "unsupported_reason", "lean_capabilities", "SUPPORTED_MODEL_TYPES"]
+__all__ = ["LeanLlamaRunner", "unsupported_reason", "lean_capabilities", "SUPPORTED_MODEL_TYPES", "prefill_groups"]
+
+PREFILL_PADDING_SLACK = 0.25  # a prefill forward of ragged prompts computes at most this fraction more tokens
+#   than they hold (right padding to the longest) ...
+PREFILL_GROUP_TOKENS = 512  # ... and at most this many tokens, unless one prompt is longer. Measured (bundled pair,
+#   bf16, one thread, amxbf16): a forward's time per token is least from ~64 to ~1000 tokens (target 104-120 us,
+#   draft 22-24) and rises past it (16 x 256 tokens: 172 and 30 us); 16 prompts of 150-460 tokens took 300 us per
+#   token in one padded forward, 160 one by one
+
+
+def prefill_groups(lengths: Sequence[int], slack: float = PREFILL_PADDING_SLACK,
+                   tokens: int = PREFILL_GROUP_TOKENS) -> List[List[int]]:
+    """The prompts (by index) prefilled together: longest first, a group takes the next prompt while its
+    forward of (members) x (its longest) tokens stays within (1 + slack) x the tokens its members hold and
+    within ``tokens``. Each group is one forward; the kernels are batch invariant, so a row's logits and
+    cache do not depend on the group it lands in."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: List[List[int]] = []
+    held = 0
+    for i in order:
+        padded = (len(groups[-1]) + 1) * lengths[groups[-1][0]] if groups else 0
+        if groups and padded <= tokens and padded <= (1 + slack) * (held + lengths[i]):
+            groups[-1].append(i)
+            held += lengths[i]
+        else:
+            groups.append([i])
+            held = lengths[i]
+    return groups
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 CAPACITY_SLACK = 16  # cache positions past max_seq_len for padding columns of a forward
@@ -419,7 +446,24 @@ class LeanLlamaRunner:
 
     def _prefill(self, prompts: Sequence[Sequence[int]], cache_rows: Optional[torch.Tensor]) -> torch.Tensor:
         """Logits at each prompt's last position [n, V], the prompts' K/V in cache rows ``cache_rows``
-        (None: 0..n-1)."""
+        (None: 0..n-1): one forward per group of prompts of similar lengths (``prefill_groups``), or one
+        forward where the head is hooked (heads on the target read the whole batch's states at once)."""
+        head = self.model.lm_head
+        groups = prefill_groups([len(p) for p in prompts])
+        if len(groups) == 1 or head._forward_pre_hooks or head._forward_hooks:
+            return self._prefill_block(prompts, cache_rows)
+        rows = torch.arange(len(prompts), dtype=torch.int64, device=self.device) if cache_rows is None else cache_rows
+        logits = None
+        for group in groups:
+            index = torch.tensor(group, dtype=torch.int64, device=self.device)
+            block = self._prefill_block([prompts[i] for i in group], rows[index])  # [len(group), V]
+            if logits is None:
+                logits = block.new_empty((len(prompts), block.shape[-1]))
+            logits[index] = block
+        return logits
+
+    def _prefill_block(self, prompts: Sequence[Sequence[int]], cache_rows: Optional[torch.Tensor]) -> torch.Tensor:
+        """``_prefill`` in one forward [n, T_max]."""
         B = len(prompts)
         T = max(len(p) for p in prompts)
         # Right-padded: every row starts at position 0 (a plain causal mask); padding columns write

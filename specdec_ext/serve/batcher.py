@@ -476,7 +476,7 @@ class ContinuousBatcher:
         if self.draft_length is not None:
             self.draft_length.record_joins(self._joined_tokens)
             self._joined_tokens = 0
-        choice = self._choose(width, rows)
+        choice = self._choose(width, rows, after_prefill=bool(prefilled))
         catch_up_begin = self.clock()
         if choice.k > 0:
             self._start_pending_drafts()
@@ -494,7 +494,8 @@ class ContinuousBatcher:
             #   step's own bookkeeping, the last step's emission), which a step of any k pays once
             host = self.clock() - decode_begin - catch_up_s - result.draft_time - result.verify_time + self._emit_s
             self.draft_length.observe(width, choice, result.outcome, verify_width=result.width,
-                                      draft_time=result.draft_time, verify_time=result.verify_time, host_time=host)
+                                      draft_time=result.draft_time, verify_time=result.verify_time, host_time=host,
+                                      after_prefill=bool(prefilled))
         self._last_k = choice.k
         self.metrics.record_draft_length(choice.k, choice.reason)
         emitted: Dict[int, int] = {}
@@ -513,7 +514,7 @@ class ContinuousBatcher:
         if self.slo is not None and emitted:
             self.slo.observe_step(width, self.clock() - begin, begin - start, sum(emitted.values()) / len(emitted))
 
-    def _choose(self, width: int, rows: Sequence[Optional[Row]]) -> DraftChoice:
+    def _choose(self, width: int, rows: Sequence[Optional[Row]], after_prefill: bool = False) -> DraftChoice:
         """This step's draft lengths: the LoadGatedK's choice, or the server's k for every row."""
         running = [b for b, row in enumerate(rows) if row is not None]
         if self.draft_length is None:
@@ -522,7 +523,7 @@ class ContinuousBatcher:
         seeded = [b for b in running if rows[b].request.seeded]
         steps_left = max((rows[b].request.max_new_tokens - len(rows[b].state.tokens) for b in running), default=None)
         return self.draft_length.choose(width, running, seeded, pending_tokens=self._pending_draft_tokens(),
-                                        uniform=self.graphs, steps_left=steps_left)
+                                        uniform=self.graphs, steps_left=steps_left, after_prefill=after_prefill)
 
     @property
     def graphs_captured(self) -> int:

@@ -24,7 +24,12 @@ with the costs keyed by the load:
   tokens takes at least n t(c) / c for any prefill chunk of c >= n tokens timed. Without it the last
   segment's slope, measured between two nearby sizes, extrapolated a [16, 9] pass at 30 ms where it
   takes 67 (its tokens at 466 us each, a 256-token chunk's at 455: one thread, bf16, this CPU) and the
-  server speculated at 16 rows at 0.6x plain decoding's rate for dozens of steps.
+  server speculated at 16 rows at 0.6x plain decoding's rate for dozens of steps. A pass that follows a
+  prompt chunk in its step is not timed into V: it runs on the caches the chunk evicted (measured at 16
+  rows: a [16, 1] pass 8.3-9.1 ms after a chunk, 6.0-6.5 ms without; a [16, 5] pass 18-19 ms either way),
+  an extra that the step pays whatever K it drafts. Timed in, the last chunks before a switch on left
+  V(16) at 8.1 ms while speculation ran (no plain step measures it then), plain decoding estimated at
+  1600 tokens/s where its steps ran at 1950, and K = 4 chosen at 0.9x plain decoding's rate.
 - D(w, K): a draft step's time at w rows drafting K tokens (K sequential passes of [w, 1] and a fixed
   part: feeding the committed tokens, host work): per width, the least-squares line d_0 + K c (c >= 0,
   adaptive.nonneg_line) through the moving averages per K drafted there, through the origin while one K
@@ -42,8 +47,11 @@ by SWITCH_ON_MARGIN; switching off is never delayed).
 
 Catching up. A draft pass after plain steps first feeds the draft model every token committed since its
 last pass (counted per slot: one per plain step its row ran); while off, time(w, K >= 1) is charged that
-catch-up spread over CATCH_UP_HORIZON steps, at the measured feed time per token (before one was measured,
-the draft's per-token cost at w rows / w), and so are the draft prefills the batcher deferred for rows
+catch-up spread over CATCH_UP_HORIZON steps, at the measured feed time (``FeedCost``: a line d_0 + n c
+through the feeds timed, by the tokens n they fed; before one was measured, the draft's per-token cost at
+w rows / w per token; a time per token averaged over the feeds, as this was before, took a one-row feed's
+call overhead for a per-token cost: 0.25 ms per token estimated where a 233-token feed at 16 rows took
+0.012), and so are the draft prefills the batcher deferred for rows
 that joined while off (``pending_tokens``: their committed tokens, fed before the first step that drafts,
 at their own measured time per token, ``record_draft_prefill``; counting w x the steps since, as this did
 before, charged a row that joined while off twice: 3.5 s estimated against 0.5 s measured at 16 rows),
@@ -57,13 +65,17 @@ EXPLORE_BACKOFF x that while explorations leave it off) one step drafts EXPLORE_
 look, it measures the rows' first-position acceptance and V at 2w, whose slope from V(w) extrapolates
 the longer drafts (measured at 16 rows: exploring with the best K, often 8, cost a [16, 9] pass each
 time, 2-3 plain steps). Only where the estimate is near: the best K's rate at least EXPLORE_BAND x plain
-decoding's. An exploration's draft pass first feeds the draft model every token committed since its last
+decoding's, and where its catch-up (the estimate above, paid in full by the exploring step) costs at most
+EXPLORE_OVERHEAD x the plain steps until the next exploration (measured at 16 clients: an exploration's
+step took 94 ms, 78 of them the deferred draft prefills of the rows that joined while off, against 8-ms
+plain steps; every request running through it took ~1.3 ms more per token, and TPOT p99 rose 10% over
+plain decoding's). An exploration's draft pass first feeds the draft model every token committed since its last
 pass (the whole plain stretch, w rows of it), so exploring where speculation is far from paying would
 charge the draft model's cost for every token decoded while off (measured: 0.95x plain at 16 clients);
 a batch that shrinks changes the estimate (the costs are interpolated at the new width), not an
 exploration. While on, where the choice is close (the best K within
 REFRESH_BAND of plain decoding) and V(w) was not measured in the last STALE_STEPS steps, one plain step
-measures it again (with k="auto"'s 64 steps, a plain cost measured during a moment of load on the shared
+without a prompt chunk before its pass (V(n), above) measures it again (with k="auto"'s 64 steps, a plain cost measured during a moment of load on the shared
 CPU kept speculation on at 0.90x plain for a whole 32-client run).
 
 Joining rows. While speculating, every request that joins pays the draft model's prefill of its prompt
@@ -125,6 +137,7 @@ PASS_FLOOR_MARGIN = 0.9  # of a prefill chunk's time per token: the chunk's own 
 #   stand-in) are not in a verify pass, nor is all of its attention (measured: verify passes of 20-144 tokens at
 #   1.03-1.2x a 256-token chunk's time per token, this CPU)
 EXPLORE_BAND = 0.97  # ... made only where the best K's estimated rate is at least this x plain decoding's (near)
+EXPLORE_OVERHEAD = 0.1  # ... and where its catch-up costs at most this x the plain steps until the next one
 # Why a step drafted what it did (the /metrics label of each choice)
 MEASURED = "measured"  # the argmax of the measured rates
 EXPLORE = "explore"  # off: one step drafts the best K >= 1 to measure it
@@ -244,6 +257,35 @@ class DraftCosts:
         return nonneg_line(ks, [points[k] for k in ks], [1.0] * len(ks))
 
 
+class FeedCost:
+    """The draft model's catch-up feed time as a function of the tokens it feeds: a moving average of
+    (tokens, seconds) per power-of-two size class, and the least-squares line d_0 + n c (c >= 0) through
+    them; from one class, in proportion to the tokens (module docstring, "Catching up")."""
+
+    def __init__(self, smoothing: float = DEFAULT_COST_SMOOTHING):
+        self.smoothing = smoothing
+        self.points: Dict[int, Tuple[float, float]] = {}  # size class -> (tokens, seconds), moving averages
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        if tokens <= 0 or seconds <= 0:
+            return
+        size = int(tokens).bit_length()
+        n, t = self.points.get(size, (math.nan, math.nan))
+        self.points[size] = (moving_average(n, float(tokens), self.smoothing),
+                             moving_average(t, seconds, self.smoothing))
+
+    def at(self, tokens: int) -> Optional[float]:
+        """Seconds to feed ``tokens`` tokens (None before any feed was timed)."""
+        if not self.points:
+            return None
+        if len(self.points) == 1:
+            (n, t), = self.points.values()
+            return t * tokens / n
+        xs, ys = zip(*self.points.values())
+        fixed, per_token = nonneg_line(xs, ys, [1.0] * len(xs))
+        return max(fixed + per_token * tokens, 0.0)
+
+
 class LoadGatedK:
     """The draft length of each server step (see the module docstring). ``k_max``: the server's draft
     slots; ``pinned_k``: what seeded rows draft; ``rows``: the slots; ``lengths``: the draft lengths a
@@ -275,7 +317,7 @@ class LoadGatedK:
         self._since_draft = 0  # plain steps since the last draft pass: the next one also feeds their tokens
         self._behind = np.zeros(rows, dtype=np.int64)  # per slot: tokens its row committed in plain steps since
         #   the last draft pass (what that pass feeds it; a row that joined while off is in pending_tokens)
-        self.feed_per_token = math.nan  # seconds per token the draft model's catch-up feed takes
+        self.feed = FeedCost()  # the draft model's catch-up feed time by the tokens it feeds
         self.prefill_per_token = math.nan  # seconds per token of the draft prefills (record_draft_prefill)
         self.join_tokens = 0.0  # J: prompt tokens joining per step (record_joins)
         self._drafted = np.zeros(rows, dtype=bool)  # the slot's row drafted since it joined
@@ -354,13 +396,14 @@ class LoadGatedK:
         return self._cap > 0
 
     def choose(self, width: int, running: Sequence[int], seeded: Sequence[int], *, pending_tokens: int = 0,
-               uniform: bool = False, steps_left: Optional[int] = None) -> DraftChoice:
+               uniform: bool = False, steps_left: Optional[int] = None, after_prefill: bool = False) -> DraftChoice:
         """This step's draft lengths over slots 0..width-1: ``running`` the slots decoding, ``seeded``
         those of them whose request gave a seed; ``pending_tokens`` what the draft model must prefill
         before it drafts (rows that joined while speculation was off), charged like a catch-up;
         ``uniform`` (CUDA graphs: a capture drafts one length for every row): every slot gets the same
         budget, pinned_k while a seeded row runs; ``steps_left``: the most plain steps any running row may
-        still take (its max_new_tokens left): a catch-up is repaid over at most that many steps."""
+        still take (its max_new_tokens left): a catch-up is repaid over at most that many steps;
+        ``after_prefill``: a prompt chunk ran before this step's pass (which then cannot refresh V)."""
         self.step += 1
         held = self._held
         if held is not None and self.step < held[0] and held[1] == tuple(running) and not seeded \
@@ -375,9 +418,11 @@ class LoadGatedK:
             cap = self.pinned_k
         else:
             times = np.where(self._excluded, np.inf, times)
+            catch_up = 0.0
             if self._cap == 0 and (self._since_draft or pending_tokens):
                 horizon = CATCH_UP_HORIZON if steps_left is None else max(1, min(CATCH_UP_HORIZON, steps_left))
-                times[1:] += self._catch_up_s(width, running, pending_tokens) / horizon
+                catch_up = self._catch_up_s(width, running, pending_tokens)
+                times[1:] += catch_up / horizon
             expected = expected_tokens_table(self.acceptance()[list(running)])  # [r, k_max+1]
             active = np.ones(len(running), dtype=bool)
             switch_on = SWITCH_ON_MARGIN if self._cap == 0 else 0.0
@@ -389,9 +434,11 @@ class LoadGatedK:
             self._cap = cap
             if cap > 0:
                 self._interval, self._next_explore = self.explore_every, self.step + self.explore_every
-                if all_rates[best] < (1 + REFRESH_BAND) * all_rates[0] and not self.verify.fresh(width, self.step):
+                if all_rates[best] < (1 + REFRESH_BAND) * all_rates[0] and not self.verify.fresh(width, self.step) \
+                        and not after_prefill:
                     cap, reason = 0, REFRESH
-            elif self.step >= self._next_explore and all_rates[best] >= EXPLORE_BAND * all_rates[0]:
+            elif self.step >= self._next_explore and all_rates[best] >= EXPLORE_BAND * all_rates[0] \
+                    and catch_up <= EXPLORE_OVERHEAD * self._interval * times[0]:
                 cap, reason = min(K for K in self.lengths if K >= min(EXPLORE_K, self.k_max)), EXPLORE
                 self._next_explore = self.step + self._interval
                 self._interval = min(2 * self._interval, EXPLORE_BACKOFF * self.explore_every)
@@ -429,28 +476,34 @@ class LoadGatedK:
         """What the next draft pass spends feeding the tokens the ``running`` slots' rows committed in plain
         steps since the last one (counted per slot), and the draft prefills of the rows that joined while
         speculation was off (``pending_tokens``), each at its measured time per token."""
-        per_token = self._feed_per_token(width)
-        return int(self._behind[list(running)].sum()) * per_token + pending_tokens * self._draft_prefill_per_token(width)
+        behind = int(self._behind[list(running)].sum())
+        return self._feed_s(width, behind) + pending_tokens * self._draft_prefill_per_token(width)
 
-    def _feed_per_token(self, width: int) -> float:
-        """Seconds per token of a catch-up feed (before one was timed: the draft's per-token cost at w rows / w)."""
-        if not math.isnan(self.feed_per_token):
-            return self.feed_per_token
+    def _feed_s(self, width: int, tokens: int) -> float:
+        """Seconds a catch-up feed of ``tokens`` tokens takes (before one was timed: the draft's per-token
+        cost at w rows / w per token)."""
+        if tokens <= 0:
+            return 0.0
+        timed = self.feed.at(tokens)
+        if timed is not None:
+            return timed
         line = self.draft.line(width)
-        return 0.0 if line is None else line[1] / width
+        return 0.0 if line is None else tokens * line[1] / width
 
     def _draft_prefill_per_token(self, width: int) -> float:
-        return self._feed_per_token(width) if math.isnan(self.prefill_per_token) else self.prefill_per_token
+        return self._feed_s(width, 1) if math.isnan(self.prefill_per_token) else self.prefill_per_token
 
     def observe(self, width: int, choice: DraftChoice, outcome: StepOutcome, *, verify_width: int,
-                draft_time: float, verify_time: float, host_time: float) -> None:
-        """The step ``choice`` ran: its outcome, the verify pass's tokens per row and the parts' times."""
+                draft_time: float, verify_time: float, host_time: float, after_prefill: bool = False) -> None:
+        """The step ``choice`` ran: its outcome, the verify pass's tokens per row and the parts' times;
+        ``after_prefill``: a prompt chunk ran before it in the step (its verify time is then not V's)."""
         if self._warming:  # a first pass's cold caches and allocations are not what a step costs
             self._warming = False
             self._since_draft += 1
             self._behind[outcome.rows] += 1
             return
-        self.verify.observe(width * verify_width, verify_time, self.step)
+        if not after_prefill:
+            self.verify.observe(width * verify_width, verify_time, self.step)
         drafted = choice.k
         if drafted > 0 and not self._since_draft:
             self.draft.observe(width, drafted, draft_time)
@@ -458,8 +511,7 @@ class LoadGatedK:
             line = self.draft.line(width)
             feed = draft_time - (0.0 if line is None else line[0] + drafted * line[1])
             behind = int(self._behind[outcome.rows].sum())
-            if feed > 0 and behind > 0:
-                self.feed_per_token = moving_average(self.feed_per_token, feed / behind, DEFAULT_COST_SMOOTHING)
+            self.feed.observe(behind, feed)
         self._since_draft = self._since_draft + 1 if drafted == 0 else 0
         if drafted == 0:
             self._behind[outcome.rows] += 1

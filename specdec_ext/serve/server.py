@@ -7,6 +7,7 @@ a message; then the process exits with status 0.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 import threading
@@ -77,12 +78,24 @@ def run_server(app: FastAPI, engine: Engine, *, host: str, port: int, shutdown_g
     # uvicorn re-raises the signal it caught once it has shut down; by then the shutdown is done, so the
     # handlers it restores must not kill the process (the exit status is then 0, not 128 + signal)
     previous = {sig: signal.signal(sig, _already_shut_down) for sig in (signal.SIGTERM, signal.SIGINT)}
+    freeze_start_up_objects()
     try:
         server.run()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return 0
+
+
+def freeze_start_up_objects() -> int:
+    """Move every object alive now (the models, the tokenizer, the imported modules) out of the cyclic
+    collector's reach (gc.freeze): a full collection walked them all, ~140 ms of the engine thread's time
+    while every running row waited (measured at 16 clients on the bundled pair, once or twice per
+    100 requests), which the step costs of the draft length by load also took in. Only for a process
+    that is the server (``specdec serve``), never a caller's (ServerThread). Returns the objects frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def _already_shut_down(signum, frame) -> None:
