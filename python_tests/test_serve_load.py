@@ -127,8 +127,11 @@ def test_the_catch_up_feed_is_a_fixed_part_and_a_time_per_token():
     feed.observe(233, 2.8 * MS)
     assert feed.at(233) == pytest.approx(2.8 * MS) and feed.at(2) == pytest.approx(0.5 * MS)
     assert feed.at(466) == pytest.approx(2.8 * MS + 233 * (2.3 / 231) * MS)
+    assert feed.per_token() == pytest.approx(2.3 / 231 * MS)  # the marginal token, not the call's overhead
     controller = LoadGatedK(K_MAX, rows=4, pinned_k=4)
     assert controller._feed_s(4, 0) == 0.0
+    controller.feed = feed  # no draft prefill timed yet: a pending prompt token costs a fed token's slope
+    assert controller._catch_up_s(4, [0], pending_tokens=100) == pytest.approx(100 * 2.3 / 231 * MS)
 
 
 def test_a_seeded_row_drafts_the_pinned_length_whatever_the_load():

@@ -281,9 +281,21 @@ class FeedCost:
         if len(self.points) == 1:
             (n, t), = self.points.values()
             return t * tokens / n
-        xs, ys = zip(*self.points.values())
-        fixed, per_token = nonneg_line(xs, ys, [1.0] * len(xs))
+        fixed, per_token = self._line()
         return max(fixed + per_token * tokens, 0.0)
+
+    def per_token(self) -> Optional[float]:
+        """The time of one more token fed (the line's slope; from one class, its average per token)."""
+        if not self.points:
+            return None
+        if len(self.points) == 1:
+            (n, t), = self.points.values()
+            return t / n
+        return self._line()[1]
+
+    def _line(self) -> Tuple[float, float]:
+        xs, ys = zip(*self.points.values())
+        return nonneg_line(xs, ys, [1.0] * len(xs))
 
 
 class LoadGatedK:
@@ -491,7 +503,14 @@ class LoadGatedK:
         return 0.0 if line is None else tokens * line[1] / width
 
     def _draft_prefill_per_token(self, width: int) -> float:
-        return self._feed_s(width, 1) if math.isnan(self.prefill_per_token) else self.prefill_per_token
+        """Seconds per token of a draft prefill (before one was timed: a catch-up feed's per token)."""
+        if not math.isnan(self.prefill_per_token):
+            return self.prefill_per_token
+        timed = self.feed.per_token()
+        if timed is not None:
+            return timed
+        line = self.draft.line(width)
+        return 0.0 if line is None else line[1] / width
 
     def observe(self, width: int, choice: DraftChoice, outcome: StepOutcome, *, verify_width: int,
                 draft_time: float, verify_time: float, host_time: float, after_prefill: bool = False) -> None:
