@@ -23,9 +23,9 @@ from specdec_ext.sampling import SamplingParams
 from specdec_ext.serve import draft_length
 from specdec_ext.serve.batcher import FREE_SLOT_TOKEN
 from specdec_ext.serve.build import EngineOptions, build_engine
-from specdec_ext.serve.draft_length import (EXPLORE, EXPLORE_EVERY, EXPLORE_OVERHEAD, HOLD_STEPS, MEASURED,
-                                           PASS_FLOOR_MARGIN, PINNED, REFRESH, STALE_STEPS, CostCurve, DraftChoice,
-                                           DraftCosts, FeedCost, LoadGatedK, PassFloor)
+from specdec_ext.serve.draft_length import (CATCH_UP_HORIZON, EXPLORE, EXPLORE_EVERY, EXPLORE_OVERHEAD, HOLD_STEPS,
+                                           MEASURED, PASS_FLOOR_MARGIN, PINNED, REFRESH, STALE_STEPS, CostCurve,
+                                           DraftChoice, DraftCosts, FeedCost, LoadGatedK, PassFloor)
 from specdec_ext.serve.request import GenerationRequest
 from specdec_ext.serve.slo import TpotSlo
 from specdec_ext.stats import StepOutcome
@@ -606,6 +606,9 @@ def test_a_long_prompt_joins_in_chunks_while_a_running_row_keeps_emitting(pair):
     long_prompt = tokenizer("for i in range(10):\n    print(i)\n" * 7)["input_ids"][:200]
     assert len(long_prompt) == 200
     engine = _engine(pair, max_rows=2, prefill_chunk=40)
+    controller, waiting = engine.batcher.draft_length, []
+    record_joins = controller.record_joins
+    controller.record_joins = lambda tokens, pending=0: waiting.append(pending) or record_joins(tokens, pending)
     running, joining = Collector(), Collector()
     engine.submit(_request(tokenizer, PROMPTS[1], max_new=150), running)
     engine.start()
@@ -623,6 +626,23 @@ def test_a_long_prompt_joins_in_chunks_while_a_running_row_keeps_emitting(pair):
     whole = _run(_engine(pair, max_rows=2, prefill_chunk=0), [_request(tokenizer, long_prompt, max_new=20)])[0]
     plain = plain_generate([long_prompt], target, max_new_tokens=20, eos_token_id=False).token_ids[0]
     assert joining.tokens == whole == plain
+    assert waiting.count(200) >= 3 and waiting[-1] == 0  # the prompt's tokens count as joining while it prefills
+
+
+def test_prompts_still_prefilling_charge_every_draft_length_their_draft_prefill():
+    """J is at least the prompt tokens of the rows in their chunked prefill over CATCH_UP_HORIZON steps: a
+    burst of joining prompts is charged before its rows join (the moving average of joins follows late)."""
+    rng = np.random.default_rng(6)
+    controller = LoadGatedK(K_MAX, rows=16, pinned_k=4)
+    _simulate(controller, 2, 30, memory_bound, 0.8, rng)
+    controller.prefill_per_token = 1e-4
+    before = controller.step_times(2)
+    controller.record_joins(0, 3200)  # 3200 prompt tokens prefilling, none joined this step
+    after = controller.step_times(2)
+    assert after[0] == before[0]
+    np.testing.assert_allclose(after[1:] - before[1:], 3200 / CATCH_UP_HORIZON * 1e-4, rtol=1e-9)
+    controller.record_joins(0, 0)
+    np.testing.assert_allclose(controller.step_times(2), before, rtol=1e-9)
 
 
 # ------------------------------------------------------------------------------------------ TPOT target

@@ -474,7 +474,8 @@ class ContinuousBatcher:
         rows = [row if row is not None and row.decoding else None for row in self.rows[:width]]
         decode_begin = self.clock()
         if self.draft_length is not None:
-            self.draft_length.record_joins(self._joined_tokens)
+            self.draft_length.record_joins(self._joined_tokens,
+                                           sum(len(row.request.prompt) for row in self.prefilling))
             self._joined_tokens = 0
         choice = self._choose(width, rows, after_prefill=bool(prefilled))
         catch_up_begin = self.clock()

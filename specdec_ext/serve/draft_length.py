@@ -84,7 +84,11 @@ K >= 1 is also charged J x (the draft prefill's time per token), J the prompt to
 (a moving average over steps, ``record_joins``). Measured at 4 clients (64-token requests): the drafting
 steps at 4 rows gained 5-25% over plain ones, and the steps in which a request joined cost 81-106 ms
 against the plain server's 67-69 (the draft's prefill of ~250 tokens, ~8 ms, and a drafting step beside
-the prompt chunk): the two about cancelled, where the estimate had seen the gain alone.
+the prompt chunk): the two about cancelled, where the estimate had seen the gain alone. J is at least the
+prompt tokens of the rows still in their chunked prefill, spread over CATCH_UP_HORIZON steps (they join
+within a few steps, and the average follows a burst too slowly): at the start of a 16-client burst the
+first rows drafted at widths 2-6 while 15 prompts waited, each join then paid its draft prefill beside
+the chunks, and the burst's first requests ran at a TPOT 10-16% above the plain server's (its p99).
 
 Holding a clear "off". Where the best K's estimated rate is below HOLD_BAND x plain decoding's, the choice
 (K = 0) is kept for the next HOLD_STEPS steps while the running rows stay the same: between joins and
@@ -332,6 +336,7 @@ class LoadGatedK:
         self.feed = FeedCost()  # the draft model's catch-up feed time by the tokens it feeds
         self.prefill_per_token = math.nan  # seconds per token of the draft prefills (record_draft_prefill)
         self.join_tokens = 0.0  # J: prompt tokens joining per step (record_joins)
+        self.waiting_tokens = 0  # prompt tokens of the rows in their chunked prefill (record_joins)
         self._drafted = np.zeros(rows, dtype=bool)  # the slot's row drafted since it joined
         self._schedule: List[int] = []  # calibration: the draft lengths of the next steps
         self._warming = False  # the next observed step is the calibration's first: not timed
@@ -358,7 +363,7 @@ class LoadGatedK:
         self._schedule = []
         self.pooled = np.full(self.k_max, DEFAULT_PRIOR_ACCEPTANCE)
         self.shape = np.ones(self.k_max)
-        self._cap, self._since_draft, self._held, self.join_tokens = 0, 0, None, 0.0
+        self._cap, self._since_draft, self._held, self.join_tokens, self.waiting_tokens = 0, 0, None, 0.0, 0
         self._behind[:] = 0
         self._interval, self._next_explore = self.explore_every, self.step + self.explore_every
         for slot in range(self.reached.shape[0]):
@@ -396,7 +401,8 @@ class LoadGatedK:
         line = self.draft.line(width)
         fixed, per_token = line if line is not None else (0.0, DEFAULT_PRIOR_DRAFT_COST * verify[0])
         drafts = np.maximum(fixed + per_token * np.arange(self.k_max + 1), 0.0)
-        drafts[1:] += self.join_tokens * self._draft_prefill_per_token(width)  # (module docstring, "Joining rows")
+        joining = max(self.join_tokens, self.waiting_tokens / CATCH_UP_HORIZON)  # (module docstring, "Joining rows")
+        drafts[1:] += joining * self._draft_prefill_per_token(width)
         drafts[0] = 0.0  # no draft pass
         host = 0.0 if math.isnan(self.host) else self.host
         return np.array(verify) + drafts + host
@@ -474,9 +480,11 @@ class LoadGatedK:
             self.floor.observe(tokens, seconds)
         self._prefill_seen = True
 
-    def record_joins(self, tokens: int) -> None:
-        """Once per decode step: the prompt tokens of the rows that joined since the last one (J)."""
+    def record_joins(self, tokens: int, waiting: int = 0) -> None:
+        """Once per decode step: the prompt tokens of the rows that joined since the last one (J) and of the
+        rows still prefilling (``waiting``: J is at least those over CATCH_UP_HORIZON steps)."""
         self.join_tokens = (1.0 - JOIN_SMOOTHING) * self.join_tokens + JOIN_SMOOTHING * max(int(tokens), 0)
+        self.waiting_tokens = max(int(waiting), 0)
 
     def record_draft_prefill(self, tokens: int, seconds: float) -> None:
         """The batcher prefilled ``tokens`` tokens into the drafter in ``seconds`` (a joining row's prompt, or
