@@ -208,6 +208,22 @@ def test_models_load_from_local_paths(text_pair, tmp_path):
 
 
 # ---------------------------------------------------------------------------------- stats
+def test_the_cost_models_plain_step_is_k_autos_measurement_where_it_runs(pair, monkeypatch):
+    """k="auto" measures a plain step itself (its V(1)): the stats take it instead of timing three more target
+    passes for the caller to wait for; a fixed k still probes."""
+    from specdec_ext import decode
+    from specdec_ext.adaptive import AdaptiveK
+
+    _, target, draft = pair
+    probes, measured = [], []
+    probe, plain_step_time = decode.probe_target_step, AdaptiveK.plain_step_time
+    monkeypatch.setattr(decode, "probe_target_step", lambda *args: probes.append(1) or probe(*args))
+    monkeypatch.setattr(AdaptiveK, "plain_step_time", lambda self: measured.append(plain_step_time(self)) or measured[-1])
+    stats = generate(PROMPTS, target, draft, max_new_tokens=NEW).stats  # k="auto"
+    assert probes == [] and measured[0] and stats.target_step_time == measured[0]
+    assert generate(PROMPTS, target, draft, max_new_tokens=NEW, k=3).stats.target_step_time and probes == [1]
+
+
 def test_stats_and_cost_model(pair):
     _, target, draft = pair
     stats = generate(PROMPTS, target, draft, max_new_tokens=NEW, k=3).stats

@@ -255,6 +255,7 @@ SWITCH_MARGIN = 0.04
 # then, or its catch-up over the tokens committed meanwhile). Switching off is never delayed.
 SWITCH_ON_MARGIN = 0.05
 COST_REFRESH_STEPS = 8  # plan() refits time(k) to the measurements every this many steps
+MIN_PLAIN_STEP_S = 1e-6  # a fitted V(1) below this is the fit's floor, not a measurement
 EXPLORE_BACKOFF = 4  # fruitless explorations stretch the interval up to this many times explore_every
 LOOK_REMAINING = 2  # a look (greedy rows) needs this many times explore_every tokens left to use what it finds
 # A generation's first steps that draft are a look at its prompt (``looking``: the drafter may run from a
@@ -569,6 +570,12 @@ class AdaptiveK:
             if not self._speculating and not math.isnan(costs.step_plain):
                 times[1:] *= plain / costs.step_plain  # off: the steps' costs follow the load P sees
         return times
+
+    def plain_step_time(self) -> Optional[float]:
+        """V(1): seconds of one plain decode step (a one-token target pass, verification, commit) at this
+        batch size, as measured (probed or observed; None before any measurement)."""
+        verify = float(self.verify_times()[0])
+        return verify if verify > MIN_PLAIN_STEP_S else None  # (NaN: nothing measured; the fit's floor: none)
 
     def plain_time(self) -> Optional[float]:
         """P, seconds per pass of the loop's greedy plain chains: the observed moving average, else the

@@ -275,7 +275,8 @@ def generate(prompts, target: ModelSpec = None, draft: ModelSpec = None, *, max_
         ``verifier(meta, proposal, target_logits) -> Verdict`` (default: the lossless chain_verify /
         tree_verify, ``decode.lossless_verify``); for tests.
     cost_probe : bool
-        Time a few plain target passes after prefill for the cost-model stats.
+        The cost-model stats' plain step (``GenerationStats.target_step_time``): k="auto"'s own measurement
+        of it, else a few plain target passes timed after prefill.
     draft_confidence : float
         A row stops drafting (before k) after a token the draft gives probability below this; it
         saves draft passes that would mostly be rejected. 0 (default) always drafts k. Lossless either way.

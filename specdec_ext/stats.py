@@ -84,7 +84,7 @@ class GenerationStats:
     draft_time: float = 0.0
     verify_time: float = 0.0
     total_time: float = 0.0
-    target_step_time: Optional[float] = None  # one plain target decode step (cost probe), if measured
+    target_step_time: Optional[float] = None  # one plain target decode step (k="auto"'s V(1), else the cost probe)
     adaptive: Optional[Dict[str, object]] = None  # adaptive k: AdaptiveK.summary() (chosen widths, costs)
 
     def __post_init__(self):
