@@ -505,18 +505,17 @@ class LoadGatedK:
         if tokens <= 0:
             return 0.0
         timed = self.feed.at(tokens)
-        if timed is not None:
-            return timed
-        line = self.draft.line(width)
-        return 0.0 if line is None else tokens * line[1] / width
+        return tokens * self._drafted_per_token(width) if timed is None else timed
 
     def _draft_prefill_per_token(self, width: int) -> float:
         """Seconds per token of a draft prefill (before one was timed: a catch-up feed's per token)."""
         if not math.isnan(self.prefill_per_token):
             return self.prefill_per_token
         timed = self.feed.per_token()
-        if timed is not None:
-            return timed
+        return self._drafted_per_token(width) if timed is None else timed
+
+    def _drafted_per_token(self, width: int) -> float:
+        """A drafted token's time per row at ``width`` rows (D's per-token cost / w; 0 before any draft pass)."""
         line = self.draft.line(width)
         return 0.0 if line is None else line[1] / width
 
