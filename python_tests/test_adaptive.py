@@ -482,10 +482,12 @@ def test_start_asks_for_the_plain_chain_probe_once_and_record_probes_keeps_it():
     unchained = AdaptiveK(4)
     assert unchained.start(1, target, ("model", 1)).plain_passes == 0  # (sampling: the loop cannot chain)
     assert unchained.plain_time() is None
+    second.observe_plain(SEGMENT, SEGMENT * 2.0 * V1, [True])  # the first passes after the prefill: cold
+    assert second.plain_time() == pytest.approx(0.7 * V1)
     second.observe_plain(SEGMENT, SEGMENT * 0.9 * V1, [True])  # observed segments replace the probe
     assert second.plain_time() == pytest.approx(0.9 * V1)
-    assert second.summary()["plain_chain_passes"] == SEGMENT
-    assert second.summary()["speculation_off_steps"] == SEGMENT
+    assert second.summary()["plain_chain_passes"] == 2 * SEGMENT
+    assert second.summary()["speculation_off_steps"] == 2 * SEGMENT
 
 
 # ------------------------------------------------------------------------------------ probe, helpers
@@ -640,7 +642,7 @@ def test_start_asks_for_the_probes_once_per_target_and_batch_size_and_later_rows
     drafter = ("model", 1)
     first = AdaptiveK(4)
     request = first.start(2, target, drafter)
-    assert request == ProbeRequest((1, 2, 4, 5), (1, 3, 4))
+    assert request == ProbeRequest((1, 2, 3, 4, 5), (1, 2, 3, 4))
     first.record_probes({t: flat(t) for t in request.verify_widths}, {s: 0.05 * V1 * s for s in request.draft_counts})
     sim = Simulator(first, [[0.9, 0.9, 0.5, 0.2]] * 2, flat, 0.05 * V1)
     sim.run(100)
@@ -652,12 +654,12 @@ def test_start_asks_for_the_probes_once_per_target_and_batch_size_and_later_rows
     assert second.draft_probe[3] == pytest.approx(0.15 * V1)
     assert np.allclose(second.acceptance()[0], first.acceptance().mean(axis=0), atol=0.1)
     other = AdaptiveK(4)  # another drafter: the costs are shared, the draft probe and acceptance prior are not
-    assert other.start(2, target, ("model", 2)) == ProbeRequest((), (1, 3, 4))
+    assert other.start(2, target, ("model", 2)) == ProbeRequest((), (1, 2, 3, 4))
     assert other.costs is first.costs and other.draft_per_token is None
     assert other.acceptance()[0, 0] == pytest.approx(ad.DEFAULT_PRIOR_ACCEPTANCE)
-    assert other.start(3, target, drafter).verify_widths == (1, 2, 4, 5)  # another batch size: its own costs
+    assert other.start(3, target, drafter).verify_widths == (1, 2, 3, 4, 5)  # another batch size: its own costs
     unshared = AdaptiveK(4, share_costs=False)
-    assert unshared.start(2, target, drafter) == ProbeRequest((1, 2, 4, 5), (1, 3, 4))
+    assert unshared.start(2, target, drafter) == ProbeRequest((1, 2, 3, 4, 5), (1, 2, 3, 4))
     assert AdaptiveK(4).start(5, target, drafter, probe=False) == ProbeRequest((), ())  # every row finished
 
 
@@ -891,6 +893,7 @@ def test_speculation_on_the_prior_alone_drafts_from_a_window_for_its_first_steps
     rows, _, _, plain = run_look(tiny_pair, controller)
     assert [r.tokens for r in rows] == plain
     assert controller.prefills[0] == 2 * LOOK_WINDOW and controller.prefilled_after == [0, LOOK_STEPS]
+
 
 
 @pytest.mark.parametrize("controller_kind", ["auto", "random"])
@@ -1222,3 +1225,81 @@ def test_greedy_k_auto_with_looks_equals_plain_greedy(tiny_pair):
     assert [r.tokens for r in rows] == plain.token_ids
     assert controller.looks and stats.adaptive["looks"] >= 1
     assert stats.adaptive["plain_chain_passes"] > 0
+
+
+# ------------------------------------------------------------------------------------ V's knee, cold passes
+# V(1..9) of the bundled target on the forced AVX2 path, ms (BENCHMARKS.md, "V's knee"): flat while the
+# pass is memory-bound, then rising by the compute per row
+AVX2_V = [2.04, 2.17, 2.57, 3.39, 4.00, 4.55, 5.69, 6.04, 6.70]
+
+
+def test_the_knee_curve_follows_a_pass_that_turns_compute_bound_where_a_line_overstates_the_short_widths():
+    at = np.arange(9, dtype=np.float64)
+    probed = [0, 1, 2, 3, 8]  # widths 1, 2, 3, 4, k_max + 1 (t - 1)
+    y = [AVX2_V[i] for i in probed]
+    fit = ad.knee_curve(probed, y, [1.0] * 5, at)
+    first, slope = ad.nonneg_line(probed, y, [1.0] * 5)
+    line = first + slope * at
+    truth = np.array(AVX2_V)
+    assert abs(fit[2] - truth[2]) < 0.05 * truth[2] < abs(line[2] - truth[2])  # V(3): where k = 2 pays
+    assert np.all(np.abs(fit - truth) < 0.1 * truth)
+    assert np.all(np.diff(fit) >= 0) and np.all(np.diff(fit, 2) >= -1e-12)  # nondecreasing, convex
+
+
+def test_the_knee_curve_is_the_line_where_the_points_lie_on_one_or_cannot_show_a_knee():
+    at = np.arange(9, dtype=np.float64)
+    x = [0.0, 1.0, 3.0, 8.0]
+    y = [2.0 + 0.1 * t for t in x]  # AMX: nearly linear
+    assert ad.knee_curve(x, y, [1.0] * 4, at) == pytest.approx(2.0 + 0.1 * at)
+    two = ad.knee_curve([0.0, 8.0], [2.0, 6.0], [1.0, 4.0], at)  # two widths: no knee to place
+    assert two == pytest.approx(2.0 + 0.5 * at)
+    falling = ad.knee_curve([0.0, 1.0, 2.0], [3.0, 2.0, 1.0], [1.0] * 3, at)  # never below a flat mean
+    assert falling == pytest.approx(np.full(9, 2.0))
+
+
+def test_the_knee_picks_the_draft_length_that_pays_where_a_line_through_the_same_probe_drafts_too_long():
+    """The AVX2 probe of V, a draft step 0.25 V(1) a token, acceptance 0.9: with V as measured, drafting 2
+    tokens is best; the knee curve picks 2, the line through the same points (which puts V(2..4) high
+    and V(9) low) a longer draft that runs 5% slower."""
+    P, draft = 0.93 * AVX2_V[0] * 1e-3, 0.25 * AVX2_V[0] * 1e-3
+
+    def controller():
+        c = AdaptiveK(8, explore_every=0)
+        c.reset(1)
+        c.reached[:] = 1e6
+        c.accepted[:] = 0.9e6
+        c.record_probes({t: AVX2_V[t - 1] * 1e-3 for t in (1, 2, 3, 4, 9)}, {}, P)
+        c.plain_chain = SEGMENT
+        c.costs.plain_obs, c.costs.plain_obs_step = P, c.costs.step
+        c.draft_per_token = draft
+        return c
+    expected = expected_tokens_table(np.full((1, 8), 0.9))[0]
+    rate = expected / np.r_[P, np.array(AVX2_V[1:]) * 1e-3 + draft * np.arange(1, 9)]  # on the machine
+    assert controller().plan([True]) == [int(np.argmax(rate))] == [2]
+    line = controller()
+    line.verify_times = lambda: np.maximum(  # (the line this replaced)
+        np.poly1d(np.polyfit([0, 1, 2, 3, 8], [AVX2_V[i] * 1e-3 for i in (0, 1, 2, 3, 8)], 1))(np.arange(9.0)), 1e-9)
+    chosen = line.plan([True])[0]
+    assert chosen > 2 and rate[chosen] < 0.95 * rate[2]
+
+
+def test_the_first_passes_after_the_prefill_are_not_timed_into_the_costs():
+    """After ``start`` (the prompts' prefill just ran) the first COLD_PASSES passes run slow: a step or a
+    plain segment starting among them leaves V, D and P as they were; the next one is timed."""
+    target = torch.nn.Linear(1, 1)
+    c = AdaptiveK(4, share_costs=False)
+    c.start(1, target, ("model", 9), plain_chain=SEGMENT)
+    c.record_probes({t: flat(t) for t in (1, 2, 3, 4, 5)}, {1: 0.1 * V1, 2: 0.2 * V1}, 0.9 * V1)
+    before = c.verify_times().copy()
+    for _ in range(ad.COLD_PASSES):
+        c.observe([2], StepOutcome.of([2], [2], [True]), draft_time=5 * V1, verify_time=9 * V1, drafted=2, width=3)
+    assert c.verify_times() == pytest.approx(before) and np.isnan(c.draft_obs[2])
+    c.observe([2], StepOutcome.of([2], [2], [True]), draft_time=0.3 * V1, verify_time=1.5 * V1, drafted=2, width=3)
+    assert c.costs.obs[3] == pytest.approx(1.5 * V1) and c.draft_obs[2] == pytest.approx(0.3 * V1)
+    cold = AdaptiveK(4, share_costs=False)
+    cold.start(1, target, ("model", 9), plain_chain=SEGMENT)
+    cold.record_probes({}, {}, 0.9 * V1)
+    cold.observe_plain(SEGMENT, SEGMENT * 3 * V1, [True])  # the first segment: cold
+    assert cold.plain_time() == pytest.approx(0.9 * V1)
+    cold.observe_plain(SEGMENT, SEGMENT * 0.8 * V1, [True])
+    assert cold.plain_time() == pytest.approx(0.8 * V1)

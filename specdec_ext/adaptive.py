@@ -55,29 +55,30 @@ the stats, ``observe`` and ``plan``: the moving average of the gap from one step
 next step's draft, the time the loop's consumer holds it between yields left out). Both V and D come
 from noisy timings (a few percent per step on a CPU, more on a shared one, where a step now and then
 loses a time slice to another process: every moving average of times caps a new time at SPIKE_CAP x
-itself), so each is a weighted least-squares LINE through what was measured, not an interpolation
-between points:
+itself), so each is a weighted least-squares fit through what was measured, not an interpolation
+between points: D a line, V a line that may bend upwards once (``knee_curve``):
 
-    V(t) = V_1 + (t - 1) v',    v' >= 0              D(k) = d_0 + k c,  c >= 0   (D(0) = 0)
+    V(t) = V_1 + (t - 1) v' + d max(0, t - h),  v', d >= 0      D(k) = d_0 + k c,  c >= 0   (D(0) = 0)
 
 Interpolating noisy points and forcing the result non-decreasing kept the noise that happened to
-be high and biased every choice towards short drafts (BENCHMARKS.md, "k=auto"). V's points: a
-start-up probe (target forwards over [B, t] for t in {1, 2, 4, k_max+1}, the median of three each,
-rolled back; asked for once per process for a target model and batch size, whose costs the later
-controllers share), weight 1, and the moving average of every width the loop
-ran within the last COST_MEMORY_STEPS steps, weight OBSERVED_WEIGHT. The probe times the forward
-only, while a step also verifies and commits: probed points are shifted by the running mean of
-(observed - probed) time at the widths the loop ran. D's points: a start-up probe of the drafter
-(draft steps of 1, 3 and k_max tokens, each rolled back; for a drafter whose proposals cost
-something, i.e. whose ``checkpoint`` gives an undo; once per process for a drafter and batch size),
-weight 1, and the moving average of the draft time per drafted count the loop ran within the last
-COST_MEMORY_STEPS steps (a draft pass right after skipped steps or a plain segment also feeds their
-tokens and is not timed), weight OBSERVED_WEIGHT. The
-probe anchors the line at both ends: the counts the loop runs cluster near its choice, and a draft
-step has a fixed part (feeding the committed tokens, host work) that a line through them alone
-would get wrong. Without a probe and with a single count observed, D(k) = k c. A line is right
-where a pass is memory-bound (V nearly flat at small t) and where it is compute-bound (V growing
-with t) over the few widths k_max + 1 spans.
+be high and biased every choice towards short drafts (BENCHMARKS.md, "k=auto"). A line alone is
+wrong where a pass turns from memory-bound to compute-bound within the widths k_max + 1 spans: on
+the AVX2 path the bundled target's pass is flat to t = 2-3 and then rises by 0.6 of V_1 a row, and a
+line through it put V(3) 25% high, so k="auto" stayed off where drafting 2 tokens ran at 1.2x plain
+(BENCHMARKS.md, "V's knee"). V's points: a start-up probe (target forwards over [B, t] for t in
+{1, 2, 3, 4, k_max+1}, the median of three each, rolled back; asked for once per process for a target
+model and batch size, whose costs the later controllers share), weight 1, and the moving average of
+every width the loop ran within the last COST_MEMORY_STEPS steps, weight OBSERVED_WEIGHT. The probe
+times the forward only, while a step also verifies and commits: probed points are shifted by the
+running mean of (observed - probed) time at the widths the loop ran. D's points: a start-up probe of
+the drafter (draft steps of 1, 2, 3 and k_max tokens, each rolled back; for a drafter whose proposals
+cost something, i.e. whose ``checkpoint`` gives an undo; once per process for a drafter and batch
+size), weight 1, and the moving average of the draft time per drafted count the loop ran within the
+last COST_MEMORY_STEPS steps (a draft pass right after skipped steps or a plain segment also feeds
+their tokens and is not timed), weight OBSERVED_WEIGHT. The probe anchors the line at both ends: the
+counts the loop runs cluster near its choice, and a draft step has a fixed part (feeding the committed
+tokens, host work) that a line through them alone would get wrong. Without a probe and with a single
+count observed, D(k) = k c.
 In relative units v = V(k+1) / V(1), c' = c / V(1) (with d_0 = 0 and H = 0) this is the note's
 speedup E / (v + k c').
 
@@ -219,6 +220,7 @@ DEFAULT_COST_SMOOTHING = 0.3  # weight of a new time measurement in the moving a
 DEFAULT_PRIOR_DRAFT_COST = 0.1  # c / V(1) assumed until the first draft pass is timed
 DEFAULT_EXPLORE_EVERY = 16  # steps between explorations of the rows whose choice is 0
 DEFAULT_EXPLORE_K = 1  # one draft token: the cheapest look (a full accept explores again next step)
+DEFAULT_PROBE_WIDTHS = (1, 2, 3, 4)  # ... and k_max + 1: V's knee (``knee_curve``) lies near 2-4 rows on the CPUs measured
 DEFAULT_PROBE_PASSES = 3  # timed forwards per probed width (the median is kept), after one warm-up
 COST_MEMORY_STEPS = 64  # an observed width (verify) or count (draft) older than this is left to the probe
 # A time above this many times its moving average counts as this many times it: on a shared CPU a step
@@ -254,6 +256,12 @@ SWITCH_MARGIN = 0.04
 # step to step, and switching on costs what E / time leaves out (the drafter's prefill, deferred until
 # then, or its catch-up over the tokens committed meanwhile). Switching off is never delayed.
 SWITCH_ON_MARGIN = 0.05
+# The first passes after the prompt's prefill run slow (measured on forced AVX2 and portable, the bundled
+# target, a 133-token prompt: the first two one-token passes 1.6x and 1.4x the later ones, every time; on
+# AMX hardly): a step or plain segment that starts among this many passes of a generation is not timed into
+# V, D or P. Taken as the decode's cost, the first two steps' 1.7x V(3) switched speculation off for
+# prompts where drafting 2 tokens ran at 1.2x plain (BENCHMARKS.md, "V's knee").
+COLD_PASSES = 2
 COST_REFRESH_STEPS = 8  # plan() refits time(k) to the measurements every this many steps
 MIN_PLAIN_STEP_S = 1e-6  # a fitted V(1) below this is the fit's floor, not a measurement
 EXPLORE_BACKOFF = 4  # fruitless explorations stretch the interval up to this many times explore_every
@@ -374,6 +382,35 @@ def nonneg_line(x: Sequence[float], y: Sequence[float], w: Sequence[float]):
     return y_mean - slope * x_mean, slope
 
 
+def knee_curve(x: Sequence[float], y: Sequence[float], w: Sequence[float], at: np.ndarray) -> np.ndarray:
+    """The weighted least-squares fit through (x, y) among the nondecreasing convex curves with at most
+    one knee, evaluated at ``at``: y = p + s (x - x_0) + d max(0, x - h) with s, d >= 0, x_0 the least x
+    and the knee h one of the x strictly between the least and the greatest (none: ``nonneg_line``).
+    A pass over t rows reads the weights once and computes t rows: flat while memory-bound, then rising
+    by the compute per row (measured on forced AVX2: V(1..9) = 2.0, 2.2, 2.6, 3.4, 4.0, 4.6, 5.7, 6.0,
+    6.7 ms, where a line through them put V(3) at 3.2); the knee bends the line there and nowhere
+    else, a line being one knee-less case. [P] points -> [len(at)]."""
+    xs, ys, ws = (np.asarray(v, dtype=np.float64) for v in (x, y, w))
+    first, slope = nonneg_line(x, y, w)
+    best = first + slope * at
+    best_error = float(np.sum(ws * (first + slope * xs - ys) ** 2))
+    root, x0 = np.sqrt(ws), xs.min()
+    for knee in np.unique(xs)[1:-1]:
+        columns = np.stack([np.ones_like(xs), xs - x0, np.maximum(xs - knee, 0.0)], axis=1)  # [P, 3]
+        coef = np.linalg.lstsq(columns * root[:, None], ys * root, rcond=None)[0]
+        if coef[1] < 0.0:  # flat, then rising
+            columns = columns[:, [0, 2]]
+            coef = np.linalg.lstsq(columns * root[:, None], ys * root, rcond=None)[0]
+            coef = np.array([coef[0], 0.0, coef[1]])
+        if coef[2] <= 0.0:  # no bend: the line is the better fit of this shape
+            continue
+        error = float(np.sum(ws * (coef[0] + coef[1] * (xs - x0) + coef[2] * np.maximum(xs - knee, 0.0) - ys) ** 2))
+        if error < best_error:
+            best_error = error
+            best = coef[0] + coef[1] * (at - x0) + coef[2] * np.maximum(at - knee, 0.0)
+    return best
+
+
 def padded_batch_cap(expected: np.ndarray, step_time: np.ndarray, active: np.ndarray,
                      tolerance: float = 0.0, current: Optional[int] = None, margin: float = 0.0,
                      switch_on: float = 0.0) -> int:
@@ -425,7 +462,7 @@ class AdaptiveOptions:
         Every explore_every steps (backing off to EXPLORE_BACKOFF x that while explorations find
         nothing) the rows whose choice is 0 draft explore_k tokens (0 disables; at most k_max).
     probe_widths : sequence of int, optional
-        Widths t timed by ``probe`` (default {1, 2, 4, k_max + 1}; those outside [1, k_max + 1] dropped).
+        Widths t timed by ``probe`` (default {1, 2, 3, 4, k_max + 1}; those outside [1, k_max + 1] dropped).
     probe_passes : int
         Timed forwards per probed width.
     share_costs : bool
@@ -484,7 +521,7 @@ class AdaptiveK:
         self.prior_draft_cost = float(options.prior_draft_cost)
         self.explore_every = int(options.explore_every)
         self.explore_k = min(int(options.explore_k), k_max)
-        widths = options.probe_widths if options.probe_widths is not None else (1, 2, 4, k_max + 1)
+        widths = options.probe_widths if options.probe_widths is not None else DEFAULT_PROBE_WIDTHS + (k_max + 1,)
         self.probe_widths = sorted({int(t) for t in widths if 1 <= int(t) <= k_max + 1})
         self.probe_passes = max(1, int(options.probe_passes))
         self.share_costs = bool(options.share_costs)
@@ -525,6 +562,7 @@ class AdaptiveK:
         self._times_step = 0
         self._last_active: tuple = ()
         self._prev_off = False  # the last step did not call the drafter
+        self._cold = 0  # target passes still to run before one is timed into the costs (``start``: COLD_PASSES)
         self.history: Dict[int, int] = {}  # chosen batch width K -> steps (for the stats)
         self.row_k_sum = 0  # sum of per-row draft budgets over active row-steps
         self.row_steps = 0
@@ -552,8 +590,7 @@ class AdaptiveK:
                    if not math.isnan(v) and costs.step - obs_step[t] <= COST_MEMORY_STEPS]
         if not points:
             return np.full(self.k_max + 1, np.nan)
-        first, slope = nonneg_line(*zip(*points))
-        return np.maximum(first + slope * np.arange(self.k_max + 1), 1e-9)
+        return np.maximum(knee_curve(*zip(*points), np.arange(self.k_max + 1, dtype=np.float64)), 1e-9)
 
     def step_times(self) -> np.ndarray:
         """time(k) = V(k+1) + D(k) + H for k = 0..k_max, then time(0) = P where the loop chains plain
@@ -734,7 +771,8 @@ class AdaptiveK:
         # costs
         caught_up = self._prev_off  # this draft pass also fed the tokens of the skipped steps: not timed
         self._prev_off = drafted == 0
-        if drafted > 0 and draft_time > 0 and not caught_up:
+        cold, self._cold = self._cold > 0, max(self._cold - 1, 0)  # (COLD_PASSES: not the decode's costs)
+        if drafted > 0 and draft_time > 0 and not caught_up and not cold:
             previous = math.nan if self.draft_per_token is None else self.draft_per_token
             self.draft_per_token = moving_average(previous, draft_time / drafted, w)
             if drafted <= self.k_max:
@@ -743,7 +781,7 @@ class AdaptiveK:
                     old = math.nan  # a stale average is left to the probe, not updated
                 self.draft_obs[drafted] = moving_average(old, draft_time, w)
                 self.draft_obs_step[drafted] = costs.step
-        if 1 <= width <= self.k_max + 1 and verify_time > 0:
+        if 1 <= width <= self.k_max + 1 and verify_time > 0 and not cold:
             old = float(costs.obs[width]) if costs.step - costs.obs_step[width] <= COST_MEMORY_STEPS else math.nan
             if not math.isnan(old):
                 verify_time = min(verify_time, SPIKE_CAP * old)
@@ -791,7 +829,8 @@ class AdaptiveK:
         costs.step += passes
         w = self.cost_smoothing
         per_pass = seconds / passes
-        if per_pass > 0:
+        cold, self._cold = self._cold > 0, max(self._cold - passes, 0)  # (COLD_PASSES)
+        if per_pass > 0 and not cold:
             costs.plain_obs = moving_average(costs.plain_obs, per_pass, w)
             costs.plain_obs_step = costs.step
         self._prev_off = True  # the next draft pass also feeds the segment's tokens: not timed
@@ -854,6 +893,7 @@ class AdaptiveK:
         start-up probes still needed (none when they were shared, or with ``probe`` False); the loop
         runs them and hands the times to ``record_probes``."""
         self.reset(batch_size)
+        self._cold = COLD_PASSES  # (the loop starts after the prompts' prefill)
         self.plain_chain = max(int(plain_chain), 0)
         self.looks = bool(looks) and self.plain_chain > 0
         if self.looks:  # the first look follows the first plain segment
