@@ -391,24 +391,26 @@ def knee_curve(x: Sequence[float], y: Sequence[float], w: Sequence[float], at: n
     6.7 ms, where a line through them put V(3) at 3.2); the knee bends the line there and nowhere
     else, a line being one knee-less case. [P] points -> [len(at)]."""
     xs, ys, ws = (np.asarray(v, dtype=np.float64) for v in (x, y, w))
-    first, slope = nonneg_line(x, y, w)
-    best = first + slope * at
-    best_error = float(np.sum(ws * (first + slope * xs - ys) ** 2))
     root, x0 = np.sqrt(ws), xs.min()
+
+    def curve(coef: np.ndarray, knee: float, t: np.ndarray) -> np.ndarray:
+        return coef[0] + coef[1] * (t - x0) + coef[2] * np.maximum(t - knee, 0.0)
+
+    first, slope = nonneg_line(x, y, w)
+    best, best_knee = np.array([first + slope * x0, slope, 0.0]), x0  # the line: no bend
+    best_error = float(np.sum(ws * (curve(best, x0, xs) - ys) ** 2))
     for knee in np.unique(xs)[1:-1]:
         columns = np.stack([np.ones_like(xs), xs - x0, np.maximum(xs - knee, 0.0)], axis=1)  # [P, 3]
         coef = np.linalg.lstsq(columns * root[:, None], ys * root, rcond=None)[0]
         if coef[1] < 0.0:  # flat, then rising
-            columns = columns[:, [0, 2]]
-            coef = np.linalg.lstsq(columns * root[:, None], ys * root, rcond=None)[0]
-            coef = np.array([coef[0], 0.0, coef[1]])
+            flat_then = np.linalg.lstsq(columns[:, [0, 2]] * root[:, None], ys * root, rcond=None)[0]
+            coef = np.array([flat_then[0], 0.0, flat_then[1]])
         if coef[2] <= 0.0:  # no bend: the line is the better fit of this shape
             continue
-        error = float(np.sum(ws * (coef[0] + coef[1] * (xs - x0) + coef[2] * np.maximum(xs - knee, 0.0) - ys) ** 2))
+        error = float(np.sum(ws * (curve(coef, knee, xs) - ys) ** 2))
         if error < best_error:
-            best_error = error
-            best = coef[0] + coef[1] * (at - x0) + coef[2] * np.maximum(at - knee, 0.0)
-    return best
+            best, best_knee, best_error = coef, knee, error
+    return curve(best, best_knee, at)
 
 
 def padded_batch_cap(expected: np.ndarray, step_time: np.ndarray, active: np.ndarray,
