@@ -1257,6 +1257,60 @@ def test_the_knee_curve_is_the_line_where_the_points_lie_on_one_or_cannot_show_a
     assert falling == pytest.approx(np.full(9, 2.0))
 
 
+def knee_reference(x, y, w, at):
+    """The knee fit by brute force: numpy's least squares for every knee (and the flat-then-rising
+    refit), the least weighted error among the fits that bend upwards and the nonnegative line."""
+    xs, ys, ws = (np.asarray(v, dtype=np.float64) for v in (x, y, w))
+    x0, root = xs.min(), np.sqrt(ws)
+    first, slope = ad.nonneg_line(x, y, w)
+    fits = [(np.array([first + slope * x0, slope, 0.0]), x0)]
+    for knee in np.unique(xs)[1:-1]:
+        columns = np.stack([np.ones_like(xs), xs - x0, np.maximum(xs - knee, 0.0)], axis=1)
+        coef = np.linalg.lstsq(columns * root[:, None], ys * root, rcond=None)[0]
+        if coef[1] < 0.0:
+            flat = np.linalg.lstsq(columns[:, [0, 2]] * root[:, None], ys * root, rcond=None)[0]
+            coef = np.array([flat[0], 0.0, flat[1]])
+        if coef[2] > 0.0:
+            fits.append((coef, knee))
+
+    def curve(coef, knee, t):
+        return coef[0] + coef[1] * (t - x0) + coef[2] * np.maximum(t - knee, 0.0)
+
+    errors = [float(np.sum(ws * (curve(c, h, xs) - ys) ** 2)) for c, h in fits]
+    coef, knee = fits[int(np.argmin(errors))]
+    return curve(coef, knee, np.asarray(at, dtype=np.float64))
+
+
+def test_the_knee_curve_is_the_least_squares_fit_numpy_finds_by_brute_force():
+    rng = np.random.default_rng(7)
+    at = np.arange(9, dtype=np.float64)
+    for _ in range(300):
+        count = int(rng.integers(2, 13))
+        x = rng.choice(at, size=count)
+        y = rng.random(count) * 5 + x * rng.random() * 0.5
+        if rng.random() < 0.5:
+            y = np.sort(y)  # (rising, as pass times do)
+        w = rng.choice([1.0, ad.OBSERVED_WEIGHT], size=count)
+        fit = ad.knee_curve(x.tolist(), y.tolist(), w.tolist(), at)
+        np.testing.assert_allclose(fit, knee_reference(x, y, w, at), rtol=1e-9, atol=1e-9)
+
+
+def test_acceptance_by_position_is_the_recursion_of_the_estimate_row_by_row():
+    rng = np.random.default_rng(3)
+    reached = rng.random((5, 8)) * 10
+    accepted = reached * rng.random((5, 8))
+    shape = 0.8 + 0.4 * rng.random(8)
+    m = ad.DEFAULT_PRIOR_STRENGTH
+    out = ad.acceptance_by_position(reached, accepted, shape, m)
+    for b in range(5):
+        previous = accepted[b, 0] / reached[b, 0]
+        assert out[b, 0] == pytest.approx(previous)
+        for i in range(1, 8):
+            previous = (accepted[b, i] + m * min(1.0, shape[i] * previous)) / (reached[b, i] + m)
+            assert out[b, i] == pytest.approx(previous)
+    assert ad.acceptance_by_position(np.zeros((0, 8)), np.zeros((0, 8)), shape, m).shape == (0, 8)
+
+
 def test_the_knee_picks_the_draft_length_that_pays_where_a_line_through_the_same_probe_drafts_too_long():
     """The AVX2 probe of V, a draft step 0.25 V(1) a token, acceptance 0.9: with V as measured, drafting 2
     tokens is best; the knee curve picks 2, the line through the same points (which puts V(2..4) high

@@ -196,9 +196,13 @@ not reproducible run to run. Pass a fixed k for reproducible seeded sampling.
 Host cost: ``observe`` updates the counts of the rows that drafted (a few numpy operations per
 step), ``plan`` recomputes the choice every REPLAN_STEPS calls (one per step or plain segment;
 OFF_REPLAN_CALLS while speculation is off; or when the active rows change or an exploration is due)
-and repeats its last plan in between: between model
-passes the host work measured 0.36 ms per step on the bundled pair when both ran in full every step
-(3-4% of a 10 ms step), about half of that now; H charges what is left to every step. No device
+and repeats its last plan in between; V's fit is redone when its inputs changed, at most every
+COST_REFRESH_STEPS steps. Between two model passes a numpy call costs 4-6 us (the pass has evicted
+numpy's code and data from the caches), so the per-step arithmetic (acceptance, E(k), the rates, the
+knee fit: a few dozen numbers per row) runs on host floats: measured on the bundled pair, forced AVX2,
+batch 1, ``plan`` + ``observe`` took 170 us per step in numpy (with V's fit 300 us every 8 steps), 5% of
+a 3.4 ms step and k="auto" speculating throughout at 0.95x the same k fixed; 80 us now (fit 130 us),
+at parity. H charges what is left to every step. No device
 synchronisation (the loop's timers and its read of num_accepted / num_draft are the only ones).
 """
 from __future__ import annotations
@@ -278,30 +282,69 @@ LOOK_STEPS = 4
 GENERATION_SMOOTHING = 0.3
 
 
-def expected_tokens_table(acceptance: np.ndarray) -> np.ndarray:
-    """E(k) for k = 0..K from acceptance by position.
-
-    acceptance [B, K] (a_1..a_K, conditional on reaching the position) -> [B, K+1]:
-    E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j.
-    """
-    acceptance = np.asarray(acceptance, dtype=np.float64)
-    reach = np.cumprod(acceptance, axis=-1)  # P(position i accepted) = prod_{j<=i} a_j
-    zeros = np.zeros(acceptance.shape[:-1] + (1,))
-    return 1.0 + np.concatenate([zeros, np.cumsum(reach, axis=-1)], axis=-1)
-
-
-def acceptance_by_position(reached: np.ndarray, accepted: np.ndarray, shape: np.ndarray, m: float) -> np.ndarray:
+# The controller's per-step arithmetic is a few dozen numbers per row. Between two model passes (whose
+# weights have evicted numpy's code and data from the caches) a numpy call costs 4-6 us where it costs 1
+# warm (measured on the bundled pair: a replan's ~30 numpy calls took 190 us, 6% of a 3 ms step), so the
+# helpers below work on host floats; the numpy functions after them are their array forms.
+def acceptance_rows(reached: List[List[float]], accepted: List[List[float]], shape: List[float],
+                    m: float) -> List[List[float]]:
     """a_i per row from the decayed counts (the module docstring's estimate): a_1 = A_1 / R_1, and a deep
     position with little data shrinks towards the one before it times s_i.
 
-    reached, accepted [B, K]; shape [K] -> [B, K]
+    reached, accepted [B][K]; shape [K] -> [B][K]
     """
-    out = np.empty_like(reached)
-    out[:, 0] = accepted[:, 0] / np.maximum(reached[:, 0], 1e-12)
-    for i in range(1, reached.shape[1]):
-        shrunk = np.minimum(shape[i] * out[:, i - 1], 1.0)  # [B]: the position before, in the prior's shape
-        out[:, i] = (accepted[:, i] + m * shrunk) / (reached[:, i] + m)
+    rows = []
+    for counts, hits in zip(reached, accepted):
+        previous = hits[0] / max(counts[0], 1e-12)
+        row = [previous]
+        for i in range(1, len(counts)):
+            previous = (hits[i] + m * min(shape[i] * previous, 1.0)) / (counts[i] + m)  # (shrunk: s_i a_{i-1})
+            row.append(previous)
+        rows.append(row)
+    return rows
+
+
+def expected_tokens(acceptance: List[float]) -> List[float]:
+    """E(k) for k = 0..K of one row: E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j. acceptance [K] -> [K+1]."""
+    out, reach, total = [1.0], 1.0, 0.0
+    for a in acceptance:
+        reach *= a  # P(position i accepted) = prod_{j<=i} a_j
+        total += reach
+        out.append(1.0 + total)
     return out
+
+
+def best_cap(rates: List[float], tolerance: float = 0.0, current: Optional[int] = None, margin: float = 0.0,
+             switch_on: float = 0.0) -> int:
+    """The cap K* from the batch's rates [K+1] (tokens per second of drafting K, K = 0: plain decoding):
+    ``padded_batch_cap``'s choice and guards."""
+    best = max(rates[1:], default=-math.inf)
+    if rates[0] * (1.0 + switch_on) >= best:
+        return 0  # (never delayed: switching speculation off saves time at once)
+    threshold = best * (1.0 - max(tolerance, 1e-12))
+    near = [k for k in range(1, len(rates)) if rates[k] >= threshold]
+    cap = near[-1] if tolerance > 0 else near[0]
+    if (current is not None and 0 < current < len(rates) and rates[current] > rates[0]
+            and rates[current] >= best * (1.0 - margin)):
+        return int(current)
+    return cap
+
+
+def expected_tokens_table(acceptance: np.ndarray) -> np.ndarray:
+    """E(k) for k = 0..K from acceptance by position (``expected_tokens`` per row).
+
+    acceptance [..., K] (a_1..a_K, conditional on reaching the position) -> [..., K+1]
+    """
+    acceptance = np.asarray(acceptance, dtype=np.float64)
+    rows = acceptance.reshape(-1, acceptance.shape[-1]).tolist()
+    return np.array([expected_tokens(a) for a in rows], dtype=np.float64).reshape(
+        acceptance.shape[:-1] + (acceptance.shape[-1] + 1,))
+
+
+def acceptance_by_position(reached: np.ndarray, accepted: np.ndarray, shape: np.ndarray, m: float) -> np.ndarray:
+    """``acceptance_rows`` on arrays: reached, accepted [B, K]; shape [K] -> [B, K]."""
+    rows = acceptance_rows(np.asarray(reached).tolist(), np.asarray(accepted).tolist(), np.asarray(shape).tolist(), m)
+    return np.array(rows, dtype=np.float64).reshape(np.shape(reached))
 
 
 class VerifyCosts:
@@ -328,6 +371,8 @@ class VerifyCosts:
         self.plain_obs_step = -10 ** 9
         self.host = math.nan
         self.step_plain = math.nan  # P as estimated when a step was last observed
+        self.fit: Optional[np.ndarray] = None  # V(t) as last fitted (read-only), and what it was fitted to
+        self.fit_inputs: Optional[tuple] = None
 
 
 class DrafterMemory:
@@ -389,28 +434,54 @@ def knee_curve(x: Sequence[float], y: Sequence[float], w: Sequence[float], at: n
     A pass over t rows reads the weights once and computes t rows: flat while memory-bound, then rising
     by the compute per row (measured on forced AVX2: V(1..9) = 2.0, 2.2, 2.6, 3.4, 4.0, 4.6, 5.7, 6.0,
     6.7 ms, where a line through them put V(3) at 3.2); the knee bends the line there and nowhere
-    else, a line being one knee-less case. [P] points -> [len(at)]."""
-    xs, ys, ws = (np.asarray(v, dtype=np.float64) for v in (x, y, w))
-    root, x0 = np.sqrt(ws), xs.min()
-
-    def curve(coef: np.ndarray, knee: float, t: np.ndarray) -> np.ndarray:
-        return coef[0] + coef[1] * (t - x0) + coef[2] * np.maximum(t - knee, 0.0)
-
+    else, a line being one knee-less case. Each knee is fitted by its normal equations (with a knee
+    strictly inside, the three columns are independent), a negative slope before it refitted flat, and a
+    knee that does not bend is left out. A dozen points at most, fitted between two model passes: host
+    floats (``acceptance_rows``: numpy's lstsq took 250 us there). [P] points -> [len(at)]."""
+    x0 = min(x)
     first, slope = nonneg_line(x, y, w)
-    best, best_knee = np.array([first + slope * x0, slope, 0.0]), x0  # the line: no bend
-    best_error = float(np.sum(ws * (curve(best, x0, xs) - ys) ** 2))
-    for knee in np.unique(xs)[1:-1]:
-        columns = np.stack([np.ones_like(xs), xs - x0, np.maximum(xs - knee, 0.0)], axis=1)  # [P, 3]
-        coef = np.linalg.lstsq(columns * root[:, None], ys * root, rcond=None)[0]
-        if coef[1] < 0.0:  # flat, then rising
-            flat_then = np.linalg.lstsq(columns[:, [0, 2]] * root[:, None], ys * root, rcond=None)[0]
-            coef = np.array([flat_then[0], 0.0, flat_then[1]])
-        if coef[2] <= 0.0:  # no bend: the line is the better fit of this shape
+    best = (first + slope * x0, slope, 0.0, x0)  # (p, s, d, h): the line, no bend
+
+    def error(p: float, s: float, d: float, h: float) -> float:
+        return sum(wi * (p + s * (xi - x0) + d * max(0.0, xi - h) - yi) ** 2 for xi, yi, wi in zip(x, y, w))
+
+    best_error = error(*best)
+    for h in sorted(set(x))[1:-1]:
+        # weighted moments of the columns 1, u = x - x_0, v = max(0, x - h) and of y
+        s00 = s01 = s02 = s11 = s12 = s22 = t0 = t1 = t2 = 0.0
+        for xi, yi, wi in zip(x, y, w):
+            u, v = xi - x0, max(0.0, xi - h)
+            s00 += wi
+            s01 += wi * u
+            s02 += wi * v
+            s11 += wi * u * u
+            s12 += wi * u * v
+            s22 += wi * v * v
+            t0 += wi * yi
+            t1 += wi * u * yi
+            t2 += wi * v * yi
+        p, s, d = solve3(((s00, s01, s02), (s01, s11, s12), (s02, s12, s22)), (t0, t1, t2))
+        if s < 0.0:  # flat, then rising
+            det = s00 * s22 - s02 * s02
+            p, s, d = (t0 * s22 - s02 * t2) / det, 0.0, (s00 * t2 - s02 * t0) / det
+        if d <= 0.0:  # no bend: the line is the better fit of this shape
             continue
-        error = float(np.sum(ws * (curve(coef, knee, xs) - ys) ** 2))
-        if error < best_error:
-            best, best_knee, best_error = coef, knee, error
-    return curve(best, best_knee, at)
+        e = error(p, s, d, h)
+        if e < best_error:
+            best, best_error = (p, s, d, h), e
+    p, s, d, h = best
+    return np.array([p + s * (t - x0) + d * max(0.0, t - h) for t in np.asarray(at, dtype=np.float64).tolist()])
+
+
+def solve3(a: Tuple[Tuple[float, float, float], ...], b: Tuple[float, float, float]) -> Tuple[float, float, float]:
+    """The solution of the 3 x 3 system a z = b (Cramer's rule; a nonsingular)."""
+    def det(m):
+        return (m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1]) - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
+                + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]))
+
+    whole = det(a)
+    return tuple(det([[b[r] if c == col else a[r][c] for c in range(3)] for r in range(3)]) / whole
+                 for col in range(3))
 
 
 def padded_batch_cap(expected: np.ndarray, step_time: np.ndarray, active: np.ndarray,
@@ -425,16 +496,8 @@ def padded_batch_cap(expected: np.ndarray, step_time: np.ndarray, active: np.nda
     (hysteresis). No guard ever favours speculating over plain decoding."""
     if not active.any():
         return 0
-    rates = expected[active].sum(axis=0) / step_time  # [K+1]
-    best = rates[1:].max(initial=-np.inf)
-    if rates[0] * (1.0 + switch_on) >= best:
-        return 0  # (never delayed: switching speculation off saves time at once)
-    near = np.nonzero(rates[1:] >= best * (1.0 - max(tolerance, 1e-12)))[0] + 1
-    cap = int(near[-1] if tolerance > 0 else near[0])
-    if (current is not None and 0 < current < len(rates) and rates[current] > rates[0]
-            and rates[current] >= best * (1.0 - margin)):
-        return int(current)
-    return cap
+    rates = (expected[active].sum(axis=0) / step_time).tolist()  # [K+1]
+    return best_cap(rates, tolerance, current, margin, switch_on)
 
 
 @dataclass(frozen=True)
@@ -560,7 +623,7 @@ class AdaptiveK:
         self.look_due = False  # the last plan asks for a look after its plain segment (``observe_look``)
         self._looked = False  # a look was observed since the last plan (a switch on may follow)
         self.looks_observed = 0  # looks this generation
-        self._times: Optional[np.ndarray] = None  # time(k) as of step _times_step (plan() refreshes it)
+        self._times: Optional[List[float]] = None  # time(k) as of step _times_step (plan() refreshes it)
         self._times_step = 0
         self._last_active: tuple = ()
         self._prev_off = False  # the last step did not call the drafter
@@ -586,13 +649,20 @@ class AdaptiveK:
     def verify_times(self) -> np.ndarray:
         """V(t) for t = 1..k_max+1 in seconds: [k_max+1] (index t-1), or all NaN before any measurement."""
         costs = self.costs
-        probe, obs, obs_step = costs.probe.tolist(), costs.obs.tolist(), costs.obs_step.tolist()
+        fresh = costs.step - costs.obs_step <= COST_MEMORY_STEPS  # [k_max+2]
+        inputs = (costs.probe.tobytes(), costs.obs.tobytes(), fresh.tobytes(), costs.offset)
+        if inputs == costs.fit_inputs:  # (while speculation is off nothing here moves: no refit)
+            return costs.fit
+        probe, obs = costs.probe.tolist(), costs.obs.tolist()
         points = [(t - 1.0, v + costs.offset, 1.0) for t, v in enumerate(probe) if not math.isnan(v)]
-        points += [(t - 1.0, v, OBSERVED_WEIGHT) for t, v in enumerate(obs)
-                   if not math.isnan(v) and costs.step - obs_step[t] <= COST_MEMORY_STEPS]
+        points += [(t - 1.0, v, OBSERVED_WEIGHT) for t, v in enumerate(obs) if not math.isnan(v) and fresh[t]]
         if not points:
-            return np.full(self.k_max + 1, np.nan)
-        return np.maximum(knee_curve(*zip(*points), np.arange(self.k_max + 1, dtype=np.float64)), 1e-9)
+            fit = np.full(self.k_max + 1, np.nan)
+        else:
+            fit = np.maximum(knee_curve(*zip(*points), np.arange(self.k_max + 1, dtype=np.float64)), 1e-9)
+        fit.setflags(write=False)
+        costs.fit, costs.fit_inputs = fit, inputs
+        return fit
 
     def step_times(self) -> np.ndarray:
         """time(k) = V(k+1) + D(k) + H for k = 0..k_max, then time(0) = P where the loop chains plain
@@ -677,29 +747,33 @@ class AdaptiveK:
                 and not looked and not (explore and self.step >= self._next_explore)):
             self._repeats += 1
             return list(self._last_plan)
-        active = np.asarray(active, dtype=bool)
-        expected = expected_tokens_table(self.acceptance())  # [B, K+1]
+        live = [b for b, alive in enumerate(active) if alive]
+        expected = self._expected_sums(live)  # [K+1]
         if self._times is None or self.step >= self._times_step + COST_REFRESH_STEPS:
-            self._times, self._times_step = self.step_times(), self.step  # [K+1]: the costs move slowly
+            # [K+1]: the costs move slowly
+            self._times, self._times_step = self.step_times().tolist(), self.step
         times = self._times
+        rates = [e / t for e, t in zip(expected, times)]  # [K+1] tokens per second
         current = self._last_cap if key == self._last_active else None  # (other rows: other rates)
         switch_on = SWITCH_ON_MARGIN if not self._speculating else 0.0
-        cap = padded_batch_cap(expected, times, active, LONGER_TOLERANCE, current, SWITCH_MARGIN, switch_on)
+        cap = best_cap(rates, LONGER_TOLERANCE, current, SWITCH_MARGIN, switch_on) if live else 0
         if cap > 0 and self.looks and not self._speculating and not looked and self.plain_passes:
             # switching on again over greedy rows waits for a look at the tokens just generated (one
             # plain segment, then the drafter's greedy agreement with them)
             if remaining is None or remaining > self.plain_chain:
                 return self._look_plan(key)
             cap = 0
-        self._refreshing = cap > 0 and self._plain_stale() and self._close(expected, times, active)
+        self._refreshing = cap > 0 and self._plain_stale() and max(rates[1:]) < (1.0 + REFRESH_BAND) * rates[0]
         if self._refreshing:  # one plain segment measures P again; the choice is made after it
             return self._segment_plan(key)
         if cap > 0 and prefill > 0 and remaining is not None and not self._repays(
-                expected, times, active, cap, remaining, prefill):
+                expected[cap] / len(live), times, cap, remaining, prefill):
             cap = 0
         self._last_cap, self._speculating = cap, cap > 0
-        budget = np.full(len(active), cap)
-        self.exploring[:] = False
+        plan = [cap if alive else 0 for alive in active]
+        if self._exploring_any:
+            self.exploring[:] = False
+        due: List[int] = []
         if cap > 0:  # speculating: the explorations of a later switch-off start at the shortest interval
             self._explore_interval = max(self.explore_every, 1)
             self._next_explore = self.step + self._explore_interval
@@ -708,16 +782,25 @@ class AdaptiveK:
                 return self._look_plan(key)
         elif explore:
             scheduled = self.step >= self._next_explore  # all rows at once: one draft pass
-            due = active & (budget == 0) & (scheduled | self.follow_up)
-            if scheduled and not due.any():
+            due = [b for b in live if scheduled or self.follow_up[b]]
+            if scheduled and not due:
                 self._next_explore = self.step + self._explore_interval  # nobody to explore: no backoff
-            budget[due] = self.explore_k
+            for b in due:
+                plan[b] = self.explore_k
             self.exploring[due] = True
-        self._exploring_any = bool(self.exploring.any())
-        budget[~active] = 0
-        plan = [int(x) for x in budget]
+        self._exploring_any = bool(due)
         self._last_plan, self._last_active, self._repeats = plan, key, 0
-        return plan
+        return list(plan)
+
+    def _expected_sums(self, live: List[int]) -> List[float]:
+        """sum over the rows ``live`` of E_b(K), K = 0..k_max: [K+1] (host floats; see ``acceptance_rows``)."""
+        reached, accepted = self.reached.tolist(), self.accepted.tolist()
+        rows = acceptance_rows([reached[b] for b in live], [accepted[b] for b in live], self.shape.tolist(),
+                               self.prior_strength)
+        sums = [0.0] * (self.k_max + 1)
+        for acceptance in rows:
+            sums = [total + e for total, e in zip(sums, expected_tokens(acceptance))]
+        return sums
 
     def _segment_plan(self, key: tuple) -> List[int]:
         """A plan of no drafts for the rows ``key`` (a plain segment), the choice left to the plan after it."""
@@ -733,18 +816,10 @@ class AdaptiveK:
         self.look_due = True
         return self._segment_plan(key)
 
-    @staticmethod
-    def _close(expected: np.ndarray, times: np.ndarray, active: np.ndarray) -> bool:
-        """Whether the best K's rate is within REFRESH_BAND above plain decoding's."""
-        rates = expected[active].sum(axis=0) / times  # [K+1]
-        return bool(rates[1:].max() < (1.0 + REFRESH_BAND) * rates[0])
-
-    def _repays(self, expected: np.ndarray, times: np.ndarray, active: np.ndarray, cap: int, remaining: int,
-                prefill: int) -> bool:
+    def _repays(self, tokens: float, times: List[float], cap: int, remaining: int, prefill: int) -> bool:
         """Whether drafting ``cap`` saves, over the ``remaining`` passes plain decoding would make, more
-        than the drafter's prefill of ``prefill`` tokens costs (unmeasured: nothing), at the rows' mean
-        E(cap)."""
-        tokens = float(expected[active, cap].mean())  # per row and step
+        than the drafter's prefill of ``prefill`` tokens costs (unmeasured: nothing), at ``tokens``, the
+        rows' mean E(cap)."""
         saved = remaining * (times[0] - times[cap] / tokens)  # plain passes' time - the same tokens' speculating
         return saved > prefill * (self.prefill_per_token or 0.0)
 
@@ -799,12 +874,22 @@ class AdaptiveK:
             return
         # acceptance by position: a row that drafted d and accepted n reached positions 1..min(n+1, d)
         # and accepted 1..n; every position of such a row decays, reached or not (see above)
-        rows = [outcome.rows[i] for i in live]
+        if len(live) == len(outcome.rows):
+            rows, reached, accepted = outcome.rows, outcome.reached, outcome.accepted
+        else:
+            rows = [outcome.rows[i] for i in live]
+            reached, accepted = [outcome.reached[i] for i in live], [outcome.accepted[i] for i in live]
         if live:
             self._drafted_steps += 1
             g, prefix = self.forgetting, self._prefix_ones  # prefix[j] = j ones, then zeros
-            self.reached[rows] = g * self.reached[rows] + prefix[[outcome.reached[i] for i in live]]
-            self.accepted[rows] = g * self.accepted[rows] + prefix[[outcome.accepted[i] for i in live]]
+            if len(rows) == self.batch_size:  # every row (in order): in place, no gather
+                self.reached *= g
+                self.reached += prefix[reached]
+                self.accepted *= g
+                self.accepted += prefix[accepted]
+            else:
+                self.reached[rows] = g * self.reached[rows] + prefix[reached]
+                self.accepted[rows] = g * self.accepted[rows] + prefix[accepted]
         if self._exploring_any:
             # a fully accepted exploration explores again next step; an episode that ends (nothing
             # fully accepted) with speculation still off doubles the interval
@@ -815,9 +900,10 @@ class AdaptiveK:
             if not full:
                 self._explore_interval = min(2 * self._explore_interval, self._longest_interval())
                 self._next_explore = self.step - 1 + self._explore_interval
+            self.follow_up_any = bool(full)
         elif self.follow_up_any:
             self.follow_up[:] = False
-        self.follow_up_any = bool(self.follow_up.any())
+            self.follow_up_any = False
 
     def observe_plain(self, passes: int, seconds: float, active: Sequence[bool]) -> None:
         """A plain chain segment the loop ran because ``plan`` gave every row 0: ``passes`` one-token

@@ -56,16 +56,16 @@ class StepOutcome:
     rows: List[int]  # the active (not frozen) rows
     drafted: List[int]  # num_draft of each of those rows
     accepted: List[int]  # num_accepted of each of those rows
+    # positions reached per row, min(accepted + 1, drafted): computed once (read per row, it was O(B^2))
+    reached: List[int] = field(init=False)
+
+    def __post_init__(self):
+        object.__setattr__(self, "reached", [min(n + 1, d) for n, d in zip(self.accepted, self.drafted)])
 
     @classmethod
     def of(cls, num_accepted: Sequence[int], num_draft: Sequence[int], active: Sequence[bool]) -> "StepOutcome":
         rows = [b for b, live in enumerate(active) if live]
         return cls(rows, [num_draft[b] for b in rows], [max(num_accepted[b], 0) for b in rows])
-
-    @property
-    def reached(self) -> List[int]:
-        """Positions reached per row: min(accepted + 1, drafted)."""
-        return [min(n + 1, d) for n, d in zip(self.accepted, self.drafted)]
 
 
 @dataclass
