@@ -152,8 +152,8 @@ def test_a_clear_off_is_held_for_a_few_steps_while_the_rows_stay_the_same(monkey
     controller = LoadGatedK(K_MAX, rows=32, pinned_k=4)
     _simulate(controller, 32, 80, memory_bound, 0.8, rng)  # measured: off
     evaluations = []
-    step_times = controller.step_times
-    monkeypatch.setattr(controller, "step_times", lambda width: evaluations.append(width) or step_times(width))
+    step_times = controller._step_times  # (what choose evaluates)
+    monkeypatch.setattr(controller, "_step_times", lambda width: evaluations.append(width) or step_times(width))
     choices = _simulate(controller, 32, 3 * HOLD_STEPS, memory_bound, 0.8, rng)
     assert all(c.k == 0 for c in choices) and len(evaluations) == 3, evaluations
     choice = controller.choose(32, list(range(31)), [])  # a row left

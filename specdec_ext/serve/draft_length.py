@@ -7,7 +7,7 @@ tokens stop paying for it. So each step makes the same choice as k="auto", at th
 
     K* = argmax_K  sum_{b running} E_b(K) / time(w, K)            K in 0..k_max  (0: a plain step)
 
-    E_b(K)     = 1 + sum_{i<=K} prod_{j<=i} a_{b,j}               (adaptive.expected_tokens_table)
+    E_b(K)     = 1 + sum_{i<=K} prod_{j<=i} a_{b,j}               (adaptive.expected_tokens)
     time(w, K) = V(w (K + 1)) + D(w, K) + H                       (K = 0: V(w) + H, no draft pass)
 
 with the costs keyed by the load:
@@ -41,7 +41,7 @@ with the costs keyed by the load:
   from the acceptance pooled over the rows that ended before it (p0 before any).
 
 The pass is shared and padded ([w, K + 1]): a row drafting fewer than K saves nothing, so every row
-drafts K* (adaptive.padded_batch_cap, with k="auto"'s guards: the longest K within LONGER_TOLERANCE of
+drafts K* (adaptive.best_cap, with k="auto"'s guards: the longest K within LONGER_TOLERANCE of
 the best, the K in use kept within SWITCH_MARGIN, switching on only when the best beats plain decoding
 by SWITCH_ON_MARGIN; switching off is never delayed).
 
@@ -108,6 +108,13 @@ Under CUDA graphs (``lengths``: plan.graph_draft_lengths). A capture drafts one 
 the choice is made among the few lengths the batcher captures (the others' times are infinite) and given
 to every slot (``choose(..., uniform=True)``); calibration and exploration use those lengths only.
 
+Host work. The choice runs between two model passes, which evict numpy's code and data from the caches:
+there a numpy call costs 4-6 us, and ``choose`` in numpy took 300-480 us a step at 4-32 rows (measured with
+a 64-MB sweep between calls standing in for the pass), 4-6% of a plain step at 16 rows. The arithmetic
+(the step times, E per row, the rates) runs on host floats, and a slot's E(K) is kept until its counts
+change (``observe`` of its drafts, ``join``, a new pooled shape): while speculation is off no row drafts,
+so the choice at 16-32 rows reads every E from that cache.
+
 Seeded rows. A request that gave a seed (``GenerationRequest.seeded``) drafts ``pinned_k`` tokens every
 step whatever the load, so that its tokens are the same alone and batched: its Philox draws follow its
 own steps, and the draft lengths decide which draw serves which position. The pass is then at least
@@ -126,8 +133,8 @@ import numpy as np
 from ..adaptive import (DEFAULT_COST_SMOOTHING, DEFAULT_FORGETTING, DEFAULT_PRIOR_ACCEPTANCE,
                         DEFAULT_PRIOR_DRAFT_COST, DEFAULT_PRIOR_STRENGTH, EXPLORE_BACKOFF, GENERATION_SMOOTHING,
                         LONGER_TOLERANCE, REFRESH_BAND, SWITCH_MARGIN, SWITCH_ON_MARGIN,
-                        acceptance_by_position, expected_tokens_table, moving_average, nonneg_line,
-                        padded_batch_cap)
+                        acceptance_by_position, acceptance_rows, best_cap, expected_tokens, moving_average,
+                        nonneg_line)
 from ..stats import StepOutcome
 
 EXPLORE_EVERY = 16  # steps between explorations while speculation is off
@@ -316,13 +323,14 @@ class LoadGatedK:
             raise ValueError(f"lengths must hold 0, pinned_k={pinned_k} and others in [1, k_max={k_max}], got {lengths}")
         self.k_max, self.pinned_k, self.explore_every = int(k_max), int(pinned_k), max(int(explore_every), 1)
         self.lengths = lengths
-        self._excluded = np.array([K not in lengths for K in range(k_max + 1)])  # [k_max+1]: never chosen
+        self._excluded = [K not in lengths for K in range(k_max + 1)]  # [k_max+1]: never chosen
         self.m, self.g = DEFAULT_PRIOR_STRENGTH, DEFAULT_FORGETTING
         self.reached = np.zeros((rows, k_max))  # R_i per slot, decayed
         self.accepted = np.zeros((rows, k_max))  # A_i per slot, decayed
         self.pooled = np.full(k_max, DEFAULT_PRIOR_ACCEPTANCE)  # acceptance of the rows that ended
         self.shape = np.ones(k_max)  # s_i of the pooled acceptance (adaptive.acceptance_by_position)
         self._prefix = np.tri(k_max + 1, k_max, k=-1)  # row j: j ones, then zeros
+        self._expected: Dict[int, List[float]] = {}  # slot -> E(K), K = 0..k_max, until its counts change
         self.verify, self.draft, self.floor = CostCurve(), DraftCosts(), PassFloor()
         self.host = math.nan
         self.step = 0
@@ -331,7 +339,7 @@ class LoadGatedK:
         self._interval = self.explore_every
         self._next_explore = self.explore_every
         self._since_draft = 0  # plain steps since the last draft pass: the next one also feeds their tokens
-        self._behind = np.zeros(rows, dtype=np.int64)  # per slot: tokens its row committed in plain steps since
+        self._behind = [0] * rows  # per slot: tokens its row committed in plain steps since
         #   the last draft pass (what that pass feeds it; a row that joined while off is in pending_tokens)
         self.feed = FeedCost()  # the draft model's catch-up feed time by the tokens it feeds
         self.prefill_per_token = math.nan  # seconds per token of the draft prefills (record_draft_prefill)
@@ -363,8 +371,9 @@ class LoadGatedK:
         self._schedule = []
         self.pooled = np.full(self.k_max, DEFAULT_PRIOR_ACCEPTANCE)
         self.shape = np.ones(self.k_max)
+        self._expected.clear()
         self._cap, self._since_draft, self._held, self.join_tokens, self.waiting_tokens = 0, 0, None, 0.0, 0
-        self._behind[:] = 0
+        self._behind = [0] * len(self._behind)
         self._interval, self._next_explore = self.explore_every, self.step + self.explore_every
         for slot in range(self.reached.shape[0]):
             self.join(slot)
@@ -378,6 +387,7 @@ class LoadGatedK:
         self._behind[slot] = 0
         self.reached[slot, 0] = self.m
         self.accepted[slot, 0] = self.m * self.pooled[0]
+        self._expected.pop(slot, None)
 
     def leave(self, slot: int) -> None:
         """The row in ``slot`` ended; a row that drafted moves the pooled prior towards its acceptance."""
@@ -386,26 +396,46 @@ class LoadGatedK:
             self.pooled = (1 - GENERATION_SMOOTHING) * self.pooled + GENERATION_SMOOTHING * mine
             a = self.pooled
             self.shape[1:] = np.where(a[:-1] > 0, a[1:] / np.maximum(a[:-1], 1e-12), 1.0)
+            self._expected.clear()  # (the shape enters every row's deep positions)
 
     def acceptance(self) -> np.ndarray:
         """a_i per slot: [rows, k_max]."""
         return acceptance_by_position(self.reached, self.accepted, self.shape, self.m)
 
+    def _expected_sums(self, running: Sequence[int]) -> List[float]:
+        """sum over the ``running`` slots of E_b(K), K = 0..k_max: [k_max+1] host floats ("Host work"); a slot's
+        E is computed again only after its counts changed (``observe`` of its draft, ``join``, a new shape)."""
+        missing = [slot for slot in running if slot not in self._expected]
+        if missing:
+            reached, accepted = self.reached.tolist(), self.accepted.tolist()
+            rows = acceptance_rows([reached[b] for b in missing], [accepted[b] for b in missing], self.shape.tolist(),
+                                   self.m)
+            for slot, acceptance in zip(missing, rows):
+                self._expected[slot] = expected_tokens(acceptance)
+        sums = [0.0] * (self.k_max + 1)
+        for slot in running:
+            sums = [total + e for total, e in zip(sums, self._expected[slot])]
+        return sums
+
     # ------------------------------------------------------------------ costs
     def step_times(self, width: int) -> Optional[np.ndarray]:
         """time(width, K) for K = 0..k_max in seconds: [k_max+1]; None before any verify step was timed."""
+        times = self._step_times(width)
+        return None if times is None else np.array(times)
+
+    def _step_times(self, width: int) -> Optional[List[float]]:
+        """``step_times`` as host floats ("Host work")."""
         verify = [self.verify.at(width * (K + 1)) for K in range(self.k_max + 1)]
         if verify[0] is None:
             return None
         verify = [max(v, self.floor.at(width * (K + 1))) for K, v in enumerate(verify)]
         line = self.draft.line(width)
         fixed, per_token = line if line is not None else (0.0, DEFAULT_PRIOR_DRAFT_COST * verify[0])
-        drafts = np.maximum(fixed + per_token * np.arange(self.k_max + 1), 0.0)
         joining = max(self.join_tokens, self.waiting_tokens / CATCH_UP_HORIZON)  # (module docstring, "Joining rows")
-        drafts[1:] += joining * self._draft_prefill_per_token(width)
-        drafts[0] = 0.0  # no draft pass
+        join_cost = joining * self._draft_prefill_per_token(width)
+        drafts = [0.0] + [max(fixed + per_token * K, 0.0) + join_cost for K in range(1, self.k_max + 1)]  # K = 0: none
         host = 0.0 if math.isnan(self.host) else self.host
-        return np.array(verify) + drafts + host
+        return [v + d + host for v, d in zip(verify, drafts)]
 
     # ------------------------------------------------------------------ the batcher's calls
     @property
@@ -428,27 +458,26 @@ class LoadGatedK:
                 and len(held[2].budget) == width:
             return held[2]
         self._held = None
-        times = self.step_times(width)
+        times = self._step_times(width)
         reason, rates = MEASURED, None
         if self._schedule:
             cap, reason = self._schedule.pop(0), CALIBRATE
         elif times is None:  # nothing timed yet: draft the pinned length once to measure it
             cap = self.pinned_k
         else:
-            times = np.where(self._excluded, np.inf, times)
-            catch_up = 0.0
+            catch_up = per_step = 0.0
             if self._cap == 0 and (self._since_draft or pending_tokens):
                 horizon = CATCH_UP_HORIZON if steps_left is None else max(1, min(CATCH_UP_HORIZON, steps_left))
                 catch_up = self._catch_up_s(width, running, pending_tokens)
-                times[1:] += catch_up / horizon
-            expected = expected_tokens_table(self.acceptance()[list(running)])  # [r, k_max+1]
-            active = np.ones(len(running), dtype=bool)
+                per_step = catch_up / horizon  # charged to every K >= 1
+            times = [math.inf if excluded else t + (per_step if K else 0.0)
+                     for K, (t, excluded) in enumerate(zip(times, self._excluded))]
+            all_rates = [e / t for e, t in zip(self._expected_sums(running), times)]  # [k_max+1]
             switch_on = SWITCH_ON_MARGIN if self._cap == 0 else 0.0
             current = self._cap if self._cap > 0 else None
-            cap = padded_batch_cap(expected, times, active, LONGER_TOLERANCE, current, SWITCH_MARGIN, switch_on)
-            all_rates = expected.sum(axis=0) / times  # [k_max+1]
-            best = int(np.argmax(all_rates[1:])) + 1
-            rates = (float(all_rates[0]), float(all_rates[cap if cap > 0 else best]))
+            cap = best_cap(all_rates, LONGER_TOLERANCE, current, SWITCH_MARGIN, switch_on) if running else 0
+            best = max(range(1, self.k_max + 1), key=all_rates.__getitem__)  # (the first of equal rates)
+            rates = (all_rates[0], all_rates[cap if cap > 0 else best])
             self._cap = cap
             if cap > 0:
                 self._interval, self._next_explore = self.explore_every, self.step + self.explore_every
@@ -496,7 +525,7 @@ class LoadGatedK:
         """What the next draft pass spends feeding the tokens the ``running`` slots' rows committed in plain
         steps since the last one (counted per slot), and the draft prefills of the rows that joined while
         speculation was off (``pending_tokens``), each at its measured time per token."""
-        behind = int(self._behind[list(running)].sum())
+        behind = sum(self._behind[slot] for slot in running)
         return self._feed_s(width, behind) + pending_tokens * self._draft_prefill_per_token(width)
 
     def _feed_s(self, width: int, tokens: int) -> float:
@@ -526,7 +555,8 @@ class LoadGatedK:
         if self._warming:  # a first pass's cold caches and allocations are not what a step costs
             self._warming = False
             self._since_draft += 1
-            self._behind[outcome.rows] += 1
+            for slot in outcome.rows:
+                self._behind[slot] += 1
             return
         if not after_prefill:
             self.verify.observe(width * verify_width, verify_time, self.step)
@@ -536,13 +566,14 @@ class LoadGatedK:
         elif drafted > 0:  # a catch-up: its feed time per token, beyond the drafting
             line = self.draft.line(width)
             feed = draft_time - (0.0 if line is None else line[0] + drafted * line[1])
-            behind = int(self._behind[outcome.rows].sum())
+            behind = sum(self._behind[slot] for slot in outcome.rows)
             self.feed.observe(behind, feed)
         self._since_draft = self._since_draft + 1 if drafted == 0 else 0
         if drafted == 0:
-            self._behind[outcome.rows] += 1
+            for slot in outcome.rows:
+                self._behind[slot] += 1
         else:
-            self._behind[:] = 0
+            self._behind = [0] * len(self._behind)
         if host_time > 0:
             self.host = moving_average(self.host, host_time, DEFAULT_COST_SMOOTHING)
         live = [i for i, d in enumerate(outcome.drafted) if d > 0]
@@ -552,6 +583,8 @@ class LoadGatedK:
             reached, accepted = outcome.reached, outcome.accepted
             self.reached[rows] = self.g * self.reached[rows] + self._prefix[[reached[i] for i in live]]
             self.accepted[rows] = self.g * self.accepted[rows] + self._prefix[[accepted[i] for i in live]]
+            for slot in rows:
+                self._expected.pop(slot, None)
 
 
 def describe(controller: Optional[LoadGatedK], slots: int) -> str:
