@@ -4,6 +4,7 @@ adaptive hook: greedy output through k="auto" equals the target's greedy output 
 drafters, every budget path: per-row budgets, the batch switched off, re-entry after a skip)."""
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import random
 
@@ -728,6 +729,40 @@ def test_widen_logits_keeps_the_static_buffer():
     again = widen_logits(meta, torch.randn(2, 2, 7))
     assert again.data_ptr() == out.data_ptr()
 
+
+
+
+class FixedLogits:
+    """A target whose pass returns the given logits [B, t, V] cut to the input's width."""
+
+    def __init__(self, logits):
+        self.logits = logits
+
+    def forward(self, tokens, num_tokens, tree_parents=None):
+        return self.logits[:, : tokens.shape[1]]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_pass_without_drafts_verifies_greedy_rows_unwidened_and_sampling_rows_as_a_widened_pass(temperature):
+    """step.verify of ``meta.no_drafts``: greedy rows read the [B, 1, V] logits as they are (the argmax into
+    ``plain_tokens``, no [B, n+1, V] buffer made); sampling rows are widened, so that a seeded row draws
+    its token from the same Philox column whether or not the rows beside it drafted."""
+    from specdec_ext.metadata import SamplingParams, SpecDecodeMetadata
+    from specdec_ext.step import lossless_verify, verify
+    B, n, V = 3, 4, 11
+    meta = SpecDecodeMetadata.allocate(batch_size=B, slots=n, max_seq_len=16, sampling=SamplingParams(temperature),
+                                       seeds=torch.arange(B, dtype=torch.int64))
+    logits = torch.randn(B, n + 1, V, generator=torch.Generator().manual_seed(0))
+    verdict = verify(FixedLogits(logits), meta, meta.no_drafts, lossless_verify)
+    assert verdict.num_accepted.tolist() == [0] * B
+    if temperature == 0.0:
+        assert verdict.tokens is meta.plain_tokens and meta.verify_logits is None
+        assert verdict.tokens[:, 0].tolist() == logits[:, 0].argmax(-1).tolist()
+        return
+    assert verdict.tokens is meta.output_tokens and meta.verify_logits is not None
+    drafted = dataclasses.replace(meta.no_drafts, longest=None)  # the same rows in a pass n + 1 wide
+    wide = verify(FixedLogits(logits), meta, drafted, lossless_verify)
+    assert wide.tokens[:, 0].tolist() == verdict.tokens[:, 0].tolist()
 
 
 # ------------------------------------------------------------------------------------ through the loop

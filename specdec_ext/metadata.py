@@ -91,6 +91,7 @@ class SpecDecodeMetadata:
 
     # verdict and commit --------------------------------------------------------------------------
     output_tokens: torch.Tensor  # [B, n+1] int64: Verdict.tokens
+    plain_tokens: torch.Tensor  # [B, 1] int64: Verdict.tokens of a step without drafts (step.verify)
     num_accepted: torch.Tensor  # [B] int32: Verdict.num_accepted
     tree_path: Optional[torch.Tensor]  # [B, n] int32: Verdict.path (tree proposals only)
     num_kept: torch.Tensor  # [B] int64: tokens the target commits (num_accepted + 1; 0 when frozen)
@@ -138,6 +139,7 @@ class SpecDecodeMetadata:
             target_num_tokens=torch.full((B,), n + 1, **long),
             verify_logits=None,
             output_tokens=torch.full((B, n + 1), -1, **long),
+            plain_tokens=torch.full((B, 1), -1, **long),
             num_accepted=torch.zeros((B,), dtype=torch.int32, device=device),
             tree_path=torch.full((B, n), -1, dtype=torch.int32, device=device) if tree else None,
             num_kept=torch.zeros((B,), **long),
