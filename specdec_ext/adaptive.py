@@ -314,6 +314,23 @@ def expected_tokens(acceptance: List[float]) -> List[float]:
     return out
 
 
+def expected_by_row(reached: np.ndarray, accepted: np.ndarray, shape: np.ndarray, m: float,
+                    rows: Sequence[int]) -> List[List[float]]:
+    """E(k), k = 0..K, of the rows ``rows`` from the decayed counts reached, accepted [B, K] (host floats):
+    [len(rows)][K+1]."""
+    counts, hits = reached.tolist(), accepted.tolist()
+    estimates = acceptance_rows([counts[b] for b in rows], [hits[b] for b in rows], shape.tolist(), m)
+    return [expected_tokens(acceptance) for acceptance in estimates]
+
+
+def column_sums(rows: Sequence[Sequence[float]], width: int) -> List[float]:
+    """The sum of ``rows`` ([n][width] host floats) per column: [width]."""
+    sums = [0.0] * width
+    for row in rows:
+        sums = [total + value for total, value in zip(sums, row)]
+    return sums
+
+
 def best_cap(rates: List[float], tolerance: float = 0.0, current: Optional[int] = None, margin: float = 0.0,
              switch_on: float = 0.0) -> int:
     """The cap K* from the batch's rates [K+1] (tokens per second of drafting K, K = 0: plain decoding):
@@ -748,7 +765,9 @@ class AdaptiveK:
             self._repeats += 1
             return list(self._last_plan)
         live = [b for b, alive in enumerate(active) if alive]
-        expected = self._expected_sums(live)  # [K+1]
+        # [K+1]: sum over the active rows of E_b(K)
+        expected = column_sums(expected_by_row(self.reached, self.accepted, self.shape, self.prior_strength, live),
+                               self.k_max + 1)
         if self._times is None or self.step >= self._times_step + COST_REFRESH_STEPS:
             # [K+1]: the costs move slowly
             self._times, self._times_step = self.step_times().tolist(), self.step
@@ -791,16 +810,6 @@ class AdaptiveK:
         self._exploring_any = bool(due)
         self._last_plan, self._last_active, self._repeats = plan, key, 0
         return list(plan)
-
-    def _expected_sums(self, live: List[int]) -> List[float]:
-        """sum over the rows ``live`` of E_b(K), K = 0..k_max: [K+1] (host floats; see ``acceptance_rows``)."""
-        reached, accepted = self.reached.tolist(), self.accepted.tolist()
-        rows = acceptance_rows([reached[b] for b in live], [accepted[b] for b in live], self.shape.tolist(),
-                               self.prior_strength)
-        sums = [0.0] * (self.k_max + 1)
-        for acceptance in rows:
-            sums = [total + e for total, e in zip(sums, expected_tokens(acceptance))]
-        return sums
 
     def _segment_plan(self, key: tuple) -> List[int]:
         """A plan of no drafts for the rows ``key`` (a plain segment), the choice left to the plan after it."""

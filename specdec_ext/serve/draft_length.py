@@ -133,7 +133,7 @@ import numpy as np
 from ..adaptive import (DEFAULT_COST_SMOOTHING, DEFAULT_FORGETTING, DEFAULT_PRIOR_ACCEPTANCE,
                         DEFAULT_PRIOR_DRAFT_COST, DEFAULT_PRIOR_STRENGTH, EXPLORE_BACKOFF, GENERATION_SMOOTHING,
                         LONGER_TOLERANCE, REFRESH_BAND, SWITCH_MARGIN, SWITCH_ON_MARGIN,
-                        acceptance_by_position, acceptance_rows, best_cap, expected_tokens, moving_average,
+                        acceptance_by_position, best_cap, column_sums, expected_by_row, moving_average,
                         nonneg_line)
 from ..stats import StepOutcome
 
@@ -407,15 +407,8 @@ class LoadGatedK:
         E is computed again only after its counts changed (``observe`` of its draft, ``join``, a new shape)."""
         missing = [slot for slot in running if slot not in self._expected]
         if missing:
-            reached, accepted = self.reached.tolist(), self.accepted.tolist()
-            rows = acceptance_rows([reached[b] for b in missing], [accepted[b] for b in missing], self.shape.tolist(),
-                                   self.m)
-            for slot, acceptance in zip(missing, rows):
-                self._expected[slot] = expected_tokens(acceptance)
-        sums = [0.0] * (self.k_max + 1)
-        for slot in running:
-            sums = [total + e for total, e in zip(sums, self._expected[slot])]
-        return sums
+            self._expected.update(zip(missing, expected_by_row(self.reached, self.accepted, self.shape, self.m, missing)))
+        return column_sums([self._expected[slot] for slot in running], self.k_max + 1)
 
     # ------------------------------------------------------------------ costs
     def step_times(self, width: int) -> Optional[np.ndarray]:
