@@ -71,6 +71,32 @@ def filtered_probs(logits, temperature: float, top_k: int = 0, top_p: float = 1.
     return weights / weights.sum()
 
 
+def top_p_margin(logits, temperature: float, top_k: int = 0, top_p: float = 1.0) -> float:
+    """How close top_p * M lies to a step of the cumulative mass, relative to M (inf where top-p is off).
+
+    Top-p keeps the levels of equal logits, largest first, until their cumulative mass reaches
+    top_p * M; the margin is the distance of that target from the masses before and after the last
+    level kept. A kernel summing in fp32 (or in another order) may cut on either side of a level
+    whose margin is within its rounding (about 1e-6 of M for a 128k vocabulary).
+    """
+    if not (top_p < 1.0 and temperature >= GREEDY_TEMPERATURE):
+        return float("inf")
+    logits = np.asarray(logits, dtype=np.float64)
+    with np.errstate(invalid="ignore"):
+        scaled = (logits - logits.max()) / temperature
+    weights = np.where(np.isnan(scaled), 0.0, np.exp(np.where(np.isnan(scaled), 0.0, scaled)))
+    if 0 < top_k < logits.shape[-1]:
+        keep = logits >= np.sort(logits)[::-1][top_k - 1]
+        logits, weights = logits[keep], weights[keep]
+    levels, inverse = np.unique(-logits, return_inverse=True)  # ascending -logit: largest logit first
+    cumulative = np.cumsum(np.bincount(inverse, weights=weights, minlength=len(levels)))
+    total = cumulative[-1]
+    target = top_p * total
+    last = int(np.argmax(cumulative >= target))
+    before = cumulative[last - 1] if last > 0 else 0.0
+    return float(min(target - before, cumulative[last] - target) / total)
+
+
 def residual(p, q) -> np.ndarray:
     """normalise(max(0, p - q)); p itself where the residual mass is zero."""
     p = np.asarray(p, dtype=np.float64)
