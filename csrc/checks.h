@@ -6,48 +6,41 @@
 #include <c10/util/Optional.h>
 
 #include <initializer_list>
-#include <sstream>
 #include <string>
+
+#include "message.h"
 
 namespace specdec {
 
-inline std::string shape_str(at::IntArrayRef sizes) {
-  std::ostringstream os;
-  os << "[";
-  for (size_t i = 0; i < sizes.size(); ++i) os << (i ? ", " : "") << sizes[i];
-  os << "]";
-  return os.str();
-}
-
 inline void check_rank(const char* op, const char* name, const at::Tensor& t, int64_t rank,
                        const char* layout) {
-  TORCH_CHECK(t.dim() == rank, op, ": ", name, " must be a ", rank, "-D tensor ", layout,
-              ", got shape ", shape_str(t.sizes()));
+  SPECDEC_CHECK(t.dim() == rank, op, ": ", name, " must be a ", rank, "-D tensor ", layout,
+                ", got shape ", shape_str(t.sizes()));
 }
 
 inline void check_dtype(const char* op, const char* name, const at::Tensor& t,
                         std::initializer_list<at::ScalarType> allowed) {
   for (auto s : allowed)
     if (t.scalar_type() == s) return;
-  std::ostringstream names;  // only on failure: a stream per call costs more than a small kernel
-  for (auto s : allowed) names << (names.tellp() > 0 ? " or " : "") << c10::toString(s);
-  TORCH_CHECK(false, op, ": ", name, " must have dtype ", names.str(), ", got ", t.scalar_type());
+  std::string names;  // only on failure
+  for (auto s : allowed) names += std::string(names.empty() ? "" : " or ") + c10::toString(s);
+  SPECDEC_CHECK(false, op, ": ", name, " must have dtype ", names, ", got ", t.scalar_type());
 }
 
 inline void check_size(const char* op, const char* name, const at::Tensor& t, int64_t dim,
                        int64_t expected, const char* what) {
-  TORCH_CHECK(t.size(dim) == expected, op, ": ", name, " dimension ", dim, " must be ", what,
-              " = ", expected, ", got shape ", shape_str(t.sizes()));
+  SPECDEC_CHECK(t.size(dim) == expected, op, ": ", name, " dimension ", dim, " must be ", what,
+                " = ", expected, ", got shape ", shape_str(t.sizes()));
 }
 
 inline void check_same_device(const char* op, const char* name, const at::Tensor& t,
                               const at::Tensor& reference, const char* reference_name) {
-  TORCH_CHECK(t.device() == reference.device(), op, ": ", name, " must be on the same device as ",
-              reference_name, " (", reference.device(), "), got ", t.device());
+  SPECDEC_CHECK(t.device() == reference.device(), op, ": ", name, " must be on the same device as ",
+                reference_name, " (", reference.device(), "), got ", t.device());
 }
 
 inline void check_contiguous(const char* op, const char* name, const at::Tensor& t) {
-  TORCH_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
+  SPECDEC_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
 }
 
 // A [rows, columns] tensor of one dtype, contiguous, on the reference device.

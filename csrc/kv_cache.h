@@ -51,15 +51,15 @@ inline void check_kv_write(const at::Tensor& key, const at::Tensor& value,
   const int64_t batch = key.size(0), tokens = key.size(1);
   check_size(op, "key", key, 2, heads, "H (kv_cache dimension 3)");
   check_size(op, "key", key, 3, head_dim, "D (kv_cache dimension 4)");
-  TORCH_CHECK(key.scalar_type() == kv_cache.scalar_type(), op,
-              ": key must have the dtype of kv_cache (", kv_cache.scalar_type(), "), got ",
-              key.scalar_type());
+  SPECDEC_CHECK(key.scalar_type() == kv_cache.scalar_type(), op,
+                ": key must have the dtype of kv_cache (", kv_cache.scalar_type(), "), got ",
+                key.scalar_type());
   check_same_device(op, "key", key, kv_cache, "kv_cache");
-  TORCH_CHECK(value.sizes() == key.sizes(), op, ": value must have the shape of key ",
-              shape_str(key.sizes()), ", got ", shape_str(value.sizes()));
-  TORCH_CHECK(value.scalar_type() == kv_cache.scalar_type(), op,
-              ": value must have the dtype of kv_cache (", kv_cache.scalar_type(), "), got ",
-              value.scalar_type());
+  SPECDEC_CHECK(value.sizes() == key.sizes(), op, ": value must have the shape of key ",
+                shape_str(key.sizes()), ", got ", shape_str(value.sizes()));
+  SPECDEC_CHECK(value.scalar_type() == kv_cache.scalar_type(), op,
+                ": value must have the dtype of kv_cache (", kv_cache.scalar_type(), "), got ",
+                value.scalar_type());
   check_same_device(op, "value", value, kv_cache, "kv_cache");
   check_matrix(op, "slot_mapping", slot_mapping, "[B, T]", batch, "B (key dimension 0)", tokens,
                "T (key dimension 1)", at::kLong, kv_cache, "kv_cache");

@@ -110,25 +110,25 @@ inline void check_fused_linear(const at::Tensor& x, const c10::optional<at::Tens
   check_contiguous(op, "x", x);
   const int64_t M = x.size(0), K = x.size(1);
   if (norm_weight.has_value()) check_float_vector(op, "norm_weight", *norm_weight, K, x, "K (x dimension 1)");
-  TORCH_CHECK(epilogue == "store" || epilogue == "add" || epilogue == "swiglu", op,
-              ": epilogue must be \"store\", \"add\" or \"swiglu\", got \"", epilogue, "\"");
-  TORCH_CHECK(!weights.empty(), op, ": weights must hold at least one weight");
+  SPECDEC_CHECK(epilogue == "store" || epilogue == "add" || epilogue == "swiglu", op,
+                ": epilogue must be \"store\", \"add\" or \"swiglu\", got \"", epilogue, "\"");
+  SPECDEC_CHECK(!weights.empty(), op, ": weights must hold at least one weight");
   const bool swiglu = epilogue == "swiglu";
-  TORCH_CHECK(!swiglu || weights.size() == 2, op, ": epilogue \"swiglu\" takes two weights (gate, up), got ",
-              weights.size());
-  TORCH_CHECK(outs.size() == (swiglu ? 1 : weights.size()), op, ": outs must hold ", swiglu ? 1 : weights.size(),
-              " tensor(s) (", swiglu ? "the gated product" : "one per weight", "), got ", outs.size());
-  TORCH_CHECK(biases.size() == 0 || biases.size() == weights.size(), op,
-              ": biases must be empty or hold one entry (a tensor or None) per weight, got ", biases.size(),
-              " for ", weights.size(), " weights");
+  SPECDEC_CHECK(!swiglu || weights.size() == 2, op, ": epilogue \"swiglu\" takes two weights (gate, up), got ",
+                weights.size());
+  SPECDEC_CHECK(outs.size() == (swiglu ? 1 : weights.size()), op, ": outs must hold ", swiglu ? 1 : weights.size(),
+                " tensor(s) (", swiglu ? "the gated product" : "one per weight", "), got ", outs.size());
+  SPECDEC_CHECK(biases.size() == 0 || biases.size() == weights.size(), op,
+                ": biases must be empty or hold one entry (a tensor or None) per weight, got ", biases.size(),
+                " for ", weights.size(), " weights");
   for (size_t i = 0; i < weights.size(); ++i) {
     const at::Tensor& w = weights[i];
     const std::string name = "weights[" + std::to_string(i) + "]";
     check_rank(op, name.c_str(), w, 2, "[N, K]");
     check_size(op, name.c_str(), w, 1, K, "K (x dimension 1)");
     check_dtype(op, name.c_str(), w, {at::kFloat, at::kBFloat16, at::kHalf});
-    TORCH_CHECK(w.scalar_type() == weights[0].scalar_type(), op, ": every weight must have the dtype of weights[0] (",
-                weights[0].scalar_type(), "), ", name, " is ", w.scalar_type());
+    SPECDEC_CHECK(w.scalar_type() == weights[0].scalar_type(), op, ": every weight must have the dtype of weights[0] (",
+                  weights[0].scalar_type(), "), ", name, " is ", w.scalar_type());
     check_same_device(op, name.c_str(), w, x, "x");
     check_contiguous(op, name.c_str(), w);
     if (swiglu) check_size(op, name.c_str(), w, 0, weights[0].size(0), "N (weights[0] dimension 0)");
@@ -137,8 +137,8 @@ inline void check_fused_linear(const at::Tensor& x, const c10::optional<at::Tens
       check_float_vector(op, bname.c_str(), *biases.get(i), w.size(0), x, "N (the weight's dimension 0)");
     }
   }
-  TORCH_CHECK(!bf16_activations || weights[0].scalar_type() == at::kBFloat16, op,
-              ": bf16_activations needs bf16 weights, got ", weights[0].scalar_type());
+  SPECDEC_CHECK(!bf16_activations || weights[0].scalar_type() == at::kBFloat16, op,
+                ": bf16_activations needs bf16 weights, got ", weights[0].scalar_type());
   for (size_t i = 0; i < outs.size(); ++i) {
     const at::Tensor& o = outs[i];
     const std::string name = "outs[" + std::to_string(i) + "]";
@@ -148,7 +148,7 @@ inline void check_fused_linear(const at::Tensor& x, const c10::optional<at::Tens
     check_dtype(op, name.c_str(), o, {at::kFloat});
     check_same_device(op, name.c_str(), o, x, "x");
     check_contiguous(op, name.c_str(), o);
-    TORCH_CHECK(!o.is_same(x), op, ": ", name, " must not be x");
+    SPECDEC_CHECK(!o.is_same(x), op, ": ", name, " must not be x");
   }
 }
 
@@ -158,10 +158,10 @@ inline void check_kv_cache_pair(const char* op, const at::Tensor& k_cache, const
   check_dtype(op, "k_cache", k_cache, {at::kFloat, at::kBFloat16, at::kHalf});
   check_contiguous(op, "k_cache", k_cache);
   check_same_device(op, "k_cache", k_cache, reference, reference_name);
-  TORCH_CHECK(v_cache.sizes() == k_cache.sizes(), op, ": v_cache must have the shape of k_cache ",
-              shape_str(k_cache.sizes()), ", got ", shape_str(v_cache.sizes()));
-  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), op, ": v_cache must have the dtype of k_cache (",
-              k_cache.scalar_type(), "), got ", v_cache.scalar_type());
+  SPECDEC_CHECK(v_cache.sizes() == k_cache.sizes(), op, ": v_cache must have the shape of k_cache ",
+                shape_str(k_cache.sizes()), ", got ", shape_str(v_cache.sizes()));
+  SPECDEC_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), op, ": v_cache must have the dtype of k_cache (",
+                k_cache.scalar_type(), "), got ", v_cache.scalar_type());
   check_contiguous(op, "v_cache", v_cache);
   check_same_device(op, "v_cache", v_cache, reference, reference_name);
 }
@@ -173,8 +173,8 @@ inline void check_heads(const char* op, const char* name, const at::Tensor& t, i
   if (heads >= 0) check_size(op, name, t, 1, heads, "Hk (k_cache dimension 1)");
   check_size(op, name, t, 2, head_dim, "D (k_cache dimension 3)");
   check_dtype(op, name, t, {at::kFloat});
-  TORCH_CHECK(t.stride(2) == 1 && t.stride(1) == head_dim, op, ": ", name,
-              " must have contiguous heads (strides [*, D, 1]), got strides ", shape_str(t.strides()));
+  SPECDEC_CHECK(t.stride(2) == 1 && t.stride(1) == head_dim, op, ": ", name,
+                " must have contiguous heads (strides [*, D, 1]), got strides ", shape_str(t.strides()));
 }
 
 inline void check_index_vector(const char* op, const char* name, const at::Tensor& t, int64_t rows,
@@ -193,8 +193,8 @@ inline void check_rope_cache_write(const at::Tensor& q, const at::Tensor& k, con
   constexpr const char* op = "rope_cache_write";
   check_kv_cache_pair(op, k_cache, v_cache, q, "q");
   const int64_t kv_heads = k_cache.size(1), D = k_cache.size(3);
-  TORCH_CHECK(D % 2 == 0 && D <= kMaxHeadDim, op, ": the head dimension must be even and at most ", kMaxHeadDim,
-              ", got ", D);
+  SPECDEC_CHECK(D % 2 == 0 && D <= kMaxHeadDim, op, ": the head dimension must be even and at most ", kMaxHeadDim,
+                ", got ", D);
   check_rank(op, "q", q, 3, "[M, H, D]");
   const int64_t M = q.size(0);
   check_heads(op, "q", q, M, -1, D);
@@ -207,8 +207,8 @@ inline void check_rope_cache_write(const at::Tensor& q, const at::Tensor& k, con
     check_same_device(op, name, t, q, "q");
     check_contiguous(op, name, t);
   }
-  TORCH_CHECK(sin.size(0) == cos.size(0), op, ": sin must have the shape of cos ", shape_str(cos.sizes()),
-              ", got ", shape_str(sin.sizes()));
+  SPECDEC_CHECK(sin.size(0) == cos.size(0), op, ": sin must have the shape of cos ", shape_str(cos.sizes()),
+                ", got ", shape_str(sin.sizes()));
   check_index_vector(op, "positions", positions, M, q);
   check_index_vector(op, "cache_rows", cache_rows, M, q);
   check_index_vector(op, "cache_positions", cache_positions, M, q);
@@ -224,10 +224,10 @@ inline void check_cache_attention(const at::Tensor& q, const at::Tensor& k_cache
   check_kv_cache_pair(op, k_cache, v_cache, q, "q");
   const int64_t B = q.size(0), T = q.size(1), H = q.size(2), D = q.size(3);
   check_size(op, "q", q, 3, k_cache.size(3), "D (k_cache dimension 3)");
-  TORCH_CHECK(D <= kMaxHeadDim, op, ": the head dimension must be at most ", kMaxHeadDim, ", got ", D);
-  TORCH_CHECK(k_cache.size(1) > 0 && H % k_cache.size(1) == 0, op, ": the query heads (", H,
-              ") must be a multiple of the kv heads (", k_cache.size(1), ")");
-  TORCH_CHECK(k_cache.size(0) >= B, op, ": k_cache holds ", k_cache.size(0), " rows but q has B = ", B);
+  SPECDEC_CHECK(D <= kMaxHeadDim, op, ": the head dimension must be at most ", kMaxHeadDim, ", got ", D);
+  SPECDEC_CHECK(k_cache.size(1) > 0 && H % k_cache.size(1) == 0, op, ": the query heads (", H,
+                ") must be a multiple of the kv heads (", k_cache.size(1), ")");
+  SPECDEC_CHECK(k_cache.size(0) >= B, op, ": k_cache holds ", k_cache.size(0), " rows but q has B = ", B);
   check_rank(op, "start", start, 1, "[B]");
   check_size(op, "start", start, 0, B, "B (q dimension 0)");
   check_dtype(op, "start", start, {at::kLong});
@@ -242,8 +242,8 @@ inline void check_cache_attention(const at::Tensor& q, const at::Tensor& k_cache
     check_same_device(op, "visible", *visible, q, "q");
     check_contiguous(op, "visible", *visible);
   }
-  TORCH_CHECK(out.sizes() == q.sizes(), op, ": out must have the shape of q ", shape_str(q.sizes()), ", got ",
-              shape_str(out.sizes()));
+  SPECDEC_CHECK(out.sizes() == q.sizes(), op, ": out must have the shape of q ", shape_str(q.sizes()), ", got ",
+                shape_str(out.sizes()));
   check_dtype(op, "out", out, {at::kFloat});
   check_same_device(op, "out", out, q, "q");
   check_contiguous(op, "out", out);
@@ -283,8 +283,8 @@ class ModelListReader {
   ModelListReader(const char* op, const OptionalTensors& weights) : op_(op), weights_(weights) {}
   at::Tensor tensor(const char* name, int64_t layer) {
     const c10::optional<at::Tensor> t = weights_.get(next_);
-    TORCH_CHECK(t.has_value(), op_, ": weights[", next_, "] (", name, layer < 0 ? "" : " of layer ",
-                layer < 0 ? std::string() : std::to_string(layer), ") must be a tensor, got None");
+    SPECDEC_CHECK(t.has_value(), op_, ": weights[", next_, "] (", name, layer < 0 ? "" : " of layer ",
+                  layer < 0 ? std::string() : std::to_string(layer), ") must be a tensor, got None");
     ++next_;
     return *t;
   }
@@ -302,14 +302,14 @@ class ModelListReader {
 
 inline LlamaModelView llama_model_view(const char* op, const OptionalTensors& weights, c10::ArrayRef<double> scalars) {
   const int64_t n = static_cast<int64_t>(weights.size());
-  TORCH_CHECK(n >= kModelTensors + kLayerTensors && (n - kModelTensors) % kLayerTensors == 0, op,
-              ": weights must hold the embedding, ", kLayerTensors, " entries per layer (input_norm, q, q_bias, k, "
-              "k_bias, v, v_bias, o, o_bias, post_norm, gate, gate_bias, up, up_bias, down, down_bias), then norm, "
-              "head, head_bias: ", kModelTensors, " + ", kLayerTensors, " L entries for L >= 1 layers, got ", n);
+  SPECDEC_CHECK(n >= kModelTensors + kLayerTensors && (n - kModelTensors) % kLayerTensors == 0, op,
+                ": weights must hold the embedding, ", kLayerTensors, " entries per layer (input_norm, q, q_bias, k, "
+                "k_bias, v, v_bias, o, o_bias, post_norm, gate, gate_bias, up, up_bias, down, down_bias), then norm, "
+                "head, head_bias: ", kModelTensors, " + ", kLayerTensors, " L entries for L >= 1 layers, got ", n);
   const int64_t L = (n - kModelTensors) / kLayerTensors;
-  TORCH_CHECK(static_cast<int64_t>(scalars.size()) == kLayerScalars * L + kModelScalars, op,
-              ": scalars must hold ", kLayerScalars, " norm epsilons per layer, then the final norm's epsilon and the "
-              "attention scale: ", kLayerScalars * L + kModelScalars, " for ", L, " layers, got ", scalars.size());
+  SPECDEC_CHECK(static_cast<int64_t>(scalars.size()) == kLayerScalars * L + kModelScalars, op,
+                ": scalars must hold ", kLayerScalars, " norm epsilons per layer, then the final norm's epsilon and the "
+                "attention scale: ", kLayerScalars * L + kModelScalars, " for ", L, " layers, got ", scalars.size());
   ModelListReader read(op, weights);
   LlamaModelView model;
   model.embed = read.tensor("embed", -1);
@@ -343,8 +343,8 @@ struct RopeCache {
 };
 
 inline RopeCache rope_cache(const char* op, at::TensorList rope, at::TensorList cache) {
-  TORCH_CHECK(rope.size() == 2, op, ": rope must hold [cos, sin], got ", rope.size(), " tensors");
-  TORCH_CHECK(cache.size() == 2, op, ": cache must hold [k_cache, v_cache], got ", cache.size(), " tensors");
+  SPECDEC_CHECK(rope.size() == 2, op, ": rope must hold [cos, sin], got ", rope.size(), " tensors");
+  SPECDEC_CHECK(cache.size() == 2, op, ": cache must hold [k_cache, v_cache], got ", cache.size(), " tensors");
   return {rope[0], rope[1], cache[0], cache[1]};
 }
 
@@ -356,8 +356,8 @@ struct PassLayout {
 };
 
 inline PassLayout pass_layout(at::TensorList layout, const c10::optional<at::Tensor>& visible) {
-  TORCH_CHECK(layout.size() == 4, "decoder_layers: layout must hold [positions, cache_rows, cache_positions, "
-              "start], got ", layout.size(), " tensors");
+  SPECDEC_CHECK(layout.size() == 4, "decoder_layers: layout must hold [positions, cache_rows, cache_positions, "
+                "start], got ", layout.size(), " tensors");
   return {layout[0], layout[1], layout[2], layout[3], visible};
 }
 
@@ -368,9 +368,9 @@ struct ChainRows {
 };
 
 inline ChainRows chain_rows(at::TensorList rows) {
-  TORCH_CHECK(rows.size() == 2 || rows.size() == 4, "greedy_chain: rows must hold [cache_rows, start] or "
-              "[cache_rows, start, feed, feed_counts] (feed and feed_counts come together), got ", rows.size(),
-              " tensors");
+  SPECDEC_CHECK(rows.size() == 2 || rows.size() == 4, "greedy_chain: rows must hold [cache_rows, start] or "
+                "[cache_rows, start, feed, feed_counts] (feed and feed_counts come together), got ", rows.size(),
+                " tensors");
   if (rows.size() == 2) return {rows[0], rows[1], c10::nullopt, c10::nullopt};
   return {rows[0], rows[1], rows[2], rows[3]};
 }
@@ -408,19 +408,19 @@ inline DecoderLayersShape check_decoder_layers(const at::Tensor& x, const LlamaM
   const at::Tensor& k_cache = state.k_cache;
   check_rank(op, "k_cache", k_cache, 5, "[L, Bc, Hk, capacity, D]");
   check_size(op, "k_cache", k_cache, 0, L, "the layers in weights");
-  TORCH_CHECK(state.v_cache.sizes() == k_cache.sizes(), op, ": v_cache must have the shape of k_cache ",
-              shape_str(k_cache.sizes()), ", got ", shape_str(state.v_cache.sizes()));
+  SPECDEC_CHECK(state.v_cache.sizes() == k_cache.sizes(), op, ": v_cache must have the shape of k_cache ",
+                shape_str(k_cache.sizes()), ", got ", shape_str(state.v_cache.sizes()));
   const int64_t Hk = k_cache.size(2), D = k_cache.size(4);
   const at::Tensor& wq = model.layers[0].q.weight;
   check_rank(op, "q (layer 0)", wq, 2, "[H*D, d]");
-  TORCH_CHECK(D > 0 && wq.size(0) % D == 0, op, ": the q weight's ", wq.size(0),
-              " rows must be a multiple of the head dimension ", D, " (k_cache dimension 4)");
+  SPECDEC_CHECK(D > 0 && wq.size(0) % D == 0, op, ": the q weight's ", wq.size(0),
+                " rows must be a multiple of the head dimension ", D, " (k_cache dimension 4)");
   const int64_t H = wq.size(0) / D;
   check_rank(op, "gate (layer 0)", model.layers[0].gate.weight, 2, "[I, d]");
   check_index_column(op, "start", pass.start, -1, "");
   const int64_t M = x.size(0), B = pass.start.size(0);
-  TORCH_CHECK(B > 0 && M % B == 0, op, ": x has ", M, " rows, not a whole number of blocks for the ", B,
-              " rows of start");
+  SPECDEC_CHECK(B > 0 && M % B == 0, op, ": x has ", M, " rows, not a whole number of blocks for the ", B,
+                " rows of start");
   const int64_t T = M / B;
   const at::Tensor& cache_rows = pass.cache_rows;
   check_rank(op, "cache_rows", cache_rows, 1, "[M]");
@@ -429,9 +429,9 @@ inline DecoderLayersShape check_decoder_layers(const at::Tensor& x, const LlamaM
   check_contiguous(op, "cache_rows", cache_rows);
   const int64_t* rows = cache_rows.data_ptr<int64_t>();
   for (int64_t m = 0; m < M; ++m)
-    TORCH_CHECK(rows[m] == rows[(m / T) * T], op, ": cache_rows[", m, "] = ", rows[m], " differs from its block's "
-                "first token (cache_rows[", (m / T) * T, "] = ", rows[(m / T) * T], "): a block of T = ", T,
-                " tokens belongs to one cache row");
+    SPECDEC_CHECK(rows[m] == rows[(m / T) * T], op, ": cache_rows[", m, "] = ", rows[m], " differs from its block's "
+                  "first token (cache_rows[", (m / T) * T, "] = ", rows[(m / T) * T], "): a block of T = ", T,
+                  " tokens belongs to one cache row");
   return {L, B, T, H, Hk, D, model.layers[0].gate.weight.size(0)};
 }
 
@@ -441,17 +441,17 @@ inline void check_feed(const ChainRows& rows, int64_t B, const at::Tensor& token
   const at::Tensor& feed_counts = *rows.feed_counts;
   check_rows_matrix(op, "feed", feed, "[B, W]", B, {at::kLong}, tokens);
   const int64_t W = feed.size(1);
-  TORCH_CHECK(W > 0, op, ": feed must hold at least one column, got ", shape_str(feed.sizes()));
+  SPECDEC_CHECK(W > 0, op, ": feed must hold at least one column, got ", shape_str(feed.sizes()));
   check_index_column(op, "feed_counts", feed_counts, B, "B (tokens dimension 0)");
   check_same_device(op, "feed_counts", feed_counts, tokens, "tokens");
   const int64_t* counts = feed_counts.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b)
-    TORCH_CHECK(counts[b] >= 1 && counts[b] <= W, op, ": feed_counts[", b, "] = ", counts[b],
-                " must be in [1, W] = [1, ", W, "]");
+    SPECDEC_CHECK(counts[b] >= 1 && counts[b] <= W, op, ": feed_counts[", b, "] = ", counts[b],
+                  " must be in [1, W] = [1, ", W, "]");
   const int64_t* fed = feed.data_ptr<int64_t>();
   for (int64_t m = 0; m < B * W; ++m)
-    TORCH_CHECK(fed[m] >= 0 && fed[m] < embed.size(0), op, ": feed[", m / W, ", ", m % W, "] = ", fed[m],
-                " is outside the embedding's [0, ", embed.size(0), ")");
+    SPECDEC_CHECK(fed[m] >= 0 && fed[m] < embed.size(0), op, ": feed[", m / W, ", ", m % W, "] = ", fed[m],
+                  " is outside the embedding's [0, ", embed.size(0), ")");
 }
 
 // The shapes greedy_chain takes beyond decoder_layers' (which checks the layers at every step).
@@ -462,8 +462,8 @@ inline void check_greedy_chain(const at::Tensor& tokens, int64_t steps, const Ll
   check_dtype(op, "tokens", tokens, {at::kLong});
   check_contiguous(op, "tokens", tokens);
   const int64_t B = tokens.size(0), n = tokens.size(1);
-  TORCH_CHECK(B > 0 && n > 0, op, ": tokens must hold at least one row and one column, got ", shape_str(tokens.sizes()));
-  TORCH_CHECK(steps >= 1 && steps <= n, op, ": steps must be in [1, n] = [1, ", n, "], got ", steps);
+  SPECDEC_CHECK(B > 0 && n > 0, op, ": tokens must hold at least one row and one column, got ", shape_str(tokens.sizes()));
+  SPECDEC_CHECK(steps >= 1 && steps <= n, op, ": steps must be in [1, n] = [1, ", n, "], got ", steps);
   const at::Tensor& embed = model.embed;
   check_rank(op, "embed", embed, 2, "[V_in, d]");
   check_dtype(op, "embed", embed, {at::kFloat, at::kBFloat16, at::kHalf});
@@ -478,8 +478,8 @@ inline void check_greedy_chain(const at::Tensor& tokens, int64_t steps, const Ll
   const int64_t V = model.head.weight.size(0);
   if (model.head.bias.has_value())
     check_float_vector(op, "head_bias", *model.head.bias, V, embed, "V_out (head dimension 0)");
-  TORCH_CHECK(vocab_limit >= 1 && vocab_limit <= V, op, ": vocab_limit must be in [1, V_out] = [1, ", V, "], got ",
-              vocab_limit);
+  SPECDEC_CHECK(vocab_limit >= 1 && vocab_limit <= V, op, ": vocab_limit must be in [1, V_out] = [1, ", V, "], got ",
+                vocab_limit);
   const bool fed = rows.feed.has_value();
   if (fed) check_feed(rows, B, tokens, embed);
   const int64_t W = fed ? rows.feed->size(1) : 0;
@@ -489,19 +489,19 @@ inline void check_greedy_chain(const at::Tensor& tokens, int64_t steps, const Ll
   const int64_t capacity = k_cache.size(3);
   const int64_t* first = rows.start.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(first[b] >= 0 && first[b] + W <= capacity, op, ": start[", b, "] = ", first[b],
-                " must be in [0, capacity - W] = [0, ", capacity - W, "] (the feed writes its W = ", W,
-                " columns from slot start)");
+    SPECDEC_CHECK(first[b] >= 0 && first[b] + W <= capacity, op, ": start[", b, "] = ", first[b],
+                  " must be in [0, capacity - W] = [0, ", capacity - W, "] (the feed writes its W = ", W,
+                  " columns from slot start)");
     const int64_t chain_start = first[b] + (counts == nullptr ? 0 : counts[b]);
-    TORCH_CHECK(chain_start + steps - 1 <= capacity, op, ": start[", b, "] = ", chain_start,
-                counts == nullptr ? "" : " (with its feed_counts)", " must be in [0, capacity - (steps - 1)] = [0, ",
-                capacity - steps + 1, "] (the chain feeds ", steps - 1, " tokens from slot start)");
+    SPECDEC_CHECK(chain_start + steps - 1 <= capacity, op, ": start[", b, "] = ", chain_start,
+                  counts == nullptr ? "" : " (with its feed_counts)", " must be in [0, capacity - (steps - 1)] = [0, ",
+                  capacity - steps + 1, "] (the chain feeds ", steps - 1, " tokens from slot start)");
   }
   if (fed) return;  // tokens[:, 0] is the feed's argmax
   const int64_t* given = tokens.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b)
-    TORCH_CHECK(given[b * n] >= 0 && given[b * n] < embed.size(0), op, ": tokens[", b, ", 0] = ", given[b * n],
-                " is outside the embedding's [0, ", embed.size(0), ")");
+    SPECDEC_CHECK(given[b * n] >= 0 && given[b * n] < embed.size(0), op, ": tokens[", b, ", 0] = ", given[b * n],
+                  " is outside the embedding's [0, ", embed.size(0), ")");
 }
 
 // eagle_chain (EAGLE-3's greedy chain): the layer's q, k, v read 2d wide ([embedding; features]), its
@@ -511,18 +511,18 @@ inline void check_eagle_chain(const at::Tensor& tokens, int64_t steps, const at:
                               const LlamaModelView& model, at::TensorList eagle, c10::ArrayRef<double> eagle_scalars,
                               const RopeCache& state, const at::Tensor& start, at::TensorList feed) {
   constexpr const char* op = "eagle_chain";
-  TORCH_CHECK(model.layers.size() == 1, op, ": weights must hold one layer (the EAGLE-3 layer), got ",
-              model.layers.size());
-  TORCH_CHECK(eagle.size() == 2, op, ": eagle must hold [hidden_norm, target_ids], got ", eagle.size(), " tensors");
-  TORCH_CHECK(eagle_scalars.size() == 2, op, ": eagle_scalars must hold [hidden_norm_eps, norm_before_residual], got ",
-              eagle_scalars.size());
+  SPECDEC_CHECK(model.layers.size() == 1, op, ": weights must hold one layer (the EAGLE-3 layer), got ",
+                model.layers.size());
+  SPECDEC_CHECK(eagle.size() == 2, op, ": eagle must hold [hidden_norm, target_ids], got ", eagle.size(), " tensors");
+  SPECDEC_CHECK(eagle_scalars.size() == 2, op, ": eagle_scalars must hold [hidden_norm_eps, norm_before_residual], got ",
+                eagle_scalars.size());
   check_rank(op, "tokens", tokens, 2, "[B, n]");
   check_dtype(op, "tokens", tokens, {at::kLong});
   check_contiguous(op, "tokens", tokens);
   const int64_t B = tokens.size(0), n = tokens.size(1);
-  TORCH_CHECK(B > 0 && n > 0, op, ": tokens must hold at least one row and one column, got ",
-              shape_str(tokens.sizes()));
-  TORCH_CHECK(steps >= 1 && steps <= n, op, ": steps must be in [1, n] = [1, ", n, "], got ", steps);
+  SPECDEC_CHECK(B > 0 && n > 0, op, ": tokens must hold at least one row and one column, got ",
+                shape_str(tokens.sizes()));
+  SPECDEC_CHECK(steps >= 1 && steps <= n, op, ": steps must be in [1, n] = [1, ", n, "], got ", steps);
   check_rows_matrix(op, "last", last, "[B, d]", B, {at::kFloat}, tokens);
   const int64_t d = last.size(1);
   const at::Tensor& embed = model.embed;
@@ -543,67 +543,67 @@ inline void check_eagle_chain(const at::Tensor& tokens, int64_t steps, const at:
   check_index_column(op, "target_ids", target_ids, model.head.weight.size(0), "V_d (head dimension 0)");
   const int64_t* ids = target_ids.data_ptr<int64_t>();
   for (int64_t i = 0; i < target_ids.numel(); ++i)
-    TORCH_CHECK(ids[i] >= 0 && ids[i] < embed.size(0), op, ": target_ids[", i, "] = ", ids[i],
-                " is outside the embedding's [0, ", embed.size(0), ")");
+    SPECDEC_CHECK(ids[i] >= 0 && ids[i] < embed.size(0), op, ": target_ids[", i, "] = ", ids[i],
+                  " is outside the embedding's [0, ", embed.size(0), ")");
   const at::Tensor& k_cache = state.k_cache;
   check_rank(op, "k_cache", k_cache, 5, "[1, Bc, Hk, capacity, D]");
   check_size(op, "k_cache", k_cache, 0, 1, "one layer");
-  TORCH_CHECK(state.v_cache.sizes() == k_cache.sizes(), op, ": v_cache must have the shape of k_cache ",
-              shape_str(k_cache.sizes()), ", got ", shape_str(state.v_cache.sizes()));
-  TORCH_CHECK(k_cache.size(1) >= B, op, ": the cache holds ", k_cache.size(1), " rows, fewer than B = ", B);
+  SPECDEC_CHECK(state.v_cache.sizes() == k_cache.sizes(), op, ": v_cache must have the shape of k_cache ",
+                shape_str(k_cache.sizes()), ", got ", shape_str(state.v_cache.sizes()));
+  SPECDEC_CHECK(k_cache.size(1) >= B, op, ": the cache holds ", k_cache.size(1), " rows, fewer than B = ", B);
   // The layer's shapes, so that a wrong one fails here and not after tokens[:, 0] is written.
   const int64_t Hk = k_cache.size(2), D = k_cache.size(4);
-  TORCH_CHECK(D > 0 && Hk > 0 && w.q.weight.size(0) % (D * Hk) == 0, op, ": the q weight's ", w.q.weight.size(0),
-              " rows must be a multiple of Hk * D = ", Hk * D, " (k_cache dimensions 2 and 4)");
+  SPECDEC_CHECK(D > 0 && Hk > 0 && w.q.weight.size(0) % (D * Hk) == 0, op, ": the q weight's ", w.q.weight.size(0),
+                " rows must be a multiple of Hk * D = ", Hk * D, " (k_cache dimensions 2 and 4)");
   const int64_t HD = w.q.weight.size(0), I = w.gate.weight.size(0);
   for (const auto& [name, weight, rows, cols] :
        {std::tuple<const char*, const at::Tensor*, int64_t, int64_t>{"k", &w.k.weight, Hk * D, 2 * d},
         {"v", &w.v.weight, Hk * D, 2 * d}, {"o", &w.o.weight, d, HD}, {"up", &w.up.weight, I, d},
         {"gate", &w.gate.weight, I, d}, {"down", &w.down.weight, d, I}}) {
     check_rank(op, name, *weight, 2, "[N, K]");
-    TORCH_CHECK(weight->size(0) == rows && weight->size(1) == cols, op, ": ", name, " must have shape [", rows, ", ",
-                cols, "], got ", shape_str(weight->sizes()));
+    SPECDEC_CHECK(weight->size(0) == rows && weight->size(1) == cols, op, ": ", name, " must have shape [", rows, ", ",
+                  cols, "], got ", shape_str(weight->sizes()));
   }
-  TORCH_CHECK(state.cos.dim() == 2 && state.cos.size(1) == D / 2 && state.sin.sizes() == state.cos.sizes(), op,
-              ": rope must hold cos and sin of shape [P, D/2] = [P, ", D / 2, "], got ", shape_str(state.cos.sizes()),
-              " and ", shape_str(state.sin.sizes()));
+  SPECDEC_CHECK(state.cos.dim() == 2 && state.cos.size(1) == D / 2 && state.sin.sizes() == state.cos.sizes(), op,
+                ": rope must hold cos and sin of shape [P, D/2] = [P, ", D / 2, "], got ", shape_str(state.cos.sizes()),
+                " and ", shape_str(state.sin.sizes()));
   check_index_column(op, "start", start, B, "B (tokens dimension 0)");
-  TORCH_CHECK(feed.empty() || feed.size() == 3, op, ": feed must be empty or hold [tokens, features, counts], got ",
-              feed.size(), " tensors");
+  SPECDEC_CHECK(feed.empty() || feed.size() == 3, op, ": feed must be empty or hold [tokens, features, counts], got ",
+                feed.size(), " tensors");
   int64_t W = 0;
   const int64_t* counts = nullptr;
   if (!feed.empty()) {
     check_rows_matrix(op, "feed tokens", feed[0], "[B, W]", B, {at::kLong}, tokens);
     W = feed[0].size(1);
-    TORCH_CHECK(W > 0, op, ": the feed must hold at least one column, got ", shape_str(feed[0].sizes()));
+    SPECDEC_CHECK(W > 0, op, ": the feed must hold at least one column, got ", shape_str(feed[0].sizes()));
     const int64_t* fed = feed[0].data_ptr<int64_t>();
     for (int64_t i = 0; i < B * W; ++i)
-      TORCH_CHECK(fed[i] >= 0 && fed[i] < embed.size(0), op, ": feed tokens[", i / W, ", ", i % W, "] = ", fed[i],
-                  " is outside the embedding's [0, ", embed.size(0), ")");
+      SPECDEC_CHECK(fed[i] >= 0 && fed[i] < embed.size(0), op, ": feed tokens[", i / W, ", ", i % W, "] = ", fed[i],
+                    " is outside the embedding's [0, ", embed.size(0), ")");
     check_rank(op, "feed features", feed[1], 3, "[B, W, d]");
-    TORCH_CHECK(feed[1].size(0) == B && feed[1].size(1) == W && feed[1].size(2) == d, op,
-                ": feed features must have shape [B, W, d] = [", B, ", ", W, ", ", d, "], got ",
-                shape_str(feed[1].sizes()));
+    SPECDEC_CHECK(feed[1].size(0) == B && feed[1].size(1) == W && feed[1].size(2) == d, op,
+                  ": feed features must have shape [B, W, d] = [", B, ", ", W, ", ", d, "], got ",
+                  shape_str(feed[1].sizes()));
     check_dtype(op, "feed features", feed[1], {at::kFloat});
     check_contiguous(op, "feed features", feed[1]);
     check_index_column(op, "feed counts", feed[2], B, "B (tokens dimension 0)");
     counts = feed[2].data_ptr<int64_t>();
     for (int64_t b = 0; b < B; ++b)
-      TORCH_CHECK(counts[b] >= 0 && counts[b] <= W, op, ": feed counts[", b, "] = ", counts[b],
-                  " must be in [0, W] = [0, ", W, "]");
+      SPECDEC_CHECK(counts[b] >= 0 && counts[b] <= W, op, ": feed counts[", b, "] = ", counts[b],
+                    " must be in [0, W] = [0, ", W, "]");
   }
   // Every slot the feed and the chain write (start[b] .. start[b] + W - 1, then start[b] + count ..
   // start[b] + count + steps - 2) checked before the first pass.
   const int64_t limit = std::min(k_cache.size(3), state.cos.size(0));
   const int64_t* first = start.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(first[b] >= 0 && first[b] + W <= limit, op, ": start[", b, "] = ", first[b], " must be in [0, ",
-                limit - W, "] (the feed writes its W = ", W, " columns from start; the cache and the rotary tables "
-                "hold ", limit, ")");
+    SPECDEC_CHECK(first[b] >= 0 && first[b] + W <= limit, op, ": start[", b, "] = ", first[b], " must be in [0, ",
+                  limit - W, "] (the feed writes its W = ", W, " columns from start; the cache and the rotary tables "
+                  "hold ", limit, ")");
     const int64_t chain = first[b] + (counts == nullptr ? 0 : counts[b]);
-    TORCH_CHECK(chain + steps - 1 <= limit, op, ": start[", b, "] = ", chain, counts == nullptr ? "" :
-                " (with its feed count)", " must be in [0, ", limit - steps + 1, "] (the chain writes ", steps - 1,
-                " slots from start; the cache and the rotary tables hold ", limit, ")");
+    SPECDEC_CHECK(chain + steps - 1 <= limit, op, ": start[", b, "] = ", chain, counts == nullptr ? "" :
+                  " (with its feed count)", " must be in [0, ", limit - steps + 1, "] (the chain writes ", steps - 1,
+                  " slots from start; the cache and the rotary tables hold ", limit, ")");
   }
 }
 

@@ -73,17 +73,17 @@ void chain_verify_op(const at::Tensor& target_logits, const at::Tensor& draft_to
 inline void check_residual_probs(const at::Tensor& target_probs, const at::Tensor& draft_probs,
                                  const at::Tensor& out) {
   constexpr const char* op = "residual_probs";
-  TORCH_CHECK(target_probs.dim() >= 1, op, ": target_probs must have at least 1 dimension [..., V]");
-  TORCH_CHECK(target_probs.size(-1) >= 1, op, ": target_probs must have V >= 1");
+  SPECDEC_CHECK(target_probs.dim() >= 1, op, ": target_probs must have at least 1 dimension [..., V]");
+  SPECDEC_CHECK(target_probs.size(-1) >= 1, op, ": target_probs must have V >= 1");
   check_dtype(op, "target_probs", target_probs, {at::kFloat, at::kBFloat16, at::kHalf});
-  TORCH_CHECK(draft_probs.sizes() == target_probs.sizes(), op,
-              ": draft_probs must have the shape of target_probs ", shape_str(target_probs.sizes()),
-              ", got ", shape_str(draft_probs.sizes()));
-  TORCH_CHECK(draft_probs.scalar_type() == target_probs.scalar_type(), op,
-              ": draft_probs must have the dtype of target_probs (", target_probs.scalar_type(),
-              "), got ", draft_probs.scalar_type());
-  TORCH_CHECK(out.sizes() == target_probs.sizes(), op, ": out must have the shape of target_probs ",
-              shape_str(target_probs.sizes()), ", got ", shape_str(out.sizes()));
+  SPECDEC_CHECK(draft_probs.sizes() == target_probs.sizes(), op,
+                ": draft_probs must have the shape of target_probs ", shape_str(target_probs.sizes()),
+                ", got ", shape_str(draft_probs.sizes()));
+  SPECDEC_CHECK(draft_probs.scalar_type() == target_probs.scalar_type(), op,
+                ": draft_probs must have the dtype of target_probs (", target_probs.scalar_type(),
+                "), got ", draft_probs.scalar_type());
+  SPECDEC_CHECK(out.sizes() == target_probs.sizes(), op, ": out must have the shape of target_probs ",
+                shape_str(target_probs.sizes()), ", got ", shape_str(out.sizes()));
   check_dtype(op, "out", out, {at::kFloat});
   check_same_device(op, "draft_probs", draft_probs, target_probs, "target_probs");
   check_same_device(op, "out", out, target_probs, "target_probs");
@@ -128,16 +128,16 @@ inline void check_sample_filtered(const SampleFilteredArgs& a) {
   check_dtype(op, "logits", a.logits, {at::kFloat, at::kBFloat16, at::kHalf});
   check_contiguous(op, "logits", a.logits);
   const int64_t batch = a.logits.size(0), vocab = a.logits.size(1);
-  TORCH_CHECK(vocab >= 1, op, ": logits must have a vocabulary of at least 1 token");
+  SPECDEC_CHECK(vocab >= 1, op, ": logits must have a vocabulary of at least 1 token");
   check_sampling_args(op, batch, 1, a.sampling, a.logits, "logits");
   check_rank(op, "probs", a.probs, 2, "[B, V]");
   check_size(op, "probs", a.probs, 0, batch, "B");
   check_size(op, "probs", a.probs, 1, vocab, "V (the logits' vocabulary)");
   check_dtype(op, "probs", a.probs, {at::kFloat});
   check_same_device(op, "probs", a.probs, a.logits, "logits");
-  TORCH_CHECK(a.probs.stride(1) == 1 && (batch <= 1 || a.probs.stride(0) >= vocab), op,
-              ": probs must have unit stride along V and rows that do not overlap, got strides ",
-              shape_str(a.probs.strides()));
+  SPECDEC_CHECK(a.probs.stride(1) == 1 && (batch <= 1 || a.probs.stride(0) >= vocab), op,
+                ": probs must have unit stride along V and rows that do not overlap, got strides ",
+                shape_str(a.probs.strides()));
   check_output(op, "tokens", a.tokens, batch, -1, "", at::kLong, a.logits, "logits");
 }
 

@@ -5,6 +5,7 @@
 #include <c10/util/Optional.h>
 
 #include "common/op_views.h"
+#include "message.h"
 
 namespace specdec {
 
@@ -23,7 +24,7 @@ inline ElementType element_type(const at::Tensor& t) {
     case at::kBFloat16:
       return ElementType::kBFloat16;
     default:
-      TORCH_CHECK(false, "specdec_ext: no kernel for dtype ", t.scalar_type());
+      SPECDEC_CHECK(false, "specdec_ext: no kernel for dtype ", t.scalar_type());
   }
 }
 

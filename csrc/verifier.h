@@ -94,9 +94,9 @@ inline VerifierShape check_verifier(const VerifierNames& names, const VerifierAr
   check_dtype(op, "target_logits", a.target_logits, {at::kFloat, at::kBFloat16, at::kHalf});
   check_contiguous(op, "target_logits", a.target_logits);
   const VerifierShape shape{a.target_logits.size(0), a.target_logits.size(1) - 1, a.target_logits.size(2)};
-  TORCH_CHECK(shape.drafts >= 0, op, ": target_logits must have ", n, "+1 >= 1 positions, got shape ",
-              shape_str(a.target_logits.sizes()));
-  TORCH_CHECK(shape.vocab >= 1, op, ": target_logits must have a vocabulary of at least 1 token");
+  SPECDEC_CHECK(shape.drafts >= 0, op, ": target_logits must have ", n, "+1 >= 1 positions, got shape ",
+                shape_str(a.target_logits.sizes()));
+  SPECDEC_CHECK(shape.vocab >= 1, op, ": target_logits must have a vocabulary of at least 1 token");
 
   check_matrix(op, names.ids, a.token_ids, ("[B, " + n + "]").c_str(), shape.batch, "B", shape.drafts,
                (n + " (target_logits has " + n + "+1 positions)").c_str(), at::kLong, a.target_logits,

@@ -1,7 +1,7 @@
 """The small CUDA cases benchmarks/gpu_check.sh runs under compute-sanitizer (memcheck, racecheck,
 synccheck): every kernel of csrc/cuda through the branches that matter (greedy, sampling, T = inf,
 top-k / top-p, draft probabilities or none, two statistics chunks, every status code, trees, masks,
-the KV copies), at sizes the tools get through in seconds, each still checked against the CPU op by
+the KV copies, the drafter's sampled step, logits processing and its too-large error), at sizes the tools get through in seconds, each still checked against the CPU op by
 the helpers of the full CUDA tests. Inputs are made on the CPU and copied, so nearly every kernel
 launched is one of ours. Runs only where torch sees a CUDA device.
 """
@@ -12,6 +12,7 @@ import torch
 import test_cuda_ops as chain_cases
 import test_cuda_tree as tree_cases
 import test_kv_ops as kv_cases
+import test_process_logits as logits_cases
 from specdec_ext import ops
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -70,6 +71,20 @@ def test_residual_probs_and_philox_uniforms():
         torch.testing.assert_close(gpu, cpu, rtol=1e-5, atol=1e-9)
     seed, offset = torch.tensor([1, -5, 2**40]), torch.tensor([0, 7, 3])
     assert torch.equal(ops.philox_uniforms(seed.cuda(), offset.cuda(), 9).cpu(), ops.philox_uniforms(seed, offset, 9))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("vocab", [7, 8200], ids=["V7", "V8200"])
+def test_sample_filtered(dtype, vocab):
+    chain_cases.test_sample_filtered_matches_cpu(dtype, vocab)
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_process_logits(tree):
+    rng = np.random.default_rng(5)
+    logits_cases.assert_cuda_matches_cpu(logits_cases.make_case(rng, batch=3, n=6, vocab=77, tree=tree))
+    with pytest.raises(RuntimeError, match="too large for the CUDA kernel"):
+        logits_cases.run_op(logits_cases.make_case(rng, batch=1, n=513, vocab=10), device="cuda")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -30,7 +30,7 @@ Isa isa_or_throw() {
   try {
     return selected_isa();
   } catch (const std::exception& error) {
-    TORCH_CHECK(false, error.what());
+    SPECDEC_CHECK(false, error.what());
   }
 }
 
@@ -125,8 +125,8 @@ void check_index_range(const char* name, const at::Tensor& t, int64_t limit, con
                        const char* op = "rope_cache_write") {
   const int64_t* values = t.data_ptr<int64_t>();
   for (int64_t i = 0; i < t.numel(); ++i)
-    TORCH_CHECK(values[i] >= 0 && values[i] < limit, op, ": ", name, "[", i, "] = ", values[i],
-                " is outside [0, ", limit, ") (", what, ")");
+    SPECDEC_CHECK(values[i] >= 0 && values[i] < limit, op, ": ", name, "[", i, "] = ", values[i],
+                  " is outside [0, ", limit, ") (", what, ")");
 }
 
 void rope_cache_write(at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos,
@@ -157,11 +157,11 @@ void attend(Isa isa, const at::Tensor& q, const at::Tensor& k_cache, const at::T
   const int64_t* starts = start.data_ptr<int64_t>();
   int64_t longest = 0;
   for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(starts[b] >= 0 && starts[b] + T <= capacity, "cache_attention: start[", b, "] = ", starts[b],
-                " must be in [0, capacity - T] = [0, ", capacity - T, "] (the block's T = ", T,
-                " tokens sit at slots start .. start + T - 1)");
-    TORCH_CHECK(rows == nullptr || (rows[b] >= 0 && rows[b] < k_cache.size(0)), "cache_attention: the cache row of "
-                "batch row ", b, " is ", rows == nullptr ? b : rows[b], ", outside [0, ", k_cache.size(0), ")");
+    SPECDEC_CHECK(starts[b] >= 0 && starts[b] + T <= capacity, "cache_attention: start[", b, "] = ", starts[b],
+                  " must be in [0, capacity - T] = [0, ", capacity - T, "] (the block's T = ", T,
+                  " tokens sit at slots start .. start + T - 1)");
+    SPECDEC_CHECK(rows == nullptr || (rows[b] >= 0 && rows[b] < k_cache.size(0)), "cache_attention: the cache row of "
+                  "batch row ", b, " is ", rows == nullptr ? b : rows[b], ", outside [0, ", k_cache.size(0), ")");
     longest = std::max(longest, starts[b]);
   }
   if (q.numel() == 0) return;
@@ -247,8 +247,8 @@ void decoder_layers_on(at::Tensor& x, const LlamaModelView& model, bool bf16_act
   check_index_range("cache_positions", pass.cache_positions, k_cache.size(3), "k_cache dimension 3", op);
   const int64_t* starts = pass.start.data_ptr<int64_t>();
   for (int64_t b = 0; b < s.batch; ++b)
-    TORCH_CHECK(starts[b] >= 0 && starts[b] + s.tokens <= k_cache.size(3), op, ": start[", b, "] = ", starts[b],
-                " must be in [0, capacity - T] = [0, ", k_cache.size(3) - s.tokens, "]");
+    SPECDEC_CHECK(starts[b] >= 0 && starts[b] + s.tokens <= k_cache.size(3), op, ": start[", b, "] = ", starts[b],
+                  " must be in [0, capacity - T] = [0, ", k_cache.size(3) - s.tokens, "]");
   std::vector<int64_t> rows(s.batch);
   for (int64_t b = 0; b < s.batch; ++b) rows[b] = pass.cache_rows.data_ptr<int64_t>()[b * s.tokens];
   const Isa isa = isa_or_throw();
@@ -316,8 +316,8 @@ void argmax_rows(const at::Tensor& logits, int64_t vocab_limit, bool check_logit
   const int64_t B = logits.size(0), V = logits.size(1);
   for (int64_t b = 0; b < B; ++b) {
     const float* row = logits.data_ptr<float>() + b * V;
-    TORCH_CHECK_VALUE(!check_logits || logits_valid(row, vocab_limit), "greedy_chain: target_logits: row ", b,
-                      " has a NaN or +inf logit (or every logit is -inf) at chain step ", step);
+    SPECDEC_CHECK_VALUE(!check_logits || logits_valid(row, vocab_limit), "greedy_chain: target_logits: row ", b,
+                        " has a NaN or +inf logit (or every logit is -inf) at chain step ", step);
     token[b * n + column] = argmax_row(row, vocab_limit);
   }
 }

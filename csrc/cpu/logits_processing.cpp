@@ -39,8 +39,8 @@ ProcessLogitsView check_process_logits(const ProcessLogitsArgs& a) {
   check_dtype(kOp, "logits", logits, {at::kFloat, at::kBFloat16, at::kHalf});
   check_contiguous(kOp, "logits", logits);
   const int64_t batch = logits.size(0), positions = logits.size(1), vocab = logits.size(2);
-  TORCH_CHECK(positions >= 1, kOp, ": logits must have P >= 1 positions, got shape ", shape_str(logits.sizes()));
-  TORCH_CHECK(vocab >= 1, kOp, ": logits must have a vocabulary of at least 1 token");
+  SPECDEC_CHECK(positions >= 1, kOp, ": logits must have P >= 1 positions, got shape ", shape_str(logits.sizes()));
+  SPECDEC_CHECK(vocab >= 1, kOp, ": logits must have a vocabulary of at least 1 token");
   const int64_t drafts = positions - 1;
   const int64_t words = (vocab + 31) / 32;
   check_matrix(kOp, "draft_tokens", a.draft_tokens, "[B, n]", batch, "B", drafts,
@@ -97,18 +97,18 @@ ProcessLogitsView check_process_logits(const ProcessLogitsArgs& a) {
 
 void raise_process_logits_value_errors(uint32_t errors, const ProcessLogitsView& v) {
   if (errors == 0) return;
-  TORCH_CHECK(!(errors & kErrorNumDraft), kOp, ": num_draft must hold values in [0, n] = [0, ", v.drafts,
-              "] (logits has n+1 positions)");
-  TORCH_CHECK(!(errors & kErrorDraftTokens), kOp, ": draft_tokens must hold token ids in [0, V) = [0, ", v.vocab,
+  SPECDEC_CHECK(!(errors & kErrorNumDraft), kOp, ": num_draft must hold values in [0, n] = [0, ", v.drafts,
+                "] (logits has n+1 positions)");
+  SPECDEC_CHECK(!(errors & kErrorDraftTokens), kOp, ": draft_tokens must hold token ids in [0, V) = [0, ", v.vocab,
               ") at every used position (i < num_draft[b])");
-  TORCH_CHECK(!(errors & kErrorParents), kOp,
-              ": parents must describe a tree in topological order: -1 <= parents[b, i] < i for every used node "
-              "(i < num_draft[b])");
-  TORCH_CHECK(!(errors & kErrorRepetitionPenalty), kOp, ": repetition_penalty must be finite and > 0");
-  TORCH_CHECK(!(errors & kErrorMinP), kOp, ": min_p must lie in [0, 1]");
-  TORCH_CHECK(!(errors & kErrorPresencePenalty), kOp, ": presence_penalty must be finite");
-  TORCH_CHECK(!(errors & kErrorFrequencyPenalty), kOp, ": frequency_penalty must be finite");
-  TORCH_CHECK(false, kOp, ": invalid values (error bits ", errors, ")");
+  SPECDEC_CHECK(!(errors & kErrorParents), kOp,
+                ": parents must describe a tree in topological order: -1 <= parents[b, i] < i for every used node "
+                "(i < num_draft[b])");
+  SPECDEC_CHECK(!(errors & kErrorRepetitionPenalty), kOp, ": repetition_penalty must be finite and > 0");
+  SPECDEC_CHECK(!(errors & kErrorMinP), kOp, ": min_p must lie in [0, 1]");
+  SPECDEC_CHECK(!(errors & kErrorPresencePenalty), kOp, ": presence_penalty must be finite");
+  SPECDEC_CHECK(!(errors & kErrorFrequencyPenalty), kOp, ": frequency_penalty must be finite");
+  SPECDEC_CHECK(false, kOp, ": invalid values (error bits ", errors, ")");
 }
 
 namespace cpu {

@@ -22,8 +22,8 @@ namespace specdec::cuda {
 namespace {
 
 void process_logits(const ProcessLogitsArgs& args, const ProcessLogitsView& view) {
-  TORCH_CHECK(process_logits_fits(view), "process_logits: logits of shape ", shape_str(args.logits.sizes()),
-              " is too large for the CUDA kernel (it takes at most n = ", kMaxProcessDrafts, " drafts: P = n + 1 positions)");
+  SPECDEC_CHECK(process_logits_fits(view), "process_logits: logits of shape ", shape_str(args.logits.sizes()),
+                " is too large for the CUDA kernel (it takes at most n = ", kMaxProcessDrafts, " drafts: P = n + 1 positions)");
   const c10::cuda::CUDAGuard guard(args.logits.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   if (c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None) {

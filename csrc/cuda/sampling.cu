@@ -19,8 +19,8 @@ namespace {
 
 void chain_verify(const ChainVerifyArgs& args) {
   const ChainVerifyView view = verifier_view(args);
-  TORCH_CHECK(chain_verify_fits(view), "chain_verify: target_logits is too large for the CUDA kernels (shape ",
-              shape_str(args.target_logits.sizes()), ")");
+  SPECDEC_CHECK(chain_verify_fits(view), "chain_verify: target_logits is too large for the CUDA kernels (shape ",
+                shape_str(args.target_logits.sizes()), ")");
   const c10::cuda::CUDAGuard guard(args.target_logits.device());
   // The per-chunk statistics come from the caching allocator (a graph's private pool under capture),
   // ordered on the current stream.
@@ -32,8 +32,8 @@ void chain_verify(const ChainVerifyArgs& args) {
 
 void sample_filtered(const SampleFilteredArgs& args) {
   const SampleFilteredView view = sample_filtered_view(args);
-  TORCH_CHECK(view.batch <= INT32_MAX && view.vocab < INT32_MAX,
-              "sample_filtered: logits is too large for the CUDA kernel (shape ", shape_str(args.logits.sizes()), ")");
+  SPECDEC_CHECK(view.batch <= INT32_MAX && view.vocab < INT32_MAX,
+                "sample_filtered: logits is too large for the CUDA kernel (shape ", shape_str(args.logits.sizes()), ")");
   const c10::cuda::CUDAGuard guard(args.logits.device());
   launch_sample_filtered(view, c10::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -41,7 +41,7 @@ void sample_filtered(const SampleFilteredArgs& args) {
 
 void residual_probs(const at::Tensor& target_probs, const at::Tensor& draft_probs, at::Tensor& out) {
   const ResidualProbsView view = residual_probs_view(target_probs, draft_probs, out);
-  TORCH_CHECK(view.rows <= INT32_MAX, "residual_probs: too many rows for the CUDA kernel (", view.rows, ")");
+  SPECDEC_CHECK(view.rows <= INT32_MAX, "residual_probs: too many rows for the CUDA kernel (", view.rows, ")");
   const c10::cuda::CUDAGuard guard(target_probs.device());
   launch_residual_probs(view, c10::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -49,8 +49,8 @@ void residual_probs(const at::Tensor& target_probs, const at::Tensor& draft_prob
 
 void philox_uniforms(const at::Tensor& seed, const at::Tensor& offset, at::Tensor& out) {
   const PhiloxUniformsView view = philox_uniforms_view(seed, offset, out);
-  TORCH_CHECK(philox_blocks(view) <= INT32_MAX, "philox_uniforms: too many draws for the CUDA kernel (",
-              view.rows * view.columns, ")");
+  SPECDEC_CHECK(philox_blocks(view) <= INT32_MAX, "philox_uniforms: too many draws for the CUDA kernel (",
+                view.rows * view.columns, ")");
   const c10::cuda::CUDAGuard guard(out.device());
   launch_philox_uniforms(view, c10::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();

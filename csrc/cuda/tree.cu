@@ -21,7 +21,7 @@ namespace {
 void build_tree_mask(const at::Tensor& parents, const std::optional<at::Tensor>& num_nodes, at::Tensor& mask,
                      at::Tensor& depth) {
   const TreeMaskView view = tree_mask_view(parents, num_nodes, mask, depth);
-  TORCH_CHECK(view.batch <= INT32_MAX, "build_tree_mask: too many rows for the CUDA kernel (", view.batch, ")");
+  SPECDEC_CHECK(view.batch <= INT32_MAX, "build_tree_mask: too many rows for the CUDA kernel (", view.batch, ")");
   const c10::cuda::CUDAGuard guard(parents.device());
   launch_build_tree_mask(view, c10::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -30,13 +30,13 @@ void build_tree_mask(const at::Tensor& parents, const std::optional<at::Tensor>&
 void tree_verify(const TreeVerifyArgs& args) {
   const at::Tensor& logits = args.verifier.target_logits;
   const TreeVerifyView view = tree_verify_view(args);
-  TORCH_CHECK(tree_verify_fits(view), "tree_verify: target_logits is too large for the CUDA kernel (shape ",
-              shape_str(logits.sizes()), ")");
+  SPECDEC_CHECK(tree_verify_fits(view), "tree_verify: target_logits is too large for the CUDA kernel (shape ",
+                shape_str(logits.sizes()), ")");
   const c10::cuda::CUDAGuard guard(logits.device());
   const at::Tensor workspace = at::empty({TreeWorkspace(view).floats(view)}, logits.options().dtype(at::kFloat));
   float* ws = workspace.data_ptr<float>();
-  TORCH_CHECK(reinterpret_cast<uintptr_t>(ws) % kTreeWorkspaceAlignBytes == 0,
-              "tree_verify: the workspace is not 32-byte aligned");
+  SPECDEC_CHECK(reinterpret_cast<uintptr_t>(ws) % kTreeWorkspaceAlignBytes == 0,
+                "tree_verify: the workspace is not 32-byte aligned");
   launch_tree_verify(view, ws, c10::cuda::getCurrentCUDAStream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
