@@ -20,13 +20,18 @@
 #   6. tp       with two GPUs or more: bench_tp.py --tp 1,2 (tensor-parallel target, plain vs speculative;
 #               into tpot.log); skipped on one GPU
 #
+# Run order (what a short lease should measure first): env, build, tests, memcheck, bench_tpot, the kernel
+# benchmarks, bench_serve, bench_eagle, bench_tree_decode, racecheck, synccheck, tp.
+#
 # Every phase runs under `timeout`, clamped to what is left of a total budget (GPU_CHECK_BUDGET, default
 # 510 s), so one hang cannot eat the lease; a phase whose prerequisite failed is skipped; the summary
 # table is printed (and written) whatever happened. Logs: $OUT (the device tool collects it) or
 # /tmp/specdec_gpu_check; eight files (env, build, tests, tpot, bench_sampling, bench_tree, bench_kv logs and summary.md: the
 # device tool brings back 8 at most).
 #
-#   bash benchmarks/gpu_check.sh            # through the device tool: run(command="bash benchmarks/gpu_check.sh")
+#   bash tools/gpu_wheels.sh                # here, once: the wheels the machine's image lacks, into .whl/
+#   bash benchmarks/gpu_check.sh            # through the device tool: run(command="bash benchmarks/gpu_check.sh",
+#                                           #   carry=[".whl"])
 #
 # Tests and benchmarks run from a scratch directory so that `import specdec_ext` finds the installed
 # package (with its compiled _C), not the source tree. pytest is used when importable; otherwise the
@@ -41,6 +46,11 @@ PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-16}"
 export CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 SCRATCH="$(mktemp -d)"
+# The wheels tools/gpu_wheels.sh downloads for packages the machine's image lacks (carry .whl).
+if compgen -G "$REPO/.whl/*.whl" >/dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SCRATCH/site" \
+    "$REPO"/.whl/*.whl && export PYTHONPATH="$SCRATCH/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 SUMMARY=()
 FAILED_LOGS=()
 declare -A STATUS
@@ -104,24 +114,30 @@ fi
 # 3b. compute-sanitizer ----------------------------------------------------------------------------
 # Each tool runs the small cases in a fresh process; its "ERROR SUMMARY" (and racecheck's hazard summary)
 # lines are what the summary reports. Output goes to tests.log: the device tool brings back 8 files.
+# memcheck runs right after the tests; racecheck and synccheck last, so that a short lease spends its
+# time on the benchmarks first.
 SANITIZER_TOOLS=(memcheck racecheck synccheck)
 SANITIZER="$(command -v compute-sanitizer || echo "$CUDA_HOME/bin/compute-sanitizer")"
-if [ "${GPU_CHECK_SANITIZERS:-1}" = "0" ]; then
-  skip sanitizers "GPU_CHECK_SANITIZERS=0"
-elif [ "$BUILT" != "ok" ]; then
-  skip sanitizers "build $BUILT"
-elif [ ! -x "$SANITIZER" ]; then
-  skip sanitizers "compute-sanitizer not found (PATH, \$CUDA_HOME/bin)"
-elif ! $PY -c "import pytest" 2>/dev/null; then
-  skip sanitizers "pytest is not installed"
-else
-  for tool in "${SANITIZER_TOOLS[@]}"; do
-    cap=50
-    [ "$tool" = racecheck ] && cap=70
-    phase "$tool" "$cap" tests.log "$SANITIZER" --tool "$tool" --error-exitcode 3 \
-      "$PY" -m pytest -q -p no:cacheprovider -x "$REPO/python_tests/test_cuda_sanitizer_cases.py"
+sanitize() {  # sanitize TOOL...
+  local tool cap
+  for tool in "$@"; do
+    if [ "${GPU_CHECK_SANITIZERS:-1}" = "0" ]; then
+      skip "$tool" "GPU_CHECK_SANITIZERS=0"
+    elif [ "$BUILT" != "ok" ]; then
+      skip "$tool" "build $BUILT"
+    elif [ ! -x "$SANITIZER" ]; then
+      skip "$tool" "compute-sanitizer not found (PATH, \$CUDA_HOME/bin)"
+    elif ! $PY -c "import pytest" 2>/dev/null; then
+      skip "$tool" "pytest is not installed"
+    else
+      cap=50
+      [ "$tool" = racecheck ] && cap=70
+      phase "$tool" "$cap" tests.log "$SANITIZER" --tool "$tool" --error-exitcode 3 \
+        "$PY" -m pytest -q -p no:cacheprovider -x "$REPO/python_tests/test_cuda_sanitizer_cases.py"
+    fi
   done
-fi
+}
+sanitize memcheck
 
 # The counts one tool's run printed into tests.log (between its phase's header and result lines).
 sanitizer_counts() {
@@ -137,11 +153,16 @@ sanitizer_counts() {
   fi
 }
 
-# 4. TPOT -------------------------------------------------------------------------------------------
+# 4. TPOT, then 5. the kernel benchmarks, then the rest of 4 ------------------------------------------
+# (ordered by what a short lease should measure first: the decode loop's TPOT, then the kernels)
 if [ "$BUILT" != "ok" ]; then
   skip tpot "build $BUILT"
+  skip kernels "build $BUILT"
 else
   phase tpot 170 tpot.log "$PY" "$REPO/benchmarks/bench_tpot.py" --device cuda
+  phase bench_sampling 60 bench_sampling.log "$PY" "$REPO/benchmarks/bench_sampling.py" --device cuda --quick
+  phase bench_kv 60 bench_kv.log "$PY" "$REPO/benchmarks/bench_kv.py" --device cuda --quick
+  phase bench_tree 45 bench_tree.log "$PY" "$REPO/benchmarks/bench_tree.py" --device cuda --nodes 8 32 --batch 1 16 --repeats 10
   phase serve 100 tpot.log "$PY" "$REPO/benchmarks/bench_serve.py" --device cuda --clients 1,32 \
     --modes speculative,plain --repeats 1 --requests-per-client 2
   phase eagle 70 tpot.log "$PY" "$REPO/benchmarks/bench_eagle.py" --device cuda --prompts 2 --max-new-tokens 64 \
@@ -150,14 +171,7 @@ else
     --temperatures 0,1 --repeats 1 --max-new-tokens 48 --prompts 2
 fi
 
-# 5. kernel benchmarks --------------------------------------------------------------------------------
-if [ "$BUILT" != "ok" ]; then
-  skip kernels "build $BUILT"
-else
-  phase bench_sampling 60 bench_sampling.log "$PY" "$REPO/benchmarks/bench_sampling.py" --device cuda --quick
-  phase bench_tree 45 bench_tree.log "$PY" "$REPO/benchmarks/bench_tree.py" --device cuda --nodes 8 32 --batch 1 16 --repeats 10
-  phase bench_kv 60 bench_kv.log "$PY" "$REPO/benchmarks/bench_kv.py" --device cuda --quick
-fi
+sanitize racecheck synccheck
 
 # 6. tensor parallelism (a machine with two GPUs or more) ---------------------------------------------
 GPUS="$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)"
