@@ -5,7 +5,9 @@ and status codes) and the accepted tokens must match exactly, philox_uniforms bi
 allowance is the recovered/bonus token: both backends sum fp32 weights, the CPU sequentially and
 the GPU as a tree, so when u * mass lies within rounding of a CDF step they may pick neighbouring
 tokens. A differing token is accepted only if it lies between the CPU's picks for u - DELTA and
-u + DELTA (inverse CDF is monotone in u), checked with explicit uniforms.
+u + DELTA (inverse CDF is monotone in u), checked with explicit uniforms. sample_filtered's probabilities
+have the same kind of allowance: a top-p row whose target lies within TOP_P_ROUNDING of a step of the
+cumulative mass (reference.top_p_margin) may end its nucleus a level apart.
 """
 import pytest
 import torch
@@ -348,8 +350,9 @@ def test_sample_filtered_matches_cpu(dtype, vocab):
 
 
 def test_bad_shapes_on_cuda_name_their_sizes():
-    """The argument checks of CUDA calls raise with the sizes in the message (formatted by the host
-    compiler: on an H200 build, an integer formatted inside an nvcc-compiled function crashed)."""
+    """The argument checks of CUDA calls raise with the sizes in the message (assembled without an
+    iostream, csrc/message.h: on the H200 build an integer streamed into a TORCH_CHECK message crashed
+    the process)."""
     logits = torch.zeros(2, 5, device="cuda")
     tokens = torch.empty(2, dtype=torch.int64, device="cuda")
     with pytest.raises(RuntimeError, match=r"sample_filtered: probs dimension 1 must be .* = 5, got shape \[2, 4\]"):

@@ -1,8 +1,9 @@
 """The small CUDA cases benchmarks/gpu_check.sh runs under compute-sanitizer (memcheck, racecheck,
 synccheck): every kernel of csrc/cuda through the branches that matter (greedy, sampling, T = inf,
 top-k / top-p, draft probabilities or none, two statistics chunks, every status code, trees, masks,
-the KV copies, the drafter's sampled step, logits processing and its too-large error), at sizes the tools get through in seconds, each still checked against the CPU op by
-the helpers of the full CUDA tests. Inputs are made on the CPU and copied, so nearly every kernel
+the KV copies, the drafter's sampled step, logits processing and its too-large error), at sizes the
+tools get through in seconds, each still checked against the CPU op by the helpers of the full CUDA
+tests. Inputs are made on the CPU and copied, so nearly every kernel
 launched is one of ours. Runs only where torch sees a CUDA device.
 """
 import numpy as np
