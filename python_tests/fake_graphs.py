@@ -57,7 +57,9 @@ class FakeBackend:
     def __init__(self, fail_capture: bool = False):
         self.fail_capture = fail_capture
         self.events = []
-        self.traces = {}  # id(graph) -> the trace of its first replay
+        # id(graph) -> (graph, the trace of its first replay); the graph is held so that its id is never
+        # reused by a later graph (a freed k = 3 step's id given to a k = 4 one failed a test at random)
+        self.traces = {}
 
     def warmup(self, fn):
         self.events.append("warmup")
@@ -74,7 +76,7 @@ class FakeBackend:
         trace = []
         with NoHostSync(trace):
             graph()
-        first = self.traces.setdefault(id(graph), trace)
+        first = self.traces.setdefault(id(graph), (graph, trace))[1]
         if trace != first:
             at = next((i for i, (a, b) in enumerate(zip(first, trace)) if a != b), min(len(first), len(trace)))
             raise AssertionError(f"a replay of {getattr(graph, '__qualname__', graph)} ran other calls than its "
