@@ -40,6 +40,18 @@ def philox_uniforms(seeds, offsets, num_draws: int) -> np.ndarray:
 GREEDY_TEMPERATURE = 1e-5  # csrc/common/sampling_math.h: kGreedyTemperature
 
 
+def temperature_weights(logits: np.ndarray, temperature: float) -> np.ndarray:
+    """exp((logits - max) / T), float64; weight 0 where that is NaN (a -inf logit at T = inf)."""
+    with np.errstate(invalid="ignore"):
+        scaled = (logits - logits.max()) / temperature
+    return np.where(np.isnan(scaled), 0.0, np.exp(np.where(np.isnan(scaled), 0.0, scaled)))
+
+
+def top_k_threshold(logits: np.ndarray, top_k: int) -> float:
+    """The k-th largest logit (every logit tied with it kept); -inf when top-k is off (0 or k >= V)."""
+    return np.sort(logits)[::-1][top_k - 1] if 0 < top_k < logits.shape[-1] else -np.inf
+
+
 def filtered_probs(logits, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
     """softmax(logits / T) filtered by top-k then top-p and renormalised.
 
@@ -54,12 +66,8 @@ def filtered_probs(logits, temperature: float, top_k: int = 0, top_p: float = 1.
         p = np.zeros(vocab)
         p[int(np.argmax(logits))] = 1.0
         return p
-    with np.errstate(invalid="ignore"):
-        scaled = (logits - logits.max()) / temperature
-    weights = np.where(np.isnan(scaled), 0.0, np.exp(np.where(np.isnan(scaled), 0.0, scaled)))
-    threshold = -np.inf
-    if 0 < top_k < vocab:
-        threshold = np.sort(logits)[::-1][top_k - 1]
+    weights = temperature_weights(logits, temperature)
+    threshold = top_k_threshold(logits, top_k)
     if top_p < 1.0:
         kept = logits >= threshold
         order = np.argsort(-logits, kind="stable")
@@ -82,12 +90,9 @@ def top_p_margin(logits, temperature: float, top_k: int = 0, top_p: float = 1.0)
     if not (top_p < 1.0 and temperature >= GREEDY_TEMPERATURE):
         return float("inf")
     logits = np.asarray(logits, dtype=np.float64)
-    with np.errstate(invalid="ignore"):
-        scaled = (logits - logits.max()) / temperature
-    weights = np.where(np.isnan(scaled), 0.0, np.exp(np.where(np.isnan(scaled), 0.0, scaled)))
-    if 0 < top_k < logits.shape[-1]:
-        keep = logits >= np.sort(logits)[::-1][top_k - 1]
-        logits, weights = logits[keep], weights[keep]
+    weights = temperature_weights(logits, temperature)
+    keep = logits >= top_k_threshold(logits, top_k)
+    logits, weights = logits[keep], weights[keep]
     levels, inverse = np.unique(-logits, return_inverse=True)  # ascending -logit: largest logit first
     cumulative = np.cumsum(np.bincount(inverse, weights=weights, minlength=len(levels)))
     total = cumulative[-1]
