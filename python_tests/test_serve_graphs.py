@@ -215,6 +215,32 @@ def test_draft_lengths_by_load_replay_one_capture_per_length(pair):
     _pools_are_free(batcher)
 
 
+def test_a_device_step_reserves_the_pages_of_its_own_draft_length(pair):
+    """Under graphs each step reserves what its draft length can write, not the server's k_max: the target
+    k + 1 positions per row, the draft model's runner nothing on a plain step (it does not run; its
+    reserve and the read-back after it were a speculative server's extra host work with every step
+    plain), and k drafts on a drafting step."""
+    batcher = _batcher(pair, "cpu", graphs=True, backend=FakeBackend(), draft_length=ScriptedK())
+    reserved = []
+    target_reserve, draft_reserve = batcher.target.reserve_step, batcher.drafter.reserve_step
+    batcher.target.reserve_step = lambda width, tokens: reserved.append(("target", tokens)) or target_reserve(width, tokens)
+    batcher.drafter.reserve_step = lambda width, drafts: reserved.append(("draft", drafts)) or draft_reserve(width, drafts)
+    logged, step = [], batcher.step
+
+    def logging_step():
+        reserved.clear()
+        step()
+        if reserved:
+            logged.append((batcher.step_log[-1].k, list(reserved)))
+
+    batcher.step = logging_step
+    _run(batcher)
+    assert {k for k, _ in logged} == {0, 1, 2, 3}
+    for k, calls in logged:
+        assert calls == ([("target", k + 1), ("draft", k)] if k else [("target", 1)]), (k, calls)
+    _pools_are_free(batcher)
+
+
 def test_measured_draft_lengths_under_graphs_keep_greedy_tokens(pair):
     """The real controller under graphs (its calibration runs every captured length, then it chooses from
     measured costs): greedy tokens equal the fixed-k eager batcher's, and seeded sampled rows draft the

@@ -21,7 +21,6 @@ from specdec_ext.models import Models
 from specdec_ext.runners import LeanLlamaRunner, RecomputeRunner
 from specdec_ext.sampling import SamplingParams
 from specdec_ext.serve import draft_length
-from specdec_ext.serve.batcher import FREE_SLOT_TOKEN
 from specdec_ext.serve.build import EngineOptions, build_engine
 from specdec_ext.serve.draft_length import (CATCH_UP_HORIZON, EXPLORE, EXPLORE_EVERY, EXPLORE_OVERHEAD, HOLD_STEPS,
                                            MEASURED, PASS_FLOOR_MARGIN, PINNED, REFRESH, STALE_STEPS, CostCurve,
@@ -466,11 +465,11 @@ def _scripted_run(pair, ks, *, deferrable=True):
 
 
 def test_rows_joining_while_speculation_is_off_get_their_draft_prefill_when_a_step_drafts(pair):
-    """While k by load has speculation off, a joining row's draft prefill waits (the drafter holds a
-    one-token stand-in, the controller is told the tokens it owes); the first step that drafts gives the
+    """While k by load has speculation off, a joining row's draft prefill waits (the drafter holds the row
+    without its tokens, the controller is told the tokens it owes); the first step that drafts gives the
     drafter the rows' committed tokens first: the tokens equal plain greedy decoding and the drafts are
     accepted exactly as those of a drafter prefilled at the join (without the start the step fails:
-    the stand-in cannot feed the tokens it missed)."""
+    a held row cannot feed the tokens it missed)."""
     got, owed, steps = _scripted_run(pair, [0] * 6)
     for prompt, tokens in zip(PROMPTS[:2], got):
         want = plain_generate([prompt], pair[0], max_new_tokens=40, eos_token_id=False, tokenizer=pair[2])
@@ -481,23 +480,29 @@ def test_rows_joining_while_speculation_is_off_get_their_draft_prefill_when_a_st
     assert (steps.reached, steps.accepted) == (reference.reached, reference.accepted) and steps.accepted[0] > 0
 
 
-def test_a_row_joining_while_off_keeps_its_chunked_prefill_stand_in(pair):
-    """Chunked prefill gives the drafter a one-token stand-in for a joining row; where the row's draft
-    prefill is deferred (speculation off), the drafter keeps that stand-in until the first step that
-    drafts, instead of replacing it by another (each one is a draft forward): one stand-in and one real
-    start per row, and the tokens are still plain greedy decoding's."""
+def test_a_row_joining_while_off_is_held_by_the_drafter_without_a_draft_forward(pair):
+    """Chunked prefill has the drafter hold a joining row (hold_rows: the draft runner spans it, no draft
+    forward); where the row's draft prefill is deferred (speculation off), the drafter keeps holding it
+    until the first step that drafts, which starts it with its committed tokens: one hold and one real
+    start per row, no one-token stand-in prompt (each was a draft forward), and the tokens are still
+    plain greedy decoding's."""
     tokenizer = pair[2]
     engine = _engine(pair, max_rows=2)
     batcher, controller = engine.batcher, engine.batcher.draft_length
     assert batcher.prefill_chunk > 0
-    starts = []
-    start_rows = batcher.drafter.start_rows
+    calls = []
+    drafter = batcher.drafter
+    start_rows, hold_rows = drafter.start_rows, drafter.hold_rows
 
-    def counted(rows, prompts, meta):
-        starts.extend("stand-in" if list(p) == [FREE_SLOT_TOKEN] else "prompt" for p in prompts)
+    def counted_start(rows, prompts, meta):
+        calls.extend("stand-in" if len(p) == 1 else "prompt" for p in prompts)
         return start_rows(rows, prompts, meta)
 
-    batcher.drafter.start_rows = counted
+    def counted_hold(rows, meta):
+        calls.extend("hold" for _ in rows)
+        return hold_rows(rows, meta)
+
+    drafter.start_rows, drafter.hold_rows = counted_start, counted_hold
     scripted = iter([0] * 6 + [3] * 200)
 
     def scripted_choose(width, running, seeded, **_):
@@ -507,7 +512,7 @@ def test_a_row_joining_while_off_keeps_its_chunked_prefill_stand_in(pair):
 
     controller.choose = scripted_choose
     got = _run(engine, [_request(tokenizer, p, max_new=30) for p in PROMPTS[:2]])
-    assert sorted(starts) == ["prompt", "prompt", "stand-in", "stand-in"], starts
+    assert sorted(calls) == ["hold", "hold", "prompt", "prompt"], calls
     for prompt, tokens in zip(PROMPTS[:2], got):
         want = plain_generate([prompt], pair[0], max_new_tokens=30, eos_token_id=False, tokenizer=tokenizer)
         assert tokens == want.token_ids[0], prompt

@@ -102,6 +102,43 @@ def test_free_rows_shrinks_the_batch_and_the_slot_is_reusable(model, kind):
 
 
 @pytest.mark.parametrize("kind", RUNNERS)
+def test_hold_rows_spans_rows_as_free_ones_without_a_forward(model, kind):
+    """hold_rows (a drafter's placeholder for a row it starts later): the rows count as in use, so the
+    batch spans them, with empty caches like a free row inside the width, and nothing runs the model; the
+    other rows' logits are unchanged, and a held row is freed and started as any other."""
+    runner, alone = _runner(kind, model), _runner(kind, model)
+    runner.start_rows([0], [PROMPTS[0]])
+    alone.start_rows([0], [PROMPTS[0]])
+    forwards = ("_prefill", "_last_logits", "_model", "_run")
+    saved = {name: getattr(runner, name) for name in forwards if hasattr(runner, name)}
+
+    def no_forward(*args, **kwargs):
+        raise AssertionError("hold_rows ran the model")
+
+    for name in saved:
+        setattr(runner, name, no_forward)
+    runner.hold_rows([3, 2])
+    for name, fn in saved.items():
+        setattr(runner, name, fn)
+    assert runner.batch_size == 4 and runner.lengths.tolist() == [3, 0, 0, 0]
+    with pytest.raises(ValueError, match="row 2 is in use"):
+        runner.start_rows([2], [PROMPTS[1]])
+    with pytest.raises(ValueError, match="row 0 is in use"):
+        runner.hold_rows([0])
+    step = torch.tensor([[7], [0], [0], [0]])
+    held = runner.forward(step, torch.tensor([1, 0, 1, 1]))  # held rows forward their token, as free ones do
+    torch.testing.assert_close(held[0], alone.forward(step[:1], torch.tensor([1]))[0], rtol=1e-5, atol=1e-5)
+    runner.commit(torch.tensor([1, 0, 0, 0]))
+    runner.free_rows([3])
+    assert runner.batch_size == 3
+    torch.testing.assert_close(runner.start_rows([3], [PROMPTS[3]]), _runner(kind, model).start([PROMPTS[3]]),
+                               rtol=1e-5, atol=1e-5)
+    runner.free_rows([2])
+    torch.testing.assert_close(runner.start_rows([2], [PROMPTS[2]]), _runner(kind, model).start([PROMPTS[2]]),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", RUNNERS)
 def test_row_errors_name_the_row(model, kind):
     runner = _runner(kind, model, rows=3)
     runner.start_rows([1], [PROMPTS[0]])

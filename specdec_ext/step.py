@@ -269,8 +269,9 @@ class Stepper:
         meta, parts, sync = self.meta, self.parts, self.sync
         active = [row is not None and not row.finished for row in rows]
         meta.active.copy_(torch.tensor(active))
+        drafts = meta.slots if budget is None else min(max(budget, default=0), meta.slots)  # the longest row's
         if self.options.device_steps:
-            self._reserve()
+            self._reserve(drafts)
         started = self.clock()
         parts.budget = budget
         parts.draft()
@@ -288,7 +289,7 @@ class Stepper:
             meta.active.copy_(torch.tensor(active))
         parts.commit()
         if self.options.device_steps:
-            self._hand_back()
+            self._hand_back(drafts)
         ended = self.clock()
         outcome = StepOutcome.of(num_accepted, num_draft, active)
         if self.recorder is not None:
@@ -306,17 +307,18 @@ class Stepper:
             return {}
         return {b: code for b, code in enumerate(num_accepted) if active[b] and code < 0}
 
-    def _reserve(self) -> None:
-        """Device steps: every running row gets the pages this step can write."""
+    def _reserve(self, drafts: int) -> None:
+        """Device steps: every running row gets the pages this step can write, ``drafts`` per row at most
+        (a plain step: the pending token's page alone, and nothing of the drafter, which does not run)."""
         width = self.meta.batch_size
-        self.target.reserve_step(width, self.meta.slots + 1)
-        if self.drafter is not None:
-            self.drafter.reserve_step(width)
+        self.target.reserve_step(width, drafts + 1)
+        if self.drafter is not None and drafts > 0:
+            self.drafter.reserve_step(width, drafts)
 
-    def _hand_back(self) -> None:
+    def _hand_back(self, drafts: int) -> None:
         """Device steps: the lengths back to the host allocators (pages past them are freed)."""
         self.target.sync_host()
-        if self.drafter is not None:
+        if self.drafter is not None and drafts > 0:
             self.drafter.sync_host()
 
 

@@ -37,11 +37,14 @@ Continuous batching (the serving engine, specdec_ext/serve/): rows join and leav
                                            rows (free slots) join: meta covers every slot, and its
                                            token_buffer / seq_lens of these rows hold the prompts and
                                            first tokens; the other rows keep their state
+    drafter.hold_rows(rows, meta)          rows (free slots) count as in use without their tokens, as a
+                                           free row inside the batch: a row still prefilling, or one
+                                           whose draft prefill waits (a draft model runs no forward)
     drafter.free_rows(rows)                rows leave; their state is released at once
 
 Between them ``propose`` / ``commit`` get a view of rows 0 .. the highest row in use
-(``SpecDecodeMetadata.rows``), whose ``row_sampling`` may differ per row. ModelDrafter and NgramDrafter
-implement them; tree drafters and CrossTokenizerDrafter do not.
+(``SpecDecodeMetadata.rows``), whose ``row_sampling`` may differ per row. The chain drafters (ModelDrafter,
+NgramDrafter, CrossTokenizerDrafter, an EAGLE-3 head's chains) implement them; tree drafters do not.
 
 Contract: the drafter samples only what the verifier checks. A stochastic drafter returns the exact
 (filtered) distribution q each token was sampled from; a deterministic one returns None (q is then

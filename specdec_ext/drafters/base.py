@@ -8,6 +8,9 @@ import torch
 from ..metadata import Proposal, SpecDecodeMetadata, Verdict
 
 
+STAND_IN_TOKEN = 0  # the one-token prompt of a held row where a drafter holds rows by starting them
+
+
 class Drafter:
     """Base class of the drafter interface (see the module docstring)."""
 
@@ -58,6 +61,13 @@ class Drafter:
     def start_rows(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], meta: SpecDecodeMetadata) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not support continuous batching (start_rows)")
 
+    def hold_rows(self, rows: Sequence[int], meta: SpecDecodeMetadata) -> None:
+        """Continuous batching: the drafter spans free ``rows`` without their tokens, as it spans a free row
+        inside the batch, until ``free_rows`` (a row whose prompt is still being prefilled, or whose draft
+        prefill waits for the first step that drafts; ``meta`` holds each as a frozen row). By default a
+        one-token stand-in prompt, for drafters whose ``start_rows`` runs no model."""
+        self.start_rows(rows, [[STAND_IN_TOKEN]] * len(rows), meta)
+
     def free_rows(self, rows: Sequence[int]) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not support continuous batching (free_rows)")
 
@@ -68,8 +78,9 @@ class Drafter:
     def close(self) -> None:
         """Release what the drafter holds on the models (nothing by default)."""
 
-    def reserve_step(self, width: int) -> None:
-        """Device steps (``device_steps``): reserve what one step over rows 0..width-1 writes."""
+    def reserve_step(self, width: int, drafts: int) -> None:
+        """Device steps (``device_steps``): reserve what one step over rows 0..width-1 drafting at most
+        ``drafts`` tokens per row writes."""
         raise NotImplementedError(f"{type(self).__name__} proposes on the host (no device steps)")
 
     def sync_host(self) -> None:

@@ -107,6 +107,16 @@ class CrossTokenizerDrafter(Drafter):
             self.fed[row] = self._fitted(self.draft_context(row, self.bridge.target_text(list(prompt))))
         self.runner.start_rows(rows, [self.fed[row] for row in rows])
 
+    def hold_rows(self, rows: Sequence[int], meta: SpecDecodeMetadata) -> None:
+        """(``Drafter.hold_rows``) The draft runner spans ``rows`` with empty caches, no draft forward; each
+        is a free row inside the batch (fed its one filler token)."""
+        if self.runner is None or len(self.fed) != meta.token_buffer.shape[0]:
+            self._allocate(meta)
+        rows = [int(row) for row in rows]
+        self.runner.hold_rows(rows)
+        for row in rows:
+            self.fed[row] = [self._filler_token()]
+
     def free_rows(self, rows: Sequence[int]) -> None:
         self.runner.free_rows([int(row) for row in rows])
         for row in rows:

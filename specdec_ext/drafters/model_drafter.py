@@ -96,6 +96,14 @@ class ModelDrafter(Drafter):
         self.runner.start_rows(rows, [list(p) for p in prompts])
         self._offsets[list(rows)] = 0
 
+    def hold_rows(self, rows: Sequence[int], meta: SpecDecodeMetadata) -> None:
+        """(``Drafter.hold_rows``) The draft runner spans ``rows`` with empty caches, no draft forward (one
+        per joining row was the speculative server's cost with every step plain)."""
+        if self.token_ids is None or self.token_ids.shape[0] != meta.batch_size:
+            self._prepare(meta)
+        self.runner.hold_rows(rows)
+        self._offsets[list(rows)] = 0
+
     def free_rows(self, rows: Sequence[int]) -> None:
         self.runner.free_rows(rows)
 
@@ -305,13 +313,13 @@ class ModelDrafter(Drafter):
         self.runner.truncate(valid - self._offsets[: valid.shape[0]] if self._windowed else valid)
 
     # ------------------------------------------------------------------ device steps (serve/batcher.py)
-    def reserve_step(self, width: int) -> None:
+    def reserve_step(self, width: int, drafts: int) -> None:
         """Continuous batching under CUDA graphs: the draft runner gets the pages one step can write (the
-        unseen tokens and k - 1 drafts per row) and runs the step on the device over rows 0..width-1
+        unseen tokens and drafts - 1 more per row) and runs the step on the device over rows 0..width-1
         (runners/paged.py ``reserve_step``); ``sync_host`` ends it."""
         if not self.runner.capabilities.device_steps:
             raise ValueError(f"device steps need the paged draft runner in host mode, not {type(self.runner).__name__}")
-        self.runner.reserve_step(width, MAX_DRAFT_FEED + self.slots - 1)
+        self.runner.reserve_step(width, MAX_DRAFT_FEED + min(drafts, self.slots) - 1)
 
     def sync_host(self) -> None:
         self.runner.sync_host()

@@ -135,7 +135,7 @@ class EagleDrafter(Drafter):
             self.feed(meta, None)
         self._behind = False
 
-    def reserve_step(self, width: int) -> None:
+    def reserve_step(self, width: int, drafts: int) -> None:
         """Device steps: nothing to reserve (the draft cache is allocated whole; the taps are the target's)."""
 
     def sync_host(self) -> None:

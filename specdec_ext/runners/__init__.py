@@ -22,6 +22,8 @@ Continuous batching (the serving engine, specdec_ext/serve/; runners/rows.py):
                                             (the n choices of one request): the paged runner shares the
                                             source's full pages (copy-on-write, kv_cache.py), the lean
                                             runner copies its cache rows, recompute its token list
+    hold_rows(rows)                         free rows count as in use with empty caches, no forward: a
+                                            drafter's placeholder for a row it starts later (serving)
     free_rows(rows)                         release rows and their cache at once
 
 After them the batch B spans rows 0 .. the highest row in use; a free row inside it is empty (length 0)
@@ -107,6 +109,8 @@ class ModelRunner(Protocol):
     def start_rows(self, rows: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor: ...
 
     def fork_rows(self, source: int, rows: Sequence[int]) -> None: ...
+
+    def hold_rows(self, rows: Sequence[int]) -> None: ...
 
     def free_rows(self, rows: Sequence[int]) -> None: ...
 

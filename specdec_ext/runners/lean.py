@@ -432,6 +432,13 @@ class LeanLlamaRunner:
         for row in rows:
             self._len[row] = length
 
+    def hold_rows(self, rows: Sequence[int]) -> None:
+        """Continuous batching: free ``rows`` count as in use with empty caches, without a forward (the
+        batch spans them; each is a free row inside the width until free_rows)."""
+        rows = self._in_use.check_free("hold_rows", rows, len(rows))
+        self._in_use.add(rows)
+        self._resize(self._in_use.width)
+
     def free_rows(self, rows: Sequence[int]) -> None:
         """Continuous batching: release ``rows`` (length 0); the batch shrinks to the highest row still in use."""
         for row in self._in_use.remove("free_rows", rows):

@@ -282,6 +282,15 @@ class PagedModelRunner:
         self._batch = self._in_use.width
         self._tentative = [0] * self._batch
 
+    def hold_rows(self, rows: Sequence[int]) -> None:
+        """Continuous batching (host mode): free ``rows`` count as in use with no pages, without a forward
+        (the batch spans them; each is a free row inside the width until free_rows)."""
+        self.sync_host()
+        rows = self._in_use.check_free("hold_rows", rows, len(rows))
+        self._in_use.add(rows)
+        self._batch = self._in_use.width
+        self._tentative = [0] * self._batch
+
     def free_rows(self, rows: Sequence[int]) -> None:
         """Continuous batching: release ``rows`` and their pages at once; the batch shrinks to the
         highest row still in use."""

@@ -149,6 +149,13 @@ class RecomputeRunner:
             if self.hidden_taps is not None:
                 self._states[row] = self._states[source]
 
+    def hold_rows(self, rows: Sequence[int]) -> None:
+        """Continuous batching: free ``rows`` count as in use with no tokens, without a forward (the batch
+        spans them; each is a free row inside the width until free_rows)."""
+        rows = self._in_use.check_free("hold_rows", rows, len(rows))
+        self._in_use.add(rows)
+        self._resize(self._in_use.width)
+
     def free_rows(self, rows: Sequence[int]) -> None:
         """Continuous batching: ``rows`` become empty; the batch shrinks to the highest row in use."""
         for row in self._in_use.remove("free_rows", rows):

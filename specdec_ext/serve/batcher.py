@@ -24,8 +24,8 @@ Chunked prefill (``prefill_chunk`` > 0, a target runner with ``extend_rows``): a
 slot at once but is prefilled a chunk per step (``prefill``: start_rows of the first chunk, extend_rows of
 the next ones, up to ``prefill_chunk`` tokens less the running rows' verify tokens, at least
 MIN_PREFILL_CHUNK, first come first served), so the running rows keep emitting while a long prompt joins.
-Until its last chunk the row is frozen in the steps (it commits nothing) and the drafter holds a
-one-token stand-in for it (so both runners span the same width); after the last chunk its first token
+Until its last chunk the row is frozen in the steps (it commits nothing) and the drafter holds it
+without its tokens (``Drafter.hold_rows``, no draft forward: both runners span the same width); after the last chunk its first token
 is sampled as a whole-prompt prefill samples it (decode.join_rows) and the drafter gets the prompt.
 Each step appends a ``StepRecord`` (width, k and why, prefill chunks, tokens per row) to ``step_log``.
 
@@ -111,7 +111,7 @@ class Row:
     prefilled: int = 0  # prompt tokens in the target's cache (chunked prefill; the prompt's length once decoding)
     group: Optional[PromptGroup] = None  # n choices: the rows that share this one's prompt
     prompt_logprobs: Optional[list] = None  # echo with logprobs: sent with the row's first event
-    draft_stand_in: bool = False  # the drafter holds a one-token stand-in for the row (chunked prefill, deferral)
+    draft_held: bool = False  # the drafter holds the row without its tokens (hold_rows: chunked prefill, deferral)
 
     @property
     def decoding(self) -> bool:
@@ -119,8 +119,8 @@ class Row:
 
     @property
     def draft_pending(self) -> bool:
-        """A decoding row the drafter holds a stand-in for: it gets the row's tokens before a step drafts."""
-        return self.draft_stand_in and self.decoding
+        """A decoding row the drafter holds without its tokens: it gets them before a step drafts."""
+        return self.draft_held and self.decoding
 
 
 @dataclass(frozen=True)
@@ -335,24 +335,24 @@ class ContinuousBatcher:
         return fed
 
     def _feed_chunk(self, row: Row, chunk: List[int]) -> torch.Tensor:
-        """One chunk of ``row``'s prompt into the target's cache; its first chunk also gives the drafter a
-        one-token stand-in for the row. Logits at the chunk's last token [1, V]."""
+        """One chunk of ``row``'s prompt into the target's cache; at its first chunk the drafter holds the
+        row (a frozen one-token row in the metadata). Logits at the chunk's last token [1, V]."""
         if row.prefilled:
             return self.target.extend_rows([row.slot], [chunk])
         logits = self.target.start_rows([row.slot], [chunk])
         if self.drafter is not None:
             self.meta.hold_rows([row.slot], FREE_SLOT_TOKEN)
-            self.drafter.start_rows([row.slot], [[FREE_SLOT_TOKEN]], self.meta)
-            row.draft_stand_in = True
+            self.drafter.hold_rows([row.slot], self.meta)
+            row.draft_held = True
         return logits
 
     def _join(self, rows: Sequence[Row], logits: torch.Tensor) -> None:
         """Rows whose prompts are in the target's cache (``logits`` [n, V] at their last tokens): deliver
         each first token (or end a row whose logits failed), then prefill the drafter for those still
         running (the client need not wait for the draft's prefill); a row whose draft prefill is deferred
-        keeps the stand-in its chunked prefill gave the drafter (each one is a draft forward: two per
-        joining row cost the speculative server 1-2% of its throughput with every step plain)."""
-        for row in rows:  # (after any chunked prefill's stand-in token: the counts start here)
+        is held by the drafter (``Drafter.hold_rows``: no draft forward, where a one-token stand-in prompt,
+        a draft forward per joining row, was the speculative server's extra with every step plain)."""
+        for row in rows:  # (after any chunked prefill's frozen one-token row: the counts start here)
             self.meta.processing.set_row(row.slot, row.request.processing, row.request.prompt, row.request.grammar)
         self.meta.top_logprobs = _widest_logprobs(rows)
         self._prompt_logprobs(rows)
@@ -376,7 +376,7 @@ class ContinuousBatcher:
         deferred = [row for row in staying if self._defers_draft(row)]
         started = [row for row in staying if row not in deferred]
         if started:
-            replaced = [row.slot for row in started if row.draft_stand_in]
+            replaced = [row.slot for row in started if row.draft_held]
             if replaced:
                 self.drafter.free_rows(replaced)
             begin = self.clock()
@@ -385,12 +385,12 @@ class ContinuousBatcher:
                 self.draft_length.record_draft_prefill(sum(len(row.request.prompt) for row in started),
                                                        self.clock() - begin)
             for row in started:
-                row.draft_stand_in = False
-        holding = [row for row in deferred if not row.draft_stand_in]
+                row.draft_held = False
+        holding = [row for row in deferred if not row.draft_held]
         if holding:
-            self.drafter.start_rows([row.slot for row in holding], [[FREE_SLOT_TOKEN]] * len(holding), self.meta)
+            self.drafter.hold_rows([row.slot for row in holding], self.meta)
         for row in deferred:
-            row.draft_stand_in = True
+            row.draft_held = True
 
     def _defers_draft(self, row: Row) -> bool:
         """Whether a joining row's draft prefill waits for the first step that drafts: while speculation is
@@ -400,7 +400,7 @@ class ContinuousBatcher:
                 and self.drafter.deferrable_start and not row.request.seeded)
 
     def _start_pending_drafts(self) -> None:
-        """Before a step that drafts: the drafter gets every running row it holds a stand-in for, with the
+        """Before a step that drafts: the drafter gets every running row it holds without its tokens, with the
         row's committed tokens but the last (which the next proposal feeds, as after any step)."""
         pending = [row for row in self.running if row.draft_pending]
         if not pending:
@@ -412,12 +412,12 @@ class ContinuousBatcher:
         self.drafter.free_rows(slots)
         self.drafter.start_rows(slots, tokens, self.meta)
         for row in pending:
-            row.draft_stand_in = False
+            row.draft_held = False
         if self.draft_length is not None:  # what switching speculation on costs, measured
             self.draft_length.record_draft_prefill(sum(map(len, tokens)), self.clock() - begin)
 
     def _pending_draft_tokens(self) -> int:
-        """Tokens the drafter must take in before it can draft for the rows it holds stand-ins for (host
+        """Tokens the drafter must take in before it can draft for the decoding rows it holds (host
         counts: the prompt and the tokens returned so far)."""
         return sum(len(row.request.prompt) + len(row.state.tokens) for row in self.rows
                    if row is not None and row.draft_pending)
