@@ -13,7 +13,8 @@
 #               their output goes to tests.log, their error counts to the summary (GPU_CHECK_SANITIZERS=0: off)
 #   4. tpot     benchmarks/bench_tpot.py --device cuda (eager vs graphs, plain vs speculative, 1B verify cost),
 #               bench_serve.py --device cuda at 1 and 32 clients (speculative, k by load over captured lengths,
-#               vs plain: tokens/s, TPOT p99), bench_eagle.py --device cuda (EAGLE-3 chain, in CUDA graphs, and
+#               vs plain: tokens/s, TPOT p99), bench_serve_steps.py --device cuda (the same engines in-process
+#               at 32 slots: each kind of step's time, the speculative server's host parts), bench_eagle.py --device cuda (EAGLE-3 chain, in CUDA graphs, and
 #               tree beside the other drafters), then bench_tree_decode.py --device
 #               cuda (chains vs draft trees at N = 8, 16); all into tpot.log
 #   5. kernels  bench_sampling.py --quick, bench_tree.py (small), bench_kv.py --quick, all --device cuda
@@ -21,7 +22,7 @@
 #               into tpot.log); skipped on one GPU
 #
 # Run order (what a short lease should measure first): env, build, tests, memcheck, bench_tpot, the kernel
-# benchmarks, bench_serve, bench_eagle, bench_tree_decode, racecheck, synccheck, tp.
+# benchmarks, bench_serve, bench_serve_steps, bench_eagle, bench_tree_decode, racecheck, synccheck, tp.
 #
 # Every phase runs under `timeout`, clamped to what is left of a total budget (GPU_CHECK_BUDGET, default
 # 510 s), so one hang cannot eat the lease; a phase whose prerequisite failed is skipped; the summary
@@ -165,6 +166,7 @@ else
   phase bench_tree 45 bench_tree.log "$PY" "$REPO/benchmarks/bench_tree.py" --device cuda --nodes 8 32 --batch 1 16 --repeats 10
   phase serve 100 tpot.log "$PY" "$REPO/benchmarks/bench_serve.py" --device cuda --clients 1,32 \
     --modes speculative,plain --repeats 1 --requests-per-client 2
+  phase serve_steps 60 tpot.log "$PY" "$REPO/benchmarks/bench_serve_steps.py" --device cuda --slots 32 --repeats 2
   phase eagle 70 tpot.log "$PY" "$REPO/benchmarks/bench_eagle.py" --device cuda --prompts 2 --max-new-tokens 64 \
     --repeats 1
   phase trees 60 tpot.log "$PY" "$REPO/benchmarks/bench_tree_decode.py" --device cuda --ks 8,16 --branches 3 \
