@@ -25,8 +25,9 @@ slot at once but is prefilled a chunk per step (``prefill``: start_rows of the f
 the next ones, up to ``prefill_chunk`` tokens less the running rows' verify tokens, at least
 MIN_PREFILL_CHUNK, first come first served), so the running rows keep emitting while a long prompt joins.
 Until its last chunk the row is frozen in the steps (it commits nothing) and the drafter holds it
-without its tokens (``Drafter.hold_rows``, no draft forward: both runners span the same width); after the last chunk its first token
-is sampled as a whole-prompt prefill samples it (decode.join_rows) and the drafter gets the prompt.
+without its tokens (``Drafter.hold_rows``, no draft forward: both runners span the same width); after
+the last chunk its first token is sampled as a whole-prompt prefill samples it (decode.join_rows) and
+the drafter gets the prompt.
 Each step appends a ``StepRecord`` (width, k and why, prefill chunks, tokens per row) to ``step_log``.
 
 CUDA graphs by batch-size bucket (``graphs=True``: the plan's rule, on a CUDA device with the paged
