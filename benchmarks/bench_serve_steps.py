@@ -23,7 +23,6 @@ the bundled target's takes ~50: what the speculative server does besides the tar
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import threading
@@ -64,17 +63,14 @@ def timed(obj, name: str, label: str, totals: Dict[str, float]) -> None:
     setattr(obj, name, wrapper)
 
 
-def build(mode: str, args, device: str):
+def build(mode: str, args, device):
     """The engine of ``mode`` (the bundled pair, or its target alone), calibrated, and its prompt."""
     from specdec_ext.bench.workloads import heldout_prompts
     from specdec_ext.cli import SERVE_CALIBRATION_TEXT
     from specdec_ext.models import load_models
     from specdec_ext.serve.build import EngineOptions, build_engine
 
-    models = load_models(plain=mode == "plain")
-    if args.host_bound:
-        models = host_bound(models, mode)
-    models = models.to(device)
+    models = (host_bound(mode) if args.host_bound else load_models(plain=mode == "plain")).to(device)
     engine = build_engine(models, EngineOptions(max_rows=args.slots, max_queue=args.requests))
     engine.calibrate(models.tokenizer.encode(SERVE_CALIBRATION_TEXT))
     text = "\n".join(text for _, text in heldout_prompts(4, 40))  # (more than --prompt-tokens)
@@ -82,7 +78,7 @@ def build(mode: str, args, device: str):
     return engine, prompt
 
 
-def host_bound(models, mode: str):
+def host_bound(mode: str):
     """The bundled draft model as the target; for ``speculative`` a random model of its config as the draft
     (seeded: the same one every run)."""
     import torch
@@ -90,12 +86,13 @@ def host_bound(models, mode: str):
 
     from specdec_ext.models import Models, load_models
 
-    small = load_models().draft
+    pair = load_models()
+    small = pair.draft
     if mode == "plain":
-        return Models(small, "none", tokenizer=models.tokenizer)
+        return Models(small, "none", tokenizer=pair.tokenizer)
     torch.manual_seed(0)
     random = AutoModelForCausalLM.from_config(small.config).to(small.dtype).eval()
-    return Models(small, "model", draft=random, tokenizer=models.tokenizer)
+    return Models(small, "model", draft=random, tokenizer=pair.tokenizer)
 
 
 def instrument(engine, totals: Dict[str, float], steps: List[tuple]) -> None:
@@ -189,17 +186,15 @@ def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     import torch
 
-    from specdec_ext import ops
+    from _timing import machine_description, synchronize
 
     torch.set_num_threads(args.threads)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     args.requests = args.requests or 2 * args.slots
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    where = torch.cuda.get_device_name() if device.startswith("cuda") else f"CPU path {ops.cpu_isa()}"
     pair = "host-bound pair (the bundled draft as the target, a random draft)" if args.host_bound else "bundled pair"
-    print(f"# in-process serving steps, {pair}, on {device} ({where}), torch {torch.__version__}, {args.threads} thread(s), "
-          f"{os.cpu_count()} cores; {args.requests} requests of {args.prompt_tokens} + {args.max_tokens} tokens "
-          f"into {args.slots} slots at once, after Engine.calibrate; {args.repeats} alternating run(s) per mode")
+    print(f"# in-process serving steps, {pair}, on {machine_description(device)}; {args.requests} requests of "
+          f"{args.prompt_tokens} + {args.max_tokens} tokens into {args.slots} slots at once, after "
+          f"Engine.calibrate; {args.repeats} alternating run(s) per mode")
     walls: Dict[str, List[float]] = {mode: [] for mode in MODES}
     for repeat in range(args.repeats):
         for mode in (MODES if repeat % 2 == 0 else MODES[::-1]):
@@ -207,7 +202,7 @@ def main(argv=None) -> int:
             totals: Dict[str, float] = defaultdict(float)
             steps: List[tuple] = []
             instrument(engine, totals, steps)
-            wall = run(engine, prompt, args, sync)
+            wall = run(engine, prompt, args, lambda: synchronize(device))
             walls[mode].append(wall)
             report(mode, wall, steps, totals, args.requests * args.max_tokens)
     ratios = [p / s for s, p in zip(walls["speculative"], walls["plain"])]
