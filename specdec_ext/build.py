@@ -5,6 +5,7 @@ from typing import Optional, Tuple
 
 from .drafters import CrossTokenizerDrafter, Drafter, HeadsDrafter, ModelDrafter, NgramDrafter, TreeModelDrafter
 from .drafters.calibration import shared_calibration
+from .drafters.model_drafter import draft_window_of
 from .eagle import EagleDrafter
 from .models import Models
 from .plan import DecodePlan
@@ -52,4 +53,4 @@ def build_drafter(plan: DecodePlan, models: Models, target: Optional[ModelRunner
         return TreeModelDrafter(models.draft, draft_runner, branch=b, depth=d, budget=n, vocab_size=vocab_size,
                                 calibration=shared_calibration(models.draft, d, temperature))
     return ModelDrafter(models.draft, draft_runner, k=plan.slots, vocab_size=vocab_size,
-                        confidence_threshold=plan.draft_confidence)
+                        confidence_threshold=plan.draft_confidence, context_window=draft_window_of(models.draft))

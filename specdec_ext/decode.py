@@ -388,7 +388,7 @@ class DrafterPrefill:
 
     def pending(self) -> int:
         """Tokens the whole prefill would feed (0 once done): what a switch on must repay."""
-        return 0 if self.done else int(self.meta.seq_lens.sum()) - self.meta.batch_size
+        return 0 if self.done else self.drafter.prefill_tokens([n - 1 for n in self.meta.seq_lens.tolist()])
 
     def run(self, look: bool = False) -> float:
         """Prefill the drafter now, unless it is ready for what the step needs (``look``: a window does);
@@ -415,7 +415,8 @@ class DrafterPrefill:
             else:
                 self.drafter.prefill(committed, self.meta)
         self.done, self.windowed = not window, window
-        tokens = sum(min(len(c), LOOK_WINDOW) if window else len(c) for c in committed)
+        tokens = (sum(min(len(c), LOOK_WINDOW) for c in committed) if window
+                  else self.drafter.prefill_tokens([len(c) for c in committed]))
         end = self.timer.now()
         self.stats.prefill_time += end - begin
         if self.adaptive is not None:

@@ -16,6 +16,7 @@ How they were trained and how well they do: ``MODEL_CARD.md``; rebuild with
 ``tools/train_default_pair.py``. This module imports neither the compiled extension nor the decode loop.
 """
 import filecmp
+import json
 import os
 import shutil
 
@@ -63,6 +64,18 @@ __all__ = ["load_default_pair", "load_default_heads", "load_default_eagle", "PAI
            "TOKENIZER_DIR", "HEADS_DIR", "EAGLE_DIR"]
 
 
+def trained_context():
+    """The sequence length both models were trained on (train_summary.json's ``seq``; None without it): the
+    draft declares it as its context window (drafters/model_drafter.py ``DRAFT_WINDOW_ATTRIBUTE``), since
+    past it the rotary draft extrapolates and accepts less."""
+    try:
+        with open(os.path.join(PAIR_DIR, "train_summary.json")) as f:
+            seq = json.load(f).get("seq")
+    except (OSError, ValueError):
+        return None
+    return seq if isinstance(seq, int) and seq >= 2 else None
+
+
 def _check_files():
     missing = [os.path.join(d, f) for d, files in _REQUIRED.items() for f in files
                if not os.path.isfile(os.path.join(d, f))]
@@ -87,7 +100,8 @@ def load_default_pair(dtype=torch.float32, device="cpu"):
     Returns
     -------
     (target, draft, tokenizer)
-        Two ``LlamaForCausalLM`` in eval mode sharing one ``PreTrainedTokenizerFast``.
+        Two ``LlamaForCausalLM`` in eval mode sharing one ``PreTrainedTokenizerFast``; the draft's config
+        carries ``specdec_draft_window``, the sequence length it was trained on (``trained_context``).
     """
     _check_files()
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -98,6 +112,7 @@ def load_default_pair(dtype=torch.float32, device="cpu"):
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
         models.append(model.to(device).eval())
     target, draft = models
+    draft.config.specdec_draft_window = trained_context()  # (the attribute's name: model_drafter.py)
     if target.config.vocab_size != draft.config.vocab_size or target.config.vocab_size != len(tokenizer):
         raise RuntimeError(
             f"default pair vocab mismatch: target {target.config.vocab_size}, draft "

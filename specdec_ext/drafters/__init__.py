@@ -20,6 +20,9 @@ HF draft model (chains or trees), n-gram / suffix lookup, or heads on the target
 Adaptive k's deferred prefill and looks (decode.py ``DrafterPrefill``), where the flags say so:
 
     drafter.prepare(meta)                  build what a prefill needs before it is timed (a runner)
+    drafter.prefill_tokens(lengths) -> int tokens ``prefill`` feeds rows of these committed lengths (what
+                                           switching speculation on costs: all of them, or a draft
+                                           model's context window)
     drafter.prefill_window(prompts, meta, window)
                                            ``windowed_prefill``: the prompts' last ``window`` tokens only
     drafter.look(meta, tokens) -> [B][n] bool

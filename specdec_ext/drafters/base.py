@@ -30,6 +30,11 @@ class Drafter:
     def prefill(self, prompts: Sequence[Sequence[int]], meta: SpecDecodeMetadata) -> None:
         raise NotImplementedError
 
+    def prefill_tokens(self, lengths: Sequence[int]) -> int:
+        """Tokens ``prefill`` feeds rows of ``lengths`` committed tokens (adaptive k's cost of a switch on):
+        all of them by default; a draft model with a context window, its last part."""
+        return sum(lengths)
+
     def prepare(self, meta: SpecDecodeMetadata) -> None:
         """Build what a prefill over ``meta``'s rows needs before it is timed (nothing by default; a
         draft model's runner), so that adaptive k learns the prefill's cost per token, not the build's."""

@@ -16,6 +16,18 @@ gives the draft model only the last ``window`` tokens of each prompt: row b's ca
 committed position ``offsets[b]`` (its positions count from 0 there: a rotary model sees the same
 relative positions), and every comparison of the cache's length with the committed length adds it.
 
+A context window (``context_window`` W: a draft model trained on W-token sequences, whose config says so as
+``specdec_draft_window``, ``draft_window_of``) keeps every row's draft cache within W tokens: its prefill
+(and a serving row's start) feeds the last W // 2 committed tokens, and a row whose cache could pass W in
+the next step is prefilled again from its last W // 2 committed tokens, between steps (``_keep_windows``,
+and ``catch_up`` / ``look`` after plain stretches, where that is cheaper than feeding the arrears).
+Beyond its trained length a rotary draft extrapolates and its acceptance falls (the bundled draft, trained
+on 256 tokens: 1.9 against 2.9 tokens per pass at k = 4 on a 464-token prompt, BENCHMARKS.md), and
+the window bounds the draft prefill that switching speculation on costs (adaptive k) to W // 2 tokens a row.
+A re-windowed row proposes exactly what a drafter prefilled with those tokens would. Device steps
+(serving under CUDA graphs: between ``reserve_step`` and ``sync_host``) never re-window; there a row
+keeps the window it started with and grows past it, but for the catch-ups between steps.
+
 Vocabularies padded to different sizes are reconciled here: draft logits beyond the target's V are
 dropped, missing ones are -inf (never proposed).
 """
@@ -35,6 +47,31 @@ MAX_DRAFT_FEED = 2  # committed tokens a model drafter may not have seen: the bo
 
 RunnerFactory = Callable[..., ModelRunner]  # (max_batch_size=, max_seq_len=) -> the draft model's runner
 
+# The draft model's config attribute that declares its context window (the sequence length it was trained on)
+DRAFT_WINDOW_ATTRIBUTE = "specdec_draft_window"
+
+
+def draft_window_of(model) -> Optional[int]:
+    """The context window a draft model declares (``config.specdec_draft_window``), or None (the whole
+    context). The bundled draft declares the 256 tokens it was trained on (default_pair)."""
+    value = getattr(getattr(model, "config", None), DRAFT_WINDOW_ATTRIBUTE, None)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+        raise ValueError(f"the draft model's config.{DRAFT_WINDOW_ATTRIBUTE} must be an int >= 2 (the tokens it "
+                         f"was trained on), got {value!r}")
+    return value
+
+
+def window_for(context_window: Optional[int], k: int) -> Optional[int]:
+    """The window a drafter of ``k`` drafts keeps (None: none): at least 2 (k + MAX_DRAFT_FEED) tokens, so
+    that a re-windowed row (W // 2 tokens) drafts some steps before it needs the next one."""
+    if context_window is None:
+        return None
+    if isinstance(context_window, bool) or not isinstance(context_window, int) or context_window < 2:
+        raise ValueError(f"context_window must be None or an int >= 2, got {context_window!r}")
+    return max(context_window, 2 * (k + MAX_DRAFT_FEED))
+
 
 class ModelDrafter(Drafter):
     """A HF draft model behind a model runner made by ``runner_factory(max_batch_size=, max_seq_len=)``."""
@@ -45,7 +82,7 @@ class ModelDrafter(Drafter):
     greedy_looks = True
 
     def __init__(self, model, runner_factory: RunnerFactory, *, k: int, vocab_size: int,
-                 confidence_threshold: float = 0.0):
+                 confidence_threshold: float = 0.0, context_window: Optional[int] = None):
         self.model = model
         # A row stops drafting after a token the draft itself gives probability below this (its own
         # distribution q, or softmax(l) when greedy): such tokens are usually rejected, so the draft
@@ -62,6 +99,12 @@ class ModelDrafter(Drafter):
         self._fed_drafts = 0  # draft tokens fed to the draft cache in the last propose (<= k - 1)
         self._skipped = False  # adaptive k skipped a step since the last feed: catch_up feeds what it committed
         self._skipped_step = False  # the last step was skipped (commit leaves the cache as it is)
+        # the tokens a row's draft cache may hold (None: all; module docstring), and those it keeps
+        self.context_window = window_for(context_window, self.slots)
+        self.window_keep = None if self.context_window is None else self.context_window // 2
+        self._window_check_in = 0  # proposes before a row's cache can come near the window (no read till then)
+        self._probing = False  # between checkpoint() and its undo: no re-windowing
+        self._device_step = False  # between reserve_step and sync_host: the pages are reserved, no re-windowing
 
     # ------------------------------------------------------------------ lifecycle
     def _ensure_runner(self, batch: int, seq_len: int) -> None:
@@ -75,8 +118,16 @@ class ModelDrafter(Drafter):
         self._ensure_runner(*meta.token_buffer.shape)
 
     def prefill(self, prompts: Sequence[Sequence[int]], meta: SpecDecodeMetadata) -> None:
+        if self.window_keep is not None and max(map(len, prompts), default=0) > self.window_keep:
+            return self.prefill_window(prompts, meta, self.window_keep)
         self._prepare(meta)
         self.runner.start([list(p) for p in prompts])  # the draft's prompt logits are not needed
+
+    def prefill_tokens(self, lengths: Sequence[int]) -> int:
+        """(``Drafter.prefill_tokens``) The whole prefill feeds a row its window's last half at most."""
+        if self.window_keep is None:
+            return sum(lengths)
+        return sum(min(n, self.window_keep) for n in lengths)
 
     def prefill_window(self, prompts: Sequence[Sequence[int]], meta: SpecDecodeMetadata, window: int) -> None:
         """``prefill`` with the last ``window`` tokens of each prompt (at least one); the earlier ones are
@@ -88,13 +139,18 @@ class ModelDrafter(Drafter):
         self.runner.start(cut)
         self._offsets[: len(cut)] = torch.tensor([len(p) - len(c) for p, c in zip(prompts, cut)], dtype=torch.int64)
         self._windowed = True
+        self._window_check_in = 0
 
     def start_rows(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], meta: SpecDecodeMetadata) -> None:
-        """Continuous batching: rows join (``meta`` covers every slot; the buffers are made once)."""
+        """Continuous batching: rows join (``meta`` covers every slot; the buffers are made once), with
+        the last ``window_keep`` tokens of their prompts where the drafter has a window."""
         if self.token_ids is None or self.token_ids.shape[0] != meta.batch_size:
             self._prepare(meta)
-        self.runner.start_rows(rows, [list(p) for p in prompts])
-        self._offsets[list(rows)] = 0
+        cut = [list(p) if self.window_keep is None else list(p)[-self.window_keep:] for p in prompts]
+        self.runner.start_rows(rows, cut)
+        self._offsets[list(rows)] = torch.tensor([len(p) - len(c) for p, c in zip(prompts, cut)], dtype=torch.int64,
+                                                 device=self._offsets.device)
+        self._window_check_in = 0
 
     def hold_rows(self, rows: Sequence[int], meta: SpecDecodeMetadata) -> None:
         """(``Drafter.hold_rows``) The draft runner spans ``rows`` with empty caches, no draft forward (one
@@ -106,6 +162,7 @@ class ModelDrafter(Drafter):
 
     def free_rows(self, rows: Sequence[int]) -> None:
         self.runner.free_rows(rows)
+        self._offsets[list(rows)] = 0  # (a free slot inside the batch feeds as an empty cache)
 
     def _prepare(self, meta: SpecDecodeMetadata) -> None:
         """The draft runner and the step buffers for the loop's rows."""
@@ -117,7 +174,10 @@ class ModelDrafter(Drafter):
         self._ones = torch.ones((B,), dtype=torch.int64, device=device)  # [B]
         self._rows = torch.arange(B, dtype=torch.int64, device=device)  # [B]
         self._offsets = torch.zeros((B,), dtype=torch.int64, device=device)  # [B] committed position of cache slot 0
-        self._windowed = False  # some offset may be > 0 (prefill_window): else the steps never read them
+        # some offset may be > 0 (prefill_window, a context window): else the steps never read them (a captured
+        # step reads them from the start where a window may move them)
+        self._windowed = self.context_window is not None
+        self._window_check_in = 0
         self._skipped, self._skipped_step = False, False
 
     def _allocate(self, meta: SpecDecodeMetadata) -> None:
@@ -163,6 +223,7 @@ class ModelDrafter(Drafter):
     # ------------------------------------------------------------------ the step
     def propose(self, meta: SpecDecodeMetadata, budget: Optional[Sequence[int]] = None) -> Proposal:
         self.catch_up(meta)  # (after skipped steps only: a captured propose never sees any)
+        self._keep_windows(meta)
         k, B, greedy = self.slots, meta.batch_size, meta.all_greedy
         steps = k if budget is None else min(k, max(budget, default=0))
         # the loop's rows are the first B of the buffers' (all of them, except under continuous batching)
@@ -239,10 +300,55 @@ class ModelDrafter(Drafter):
         if not self._skipped:
             return
         self._skipped = False
+        self._window_check_in = 0  # (the skipped steps committed more than a step's worth)
         B, cached, seen, ends = self._arrears(meta)
         rows = [b for b in range(B) if ends[b] - 1 > seen[b]]
+        rows = self._rewindow(meta, rows, seen, ends, [0] * B)
         if rows:
             self._append(rows, [meta.token_buffer[b, seen[b]: ends[b] - 1].tolist() for b in rows], cached, meta)
+
+    # ------------------------------------------------------------------ the context window
+    def _rewindow(self, meta: SpecDecodeMetadata, rows: List[int], seen: List[int], ends: List[int],
+                  shown: List[int]) -> List[int]:
+        """Of ``rows`` about to be fed their committed tokens up to ends[b] - 1 (exclusive; the last
+        ``shown[b]`` of them by a look, the others by ``_append``), prefill again those whose cache would
+        then leave less than a step's room in the window: with the window_keep committed tokens before
+        ends[b] - 1 (the shown ones excluded: the caller feeds those). ``seen`` is updated for them; returns
+        the rows left to feed as they are."""
+        if self.context_window is None or self._probing or not rows:
+            return rows
+        room = self.slots + MAX_DRAFT_FEED - 1  # what one step can add to a row's cache
+        offsets, active = self._offsets.tolist(), meta.active.tolist()  # (a free or held slot is not active)
+        again = [b for b in rows if active[b] and ends[b] - 1 - offsets[b] + room > self.context_window]
+        if not again:
+            return rows
+        # (at least one token before the shown ones: a prompt is never empty)
+        starts = [max(min(ends[b] - 1 - self.window_keep, ends[b] - 2 - shown[b]), 0) for b in again]
+        chunks = [meta.token_buffer[b, start: ends[b] - 1 - shown[b]].tolist() for b, start in zip(again, starts)]
+        self.runner.free_rows(again)
+        self.runner.start_rows(again, chunks)
+        self._offsets[again] = torch.tensor(starts, dtype=torch.int64, device=self._offsets.device)
+        self._windowed = True
+        for b, start, chunk in zip(again, starts, chunks):
+            seen[b] = start + len(chunk)
+        self._window_check_in = 0
+        return [b for b in rows if b not in again]
+
+    def _keep_windows(self, meta: SpecDecodeMetadata) -> None:
+        """Before a step's draft (eager steps only): prefill again each row whose cache could pass the
+        window in this step (``_rewindow``). The rows' lengths are read only when one may be near it: a
+        step adds at most k + 1 committed tokens to a row."""
+        if self.context_window is None or self._device_step or _capturing(meta):
+            return
+        if self._window_check_in > 0:
+            self._window_check_in -= 1
+            return
+        B, cached, seen, ends = self._arrears(meta)
+        self._rewindow(meta, list(range(B)), seen, ends, [0] * B)
+        offsets, active = self._offsets[:B].tolist(), meta.active[:B].tolist()
+        longest = max((ends[b] - offsets[b] for b in range(B) if active[b]), default=0)  # past a cache's start
+        step = self.slots + 1
+        self._window_check_in = max((self.context_window - (self.slots + MAX_DRAFT_FEED - 1) - longest) // step, 0)
 
     def look(self, meta: SpecDecodeMetadata, tokens: Sequence[int]) -> List[List[bool]]:
         """(``Drafter.look``) The unseen tokens before the last ``tokens[b]`` are fed as ``catch_up`` feeds
@@ -251,10 +357,13 @@ class ModelDrafter(Drafter):
         exactly when it is token p + 1; so a look reads, on the committed text, what drafting from each
         position would have been accepted without a target pass. Needs a prefilled draft (whole or window)."""
         self._skipped = False  # (the look feeds what catch_up would)
+        self._window_check_in = 0
         B, cached, seen, ends = self._arrears(meta)
         unseen = [max(ends[b] - 1 - seen[b], 0) for b in range(B)]  # (the pending token is never fed)
         shown = [min(max(int(tokens[b]), 0), unseen[b]) for b in range(B)]
-        early = [b for b in range(B) if unseen[b] > shown[b]]
+        self._rewindow(meta, [b for b in range(B) if unseen[b] > 0], seen, ends, shown)
+        cached = self.runner.lengths[:B].tolist()
+        early = [b for b in range(B) if ends[b] - 1 - seen[b] > shown[b]]
         if early:
             self._append(early, [meta.token_buffer[b, seen[b]: ends[b] - 1 - shown[b]].tolist() for b in early],
                          cached, meta)
@@ -320,19 +429,29 @@ class ModelDrafter(Drafter):
         if not self.runner.capabilities.device_steps:
             raise ValueError(f"device steps need the paged draft runner in host mode, not {type(self.runner).__name__}")
         self.runner.reserve_step(width, MAX_DRAFT_FEED + min(drafts, self.slots) - 1)
+        self._device_step = True
 
     def sync_host(self) -> None:
         self.runner.sync_host()
+        self._device_step = False
 
     def checkpoint(self):
-        """Undo for the cost probes: the draft cache back to its current lengths."""
+        """Undo for the cost probes: the draft cache back to its current lengths. Until then no row is
+        re-windowed (its new window could not be cut back to them)."""
         lengths = self.runner.lengths.clone()  # [B]
+        self._probing = True
 
         def undo() -> None:
             self.runner.truncate(lengths)
             self._fed_drafts = 0
+            self._probing = False
 
         return undo
+
+
+def _capturing(meta: SpecDecodeMetadata) -> bool:
+    """Whether a CUDA graph is being captured (no host reads then)."""
+    return meta.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def sample_draft(logits: torch.Tensor, meta: SpecDecodeMetadata, uniforms: torch.Tensor,

@@ -415,13 +415,14 @@ class ContinuousBatcher:
         for row in pending:
             row.draft_held = False
         if self.draft_length is not None:  # what switching speculation on costs, measured
-            self.draft_length.record_draft_prefill(sum(map(len, tokens)), self.clock() - begin)
+            self.draft_length.record_draft_prefill(self.drafter.prefill_tokens(list(map(len, tokens))),
+                                                   self.clock() - begin)
 
     def _pending_draft_tokens(self) -> int:
         """Tokens the drafter must take in before it can draft for the decoding rows it holds (host
         counts: the prompt and the tokens returned so far)."""
-        return sum(len(row.request.prompt) + len(row.state.tokens) for row in self.rows
-                   if row is not None and row.draft_pending)
+        return self.drafter.prefill_tokens([len(row.request.prompt) + len(row.state.tokens) for row in self.rows
+                                            if row is not None and row.draft_pending])
 
     def _prompt_logprobs(self, rows: Sequence[Row]) -> None:
         """echo with logprobs: the prompt's logprobs of each row asking (once per prompt among ``rows``: a
