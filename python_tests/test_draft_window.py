@@ -159,6 +159,29 @@ def test_generate_with_a_windowed_draft_gives_the_target_greedy_tokens(pair, mon
         assert longest and max(longest) <= 16
 
 
+def test_sampling_with_a_windowed_draft_reproduces_its_seed_and_stays_in_the_window(pair, monkeypatch):
+    """Sampled rows (T = 1, fixed k, a seed) draft through the eager feed-and-sample path: the same seed
+    gives the same tokens twice, every token is in the vocabulary, and the draft cache stayed within the
+    16-token window while the rows grew to 100 tokens."""
+    target, draft = pair
+    monkeypatch.setattr(draft.config, DRAFT_WINDOW_ATTRIBUTE, 16, raising=False)
+    longest = []
+    commit = ModelDrafter.commit
+
+    def recording_commit(self, meta, verdict):
+        commit(self, meta, verdict)
+        longest.append(max(self.runner.lengths.tolist()))
+
+    monkeypatch.setattr(ModelDrafter, "commit", recording_commit)
+    prompts = [[(5 * i + 1) % 63 + 1 for i in range(40)], [9, 8, 7] * 9]
+    with one_thread():
+        runs = [generate(prompts, target, draft, max_new_tokens=60, k=K, temperature=1.0, seed=7,
+                         eos_token_id=False).token_ids for _ in range(2)]
+    assert runs[0] == runs[1]
+    assert all(len(row) == 60 and all(0 <= t < 64 for t in row) for row in runs[0])
+    assert longest and max(longest) <= 16
+
+
 def test_looks_catch_ups_and_steps_of_adaptive_k_keep_the_window(pair, monkeypatch):
     """adaptive k forced through plain segments, an exploration and then speculation (test_adaptive's
     LookThenSpeculate) over rows longer than a 16-token window: the catch-ups and steps re-window the rows
