@@ -135,12 +135,12 @@ def test_the_cost_probes_do_not_re_window_and_are_undone(pair):
     assert torch.equal(proposal, alone.propose(alone_meta).token_ids)
 
 
-@pytest.mark.parametrize("k", [K, "auto"])
-def test_generate_with_a_windowed_draft_gives_the_target_greedy_tokens(pair, monkeypatch, k):
-    """Long prompts and generations through a draft that declares a 16-token window (k = 4: the window is
-    max(16, 2 (k + 2)) = 16), fixed k and k="auto" (its looks and catch-ups): plain greedy's tokens, and the
-    draft cache never held more than the window."""
-    target, draft = pair
+LONG_PROMPTS = [[(5 * i + 1) % 63 + 1 for i in range(40)], [9, 8, 7] * 9]
+
+
+def _windowed_draft(draft, monkeypatch) -> list:
+    """The draft declares a 16-token window for the test; returns the list to which every commit appends
+    the longest draft cache it left."""
     monkeypatch.setattr(draft.config, DRAFT_WINDOW_ATTRIBUTE, 16, raising=False)
     longest = []
     commit = ModelDrafter.commit
@@ -150,10 +150,19 @@ def test_generate_with_a_windowed_draft_gives_the_target_greedy_tokens(pair, mon
         longest.append(max(self.runner.lengths.tolist()))
 
     monkeypatch.setattr(ModelDrafter, "commit", recording_commit)
-    prompts = [[(5 * i + 1) % 63 + 1 for i in range(40)], [9, 8, 7] * 9]
+    return longest
+
+
+@pytest.mark.parametrize("k", [K, "auto"])
+def test_generate_with_a_windowed_draft_gives_the_target_greedy_tokens(pair, monkeypatch, k):
+    """Long prompts and generations through a draft that declares a 16-token window (k = 4: the window is
+    max(16, 2 (k + 2)) = 16), fixed k and k="auto" (its looks and catch-ups): plain greedy's tokens, and the
+    draft cache never held more than the window."""
+    target, draft = pair
+    longest = _windowed_draft(draft, monkeypatch)
     with one_thread():
-        want = plain_generate(prompts, target, max_new_tokens=80, eos_token_id=False).token_ids
-        got = generate(prompts, target, draft, max_new_tokens=80, k=k, eos_token_id=False)
+        want = plain_generate(LONG_PROMPTS, target, max_new_tokens=80, eos_token_id=False).token_ids
+        got = generate(LONG_PROMPTS, target, draft, max_new_tokens=80, k=k, eos_token_id=False)
     assert got.token_ids == want
     if k == K:
         assert longest and max(longest) <= 16
@@ -164,18 +173,9 @@ def test_sampling_with_a_windowed_draft_reproduces_its_seed_and_stays_in_the_win
     gives the same tokens twice, every token is in the vocabulary, and the draft cache stayed within the
     16-token window while the rows grew to 100 tokens."""
     target, draft = pair
-    monkeypatch.setattr(draft.config, DRAFT_WINDOW_ATTRIBUTE, 16, raising=False)
-    longest = []
-    commit = ModelDrafter.commit
-
-    def recording_commit(self, meta, verdict):
-        commit(self, meta, verdict)
-        longest.append(max(self.runner.lengths.tolist()))
-
-    monkeypatch.setattr(ModelDrafter, "commit", recording_commit)
-    prompts = [[(5 * i + 1) % 63 + 1 for i in range(40)], [9, 8, 7] * 9]
+    longest = _windowed_draft(draft, monkeypatch)
     with one_thread():
-        runs = [generate(prompts, target, draft, max_new_tokens=60, k=K, temperature=1.0, seed=7,
+        runs = [generate(LONG_PROMPTS, target, draft, max_new_tokens=60, k=K, temperature=1.0, seed=7,
                          eos_token_id=False).token_ids for _ in range(2)]
     assert runs[0] == runs[1]
     assert all(len(row) == 60 and all(0 <= t < 64 for t in row) for row in runs[0])
