@@ -45,7 +45,7 @@ def pair():
 
 
 def _batcher(pair, device, *, graphs: bool, backend=None, drafter: str = "model",
-             draft_length: LoadGatedK = None) -> ContinuousBatcher:
+             draft_length: LoadGatedK = None, context_window=None) -> ContinuousBatcher:
     target, draft, _ = pair
     target, draft = target.to(device), draft.to(device)
     runner = PagedModelRunner(target, max_batch_size=MAX_ROWS, max_seq_len=SEQ)
@@ -53,7 +53,8 @@ def _batcher(pair, device, *, graphs: bool, backend=None, drafter: str = "model"
     if drafter == "model":
         def draft_runner(*, max_batch_size, max_seq_len):
             return PagedModelRunner(draft, max_batch_size=max_batch_size, max_seq_len=max_seq_len)
-        model_drafter = ModelDrafter(draft, draft_runner, k=K, vocab_size=output_vocab_size(target))
+        model_drafter = ModelDrafter(draft, draft_runner, k=K, vocab_size=output_vocab_size(target),
+                                     context_window=context_window)
     return ContinuousBatcher(runner, model_drafter, max_rows=MAX_ROWS, slots=K if drafter == "model" else 0,
                              max_seq_len=SEQ, graphs=graphs, graph_backend=backend,
                              scheduling=Scheduling(draft_length=draft_length))
@@ -263,6 +264,34 @@ def test_measured_draft_lengths_under_graphs_keep_greedy_tokens(pair):
     together = _run(batcher, seeded_schedule, extras)
     assert together[0] == alone[0]
     assert {record.k for record in batcher.step_log if 0 in record.emitted} == {2}
+
+
+def test_a_windowed_draft_under_graphs_gives_the_eager_tokens(pair, monkeypatch):
+    """A draft with a 16-token context window (drafters/model_drafter.py) under graphs, fixed k and k by
+    load: greedy tokens equal the whole-context eager batcher's, every page is freed, and with k by load
+    the catch-ups between device steps re-window rows (the captured steps read the moved offsets)."""
+    schedule = [(0, SamplingParams(), 40), (3, SamplingParams(), 30), (5, SamplingParams(), 9),
+                (8, SamplingParams(), 20), (16, SamplingParams(), 10)]
+    expected = _run(_batcher(pair, "cpu", graphs=False), schedule)
+    rewindowed = []
+    rewindow = ModelDrafter._rewindow
+
+    def counting_rewindow(self, meta, rows, seen, ends, shown):
+        left = rewindow(self, meta, rows, seen, ends, shown)
+        rewindowed.append(len(rows) - len(left))
+        return left
+
+    monkeypatch.setattr(ModelDrafter, "_rewindow", counting_rewindow)
+    fixed = _batcher(pair, "cpu", graphs=True, backend=FakeBackend(), context_window=16)
+    assert _run(fixed, schedule) == expected and fixed.graphs_captured > 0
+    _pools_are_free(fixed)
+    controller = LoadGatedK(K, rows=MAX_ROWS, pinned_k=2, lengths=graph_draft_lengths(K, 2))
+    controller.start_calibration()
+    rewindowed.clear()
+    by_load = _batcher(pair, "cpu", graphs=True, backend=FakeBackend(), draft_length=controller, context_window=16)
+    assert _run(by_load, schedule) == expected
+    assert sum(rewindowed) > 0 and {record.k for record in by_load.step_log} >= {0, 2}
+    _pools_are_free(by_load)
 
 
 def _eagle_batchers(device):
