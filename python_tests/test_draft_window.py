@@ -191,8 +191,8 @@ def test_looks_catch_ups_and_steps_of_adaptive_k_keep_the_window(pair, monkeypat
     where = []
     rewindow = ModelDrafter._rewindow
 
-    def recording_rewindow(self, meta, rows, seen, ends, shown):
-        left = rewindow(self, meta, rows, seen, ends, shown)
+    def recording_rewindow(self, meta, rows, *lists):
+        left = rewindow(self, meta, rows, *lists)
         if len(left) < len(rows):
             where.append(len(rows) - len(left))
         return left

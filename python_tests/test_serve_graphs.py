@@ -276,8 +276,8 @@ def test_a_windowed_draft_under_graphs_gives_the_eager_tokens(pair, monkeypatch)
     rewindowed = []
     rewindow = ModelDrafter._rewindow
 
-    def counting_rewindow(self, meta, rows, seen, ends, shown):
-        left = rewindow(self, meta, rows, seen, ends, shown)
+    def counting_rewindow(self, meta, rows, *lists):
+        left = rewindow(self, meta, rows, *lists)
         rewindowed.append(len(rows) - len(left))
         return left
 

@@ -55,21 +55,22 @@ def draft_window_of(model) -> Optional[int]:
     """The context window a draft model declares (``config.specdec_draft_window``), or None (the whole
     context). The bundled draft declares the 256 tokens it was trained on (default_pair)."""
     value = getattr(getattr(model, "config", None), DRAFT_WINDOW_ATTRIBUTE, None)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 2:
-        raise ValueError(f"the draft model's config.{DRAFT_WINDOW_ATTRIBUTE} must be an int >= 2 (the tokens it "
-                         f"was trained on), got {value!r}")
+    return _checked_window(value, f"the draft model's config.{DRAFT_WINDOW_ATTRIBUTE} must be an int >= 2 (the "
+                                  f"tokens it was trained on)")
+
+
+def _checked_window(value, requirement: str) -> Optional[int]:
+    """``value`` (None, or an int >= 2), else ValueError(``requirement``, got value)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 2):
+        raise ValueError(f"{requirement}, got {value!r}")
     return value
 
 
 def window_for(context_window: Optional[int], k: int) -> Optional[int]:
     """The window a drafter of ``k`` drafts keeps (None: none): at least 2 (k + MAX_DRAFT_FEED) tokens, so
     that a re-windowed row (W // 2 tokens) drafts some steps before it needs the next one."""
-    if context_window is None:
+    if _checked_window(context_window, "context_window must be None or an int >= 2") is None:
         return None
-    if isinstance(context_window, bool) or not isinstance(context_window, int) or context_window < 2:
-        raise ValueError(f"context_window must be None or an int >= 2, got {context_window!r}")
     return max(context_window, 2 * (k + MAX_DRAFT_FEED))
 
 
@@ -303,23 +304,24 @@ class ModelDrafter(Drafter):
         self._window_check_in = 0  # (the skipped steps committed more than a step's worth)
         B, cached, seen, ends = self._arrears(meta)
         rows = [b for b in range(B) if ends[b] - 1 > seen[b]]
-        rows = self._rewindow(meta, rows, seen, ends, [0] * B)
+        rows = self._rewindow(meta, rows, cached, seen, ends, [0] * B)
         if rows:
             self._append(rows, [meta.token_buffer[b, seen[b]: ends[b] - 1].tolist() for b in rows], cached, meta)
 
     # ------------------------------------------------------------------ the context window
-    def _rewindow(self, meta: SpecDecodeMetadata, rows: List[int], seen: List[int], ends: List[int],
-                  shown: List[int]) -> List[int]:
+    def _rewindow(self, meta: SpecDecodeMetadata, rows: List[int], cached: List[int], seen: List[int],
+                  ends: List[int], shown: List[int]) -> List[int]:
         """Of ``rows`` about to be fed their committed tokens up to ends[b] - 1 (exclusive; the last
         ``shown[b]`` of them by a look, the others by ``_append``), prefill again those whose cache would
         then leave less than a step's room in the window: with the window_keep committed tokens before
-        ends[b] - 1 (the shown ones excluded: the caller feeds those). ``seen`` is updated for them; returns
-        the rows left to feed as they are."""
+        ends[b] - 1 (the shown ones excluded: the caller feeds those). ``cached``, ``seen`` and ``ends`` are
+        ``_arrears``' lists (a row's offset is seen - cached); ``cached`` and ``seen`` are updated for the
+        rows prefilled again. Returns the rows left to feed as they are."""
         if self.context_window is None or self._probing or not rows:
             return rows
         room = self.slots + MAX_DRAFT_FEED - 1  # what one step can add to a row's cache
-        offsets, active = self._offsets.tolist(), meta.active.tolist()  # (a free or held slot is not active)
-        again = [b for b in rows if active[b] and ends[b] - 1 - offsets[b] + room > self.context_window]
+        active = meta.active.tolist()  # (a free or held slot is not active)
+        again = [b for b in rows if active[b] and ends[b] - 1 - (seen[b] - cached[b]) + room > self.context_window]
         if not again:
             return rows
         # (at least one token before the shown ones: a prompt is never empty)
@@ -330,7 +332,7 @@ class ModelDrafter(Drafter):
         self._offsets[again] = torch.tensor(starts, dtype=torch.int64, device=self._offsets.device)
         self._windowed = True
         for b, start, chunk in zip(again, starts, chunks):
-            seen[b] = start + len(chunk)
+            cached[b], seen[b] = len(chunk), start + len(chunk)
         self._window_check_in = 0
         return [b for b in rows if b not in again]
 
@@ -344,9 +346,9 @@ class ModelDrafter(Drafter):
             self._window_check_in -= 1
             return
         B, cached, seen, ends = self._arrears(meta)
-        self._rewindow(meta, list(range(B)), seen, ends, [0] * B)
-        offsets, active = self._offsets[:B].tolist(), meta.active[:B].tolist()
-        longest = max((ends[b] - offsets[b] for b in range(B) if active[b]), default=0)  # past a cache's start
+        self._rewindow(meta, list(range(B)), cached, seen, ends, [0] * B)
+        active = meta.active[:B].tolist()
+        longest = max((ends[b] - (seen[b] - cached[b]) for b in range(B) if active[b]), default=0)  # past a cache's start
         step = self.slots + 1
         self._window_check_in = max((self.context_window - (self.slots + MAX_DRAFT_FEED - 1) - longest) // step, 0)
 
@@ -361,8 +363,7 @@ class ModelDrafter(Drafter):
         B, cached, seen, ends = self._arrears(meta)
         unseen = [max(ends[b] - 1 - seen[b], 0) for b in range(B)]  # (the pending token is never fed)
         shown = [min(max(int(tokens[b]), 0), unseen[b]) for b in range(B)]
-        self._rewindow(meta, [b for b in range(B) if unseen[b] > 0], seen, ends, shown)
-        cached = self.runner.lengths[:B].tolist()
+        self._rewindow(meta, [b for b in range(B) if unseen[b] > 0], cached, seen, ends, shown)
         early = [b for b in range(B) if ends[b] - 1 - seen[b] > shown[b]]
         if early:
             self._append(early, [meta.token_buffer[b, seen[b]: ends[b] - 1 - shown[b]].tolist() for b in early],
