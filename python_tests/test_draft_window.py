@@ -103,7 +103,11 @@ def test_catch_up_after_a_long_plain_stretch_prefills_the_window_instead_of_the_
         drafter.skip(meta)
         meta.token_buffer[0, meta.seq_lens[0]] = (step * 7) % 60 + 1
         meta.seq_lens[0] += 1
+    appended = []
+    append = drafter._append
+    drafter._append = lambda rows, chunks, *rest: (appended.append(chunks), append(rows, chunks, *rest))
     proposal = drafter.propose(meta).token_ids.clone()
+    assert appended == []  # the arrears were never fed
     committed, offset = _committed(meta), drafter._offsets.tolist()[0]
     assert offset == len(committed) - 1 - WINDOW // 2
     assert drafter.runner.lengths.tolist()[0] == WINDOW // 2 + K  # the window, the pending token, K - 1 drafts
