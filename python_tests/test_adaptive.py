@@ -664,6 +664,59 @@ def test_start_asks_for_the_probes_once_per_target_and_batch_size_and_later_rows
     assert AdaptiveK(4).start(5, target, drafter, probe=False) == ProbeRequest((), ())  # every row finished
 
 
+def test_a_table_made_without_probes_asks_the_next_generation_for_them():
+    """A generation whose rows all finished at the prefill (max_new_tokens=1, an EOS first token) starts with
+    probe=False and leaves the shared cost table without probes: the next generation that runs asks for
+    the verify widths (it used to ask only when it made the table, so every later generation in the
+    process decided on unmeasured verify costs, drafting k_max, and generate() probed a plain step
+    per call)."""
+    target = torch.nn.Linear(1, 1)
+    drafter = ("model", 1)
+    assert AdaptiveK(4).start(2, target, drafter, probe=False) == ProbeRequest((), ())
+    later = AdaptiveK(4)
+    request = later.start(2, target, drafter)
+    assert request == ProbeRequest((1, 2, 3, 4, 5), (1, 2, 3, 4))
+    later.record_probes({t: flat(t) for t in request.verify_widths}, {s: 0.05 * V1 * s for s in request.draft_counts})
+    assert AdaptiveK(4).start(2, target, drafter) == ProbeRequest((), ())  # probed once: shared from then on
+
+
+def test_after_a_generation_that_ended_at_its_prefill_k_auto_still_measures_its_costs(tiny_pair):
+    """Through generate(): a one-token generation first, then one that runs: its controller has measured
+    verify costs (the fit), and generate() needs no plain-step probe of its own."""
+    from specdec_ext import generate
+    from test_generate_utils import one_thread
+    target, draft = tiny_pair
+    ad._SHARED.pop(target, None)
+    with one_thread():
+        first = generate([[1, 2, 3]], target, draft, max_new_tokens=1, eos_token_id=False)
+        assert first.stats.adaptive["verify_time_by_width_s"] is None  # nothing ran, nothing measured
+        later = generate([[1, 2, 3]], target, draft, max_new_tokens=12, eos_token_id=False)
+    widths = later.stats.adaptive["verify_time_by_width_s"]
+    assert widths is not None and all(w > 0 for w in widths)
+    assert later.stats.target_step_time == pytest.approx(widths[0])  # V(1), not a probe of its own
+
+
+def test_no_row_drafts_more_than_it_may_still_emit(tiny_pair):
+    """plan() caps every budget at remaining - 1 (a step emits its accepted drafts and one more; no row
+    may emit more than ``remaining``); through generate(), no step of a short generation is wider than
+    the tokens it had left, and the tokens are still the target's greedy ones."""
+    c = known([[0.99] * 8], flat, 0.01 * V1, plain=V1)
+    assert max(c.plan([True], remaining=500)) == 8
+    assert c.plan([True], remaining=3) == [2]
+    assert c.plan([True], remaining=1) == [0]
+    assert c.plan([True, False], remaining=2) == [1, 0]
+    from specdec_ext import generate
+    from test_generate_utils import hf_greedy, one_thread
+    target, draft = tiny_pair
+    ad._SHARED.pop(target, None)
+    with one_thread():
+        ref = hf_greedy(target, [5, 6, 7], 3)
+        generate([[5, 6, 7]], target, draft, max_new_tokens=12, eos_token_id=False)  # (probes)
+        result = generate([[5, 6, 7]], target, draft, max_new_tokens=3, eos_token_id=False)
+    assert result.token_ids == [ref]
+    assert max(result.stats.adaptive["steps_by_width"]) <= 2  # after the first token, 2 left: a step of 1 draft
+
+
 def test_a_pooled_prior_gives_the_shape_and_deep_positions_follow_the_rows_own_first_position():
     """A generation after high-acceptance ones starts from their pooled acceptance, but on a prompt of low
     acceptance its deep positions follow position 1 at once (in the pool's shape), not the pool's values:

@@ -67,7 +67,8 @@ the AVX2 path the bundled target's pass is flat to t = 2-3 and then rises by 0.6
 line through it put V(3) 25% high, so k="auto" stayed off where drafting 2 tokens ran at 1.2x plain
 (BENCHMARKS.md, "V's knee"). V's points: a start-up probe (target forwards over [B, t] for t in
 {1, 2, 3, 4, k_max+1}, the median of three each, rolled back; asked for once per process for a target
-model and batch size, whose costs the later controllers share), weight 1, and the moving average of
+model and batch size, whose costs the later controllers share: by the first generation that runs, which
+need not be the first one, since a generation that ends at its prefill probes nothing), weight 1, and the moving average of
 every width the loop ran within the last COST_MEMORY_STEPS steps, weight OBSERVED_WEIGHT. The probe
 times the forward only, while a step also verifies and commits: probed points are shifted by the
 running mean of (observed - probed) time at the widths the loop ran. D's points: a start-up probe of
@@ -113,7 +114,9 @@ no time and loses expected tokens (E is increasing), so every active row drafts 
 
     K* = argmax_K  sum_{b active} E_b(K) / time(K)
 
-and a row whose own k_b is 0 rides along at no cost. K* = 0 switches speculation off for the batch
+and a row whose own k_b is 0 rides along at no cost (nor does any row draft more than remaining - 1, the
+tokens left to the longest unfinished row less the one every step emits: drafts past them are never kept,
+while a one-token ending paid a k_max draft and a width k_max + 1 pass). K* = 0 switches speculation off for the batch
 (the drafter is not called; the loop runs a plain chain segment, or a plain one-token step where
 it cannot chain, and plans again after it): this is how the batch-size crossover of the regime map
 shows up, measured rather than hard-coded: as the batch grows, V(t) / V(1) grows (the verify pass
@@ -749,10 +752,19 @@ class AdaptiveK:
     def plan(self, active: Sequence[bool], remaining: Optional[int] = None, prefill: int = 0) -> List[int]:
         """Draft budgets of this step, one per row (0 for finished rows). Host lists only. ``remaining``:
         the most tokens an unfinished row may still emit (None: unbounded); no exploration starts with
-        fewer than the longest exploration interval left (too few to use what it would find).
-        ``prefill``: the tokens the drafter must prefill before it can draft (the loop deferred its
-        prefill; 0: it is ready); speculation then switches on only if the time it saves over the
-        ``remaining`` passes repays that prefill (``record_prefill``'s measured cost per token)."""
+        fewer than the longest exploration interval left (too few to use what it would find), and no row
+        drafts more than remaining - 1 tokens (a step emits at most its accepted drafts and one more, and
+        no row may emit more than ``remaining``: drafts past that are never kept, while the draft and the
+        verify pass pay for them). ``prefill``: the tokens the drafter must prefill before it can draft (the
+        loop deferred its prefill; 0: it is ready); speculation then switches on only if the time it saves
+        over the ``remaining`` passes repays that prefill (``record_prefill``'s measured cost per token)."""
+        budgets = self._choose(active, remaining, prefill)
+        if remaining is not None and max(budgets, default=0) >= remaining:
+            budgets = [min(b, max(remaining - 1, 0)) for b in budgets]
+        return budgets
+
+    def _choose(self, active: Sequence[bool], remaining: Optional[int], prefill: int) -> List[int]:
+        """``plan``'s choice before the cap by ``remaining``."""
         key = tuple(active)
         explore = bool(self.explore_every and (self.explore_k or self.looks)
                        and (remaining is None or remaining >= (LOOK_REMAINING * self.explore_every if self.looks
@@ -1006,8 +1018,10 @@ class AdaptiveK:
         if table is None:
             return ProbeRequest(tuple(self.probe_widths), counts, self.plain_chain) if probe else ProbeRequest((), ())
         costs = table.setdefault(("costs", batch_size, self.k_max), self.costs)
-        fresh = costs is self.costs
         self.costs = costs
+        # (not whether this controller made the table: one made by a generation that finished at its prefill,
+        # probe False, holds no probe, and every later one then ran on unmeasured verify costs)
+        unprobed = bool(np.isnan(costs.probe).all())
         plain = self.plain_chain if math.isnan(costs.plain_probe) else 0  # (an earlier one may not have chained)
         self._memory = table.setdefault(("drafter", batch_size, self.k_max, drafter_key), DrafterMemory())
         if self._memory.draft_per_token is not None:
@@ -1022,7 +1036,7 @@ class AdaptiveK:
             self.draft_probe = self._memory.draft_probe.copy()
         if not probe:
             return ProbeRequest((), ())
-        return ProbeRequest(tuple(self.probe_widths) if fresh else (),
+        return ProbeRequest(tuple(self.probe_widths) if unprobed else (),
                             counts if self._memory.draft_probe is None else (), plain)
 
     def record_probes(self, verify_times: Dict[int, float], draft_times: Dict[int, float],
