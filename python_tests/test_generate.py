@@ -210,18 +210,26 @@ def test_models_load_from_local_paths(text_pair, tmp_path):
 # ---------------------------------------------------------------------------------- stats
 def test_the_cost_models_plain_step_is_k_autos_measurement_where_it_runs(pair, monkeypatch):
     """k="auto" measures a plain step itself (its V(1)): the stats take it instead of timing three more target
-    passes for the caller to wait for; a fixed k still probes."""
-    from specdec_ext import decode
+    passes for the caller to wait for; a fixed k probes, once per PLAIN_STEP_REUSE_S for a target and batch
+    size (every call used to pay the three passes)."""
+    from specdec_ext import probes as probes_module
     from specdec_ext.adaptive import AdaptiveK
 
     _, target, draft = pair
     probes, measured = [], []
-    probe, plain_step_time = decode.probe_target_step, AdaptiveK.plain_step_time
-    monkeypatch.setattr(decode, "probe_target_step", lambda *args: probes.append(1) or probe(*args))
+    probe, plain_step_time = probes_module.probe_target_step, AdaptiveK.plain_step_time
+    monkeypatch.setattr(probes_module, "probe_target_step", lambda *args: probes.append(1) or probe(*args))
     monkeypatch.setattr(AdaptiveK, "plain_step_time", lambda self: measured.append(plain_step_time(self)) or measured[-1])
+    monkeypatch.setattr(probes_module, "_PLAIN_STEPS", __import__("weakref").WeakKeyDictionary())
     stats = generate(PROMPTS, target, draft, max_new_tokens=NEW).stats  # k="auto"
     assert probes == [] and measured[0] and stats.target_step_time == measured[0]
-    assert generate(PROMPTS, target, draft, max_new_tokens=NEW, k=3).stats.target_step_time and probes == [1]
+    first = generate(PROMPTS, target, draft, max_new_tokens=NEW, k=3).stats.target_step_time
+    assert first and probes == [1]
+    assert generate(PROMPTS, target, draft, max_new_tokens=NEW, k=2).stats.target_step_time == first
+    assert probes == [1]  # the recent probe served
+    assert generate(PROMPTS[:1], target, draft, max_new_tokens=NEW, k=3).stats.target_step_time and probes == [1, 1]
+    monkeypatch.setattr(probes_module, "PLAIN_STEP_REUSE_S", 0.0)  # too old: measured again
+    assert generate(PROMPTS, target, draft, max_new_tokens=NEW, k=3).stats.target_step_time and probes == [1, 1, 1]
 
 
 def test_stats_and_cost_model(pair):

@@ -29,7 +29,7 @@ from .drafters import Drafter
 from .metadata import SpecDecodeMetadata, Verdict
 from .plan import DecodePlan
 from .processing import Processing, ProcessingState
-from .probes import probe_costs, probe_plain_chain, probe_target_step
+from .probes import probe_costs, probe_plain_chain, recent_target_step
 from .profiling import nvtx_range
 from .runners import ModelRunner
 from .sampling import SamplingParams
@@ -496,12 +496,13 @@ def decode(target: ModelRunner, drafter: Optional[Drafter], prompts: Sequence[Se
     if adaptive is not None:
         start += start_adaptive(adaptive, target, drafter, meta, timer, running, segments, drafter_prefill)
     if config.cost_probe and drafter is not None and running:
-        # k="auto" measures a plain step already (its V(1) at this batch size): probing again cost every
-        # call three target passes (~9 ms on the bundled pair, one CPU thread) that the caller waited for
+        # k="auto" measures a plain step already (its V(1) at this batch size); else a recent probe of this
+        # target serves (probes.PLAIN_STEP_REUSE_S): probing again cost every call three target passes
+        # (~6-9 ms on the bundled pair, one CPU thread) that the caller waited for
         stats.target_step_time = None if adaptive is None else adaptive.plain_step_time()
         if stats.target_step_time is None:
             probe_start = timer.now()
-            stats.target_step_time = probe_target_step(target, meta, timer)
+            stats.target_step_time = recent_target_step(target, meta, timer)
             start += timer.now() - probe_start  # the probes are not part of the run
     if chains_plain(drafter, config, meta):
         yield from plain_chains(target, meta, rows, stop, stats, timer)

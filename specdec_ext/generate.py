@@ -276,7 +276,8 @@ def generate(prompts, target: ModelSpec = None, draft: ModelSpec = None, *, max_
         tree_verify, ``decode.lossless_verify``); for tests.
     cost_probe : bool
         The cost-model stats' plain step (``GenerationStats.target_step_time``): k="auto"'s own measurement
-        of it, else a few plain target passes timed after prefill.
+        of it, else a few plain target passes timed after prefill (a probe of the same target and batch
+        size from the last minute serves instead, probes.PLAIN_STEP_REUSE_S).
     draft_confidence : float
         A row stops drafting (before k) after a token the draft gives probability below this; it
         saves draft passes that would mostly be rejected. 0 (default) always drafts k. Lossless either way.

@@ -2,6 +2,8 @@
 timed on the caches of the running generation, each rolled back, so the caches are left as they were."""
 from __future__ import annotations
 
+import time
+import weakref
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -14,6 +16,11 @@ from .stats import Timer, median_time
 from .step import sample_plain
 
 COST_PROBE_PASSES = 3  # plain one-token target passes timed after prefill for the cost model
+# A plain step probed this recently for the same target model, batch size and device stands for the next
+# generations' (the cost-model stats only): with a fixed k every generate() call paid COST_PROBE_PASSES
+# target passes (~6 ms on the bundled pair, one CPU thread) that the caller waited for
+PLAIN_STEP_REUSE_S = 60.0
+_PLAIN_STEPS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> {(B, device): (s, when)}
 
 
 def probe_target_step(target: ModelRunner, meta: SpecDecodeMetadata, timer: Timer) -> float:
@@ -32,6 +39,22 @@ def probe_target_step(target: ModelRunner, meta: SpecDecodeMetadata, timer: Time
         target.commit(one)
 
     return median_time(timer, plain_step, lambda: target.truncate(lengths), COST_PROBE_PASSES)
+
+
+def recent_target_step(target: ModelRunner, meta: SpecDecodeMetadata, timer: Timer) -> float:
+    """``probe_target_step``, or the one made for the same target model, batch size and device within the
+    last PLAIN_STEP_REUSE_S seconds (in this process)."""
+    try:
+        table = _PLAIN_STEPS.setdefault(target.model, {})
+    except TypeError:  # (a model that cannot be weakly referenced: probed every time)
+        return probe_target_step(target, meta, timer)
+    key, now = (meta.batch_size, str(meta.device)), time.monotonic()
+    recent = table.get(key)
+    if recent is not None and now - recent[1] < PLAIN_STEP_REUSE_S:
+        return recent[0]
+    seconds = probe_target_step(target, meta, timer)
+    table[key] = (seconds, now)
+    return seconds
 
 
 def probe_costs(target: ModelRunner, drafter: Drafter, meta: SpecDecodeMetadata, request: ProbeRequest,
