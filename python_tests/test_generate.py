@@ -212,6 +212,8 @@ def test_the_cost_models_plain_step_is_k_autos_measurement_where_it_runs(pair, m
     """k="auto" measures a plain step itself (its V(1)): the stats take it instead of timing three more target
     passes for the caller to wait for; a fixed k probes, once per PLAIN_STEP_REUSE_S for a target and batch
     size (every call used to pay the three passes)."""
+    import weakref
+
     from specdec_ext import probes as probes_module
     from specdec_ext.adaptive import AdaptiveK
 
@@ -220,7 +222,7 @@ def test_the_cost_models_plain_step_is_k_autos_measurement_where_it_runs(pair, m
     probe, plain_step_time = probes_module.probe_target_step, AdaptiveK.plain_step_time
     monkeypatch.setattr(probes_module, "probe_target_step", lambda *args: probes.append(1) or probe(*args))
     monkeypatch.setattr(AdaptiveK, "plain_step_time", lambda self: measured.append(plain_step_time(self)) or measured[-1])
-    monkeypatch.setattr(probes_module, "_PLAIN_STEPS", __import__("weakref").WeakKeyDictionary())
+    monkeypatch.setattr(probes_module, "_PLAIN_STEPS", weakref.WeakKeyDictionary())  # (no earlier test's probe)
     stats = generate(PROMPTS, target, draft, max_new_tokens=NEW).stats  # k="auto"
     assert probes == [] and measured[0] and stats.target_step_time == measured[0]
     first = generate(PROMPTS, target, draft, max_new_tokens=NEW, k=3).stats.target_step_time

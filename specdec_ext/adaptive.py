@@ -68,11 +68,11 @@ line through it put V(3) 25% high, so k="auto" stayed off where drafting 2 token
 (BENCHMARKS.md, "V's knee"). V's points: a start-up probe (target forwards over [B, t] for t in
 {1, 2, 3, 4, k_max+1}, the median of three each, rolled back; asked for once per process for a target
 model and batch size, whose costs the later controllers share: by the first generation that runs, which
-need not be the first one, since a generation that ends at its prefill probes nothing), weight 1, and the moving average of
-every width the loop ran within the last COST_MEMORY_STEPS steps, weight OBSERVED_WEIGHT. The probe
-times the forward only, while a step also verifies and commits: probed points are shifted by the
-running mean of (observed - probed) time at the widths the loop ran. D's points: a start-up probe of
-the drafter (draft steps of 1, 2, 3 and k_max tokens, each rolled back; for a drafter whose proposals
+need not be the first one, since a generation that ends at its prefill probes nothing), weight 1, and
+the moving average of every width the loop ran within the last COST_MEMORY_STEPS steps, weight
+OBSERVED_WEIGHT. The probe times the forward only, while a step also verifies and commits: probed points
+are shifted by the running mean of (observed - probed) time at the widths the loop ran. D's points: a
+start-up probe of the drafter (draft steps of 1, 2, 3 and k_max tokens, each rolled back; for a drafter whose proposals
 cost something, i.e. whose ``checkpoint`` gives an undo; once per process for a drafter and batch
 size), weight 1, and the moving average of the draft time per drafted count the loop ran within the
 last COST_MEMORY_STEPS steps (a draft pass right after skipped steps or a plain segment also feeds
@@ -116,8 +116,8 @@ no time and loses expected tokens (E is increasing), so every active row drafts 
 
 and a row whose own k_b is 0 rides along at no cost (nor does any row draft more than remaining - 1, the
 tokens left to the longest unfinished row less the one every step emits: drafts past them are never kept,
-while a one-token ending paid a k_max draft and a width k_max + 1 pass). K* = 0 switches speculation off for the batch
-(the drafter is not called; the loop runs a plain chain segment, or a plain one-token step where
+while a one-token ending paid a k_max draft and a width k_max + 1 pass). K* = 0 switches speculation off
+for the batch (the drafter is not called; the loop runs a plain chain segment, or a plain one-token step where
 it cannot chain, and plans again after it): this is how the batch-size crossover of the regime map
 shows up, measured rather than hard-coded: as the batch grows, V(t) / V(1) grows (the verify pass
 stops being memory-bound) and time(K) outgrows the extra tokens. K* = 0 exactly when plain
