@@ -72,4 +72,11 @@ inline void kv_compact(Tensor& kv_cache, const Tensor& block_tables, const Tenso
   op.call(kv_cache, block_tables, src_positions, dst_start);
 }
 
+inline void commit_tokens(const Tensor& tokens, const Tensor& num_accepted, const Tensor& active, Tensor& token_buffer,
+                          Tensor& seq_lens, Tensor& num_kept, Tensor& next_input) {
+  static auto op = find_op<void(const Tensor&, const Tensor&, const Tensor&, Tensor&, Tensor&, Tensor&, Tensor&)>(
+      "specdec_ext::commit_tokens");
+  op.call(tokens, num_accepted, active, token_buffer, seq_lens, num_kept, next_input);
+}
+
 }  // namespace specdec_test

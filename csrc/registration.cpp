@@ -27,6 +27,9 @@ TORCH_LIBRARY(specdec_ext, m) {
   m.def("kv_write(Tensor key, Tensor value, Tensor slot_mapping, Tensor(a!) kv_cache) -> ()");
   // Per row, move positions src_positions[b, j] to dst_start[b] + j through block_tables.
   m.def("kv_compact(Tensor(a!) kv_cache, Tensor block_tables, Tensor src_positions, Tensor dst_start) -> ()");
+  // A step's emitted tokens into the token buffer: seq_lens, num_kept and the next pending token (csrc/token_buffer.h).
+  m.def("commit_tokens(Tensor tokens, Tensor num_accepted, Tensor active, Tensor(a!) token_buffer, "
+        "Tensor(b!) seq_lens, Tensor(c!) num_kept, Tensor(d!) next_input) -> ()");
   // The lean runner's CPU forward (csrc/lean_forward.h): projections with a fused RMSNorm / residual /
   // SwiGLU epilogue, rotary embedding + cache write, attention of a short query block over the cache,
   // whole decoder layers composed of them in one call, and a greedy draft chain of such passes.

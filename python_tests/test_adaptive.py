@@ -843,7 +843,7 @@ def tiny_pair():
 
 def test_the_model_drafter_after_many_skipped_steps_feeds_committed_tokens_only(tiny_pair):
     """A frozen long row and an active short one: after 22 skipped steps the feed is 24 columns wide,
-    past the long row's tokens into the buffer's scratch column (-1 here); it used to reach the
+    past the long row's tokens to the buffer's last column (-1 here: no token id); it used to reach the
     embedding. The proposals equal those of a drafter prefilled with the committed tokens."""
     from specdec_ext.decode import prefill
     from specdec_ext.drafters import ModelDrafter
@@ -860,7 +860,7 @@ def test_the_model_drafter_after_many_skipped_steps_feeds_committed_tokens_only(
     meta = SpecDecodeMetadata.allocate(batch_size=2, slots=6, max_seq_len=S, sampling=SamplingParams(),
                                        seeds=torch.zeros(2, dtype=torch.int64))
     prefill(target, skipping, prompts, meta)
-    meta.token_buffer[:, -1] = -1  # the scratch column: the commit's masked-out writes
+    meta.token_buffer[:, -1] = -1  # what lies past a row's tokens is no token id
     for step in range(22):  # adaptive k skips the drafter; the target emits one token for row 1 per step
         skipping.skip(meta)
         meta.token_buffer[1, meta.seq_lens[1]] = 10 + step % 40

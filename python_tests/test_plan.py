@@ -31,7 +31,7 @@ def test_explain_names_every_choice_with_its_reason(pair):
     assert choices == ["drafter", "target", "draft", "cuda", "batch", "cache", "capabilities", "sampling"]
     assert plan.adaptive and "k=auto" in text  # k=None: adaptive on the CPU
     assert "lean" in text and "device is cpu" in text and "greedy" in text
-    assert plan.max_seq_len == 5 + 16 + 2 * (plan.slots + 1) + 1
+    assert plan.max_seq_len == 5 + 16 + 2 * (plan.slots + 1)
     seeded = make_plan(target, draft, drafter="model", prompt_lengths=[5], max_new_tokens=16,
                        sampling=SamplingParams(temperature=1.0), seeded=True)
     assert not seeded.adaptive and seeded.slots == FIXED_K and "seed reproduces" in seeded.explain()

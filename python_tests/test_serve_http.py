@@ -229,7 +229,7 @@ BAD_COMPLETIONS = [
      "regex", "not both"),
     ("another model", {"model": "gpt-4"}, 404, "model", "does not exist"),
     ("too long for the cache", {"max_tokens": 1000}, 400, "max_tokens",
-     "needs 1012 cache positions but a row holds 256"),
+     "needs 1011 cache positions but a row holds 256"),
 ]
 
 

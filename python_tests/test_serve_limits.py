@@ -99,7 +99,7 @@ def test_a_request_larger_than_the_page_pool_is_refused_with_the_numbers(server)
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] == "max_tokens"
-    assert "needs 302 cache positions (19 pages of 16) but the cache holds 16 pages" in error["message"]
+    assert "needs 301 cache positions (19 pages of 16) but the cache holds 16 pages" in error["message"]
 
 
 def test_shutdown_finishes_the_requests_in_flight_and_refuses_new_ones(pair):

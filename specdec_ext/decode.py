@@ -34,7 +34,7 @@ from .profiling import nvtx_range
 from .runners import ModelRunner
 from .sampling import SamplingParams
 from .stats import GenerationStats, StepOutcome, Timer
-from .step import StepOptions, Stepper, Verifier, emit, lossless_verify, read_logprobs, sample_plain
+from .step import StepOptions, Stepper, Verifier, append_tokens, emit, lossless_verify, read_logprobs, sample_plain
 from .stops import RowState, StopCriteria, apply_stops
 
 FIRST_DECODE_STEP = 1  # Philox step 0 samples the first token from the prefill logits
@@ -56,7 +56,7 @@ class LoopConfig:
 
     slots: int  # n: draft slots per step (adaptive: k_max; a tree: its nodes; 0: plain decoding)
     sampling: SamplingParams
-    max_seq_len: int  # S: token-buffer positions per row (SCRATCH_COLUMNS included)
+    max_seq_len: int  # S: token-buffer positions per row
     adaptive: Optional[AdaptiveK] = None  # adaptive k's controller (a chain drafter only)
     greedy_chains: bool = False  # the target runner's greedy_chain capability (plan.target_capabilities)
     cost_probe: bool = True  # time a few plain target passes after prefill for the cost-model stats
@@ -243,36 +243,26 @@ def plain_segment(target: ModelRunner, drafter: Optional[Drafter], meta: SpecDec
     n = chain_length(target, rows, stop)
     if n < 1:
         return [], 0
-    kept = [n if a else 0 for a in active]
     lengths = None if all(active) else target.lengths.clone()  # [B]
     chain = torch.empty((B, n + 1), dtype=torch.int64)  # [B, 1 + n]: pending, then n argmaxes
     chain[:, 0] = meta.target_input[:, 0].cpu()  # (the pending tokens)
     target.greedy_chain(chain, n + 1, check_logits=True)
+    meta.active.copy_(torch.tensor(active))
+    append_chain(meta, chain, n)
     if lengths is not None:
-        target.truncate(lengths + torch.tensor(kept, dtype=torch.int64, device=lengths.device))
-    append_chain(meta, chain, kept)
+        target.truncate(lengths + meta.num_kept.to(lengths.device))
     if drafter is not None:
-        meta.active.copy_(torch.tensor(active))
-        meta.num_kept.copy_(torch.tensor(kept, dtype=torch.int64))
         skip_drafter(drafter, meta, n)
     return chain[:, 1:].tolist(), n
 
 
-def append_chain(meta: SpecDecodeMetadata, chain: torch.Tensor, kept: List[int]) -> None:
-    """A plain segment's tokens into the token buffer: row b keeps the first ``kept[b]`` of chain[b, 1:]
-    (host [B, 1 + n]); what ``append_tokens`` does for a step, in a few host-indexed copies (a segment
-    runs between two passes that stream the weights through the caches, where every op call is dear)."""
-    ends = meta.seq_lens.tolist()
-    for b, count in enumerate(kept):
-        if count:
-            meta.token_buffer[b, ends[b]: ends[b] + count] = chain[b, 1: 1 + count].to(meta.device)
-    meta.seq_lens.add_(torch.tensor(kept, dtype=torch.int64, device=meta.device))
-    if all(kept):
-        meta.target_input[:, 0].copy_(chain[:, -1].to(meta.device))
-        return
-    for b, count in enumerate(kept):
-        if count:
-            meta.target_input[b, 0] = chain[b, count].item()
+def append_chain(meta: SpecDecodeMetadata, chain: torch.Tensor, n: int) -> None:
+    """A plain segment's tokens into the token buffer: each active row (``meta.active``) keeps the n
+    argmaxes chain[b, 1:] (host [B, 1 + n]), as ``append_tokens`` keeps a step's (a step that accepted
+    n - 1 drafts), in one op call (a segment runs between two passes that stream the weights through
+    the caches, where every op call is dear: its host-indexed copies cost 0.19 ms a segment)."""
+    meta.num_accepted.fill_(n - 1)
+    append_tokens(meta, chain[:, 1:].to(meta.device), meta.num_accepted)
 
 
 def timed_segment(loop: "LoopState", drafter: Optional[Drafter], adaptive: AdaptiveK,

@@ -35,7 +35,6 @@ from .sampling import SamplingParams
 PHILOX_OFFSET_STRIDE = 2  # Philox counters reserved per step: one for verification, one for drafting
 PHILOX_VERIFY_OFFSET = 0  # the verifier's draws of step s: offset s * stride + 0
 PHILOX_DRAFT_OFFSET = 1  # the drafter's draws of step s: offset s * stride + 1
-SCRATCH_COLUMNS = 1  # token_buffer's last column absorbs the masked-out writes of the commit scatter
 
 
 @dataclass
@@ -71,7 +70,7 @@ class SpecDecodeMetadata:
     sampling: SamplingParams  # the filter, the same for every row (the kernels also take it per row)
 
     # sequence state ------------------------------------------------------------------------------
-    token_buffer: torch.Tensor  # [B, S] int64: prompt, committed tokens, the pending token, a scratch column
+    token_buffer: torch.Tensor  # [B, S] int64: prompt, committed tokens, the pending token
     seq_lens: torch.Tensor  # [B] int64: tokens in token_buffer, the pending token included
     prompt_lens: torch.Tensor  # [B] int64
     active: torch.Tensor  # [B] bool: False once the row has finished (it is then frozen)
@@ -117,7 +116,7 @@ class SpecDecodeMetadata:
     def allocate(cls, *, batch_size: int, slots: int, max_seq_len: int, sampling: SamplingParams,
                  seeds: torch.Tensor, tree: bool = False) -> "SpecDecodeMetadata":
         """Allocate every buffer once on ``seeds``' device; ``seeds`` is [B] int64; ``max_seq_len`` is S
-        (SCRATCH_COLUMNS included)."""
+        (the token buffer's width)."""
         B, n, device = batch_size, slots, seeds.device
         long = dict(dtype=torch.int64, device=device)
         no_drafts = Proposal(token_ids=torch.zeros((B, n), **long), probs=None,

@@ -42,7 +42,6 @@ from . import adaptive as adaptive_k
 from .cuda_graphs import graphs_available
 from .drafters.cross_tokenizer import BY_STEP, GREEDY_THROUGH_TEXT, INTERSECTION
 from .drafters.tree_drafter import tree_num_nodes
-from .metadata import SCRATCH_COLUMNS
 from .distributed import TP_CHECKS
 from .logprobs import check_top_logprobs
 from .processing import Processing
@@ -75,9 +74,8 @@ def bucket_size(batch: int) -> int:
 def required_cache_len(max_prompt_len: int, max_new_tokens: int, slots: int) -> int:
     """Cache positions a row needs. A row commits at most slots + 1 tokens per step, so it ends with at
     most prompt + max_new_tokens + slots committed (the excess is cut on the host); once finished it is
-    frozen but still takes part in each step with slots + 1 tentative tokens. Plus the token buffer's
-    scratch column."""
-    return max_prompt_len + max_new_tokens + 2 * (slots + 1) + SCRATCH_COLUMNS
+    frozen but still takes part in each step with slots + 1 tentative tokens."""
+    return max_prompt_len + max_new_tokens + 2 * (slots + 1)
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from .cuda_graphs import StepGraph
 from .distributed import RankSync
 from .drafters import Drafter
 from .logprobs import host_logprobs, step_logprobs
-from .metadata import SCRATCH_COLUMNS, Proposal, SpecDecodeMetadata, Verdict
+from .metadata import Proposal, SpecDecodeMetadata, Verdict
 from .profiling import nvtx_enabled, nvtx_range
 from .runners import ModelRunner
 from .stats import StepOutcome
@@ -129,38 +129,35 @@ def widen_logits(meta: SpecDecodeMetadata, logits: torch.Tensor) -> torch.Tensor
 
 
 def commit(target: ModelRunner, drafter: Optional[Drafter], meta: SpecDecodeMetadata, verdict: Verdict) -> None:
-    """The target keeps pending + accepted tokens of the active rows (frozen rows keep nothing), the
-    emitted tokens join the token buffer, the drafter rolls back what was rejected."""
-    emitted = verdict.num_accepted.to(torch.int64) + 1  # [B]
-    meta.num_kept.copy_(torch.where(meta.active, emitted, torch.zeros_like(emitted)))
+    """The emitted tokens join the token buffer (``append_tokens``), the target keeps pending + accepted
+    tokens of the active rows (frozen rows keep nothing), the drafter rolls back what was rejected."""
+    append_tokens(meta, verdict.tokens, verdict.num_accepted)
     if verdict.path is None:
         target.commit(meta.num_kept)
     else:  # a tree: keep pending + the accepted path (kv_compact), then roll frozen rows back
         before = target.lengths.clone()  # [B]
         target.commit_tree(verdict.path, verdict.num_accepted)
         target.truncate(before + meta.num_kept.to(before.device))
-    append_tokens(meta, verdict.tokens)
     if drafter is not None:
         drafter.commit(meta, verdict)
 
 
-def append_tokens(meta: SpecDecodeMetadata, tokens: torch.Tensor) -> None:
-    """The first meta.num_kept[b] of tokens [B, w] join row b's token buffer (the rest go to its
-    scratch column); seq_lens += num_kept; the last token of each row is its next pending token."""
-    S = meta.token_buffer.shape[1]
-    columns = torch.arange(tokens.shape[1], device=meta.device)  # [w]
-    write = columns[None, :] < meta.num_kept[:, None]  # [B, w]
-    positions = torch.where(write, meta.seq_lens[:, None] + columns, S - SCRATCH_COLUMNS)  # [B, w]
-    meta.token_buffer.scatter_(1, positions, tokens)
+def append_tokens(meta: SpecDecodeMetadata, tokens: torch.Tensor, num_accepted: torch.Tensor) -> None:
+    """Each active row keeps num_accepted[b] + 1 of tokens [B, w] (meta.num_kept; a frozen row none):
+    they join its token buffer, seq_lens += num_kept, and its last token is its next pending token, in
+    one op call (ops.commit_tokens; the dozen torch calls it replaced cost 0.07 ms a step on the CPU)."""
+    ops.commit_tokens(tokens, num_accepted, meta.active, meta.token_buffer, meta.seq_lens, meta.num_kept,
+                      meta.target_input)
     if meta.processing is not None:
         meta.processing.record(tokens, meta.num_kept)
-    meta.seq_lens.add_(meta.num_kept)
-    meta.target_input[:, :1].copy_(torch.gather(meta.token_buffer, 1, (meta.seq_lens - 1)[:, None]))
 
 
 def read_step(proposal: Proposal, verdict: Verdict) -> Tuple[List[List[int]], List[int], List[int]]:
     """The step's one host read: per row [num_accepted, num_draft, tokens...] ([B, 2 + n+1]), and the
     accepted and drafted counts as lists. Row b emits host[b][2: 3 + num_accepted[b]]."""
+    if verdict.tokens.device.type == "cpu":  # nothing to gather into one copy: three reads, no cat
+        accepted, drafted = verdict.num_accepted.tolist(), proposal.num_draft.tolist()
+        return [[a, d, *t] for a, d, t in zip(accepted, drafted, verdict.tokens.tolist())], accepted, drafted
     host = torch.cat([verdict.num_accepted[:, None].long(), proposal.num_draft[:, None].long(), verdict.tokens],
                      dim=1).tolist()
     return host, [r[0] for r in host], [r[1] for r in host]

@@ -19,5 +19,6 @@ std::string build_tree_mask(const TreeMaskView& view);
 std::string tree_verify(const TreeVerifyView& view);
 std::string kv_write(const KvWriteView& view);
 std::string kv_compact(const KvCompactView& view);
+std::string commit_tokens(const CommitTokensView& view);
 
 }  // namespace specdec::emulated

@@ -1,4 +1,5 @@
-// sample_filtered, residual_probs, philox_uniforms, build_tree_mask, kv_write and kv_compact under the emulator
+// sample_filtered, residual_probs, philox_uniforms, build_tree_mask, kv_write, kv_compact and commit_tokens under the
+// emulator
 // against the CPU ops: bitwise for the ops that copy, count or hash, within fp32 rounding for the
 // residual (a block reduction sums in another order than the CPU loop).
 #include <ATen/CPUGeneratorImpl.h>
@@ -12,6 +13,7 @@
 #include "kv_cache.h"
 #include "op_call.h"
 #include "sampling.h"
+#include "token_buffer.h"
 #include "tree.h"
 
 namespace specdec_test {
@@ -165,6 +167,33 @@ TEST(EmulatedOps, KvCompactMovesAcceptedPathsInOrder) {
     ASSERT_EQ(specdec::emulated::kv_compact(specdec::kv_compact_view(emulated, tables, src, dst)), "");
     EXPECT_TRUE(torch::equal(emulated, cpu));
   }
+}
+
+TEST(EmulatedOps, CommitTokensIsTheCpuCommit) {
+  at::Generator gen = generator(9);
+  const int64_t batch = 300, width = 5, capacity = 12;  // more rows than one block of the kernel's threads
+  // tokens as a column slice of a wider buffer (row stride 7); accepted counts from -2 (a RowStatus) to
+  // width (clamped); every fourth row frozen; lengths up to the capacity (writes past it skipped)
+  const at::Tensor tokens = torch::randint(0, 1000, {batch, width + 2}, gen, torch::kLong).slice(1, 1, 1 + width);
+  const at::Tensor accepted = torch::randint(-2, width + 1, {batch}, gen, torch::kInt);
+  const at::Tensor active = torch::arange(batch) % 4 != 3;
+  const at::Tensor lengths = torch::randint(0, capacity + 1, {batch}, gen, torch::kLong);
+  const at::Tensor buffer = torch::randint(0, 1000, {batch, capacity}, gen, torch::kLong);
+  const at::Tensor next = torch::full({batch, 3}, -5L);
+  at::Tensor cpu_buffer = buffer.clone(), cpu_lengths = lengths.clone(), cpu_kept = torch::full({batch}, -1L);
+  at::Tensor cpu_next = next.clone();
+  commit_tokens(tokens, accepted, active, cpu_buffer, cpu_lengths, cpu_kept, cpu_next);
+  at::Tensor buffer_e = buffer.clone(), lengths_e = lengths.clone(), kept_e = torch::full({batch}, -1L);
+  at::Tensor next_e = next.clone();
+  specdec::check_commit_tokens(tokens, accepted, active, buffer_e, lengths_e, kept_e, next_e);
+  ASSERT_EQ(specdec::emulated::commit_tokens(
+                specdec::commit_tokens_view(tokens, accepted, active, buffer_e, lengths_e, kept_e, next_e)),
+            "");
+  EXPECT_TRUE(torch::equal(buffer_e, cpu_buffer));
+  EXPECT_TRUE(torch::equal(lengths_e, cpu_lengths));
+  EXPECT_TRUE(torch::equal(kept_e, cpu_kept));
+  EXPECT_TRUE(torch::equal(next_e, cpu_next));
+  EXPECT_GT(cpu_kept.sum().item<int64_t>(), batch);  // the case commits something
 }
 
 }  // namespace

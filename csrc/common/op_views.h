@@ -124,4 +124,16 @@ struct KvCompactView {
   int32_t word_bytes;
 };
 
+// commit_tokens (token_buffer.h): the step's emitted tokens into each row's token buffer.
+struct CommitTokensView {
+  const int64_t* tokens;        // [B, w], rows tokens_ld apart
+  const int32_t* num_accepted;  // [B]
+  const bool* active;           // [B]
+  int64_t* token_buffer;        // [B, S] in place
+  int64_t* seq_lens;            // [B] in place
+  int64_t* num_kept;            // [B] out
+  int64_t* next_input;          // [B, *] out (column 0), rows next_input_ld apart
+  int64_t tokens_ld, next_input_ld, batch, width, capacity;
+};
+
 }  // namespace specdec

@@ -208,8 +208,7 @@ class ModelDrafter(Drafter):
             seen = seen + self._offsets[: seen.shape[0]]
         num_feed = meta.seq_lens - seen  # [B], 1..MAX_DRAFT_FEED (catch_up ran after skipped steps)
         columns = self._feed_columns
-        # padding columns repeat the last committed token: past it the buffer holds no token ids (its
-        # scratch column takes the commit's masked-out writes)
+        # padding columns repeat the last committed token: past it the buffer holds no committed ids
         positions = torch.minimum(seen[:, None] + columns, (meta.seq_lens - 1)[:, None])  # [B, W]
         return torch.gather(meta.token_buffer, 1, positions), num_feed
 
