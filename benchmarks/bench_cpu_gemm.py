@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """The projections of one pass of the bundled target (6 layers of q/k/v, o, gate/up, down, and the
-LM head: 44.6 MB of bf16 weights) at M = 1, 4, 9, 16 rows: torch's routes against our fused_linear
+LM head: 44.6 MB of bf16 weights) at M = 1, 4, 9, 16 rows (``--rows``): torch's routes against our fused_linear
 (issue 18). Each route streams its own copy of the weights, routes interleaved, medians; GB/s counts
 the weight bytes once per pass. Copy bandwidth measured in the same run. Results: BENCHMARKS.md."""
 import argparse
@@ -40,6 +40,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--rows", type=lambda text: [int(m) for m in text.split(",")], default=[1, 4, 9, 16],
+                        help="row counts M (a verification pass of k drafts is M = k + 1 rows)")
+    parser.add_argument("--routes", default=None,
+                        help="comma-separated route names to time (default: all), e.g. 'ours fused_linear bf16'")
     args = parser.parse_args()
     import specdec_ext  # noqa: F401  (registers the ops)
 
@@ -48,8 +52,10 @@ def main():
         torch.set_num_threads(threads)
         print(f"threads={threads} load average {os.getloadavg()[0]:.2f} copy bandwidth "
               f"{copy_bandwidth_gbs(torch.device('cpu')):.1f} GB/s; weights {bf16_bytes / 1e6:.1f} MB in bf16")
-        for M in (1, 4, 9, 16):
-            times = median_times(routes(M), torch.device("cpu"), args.repeats, warmup=2)
+        for M in args.rows:
+            chosen = {name: fn for name, fn in routes(M).items()
+                      if args.routes is None or name in args.routes.split(",")}
+            times = median_times(chosen, torch.device("cpu"), args.repeats, warmup=2)
             for name, s in times.items():
                 size = bf16_bytes * (2 if "fp32" in name else 1)
                 print(f"  M={M:2d} {name:28s} {s * 1e3:7.3f} ms {size / s / 1e9:6.1f} GB/s")

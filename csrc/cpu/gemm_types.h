@@ -98,7 +98,8 @@ struct PathTuning {
   bool feature_outer;      // a block's k step runs feature by feature (one weight vector live), else all
                            // kTileN weight vectors first and each activation loaded once
   int wide_tiles;          // tiles of one row from cached weights at once (0: none)
-  bool single_row_by_row;  // a one-row pass of bf16 pairs reads each tile's weight rows one after the other
+  int rows_by_row;         // a pass of bf16 pairs of at most this many rows reads each tile's weight rows one
+                           // after the other (0: none)
   int value_chunks;        // attention: value vectors per query held in registers
 };
 
@@ -111,7 +112,8 @@ using TileFn = void (*)(const GemmActivations&, int64_t, int, const GemmWeight&,
 struct TilePath {
   TileFn tile;        // out[m * kTileN + j] for m < mb <= tile_m, j < nt <= kTileN
   int tile_m;         // the largest row block
-  TileFn single_row;  // the tile of a pass of one row: the same sums, possibly read in another order
+  TileFn few_rows;    // the tile of a pass of at most few_rows_m rows: the same sums, possibly read in
+  int few_rows_m;     // another order (rows_by_row, or 1)
   TileFn wide_row;    // wide_tiles full tiles of one row at once from cached weights (the same sums), or null
   int wide_tiles;
   bool bf16_dot;      // bf16 x bf16 products from bf16 activations (GemmActivations::bf16) where they are given

@@ -154,7 +154,7 @@ inline void gemm_tiles(Isa isa, const GemmActivations& a, int64_t M, const GemmW
   float buffers[kMaxGemmWeights][kMaxTileM * kTileN];
   const float* tiles[kMaxGemmWeights] = {buffers[0], buffers[1]};
   const int64_t N = weights[0].rows;
-  const TileFn tile = M == 1 ? path.single_row : path.tile;
+  const TileFn tile = M <= path.few_rows_m ? path.few_rows : path.tile;
   // The fewest blocks, as even as can be (9 rows: 5 + 4, not 6 + 3): a block of few rows reloads the tile's
   // weights for few products. Which block a row falls in does not change its sum (batch invariance).
   const int64_t blocks = (M + path.tile_m - 1) / path.tile_m;

@@ -24,7 +24,7 @@ struct Avx2Ops : VectorArith<8> {
   // Wide tiles: a cached draft's one-row pass 8 features at once, 0.07 against 0.11-0.18 ms for the bundled
   // draft's whole stack (3 tiles: within noise; 4 spill). Attention's weighted values: 16 dimensions x 4
   // queries in 8 registers. No bf16 pairs here, so nothing to read row by row.
-  static constexpr PathTuning kTuning{.tile_m = 3, .feature_outer = true, .wide_tiles = 2, .single_row_by_row = false,
+  static constexpr PathTuning kTuning{.tile_m = 3, .feature_outer = true, .wide_tiles = 2, .rows_by_row = 0,
                                       .value_chunks = 2};
 
   static F load(const float* p) { return _mm256_loadu_ps(p); }

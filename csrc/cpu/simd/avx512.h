@@ -29,8 +29,11 @@ struct Vec : VectorArith<16> {
   // Wide tiles: a cached draft's one-row pass, 16 features at once: its 8192 x 128 head 38 us against
   // 55 us row by row, its 384 x 128 q/k/v 1.4 against 2.5 us (Zen 4, one thread). A one-row pass of
   // bf16 pairs from memory reads row by row: 1.3 ms for the target's pass against 2.8 ms with the 16
-  // interleaved streams of the wide tile (Zen 4). Attention's weighted values: 64 dimensions at a time.
-  static constexpr PathTuning kTuning{.tile_m = 6, .feature_outer = false, .wide_tiles = 4, .single_row_by_row = true,
+  // interleaved streams of the wide tile (Zen 4); so does a pass of two rows: 42 MB of 2560 x 512 weights
+  // in 1.63-1.83 against 2.05-2.30 ms with the 2-row block's four interleaved streams (1.07-1.19x a one-row
+  // pass against 1.36-1.53x; three rows or more: the blocks, which row by row ran no faster at 3 and 1.1-1.2x
+  // slower at 4; Zen 4, 7 alternated pairs). Attention's weighted values: 64 dimensions at a time.
+  static constexpr PathTuning kTuning{.tile_m = 6, .feature_outer = false, .wide_tiles = 4, .rows_by_row = 2,
                                       .value_chunks = 4};
   static constexpr bool kHasBf16Dot = true;  // (Bf16Dot below)
 

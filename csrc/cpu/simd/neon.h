@@ -20,7 +20,7 @@ struct NeonOps : VectorArith<4> {
   // Not yet measured on an ARM machine: AVX-512's register budget, which NEON's 32 registers share
   // (6 x 4 accumulators, 4 weight vectors and an activation: 29 of 32; 16 accumulators for a cached
   // draft's one-row pass); no bf16 pairs here, so nothing to read row by row.
-  static constexpr PathTuning kTuning{.tile_m = 6, .feature_outer = false, .wide_tiles = 4, .single_row_by_row = false,
+  static constexpr PathTuning kTuning{.tile_m = 6, .feature_outer = false, .wide_tiles = 4, .rows_by_row = 0,
                                       .value_chunks = 4};
 
   static F load(const float* p) { return vld1q_f32(p); }

@@ -38,7 +38,7 @@ struct Vec {
     bool v[kLanes];
   };
 
-  static constexpr PathTuning kTuning{.tile_m = 4, .feature_outer = false, .wide_tiles = 0, .single_row_by_row = false,
+  static constexpr PathTuning kTuning{.tile_m = 4, .feature_outer = false, .wide_tiles = 0, .rows_by_row = 0,
                                       .value_chunks = 1};
   static constexpr bool kHasBf16Dot = false;
   template <DType>
