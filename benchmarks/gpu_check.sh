@@ -100,7 +100,7 @@ elif ! $PY -c "import pytest" 2>/dev/null; then
 else
   phase tests 150 tests.log "$PY" -m pytest -q -p no:cacheprovider -rs \
     "$REPO/python_tests/test_cuda_ops.py" "$REPO/python_tests/test_cuda_tree.py" \
-    "$REPO/python_tests/test_kv_ops.py::test_cuda_matches_cpu" \
+    "$REPO/python_tests/test_kv_ops.py::test_cuda_matches_cpu" "$REPO/python_tests/test_token_buffer.py" \
     "$REPO/python_tests/test_cuda_graphs.py" "$REPO/python_tests/test_serve_graphs.py::test_real_cuda_graphs_give_the_eager_tokens" \
     "$REPO/python_tests/test_serve_graphs.py::test_real_cuda_graphs_with_draft_lengths_by_load_give_the_eager_tokens" \
     "$REPO/python_tests/test_serve_graphs.py::test_real_cuda_graphs_with_an_eagle_head_give_the_eager_tokens" \
