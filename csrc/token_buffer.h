@@ -11,7 +11,7 @@
 //   token_buffer  [B, S] int64 contiguous, in place: row b's tokens at 0 .. seq_lens[b] - 1
 //   seq_lens      [B] int64 contiguous, in place
 //   num_kept      [B] int64 contiguous, out
-//   next_input    [B, T] int64, T >= 1, unit stride along T, out: column 0 only
+//   next_input    [B, T] int64, T >= 1, any strides, out: column 0 only
 // Per row (common/token_commit.h): kept = min(num_accepted + 1, w) if active and num_accepted >= 0,
 // else 0; token_buffer[b, seq_lens[b] + j] = tokens[b, j] for j < kept, positions >= S skipped (never
 // written out of bounds; the caller sizes S); seq_lens[b] += kept; num_kept[b] = kept;

@@ -14,7 +14,7 @@ and ``next_input[b, 0]`` becomes the row's last token ``token_buffer[b, seq_lens
     token_buffer  int64, contiguous, written in place.                                       Shape: [B, S]
     seq_lens      int64, contiguous, advanced in place.                                      Shape: [B]
     num_kept      int64, contiguous, written.                                                Shape: [B]
-    next_input    int64, unit stride along T; column 0 written (the next pending tokens).    Shape: [B, T]
+    next_input    int64, any strides; column 0 written (the next pending tokens).           Shape: [B, T]
 
 ``commit_tokens`` is the registered op (``torch.ops.specdec_ext.commit_tokens.default``), not a Python
 wrapper: it has no defaults to fill and no statuses to raise (its checks raise from C++), and every
