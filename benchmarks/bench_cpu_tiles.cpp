@@ -36,9 +36,11 @@ double thread_seconds() {
 struct Weight {
   std::vector<uint16_t> bits, amx_tiles;  // bf16 [rows, cols]; the same as simd/amx.h's packed tiles
   int64_t rows, cols;
+  std::vector<std::vector<unsigned char>> panels;  // per Isa value: its path's panels for bf16 activations
 
   GemmWeight view(Isa isa) const {
     GemmWeight g{bits.data(), DType::kBF16, rows, cols, cols};
+    g.panels = panels[static_cast<int>(isa)].data();
     if (isa == Isa::kAmxBf16) g.amx_packed = amx_tiles.data();
     return g;
   }
@@ -51,8 +53,16 @@ std::vector<Weight> model(bool draft, std::mt19937& rng) {
   auto add = [&](int64_t n, int64_t k) {
     Weight w{std::vector<uint16_t>(n * k), {}, n, k};
     for (uint16_t& x : w.bits) x = float_to_bf16(normal(rng));
-    w.amx_tiles.resize(amx::packed_elements(w.view(Isa::kPortable)));
-    amx::pack_weight(w.view(Isa::kPortable), w.amx_tiles.data());
+    w.amx_tiles.resize(amx::packed_elements(GemmWeight{w.bits.data(), DType::kBF16, n, k, k}));
+    amx::pack_weight(GemmWeight{w.bits.data(), DType::kBF16, n, k, k}, w.amx_tiles.data());
+    for (Isa isa : {Isa::kPortable, Isa::kAvx2, Isa::kAvx512Bf16, Isa::kAmxBf16, Isa::kNeon}) {
+      const float f = 0.0f;
+      const uint16_t h = 0;
+      const GemmActivations bf16{&f, 0, &h, 0};
+      if (static_cast<int>(w.panels.size()) <= static_cast<int>(isa)) w.panels.resize(static_cast<int>(isa) + 1);
+      if (isa_supported(isa))
+        with_panels(isa, bf16, GemmWeight{w.bits.data(), DType::kBF16, n, k, k}, w.panels[static_cast<int>(isa)]);
+    }
     out.push_back(std::move(w));
   };
   for (int64_t l = 0; l < layers; ++l) add(3 * d, d), add(d, d), add(2 * inter, d), add(d, inter);

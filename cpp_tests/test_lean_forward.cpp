@@ -77,7 +77,9 @@ std::vector<float> run_linear(Isa isa, const std::vector<float>& x, int64_t M, c
   ActivationBuffers buffers;
   const GemmActivations a = prepare_gemm_activations(isa, x.data(), M, K, norm, 1e-5f, bf16, weights_cached, buffers);
   std::vector<float> out = init.empty() ? std::vector<float>(M * w.rows, NAN) : init;
-  GemmWeight ws[2] = {w.weight(), up ? up->weight() : w.weight()};
+  std::vector<unsigned char> panels[2];
+  GemmWeight ws[2] = {with_panels(isa, a, w.weight(), panels[0]),
+                      with_panels(isa, a, up ? up->weight() : w.weight(), panels[1])};
   LinearOutput os[2] = {{out.data(), w.rows, nullptr}, {nullptr, 0, nullptr}};
   const int count = epilogue == LinearEpilogue::kSwiGLU ? 2 : 1;
   fused_linear_range(isa, a, M, epilogue, ws, os, count, 0, fused_linear_num_tiles(epilogue, ws, count), weights_cached);

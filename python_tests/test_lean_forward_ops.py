@@ -119,7 +119,7 @@ def test_fused_linear_rows_are_batch_invariant(isa, dtype):
 
 
 def test_fused_linear_follows_its_weights_changes_views_and_reuse(isa):
-    # (amxbf16 reads a packed copy of a bf16 weight, kept per storage: csrc/cpu/amx_packed_weights.h)
+    # (every path reads a packed copy of a weight, kept per storage and layout: csrc/cpu/packed_weights.h)
     rng = np.random.default_rng(12)
     x = torch.tensor(rng.standard_normal((3, 64)), dtype=torch.float32)
     base = _weights(rng, [(80, 64)], torch.bfloat16)[0]

@@ -78,7 +78,9 @@ std::vector<float> linear(Isa isa, const std::vector<float>& x, int64_t M, const
   ActivationBuffers buffers;
   const GemmActivations a = prepare_gemm_activations(isa, x.data(), M, K, nullptr, 0.0f, bf16, cached, buffers);
   std::vector<float> out(M * N, 0.0f);
-  GemmWeight ws[2] = {w.view(), up != nullptr ? up->view() : w.view()};
+  std::vector<unsigned char> panels[2];
+  GemmWeight ws[2] = {with_panels(isa, a, w.view(), panels[0]),
+                      with_panels(isa, a, up != nullptr ? up->view() : w.view(), panels[1])};
   LinearOutput os[2] = {{out.data(), N, nullptr}, {out.data(), N, nullptr}};
   const LinearEpilogue mode = up != nullptr ? LinearEpilogue::kSwiGLU : LinearEpilogue::kStore;
   const int count = up != nullptr ? 2 : 1;

@@ -31,13 +31,14 @@ inline int64_t fused_linear_num_tiles(LinearEpilogue epilogue, const GemmWeight*
 
 inline float bias_at(const LinearOutput& out, int64_t n) { return out.bias != nullptr ? out.bias[n] : 0.0f; }
 
-// The epilogue of one output: the dot product plus the bias, stored or added.
+// The epilogue of a block's outputs (features n0 .. n0 + nt - 1 of rows m0 .. m0 + mb - 1, row m's sums at
+// parts + m * ld): the sums plus the bias, stored or added.
 template <bool kAdd, bool kBias>
-inline void store_rows(const LinearOutput& o, int64_t m0, int mb, int64_t n0, int nt, const float* tile) {
+inline void store_rows(const LinearOutput& o, int64_t m0, int mb, int64_t n0, int nt, const float* parts, int64_t ld) {
   for (int m = 0; m < mb; ++m) {
     float* dst = o.data + (m0 + m) * o.ld + n0;
-    const float* src = tile + m * kTileN;
-    auto put = [&](int j) {
+    const float* src = parts + m * ld;
+    for (int j = 0; j < nt; ++j) {
       float v = src[j];
       if constexpr (kBias) v += o.bias[n0 + j];
       if constexpr (kAdd) {
@@ -45,11 +46,6 @@ inline void store_rows(const LinearOutput& o, int64_t m0, int mb, int64_t n0, in
       } else {
         dst[j] = v;
       }
-    };
-    if (nt == kTileN) {  // a constant trip count in the common case: it vectorises
-      for (int j = 0; j < kTileN; ++j) put(j);
-    } else {
-      for (int j = 0; j < nt; ++j) put(j);
     }
   }
 }
@@ -58,8 +54,8 @@ template <bool kAdd, bool kBias>
 inline void linear_tiles(Isa isa, const GemmActivations& a, int64_t M, const GemmWeight& w, const LinearOutput& o,
                          int64_t begin, int64_t end, bool weights_cached) {
   gemm_tiles(isa, a, M, &w, 1, begin, end, weights_cached,
-             [&](int64_t m0, int mb, int64_t n0, int nt, const float* const* tiles) {
-               store_rows<kAdd, kBias>(o, m0, mb, n0, nt, tiles[0]);
+             [&](int64_t m0, int mb, int64_t n0, int nt, const float* const* parts, int64_t ld) {
+               store_rows<kAdd, kBias>(o, m0, mb, n0, nt, parts[0], ld);
              });
 }
 
@@ -71,22 +67,18 @@ inline void fused_linear_range(Isa isa, const GemmActivations& a, int64_t M, Lin
     const LinearOutput& gate = outs[0];
     const LinearOutput& up = outs[1];
     float* out = outs[0].data;
-    const int64_t ld = outs[0].ld;
+    const int64_t ldo = outs[0].ld;
     gemm_tiles(isa, a, M, weights, 2, begin, end, weights_cached,
-               [&](int64_t m0, int mb, int64_t n0, int nt, const float* const* tiles) {
+               [&](int64_t m0, int mb, int64_t n0, int nt, const float* const* parts, int64_t ld) {
                  for (int m = 0; m < mb; ++m) {
-                   float* dst = out + (m0 + m) * ld + n0;
-                   auto put = [&](int j) {
-                     const float g = tiles[0][m * kTileN + j] + bias_at(gate, n0 + j);
-                     const float u = tiles[1][m * kTileN + j] + bias_at(up, n0 + j);
-                     dst[j] = silu(g) * u;
-                   };
-                   if (nt == kTileN) {
-                     swiglu4(tiles[0] + m * kTileN, gate.bias != nullptr ? gate.bias + n0 : nullptr,
-                             tiles[1] + m * kTileN, up.bias != nullptr ? up.bias + n0 : nullptr, dst);
-                   } else {
-                     for (int j = 0; j < nt; ++j) put(j);
-                   }
+                   float* dst = out + (m0 + m) * ldo + n0;
+                   const float* g = parts[0] + m * ld;
+                   const float* u = parts[1] + m * ld;
+                   int j = 0;
+                   for (; j + 4 <= nt; j += 4)
+                     swiglu4(g + j, gate.bias != nullptr ? gate.bias + n0 + j : nullptr, u + j,
+                             up.bias != nullptr ? up.bias + n0 + j : nullptr, dst + j);
+                   for (; j < nt; ++j) dst[j] = silu(g[j] + bias_at(gate, n0 + j)) * (u[j] + bias_at(up, n0 + j));
                  }
                });
     return;

@@ -17,10 +17,10 @@
 #include <vector>
 
 #include "../lean_forward.h"
-#include "amx_packed_weights.h"
 #include "attention.h"
 #include "fused_linear.h"
 #include "isa.h"
+#include "packed_weights.h"
 #include "rope_cache.h"
 
 namespace specdec::cpu {
@@ -91,15 +91,22 @@ void linear_on(Isa isa, const at::Tensor& x, const c10::optional<at::Tensor>& no
   std::vector<GemmWeight> many_w(many ? count : 0);
   std::vector<LinearOutput> many_o(many ? count : 0);
   std::vector<at::Tensor> bias32(biases.size() > 0 ? count : 0);  // biases in fp32, converted once per call
-  c10::SmallVector<at::Tensor, kMaxGemmWeights + 1> packed(a.vnni != nullptr ? count : 0);  // (held for the call)
+  c10::SmallVector<at::Tensor, 2 * (kMaxGemmWeights + 1)> packed(2 * count);  // (held for the call)
   GemmWeight* ws = many ? many_w.data() : w;
   LinearOutput* os = many ? many_o.data() : o;
+  const TilePath path = tile_path(isa);
   for (int i = 0; i < count; ++i) {
     const at::Tensor& wi = weights[i];
     ws[i] = {wi.data_ptr(), dtype_of(wi), wi.size(0), wi.size(1), wi.stride(0)};
-    if (!packed.empty() && amx::takes_route(a, ws[i]) && amx::full_groups(ws[i]) > 0) {
-      packed[i] = amx_packed_weight(wi);
-      ws[i].amx_packed = static_cast<const uint16_t*>(packed[i].data_ptr());
+    bool amx_whole = false;  // the AMX tiles cover every feature: no panels needed
+    if (a.vnni != nullptr && amx::takes_route(a, ws[i]) && amx::full_groups(ws[i]) > 0) {
+      packed[2 * i] = amx_packed_weight(wi);
+      ws[i].amx_packed = static_cast<const uint16_t*>(packed[2 * i].data_ptr());
+      amx_whole = ws[i].rows % amx::kGroup == 0;
+    }
+    if (!amx_whole) {
+      packed[2 * i + 1] = panel_packed_weight(wi, path.layout(ws[i].type, a.bf16 != nullptr));
+      ws[i].panels = packed[2 * i + 1].data_ptr();
     }
     const at::Tensor& out = outs[mode == LinearEpilogue::kSwiGLU ? 0 : i];
     const bool has_bias = biases.size() > 0 && biases.get(i).has_value();
@@ -107,10 +114,11 @@ void linear_on(Isa isa, const at::Tensor& x, const c10::optional<at::Tensor>& no
     os[i] = {out.data_ptr<float>(), out.size(1), has_bias ? bias32[i].data_ptr<float>() : nullptr};
   }
   const int64_t total = fused_linear_num_tiles(mode, ws, count);
-  // 16 tiles = 64 weight rows per chunk: long enough streams for the prefetchers, short enough to balance.
+  // A group of panels per chunk (64 features): the kernels compute whole groups, so a chunk that cut one
+  // would compute it twice.
   int64_t bytes = 0;
   for (int i = 0; i < count; ++i) bytes += ws[i].rows * ws[i].cols * (ws[i].type == DType::kF32 ? 4 : 2);
-  parallel_chunks(total, 16, bytes * M, [&](int64_t begin, int64_t end) {
+  parallel_chunks(total, kMaxGroupFeatures / kTileN, bytes * M, [&](int64_t begin, int64_t end) {
     fused_linear_range(isa, a, M, mode, ws, os, count, begin, end, weights_cached);
   });
 }

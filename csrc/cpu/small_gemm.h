@@ -1,6 +1,6 @@
-// The small-M GEMM driver: prepares the activations once per call (optional RMSNorm, optional
-// rounding to bf16) and runs one instruction-set path's tiles over a range of output tiles, handing
-// each finished block to an epilogue. No torch: threads and tensors are the caller's (lean_forward.cpp).
+// The GEMM driver: prepares the activations once per call (optional RMSNorm, optional rounding to bf16)
+// and runs one instruction-set path's kernel over a range of output tiles, handing each finished block
+// to an epilogue. No torch: threads and tensors are the caller's (lean_forward.cpp).
 #pragma once
 #include <algorithm>
 #include <cmath>
@@ -92,6 +92,16 @@ inline GemmActivations prepare_gemm_activations(Isa isa, const float* x, int64_t
   return {b.a32.data(), K, pairs ? b.a16.data() : nullptr, K, amx ? b.vnni.data() : nullptr};
 }
 
+// w with its panels for path `isa` and these activations, packed into `storage`: for the callers that
+// hold no packed copies of their own (packed_weights.h), the kernel tests and benchmarks.
+inline GemmWeight with_panels(Isa isa, const GemmActivations& a, GemmWeight w, std::vector<unsigned char>& storage) {
+  const PanelLayout layout = tile_path(isa).layout(w.type, a.bf16 != nullptr);
+  storage.resize(packed_panel_bytes(w, layout));
+  pack_panels(w, layout, storage.data());
+  w.panels = storage.data();
+  return w;
+}
+
 constexpr int kMaxGemmWeights = 2;
 
 inline int64_t num_tiles(int64_t rows) { return (rows + kTileN - 1) / kTileN; }
@@ -126,7 +136,7 @@ inline int64_t amx_gemm_tiles(const GemmActivations& a, int64_t M, const GemmWei
             for (int m = 0; m < mb; ++m)
               for (int j = 0; j < kTileN; ++j) parts[i][m * kTileN + j] = group[j * mb + m];
           }
-          epilogue(m0, mb, t * kTileN, kTileN, tiles);
+          epilogue(m0, mb, t * kTileN, kTileN, tiles, kTileN);
         }
     }
   }
@@ -135,15 +145,17 @@ inline int64_t amx_gemm_tiles(const GemmActivations& a, int64_t M, const GemmWei
 }
 #endif
 
-// For every output tile t in [tile_begin, tile_end) (features t*kTileN ..) and every row block:
-// tiles[i][m * kTileN + j] = sum_k A[m0 + m, k] * weights[i][n0 + j, k] for the `count` weights
-// (which share their shapes, e.g. the gate and up projections), then epilogue(m0, mb, n0, nt, tiles).
-// weights_cached: the weights sit in cache (a small draft model's, read pass after pass), so a one-row
-// pass takes them path.wide_tiles tiles at a time (TilePath::wide_row) rather than streaming them row by row.
-// On amxbf16 a streamed bf16 weight's full 16-feature groups take amx_gemm_tiles, whatever M.
+// For the output tiles [tile_begin, tile_end) (features t*kTileN ..) and every row block:
+// parts[i][m * ld + j] = sum_k A[m0 + m, k] * weights[i][n0 + j, k] for the `count` weights (which share
+// their shapes, e.g. the gate and up projections), then epilogue(m0, mb, n0, nt, parts, ld), for the range's
+// features of one block of panels at a time (a block the range cuts is computed whole; the threads split
+// at whole blocks). weights_cached: the weights sit in cache (a small draft model's, read pass after pass):
+// on amxbf16 a streamed bf16 weight's full 16-feature groups take amx_gemm_tiles, whatever M; the rest
+// read the weights' panels (GemmWeight::panels, in path.layout).
 template <typename Epilogue>
 inline void gemm_tiles(Isa isa, const GemmActivations& a, int64_t M, const GemmWeight* weights, int count,
-                       int64_t tile_begin, int64_t tile_end, bool weights_cached, Epilogue&& epilogue) {
+                       int64_t tile_begin, int64_t tile_end, [[maybe_unused]] bool weights_cached,
+                       Epilogue&& epilogue) {
 #if SPECDEC_HAVE_X86_PATHS
   if (isa == Isa::kAmxBf16 && !weights_cached && amx::takes_route(a, weights[0])) {
     tile_begin = amx_gemm_tiles(a, M, weights, count, tile_begin, tile_end, epilogue);
@@ -151,33 +163,21 @@ inline void gemm_tiles(Isa isa, const GemmActivations& a, int64_t M, const GemmW
   }
 #endif
   const TilePath path = tile_path(isa);
-  float buffers[kMaxGemmWeights][kMaxTileM * kTileN];
-  const float* tiles[kMaxGemmWeights] = {buffers[0], buffers[1]};
+  const int64_t group = int64_t{path.group} * path.lanes;  // features per block
+  float buffers[kMaxGemmWeights][kMaxPanelRows * kMaxGroupFeatures];
   const int64_t N = weights[0].rows;
-  const TileFn tile = M <= path.few_rows_m ? path.few_rows : path.tile;
-  // The fewest blocks, as even as can be (9 rows: 5 + 4, not 6 + 3): a block of few rows reloads the tile's
-  // weights for few products. Which block a row falls in does not change its sum (batch invariance).
-  const int64_t blocks = (M + path.tile_m - 1) / path.tile_m;
+  const int64_t begin = tile_begin * kTileN, end = std::min(tile_end * kTileN, N);
+  // The fewest row blocks, as even as can be (9 rows: 5 + 4, not 6 + 3): a block of few rows reloads the
+  // panels for few products. Which block a row falls in does not change its sum (batch invariance).
+  const int64_t blocks = (M + path.panel_rows - 1) / path.panel_rows;
   const int64_t block = (M + blocks - 1) / blocks;
-  int64_t t = tile_begin;
-  if (M == 1 && weights_cached && path.wide_row != nullptr) {
-    const int wide_tiles = path.wide_tiles;
-    float wide[kMaxGemmWeights][kMaxWideTiles * kTileN];
-    for (; t + wide_tiles <= tile_end && (t + wide_tiles) * kTileN <= N; t += wide_tiles) {
-      for (int i = 0; i < count; ++i) path.wide_row(a, 0, 1, weights[i], t * kTileN, wide_tiles * kTileN, wide[i]);
-      for (int u = 0; u < wide_tiles; ++u) {
-        const float* parts[kMaxGemmWeights] = {wide[0] + u * kTileN, wide[1] + u * kTileN};
-        epilogue(0, 1, (t + u) * kTileN, kTileN, parts);
-      }
-    }
-  }
-  for (; t < tile_end; ++t) {
-    const int64_t n0 = t * kTileN;
-    const int nt = static_cast<int>(N - n0 < kTileN ? N - n0 : kTileN);
+  for (int64_t g = begin / group; g * group < end; ++g) {
+    const int64_t n0 = std::max(begin, g * group), n1 = std::min(end, (g + 1) * group);
+    const float* parts[kMaxGemmWeights] = {buffers[0] + (n0 - g * group), buffers[1] + (n0 - g * group)};
     for (int64_t m0 = 0; m0 < M; m0 += block) {
       const int mb = static_cast<int>(M - m0 < block ? M - m0 : block);
-      for (int i = 0; i < count; ++i) tile(a, m0, mb, weights[i], n0, nt, buffers[i]);
-      epilogue(m0, mb, n0, nt, tiles);
+      for (int i = 0; i < count; ++i) path.panels(a, m0, mb, weights[i], g * path.group, buffers[i], group);
+      epilogue(m0, mb, n0, static_cast<int>(n1 - n0), parts, group);
     }
   }
 }

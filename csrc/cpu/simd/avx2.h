@@ -16,17 +16,13 @@ namespace specdec::cpu::avx2 {
 #include "vec_arith.inc"
 
 struct Avx2Ops : VectorArith<8> {
-  // Measured with the bundled target's projections (bf16, one thread, forced on a Zen 4; medians of
-  // interleaved runs on a busy VM, so +-15%): 3 rows x 4 features feature by feature, 12 accumulators
-  // and one widened weight vector in the 16 registers, the activations read from L1 as FMA operands,
-  // against the former 2-row blocks: 9 rows 5.6-6.0 against 7.7-10.1 ms a pass, 16 rows 9.8-12.4
-  // against 13.4-14.0, 3 rows 2.6-3.4 against 4.1-4.6; 4-row blocks spill an accumulator.
-  // Wide tiles: a cached draft's one-row pass 8 features at once, 0.07 against 0.11-0.18 ms for the bundled
-  // draft's whole stack (3 tiles: within noise; 4 spill). Attention's weighted values: 16 dimensions x 4
-  // queries in 8 registers. No bf16 pairs here, so nothing to read row by row.
-  static constexpr PathTuning kTuning{.tile_m = 3, .feature_outer = true, .wide_tiles = 2, .rows_by_row = 0,
-                                      .value_chunks = 2};
+  // 4 rows x 2 panels of 8 features: 8 accumulators, a bf16 pair's 4 widened weight vectors and an
+  // activation pair in the 16 registers; one row 8 panels, two rows 4. On a Zen 1 (AVX2 only) against the
+  // former row-major tiles: BENCHMARKS.md, "Panels". Attention's weighted values: 16 dimensions x 4
+  // queries in 8 registers.
+  static constexpr PathTuning kTuning{.panel_rows = 4, .block_panels = {8, 4, 2, 2}, .value_chunks = 2};
 
+  static constexpr int kRegisters = 16;
   static F load(const float* p) { return _mm256_loadu_ps(p); }
   // kLanes 16-bit floats, widened to fp32: bf16 by a shift, fp16 by F16C.
   template <DType kT>

@@ -22,19 +22,13 @@ struct Vec : VectorArith<16> {
   using F = __m512;
   using Mask = __mmask16;
 
-  // 6 rows, not 4: a verification pass of 5 or 9 rows was two or three blocks, the last of a single row
-  // (4 + 1, 4 + 4 + 1), which loads a weight vector per product; as one or two blocks (5, 5 + 4) the
-  // projections of the bundled target's pass ran 1.08x and 1.12x faster (12 interleaved pairs on a
-  // Zen 4, BENCHMARKS.md). 6 x 4 accumulators, 4 weight vectors and an activation: 29 of 32 registers.
-  // Wide tiles: a cached draft's one-row pass, 16 features at once: its 8192 x 128 head 38 us against
-  // 55 us row by row, its 384 x 128 q/k/v 1.4 against 2.5 us (Zen 4, one thread). A one-row pass of
-  // bf16 pairs from memory reads row by row: 1.3 ms for the target's pass against 2.8 ms with the 16
-  // interleaved streams of the wide tile (Zen 4); so does a pass of two rows: 42 MB of 2560 x 512 weights
-  // in 1.63-1.83 against 2.05-2.30 ms with the 2-row block's four interleaved streams (1.07-1.19x a one-row
-  // pass against 1.36-1.53x; three rows or more: the blocks, which row by row ran no faster at 3 and 1.1-1.2x
-  // slower at 4; Zen 4, 7 alternated pairs). Attention's weighted values: 64 dimensions at a time.
-  static constexpr PathTuning kTuning{.tile_m = 6, .feature_outer = false, .wide_tiles = 4, .rows_by_row = 2,
-                                      .value_chunks = 4};
+  // 6 rows x 4 panels of 16 features (a group): 24 accumulators, 4 weight vectors and an activation
+  // broadcast, 29 of 32 registers. Against the former row-major tiles on a Zen 4, one thread
+  // (BENCHMARKS.md, "Panels"): the draft's 128-token prefill 1.6x, the target's 150-token prefill 1.4x, the
+  // target's projections 1.1-1.3x at 5-16 rows, within noise at 1-3. Attention's weighted values: 64
+  // dimensions at a time.
+  static constexpr PathTuning kTuning{.panel_rows = 6, .block_panels = {4, 4, 4, 4, 4, 4}, .value_chunks = 4};
+  static constexpr int kRegisters = 32;
   static constexpr bool kHasBf16Dot = true;  // (Bf16Dot below)
 
   static Mask mask(int64_t valid) {
@@ -79,23 +73,27 @@ struct Vec : VectorArith<16> {
   }
 
 
-  // bf16 x bf16 (bf16 weights, activations given as bf16): VDPBF16PS, 32 products per instruction,
-  // exact, accumulated in fp32.
+  // bf16 x bf16 (bf16 weights, activations given as bf16): VDPBF16PS, 32 products per instruction (a
+  // pair of k for each of 16 features), exact, accumulated in fp32.
   template <DType>
   struct Bf16Dot {
-    static constexpr int kStep = 32;
-    static constexpr int64_t kWeightBytes = 2;
-    static constexpr bool kPairs = true;
+    static constexpr int kPair = 2;
+    static constexpr int kWeightBytes = 2;
+    static constexpr int kVectors = 1;  // vectors per A and per W
     using A = __m512bh;
     using W = __m512bh;
     static const void* activations(const GemmActivations& a, int64_t m) { return a.bf16 + m * a.ld_bf16; }
-    static __mmask32 tail(int n) { return static_cast<__mmask32>((1ull << n) - 1ull); }
-    static A act(const void* x, int64_t k) { return (A)_mm512_loadu_si512(static_cast<const uint16_t*>(x) + k); }
-    static A act_tail(const void* x, int64_t k, int n) {
-      return (A)_mm512_maskz_loadu_epi16(tail(n), static_cast<const uint16_t*>(x) + k);
+    // The pair of activations of step s in every lane (their 32 bits: the k-th in the low half).
+    static A broadcast(const void* x, int64_t s) {
+      int32_t pair;
+      std::memcpy(&pair, static_cast<const uint16_t*>(x) + 2 * s, sizeof(pair));
+      return (A)_mm512_set1_epi32(pair);
     }
-    static W weight(const void* row, int64_t k) { return act(row, k); }
-    static W weight_tail(const void* row, int64_t k, int n) { return act_tail(row, k, n); }
+    // ... of the last step of an odd K: its one activation and a zero (nothing is read past K).
+    static A broadcast_last(const void* x, int64_t s, int64_t) {
+      return (A)_mm512_set1_epi32(static_cast<int32_t>(static_cast<const uint16_t*>(x)[2 * s]));
+    }
+    static W panel(const void* p, int64_t s) { return (W)_mm512_loadu_si512(static_cast<const uint16_t*>(p) + 32 * s); }
     static F madd(F acc, A a, W w) { return _mm512_dpbf16_ps(acc, a, w); }
   };
 };

@@ -18,11 +18,11 @@ namespace specdec::cpu::neon {
 
 struct NeonOps : VectorArith<4> {
   // Not yet measured on an ARM machine: AVX-512's register budget, which NEON's 32 registers share
-  // (6 x 4 accumulators, 4 weight vectors and an activation: 29 of 32; 16 accumulators for a cached
-  // draft's one-row pass); no bf16 pairs here, so nothing to read row by row.
-  static constexpr PathTuning kTuning{.tile_m = 6, .feature_outer = false, .wide_tiles = 4, .rows_by_row = 0,
-                                      .value_chunks = 4};
+  // (6 rows x 4 panels of 4 features: 24 accumulators, 4 weight vectors and an activation, 29 of 32; with
+  // bf16 weights widened in pairs a 6-row block computes 2 panels at a time: gemm_impl.inc, block_panels).
+  static constexpr PathTuning kTuning{.panel_rows = 6, .block_panels = {8, 8, 4, 4, 4, 4}, .value_chunks = 4};
 
+  static constexpr int kRegisters = 32;
   static F load(const float* p) { return vld1q_f32(p); }
   // kLanes 16-bit floats, widened to fp32: bf16 by a shift, fp16 by FCVTL.
   template <DType kT>

@@ -11,7 +11,9 @@
 //   kHasBf16Dot, Bf16Dot  a bf16-pair dot product (a Dot, gemm_impl.inc), or false / void
 // The paths over GCC vector types take the lane-wise arithmetic from VectorArith (vec_arith.inc), and
 // those without masked 16-bit loads their partial vectors from WithBufferedTails.
+//   kRegisters            the vector registers the path has (what the GEMM's blocks may hold)
 //   zero, set1, load(p[, mask]), load_widen<DType>(base, i[, mask]) (fp32/bf16/fp16 to fp32),
+//   load_bf16_pairs(p, first, second) (kLanes pairs of bf16 to fp32: the first of each pair, the second),
 //   store(p, v[, mask]), first(v, mask) (lanes past the mask zeroed)
 //   add, sub, mul, div, fma(a, b, c) = a * b + c (one rounding), max(a, b) (b where either is NaN),
 //   greater_equal (false for NaN), select(c, a, b), pow2(n) (2^n for integral n in [-126, 127])
@@ -30,6 +32,7 @@ namespace specdec::cpu::portable {
 
 struct Vec {
   static constexpr int kLanes = 16;
+  static constexpr int kRegisters = 32;  // (arrays: the compiler's to place)
   struct F {
     float v[kLanes];
   };
@@ -38,8 +41,7 @@ struct Vec {
     bool v[kLanes];
   };
 
-  static constexpr PathTuning kTuning{.tile_m = 4, .feature_outer = false, .wide_tiles = 0, .rows_by_row = 0,
-                                      .value_chunks = 1};
+  static constexpr PathTuning kTuning{.panel_rows = 4, .block_panels = {4, 2, 1, 1}, .value_chunks = 1};
   static constexpr bool kHasBf16Dot = false;
   template <DType>
   using Bf16Dot = void;
@@ -58,6 +60,10 @@ struct Vec {
   template <DType kT>
   static F load_widen(const void* base, int64_t i, Mask m = kLanes) {
     return each([&](int l) { return l < m ? load_as_float<kT>(base, i + l) : 0.0f; });
+  }
+  static void load_bf16_pairs(const uint16_t* p, F& first, F& second) {
+    first = each([&](int l) { return bf16_to_float(p[2 * l]); });
+    second = each([&](int l) { return bf16_to_float(p[2 * l + 1]); });
   }
   static void store(float* p, F x, Mask m = kLanes) {
     for (int l = 0; l < m; ++l) p[l] = x.v[l];

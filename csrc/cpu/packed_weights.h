@@ -1,0 +1,25 @@
+// The packed copies of the weights that the CPU kernels read (gemm_types.h): every path's panels, and on
+// amxbf16 the AMX tiles of the weights it streams from memory (simd/amx.h: pack_weight). Packed on a
+// weight's first use and kept while it lives and is unchanged: the lean runner's models hand the ops
+// the HF model's own tensors at every call. It costs a second copy of the weights.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include "gemm_types.h"
+
+namespace specdec::cpu {
+
+// The packed copy of `weight` ([N, K] of fp32, bf16 or fp16, row stride weight.stride(0)) in `layout`,
+// shared by every tensor over the same storage, offset and shape (a parameter and its detach()ed
+// copies): packed on first use, again when the data pointer or the version counter has changed, dropped
+// once the storage is freed. As the Python side's cached_cast: a write the version counter does not see
+// (through `.data`, or inside inference mode) leaves the copy stale. Thread safe; the returned tensor
+// keeps the copy alive for the caller.
+// Shape: uint8 [packed_panel_bytes(weight, layout)] (gemm_types.h's panels)
+at::Tensor panel_packed_weight(const at::Tensor& weight, const PanelLayout& layout);
+
+// The same for the amxbf16 route's tiles of a bf16 weight with K a multiple of 32 and N >= 16.
+// Shape: [N / 16 * 16 * K] bf16 (simd/amx.h's [N / 16][K / 32][16][32])
+at::Tensor amx_packed_weight(const at::Tensor& weight);
+
+}  // namespace specdec::cpu
