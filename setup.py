@@ -236,7 +236,7 @@ def _sources(pattern):
 
 
 def _extension():
-    cpp_sources = _sources("csrc/*.cpp") + _sources("csrc/cpu/*.cpp")
+    cpp_sources = _sources("csrc/*.cpp") + _sources("csrc/cpu/*.cpp") + _sources("csrc/cpu/simd/*.cpp")
     # -fopenmp: at::parallel_for parallelises through OpenMP pragmas compiled into the caller; without
     # it the CPU kernels run on one thread whatever torch.get_num_threads() says.
     # -ffp-contract=off: no multiply-add fused behind the code's back (the x86-64-v3 clones, the AVX2

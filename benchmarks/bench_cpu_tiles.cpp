@@ -10,7 +10,7 @@
 // Results: BENCHMARKS.md ("The CPU backend on every instruction set", "Intel AMX").
 //
 //   g++ -std=c++20 -O3 -fno-math-errno -fno-trapping-math -ffp-contract=off -Icsrc
-//       benchmarks/bench_cpu_tiles.cpp -o /tmp/bench_cpu_tiles && /tmp/bench_cpu_tiles [repeats] [warm]
+//       benchmarks/bench_cpu_tiles.cpp csrc/cpu/simd/*.cpp -o /tmp/bench_cpu_tiles && /tmp/bench_cpu_tiles [repeats] [warm]
 #include <time.h>
 
 #include <algorithm>

@@ -9,16 +9,14 @@
 // prefix was committed or is part of this block: a tree node sees exactly the keys, in the same
 // order, that it sees once its path is committed.
 //
-// The kernel is simd/attention_impl.inc, compiled once per instruction-set path.
+// The kernel is simd/attention_impl.inc, compiled once per instruction-set path by that path's file
+// (simd/paths.h).
 #pragma once
 #include <cstdint>
 
 #include "attention_types.h"
 #include "isa.h"
-#include "simd/avx2.h"
-#include "simd/avx512.h"
-#include "simd/neon.h"
-#include "simd/vec_portable.h"
+#include "simd/paths.h"
 
 namespace specdec::cpu {
 

@@ -9,6 +9,13 @@
 #define SPECDEC_HAVE_X86_PATHS 0
 #endif
 
+// NEON is part of AArch64's baseline: no target region (simd/neon.cpp).
+#if defined(__aarch64__)
+#define SPECDEC_HAVE_NEON_PATH 1
+#else
+#define SPECDEC_HAVE_NEON_PATH 0
+#endif
+
 #if SPECDEC_HAVE_X86_PATHS
 #if defined(__clang__)
 #define SPECDEC_BEGIN_TARGET_AVX512BF16                                                                 \

@@ -10,10 +10,7 @@
 #include "gemm_types.h"
 #include "isa.h"
 #include "simd/amx.h"
-#include "simd/avx2.h"
-#include "simd/avx512.h"
-#include "simd/neon.h"
-#include "simd/vec_portable.h"
+#include "simd/paths.h"
 
 namespace specdec::cpu {
 

@@ -1,6 +1,6 @@
 // The amxbf16 path's GEMM route: bf16 weights streamed from memory, multiplied on Intel AMX tiles
 // (Sapphire Rapids and later), 16 output features x up to 16 activation rows x 32 of K per
-// instruction. Everything else on that path is the avx512bf16 path's (simd/avx512.h).
+// instruction. Everything else on that path is the avx512bf16 path's (simd/avx512.cpp).
 //
 // Why: on AVX-512 a verification pass of 9 rows costs about 2x a one-row pass and 16 rows 3x
 // (VDPBF16PS multiplies each weight vector by one row at a time); an AMX tile multiplies each weight

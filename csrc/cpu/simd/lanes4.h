@@ -5,7 +5,6 @@
 #include <cstdint>
 
 #include "kernel_common.h"
-#include "neon.h"
 
 #if SPECDEC_HAVE_X86_PATHS
 #include <emmintrin.h>
@@ -14,7 +13,7 @@ namespace specdec::cpu::lanes4 {
 
 #include "vec_arith.inc"
 
-// The part of the vector traits (vec_portable.h) that vec_math.inc uses, in SSE2.
+// The part of the vector traits (paths.h) that vec_math.inc uses, in SSE2.
 struct Vec : VectorArith<4> {
   using F = __m128;
   static F load(const float* p) { return _mm_loadu_ps(p); }
@@ -25,9 +24,19 @@ struct Vec : VectorArith<4> {
 }  // namespace specdec::cpu::lanes4
 #define SPECDEC_HAVE_LANES4 1
 #elif SPECDEC_HAVE_NEON_PATH
+#include <arm_neon.h>
+
 namespace specdec::cpu::lanes4 {
-using Vec = neon::Vec;
+
+#include "vec_arith.inc"
+
+// ... in NEON.
+struct Vec : VectorArith<4> {
+  static F load(const float* p) { return vld1q_f32(p); }
+  static void store(float* p, F v) { vst1q_f32(p, v); }
+};
 #include "vec_math.inc"
+
 }  // namespace specdec::cpu::lanes4
 #define SPECDEC_HAVE_LANES4 1
 #else

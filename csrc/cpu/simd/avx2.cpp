@@ -1,11 +1,11 @@
 // The AVX2 path (AVX2 + FMA + F16C: most x86 CPUs of the last decade without AVX-512): its vector
 // traits, its tuning, and the kernels (gemm_impl.inc, attention_impl.inc) compiled for it. The traits'
-// contract is in vec_portable.h. 8 fp32 lanes in 16 ymm registers; bf16 widened by a shift, fp16 by
+// contract is in paths.h. 8 fp32 lanes in 16 ymm registers; bf16 widened by a shift, fp16 by
 // F16C; partial vectors through a zero-filled buffer (AVX2 has no masked 16-bit load).
-#pragma once
 #include <cstdint>
 
 #include "kernel_common.h"
+#include "paths.h"
 
 #if SPECDEC_HAVE_X86_PATHS
 #include <immintrin.h>

@@ -1,16 +1,15 @@
 // The ARM NEON path (AArch64: Apple silicon, Graviton, Ampere; NEON is part of the baseline there, so
 // no target region): its vector traits, its tuning, and the kernels (gemm_impl.inc,
-// attention_impl.inc) compiled for it. The traits' contract is in vec_portable.h. 4 fp32 lanes in 32
+// attention_impl.inc) compiled for it. The traits' contract is in paths.h. 4 fp32 lanes in 32
 // registers; bf16 widened by a shift, fp16 by FCVTL; partial vectors through a zero-filled buffer.
 // Tested under qemu-user (tools/neon_kernel_tests.sh); its tuning is not yet measured on an ARM machine.
-#pragma once
 #include <cstdint>
 
 #include "kernel_common.h"
+#include "paths.h"
 
-#if defined(__aarch64__)
+#if SPECDEC_HAVE_NEON_PATH
 #include <arm_neon.h>
-#define SPECDEC_HAVE_NEON_PATH 1
 
 namespace specdec::cpu::neon {
 
@@ -50,6 +49,4 @@ using Vec = WithBufferedTails<NeonOps>;
 #undef SPECDEC_UNROLL
 
 }  // namespace specdec::cpu::neon
-#else
-#define SPECDEC_HAVE_NEON_PATH 0
 #endif

@@ -1,32 +1,9 @@
-// The portable path (any CPU: plain C++ loops that the compiler vectorises for the build's baseline),
-// and the contract of the vector traits every path provides (avx512.h, avx2.h, neon.h: a new
-// instruction set is one such file). The kernels are written once over them: gemm_impl.inc (the GEMM
-// tiles), attention_impl.inc (cache attention), vec_math.inc (exp, SwiGLU).
-//
-// struct Vec {
-//   F, Mask, Cmp          a vector of kLanes fp32 lanes; the valid lanes of a partial vector (mask(n)
-//                         for the first n, n clamped to [0, kLanes]); a lane-wise comparison result
-//   kLanes                lanes per vector
-//   kTuning               how its kernels are shaped (PathTuning, gemm_types.h), measured on the path
-//   kHasBf16Dot, Bf16Dot  a bf16-pair dot product (a Dot, gemm_impl.inc), or false / void
-// The paths over GCC vector types take the lane-wise arithmetic from VectorArith (vec_arith.inc), and
-// those without masked 16-bit loads their partial vectors from WithBufferedTails.
-//   kRegisters            the vector registers the path has (what the GEMM's blocks may hold)
-//   zero, set1, load(p[, mask]), load_widen<DType>(base, i[, mask]) (fp32/bf16/fp16 to fp32),
-//   load_bf16_pairs(p, first, second) (kLanes pairs of bf16 to fp32: the first of each pair, the second),
-//   store(p, v[, mask]), first(v, mask) (lanes past the mask zeroed)
-//   add, sub, mul, div, fma(a, b, c) = a * b + c (one rounding), max(a, b) (b where either is NaN),
-//   greater_equal (false for NaN), select(c, a, b), pow2(n) (2^n for integral n in [-126, 127])
-//   reduce4(a0, a1, a2, a3, out)  out[j] = the sum of aj's lanes associated as fold_sum<kLanes>
-//   sum(v) (as fold_sum<kLanes>), reduce_max(v)
-// };
-//
-// Each path is consistent with itself (batch invariance, gemm_types.h); the paths differ from one
-// another in rounding (lane counts, fused multiply-adds, bf16 pair products).
-#pragma once
+// The portable path (any CPU: plain C++ loops that the compiler vectorises for the build's baseline):
+// its vector traits (the contract: paths.h) and the kernels compiled for them.
 #include <cstdint>
 
 #include "kernel_common.h"
+#include "paths.h"
 
 namespace specdec::cpu::portable {
 

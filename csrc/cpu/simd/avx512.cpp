@@ -1,9 +1,9 @@
 // The AVX-512 path (AVX512F/BW/VL/DQ + AVX512-BF16): its vector traits, its tuning, and the kernels
-// (gemm_impl.inc, attention_impl.inc) compiled for it. The traits' contract is in vec_portable.h.
-#pragma once
+// (gemm_impl.inc, attention_impl.inc) compiled for it. The traits' contract is in paths.h.
 #include <cstdint>
 
 #include "kernel_common.h"
+#include "paths.h"
 
 #if SPECDEC_HAVE_X86_PATHS
 #include <immintrin.h>
