@@ -255,7 +255,7 @@ def _extension():
     if USE_CUDA:
         return CUDAExtension(
             "specdec_ext._C",
-            cpp_sources + _sources("csrc/cuda/*.cu"),
+            cpp_sources + _sources("csrc/cuda/*.cpp") + _sources("csrc/cuda/*.cu"),
             define_macros=[("SPECDEC_WITH_CUDA", None)],
             extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
             extra_link_args=link_flags,

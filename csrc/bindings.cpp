@@ -1,7 +1,10 @@
 // The Python module specdec_ext._C. Loading it runs the static TORCH_LIBRARY registrations of
 // every op; the module itself carries the pybind11 classes and build facts.
-#include <torch/extension.h>
+// The headers this file uses, not <torch/extension.h> (all of torch's C++ API: twice the compile time).
+#include <ATen/core/Tensor.h>
+#include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+#include <torch/csrc/autograd/python_variable.h>
 
 #include <string>
 #include <vector>

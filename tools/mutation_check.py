@@ -111,7 +111,7 @@ def configure(scratch: str, build: str, sanitize: bool) -> None:
     import torch.utils
     flags = ["-DSPECDEC_EMULATED_TESTS=ON", f"-DCMAKE_PREFIX_PATH={torch.utils.cmake_prefix_path}"]
     if sanitize:
-        flags += ["-DSPECDEC_SANITIZE=ON", "-DCMAKE_BUILD_TYPE=RelWithDebInfo", "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1"]
+        flags += ["-DSPECDEC_SANITIZE=ON", "-DCMAKE_BUILD_TYPE=RelWithDebInfo", "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O0"  # as tools/sanitizer_tests.sh]
     generator = ["-G", "Ninja"] if shutil.which("ninja") else []
     run(["cmake", "-S", scratch, "-B", build, *generator, *flags], scratch)
 

@@ -1,23 +1,25 @@
 #!/usr/bin/env bash
-# The project's test command (README): the Python suite, then the C++ suite under ctest.
-# Run it inside the environment where specdec_ext is installed (editable install).
-# GoogleTest comes from Debian's libgtest-dev, installed here when missing and running as root.
+# The project's test command (README): the Python suite, and the C++ suites under ctest, built with
+# AddressSanitizer and UndefinedBehaviorSanitizer (tools/sanitizer_tests.sh: the CPU op tests, every
+# instruction-set path of the CPU kernels, and every CUDA kernel run on the CPU by the project's
+# emulator). The Python suite runs on one thread, so the C++ build runs beside it on the other cores
+# (MAX_JOBS, default: all cores but one) and its tests after it. Run it inside the environment where
+# specdec_ext is installed (editable install). GoogleTest and CMake come from Debian, installed here
+# when missing and running as root (tools/cmake_prerequisites.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. tools/cmake_prerequisites.sh
+
+cores="$(nproc)"
+mkdir -p build
+build_log=build/cpp-suite-build.log
+# A process group of its own (setsid), so that a failing Python suite stops the whole build.
+MAX_JOBS="${MAX_JOBS:-$(( cores > 1 ? cores - 1 : 1 ))}" setsid tools/sanitizer_tests.sh --build-only > "$build_log" 2>&1 &
+cpp_build=$!
+trap 'kill -- -"$cpp_build" 2>/dev/null || true' EXIT
 
 python -m pytest python_tests -q -p no:cacheprovider
 
-if [ ! -f /usr/lib/x86_64-linux-gnu/cmake/GTest/GTestConfig.cmake ] && [ ! -d /usr/include/gtest ]; then
-  if [ "$(id -u)" = 0 ]; then
-    apt-get update -qq && apt-get install -y -qq libgtest-dev cmake >/dev/null
-  else
-    echo "GoogleTest is missing: run 'sudo apt-get install libgtest-dev'" >&2
-    exit 1
-  fi
-fi
-torch_prefix="$(python -c 'import torch; print(torch.utils.cmake_prefix_path)')"
-generator=()
-command -v ninja >/dev/null && generator=(-G Ninja)
-cmake -S . -B build/cmake "${generator[@]}" -DCMAKE_PREFIX_PATH="$torch_prefix" >/dev/null
-cmake --build build/cmake -j"${MAX_JOBS:-2}"
-ctest --test-dir build/cmake --output-on-failure
+echo "waiting for the C++ suites' build (log: $build_log)"
+wait "$cpp_build" || { cat "$build_log"; exit 1; }
+MAX_JOBS="${MAX_JOBS:-$cores}" tools/sanitizer_tests.sh

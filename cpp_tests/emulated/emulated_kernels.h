@@ -1,5 +1,5 @@
 // The CUDA kernels of csrc/cuda run on the CPU by the emulator of cpp_tests/cuda_emu, on host
-// memory, through the same launch code as the CUDA wrappers (csrc/cuda/*_launch.cuh). Declared
+// memory, through the same launch code as the CUDA wrappers (csrc/cuda/<family>.cu). Declared
 // without torch or CUDA: the emulator's macros (threadIdx, __shared__, ...) stay inside the
 // emulated translation units (emulated_*.cpp). Each function runs the op's launches to completion
 // and returns "" when they ran cleanly, else the emulator's error (a divergent barrier, a

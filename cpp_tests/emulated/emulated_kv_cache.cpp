@@ -1,7 +1,7 @@
 // The paged KV cache kernels under the emulator (emulated_kernels.h).
 #include <cuda_emu.h>
 
-#include "cuda/kv_cache_launch.cuh"
+#include "cuda/kv_cache.cu"  // the launches of the CUDA build, compiled here
 #include "emulated_kernels.h"
 
 namespace specdec::emulated {

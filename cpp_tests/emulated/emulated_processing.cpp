@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <string>
 
-#include "cuda/logits_processing_launch.cuh"
+#include "cuda/logits_processing.cu"  // the launches of the CUDA build, compiled here
 #include "logits_processing.h"
 
 namespace specdec::emulated {

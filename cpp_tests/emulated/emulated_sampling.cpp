@@ -5,7 +5,7 @@
 #include <cstring>
 #include <memory>
 
-#include "cuda/sampling_launch.cuh"
+#include "cuda/sampling.cu"  // the launches of the CUDA build, compiled here
 #include "emulated_kernels.h"
 
 namespace specdec::emulated {

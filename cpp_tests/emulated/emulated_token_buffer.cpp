@@ -1,7 +1,7 @@
 // The token buffer kernel under the emulator (emulated_kernels.h).
 #include <cuda_emu.h>
 
-#include "cuda/token_buffer_launch.cuh"
+#include "cuda/token_buffer.cu"  // the launches of the CUDA build, compiled here
 #include "emulated_kernels.h"
 
 namespace specdec::emulated {

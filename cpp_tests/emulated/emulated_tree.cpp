@@ -5,7 +5,7 @@
 #include <cstring>
 #include <memory>
 
-#include "cuda/tree_launch.cuh"
+#include "cuda/tree.cu"  // the launches of the CUDA build, compiled here
 #include "emulated_kernels.h"
 
 namespace specdec::emulated {
@@ -15,7 +15,7 @@ std::string build_tree_mask(const TreeMaskView& view) {
 }
 
 std::string tree_verify(const TreeVerifyView& view) {
-  const size_t bytes = static_cast<size_t>(cuda::TreeWorkspace(view).floats(view)) * sizeof(float);
+  const size_t bytes = static_cast<size_t>(cuda::tree_verify_workspace_floats(view)) * sizeof(float);
   const size_t align = cuda::kTreeWorkspaceAlignBytes;
   const std::unique_ptr<void, decltype(&std::free)> workspace(std::aligned_alloc(align, (bytes / align + 1) * align),
                                                               &std::free);

@@ -1,5 +1,5 @@
 // Every op's tensors as raw pointers and sizes: the one form that the CPU loops, the CUDA kernels,
-// their launchers (cuda/*_launch.cuh) and the emulated-kernel tests (cpp_tests/emulated) share.
+// their launches (cuda/<family>.cu) and the emulated-kernel tests (cpp_tests/emulated) share.
 // No torch and no CUDA here; csrc/<family>.h builds these views from checked tensors.
 #pragma once
 #include <cstdint>

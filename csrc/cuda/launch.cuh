@@ -1,4 +1,4 @@
-// The seam between the host-side launch code (cuda/*_launch.cuh) and whatever runs the kernels:
+// The seam between the host-side launch code (cuda/<family>.cu) and whatever runs the kernels:
 // launch_kernel() is the triple-chevron launch under nvcc, and the CPU emulator's own launcher in
 // the emulated-kernel tests (cpp_tests/cuda_emu, which defines SPECDEC_CUDA_EMULATOR), so the same
 // grids, parameters and workspace sizes run in both. No torch includes.

@@ -1,43 +1,34 @@
-// CUDA backend of process_logits (contract in ../logits_processing.h, kernels in
-// logits_processing.cuh, their launches in logits_processing_launch.cuh): the shared checks, a
-// device guard, the current stream. The value checks run as a one-block kernel whose word of error
-// bits is read on the host (one synchronisation), except during a CUDA graph capture, where
-// nothing can be read: there the values go unchecked and the kernel stays in bounds whatever
-// they are (../logits_processing.h).
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGraphsC10Utils.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
-
+// The host side of process_logits's kernels (kernels in logits_processing.cuh): grids, limits, workspace sizes and
+// launches, the entry points of launches.h. No torch: nvcc compiles this file and the kernels
+// alone, the torch wrapper (logits_processing_ops.cpp) is the host compiler's; the emulated-kernel tests
+// (cpp_tests/emulated) compile this same file under the CPU emulator.
 #include <cstdint>
 
-#include "../checks.h"
 #include "../logits_processing.h"
-#include "logits_processing_launch.cuh"
+#include "launch.cuh"
+#include "launches.h"
+#include "logits_processing.cuh"
 
 namespace specdec::cuda {
-namespace {
 
-void process_logits(const ProcessLogitsArgs& args, const ProcessLogitsView& view) {
-  SPECDEC_CHECK(process_logits_fits(view), "process_logits: logits of shape ", shape_str(args.logits.sizes()),
-                " is too large for the CUDA kernel (it takes at most n = ", kMaxProcessDrafts, " drafts: P = n + 1 positions)");
-  const c10::cuda::CUDAGuard guard(args.logits.device());
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None) {
-    const at::Tensor errors = at::empty({1}, args.logits.options().dtype(at::kInt));
-    launch_process_logits_check(view, errors.data_ptr<int32_t>(), stream);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    raise_process_logits_value_errors(static_cast<uint32_t>(errors.item<int32_t>()), view);
-  }
-  launch_process_logits(view, stream);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+inline int64_t process_logits_blocks(const ProcessLogitsView& v) { return v.batch * v.positions(); }
+
+// Whether the kernel holds the view: a column's prefix fits the shared-memory table, and the grid
+// (one block per row and column) and the token indices fit 32 bits.
+bool process_logits_fits(const ProcessLogitsView& v) {
+  return v.drafts <= kMaxProcessDrafts && process_logits_blocks(v) <= INT32_MAX && v.vocab < INT32_MAX;
 }
 
-}  // namespace
+// Or-s row_value_errors over every row into *errors (one int32 on the launch's device).
+void launch_process_logits_check(const ProcessLogitsView& v, int32_t* errors, cudaStream_t stream) {
+  launch_kernel(process_logits_check_kernel, dim3(1), dim3(kCheckThreads), stream, v, errors);
+}
 
-TORCH_LIBRARY_IMPL(specdec_ext, CUDA, m) { register_process_logits<process_logits>(m); }
+void launch_process_logits(const ProcessLogitsView& v, cudaStream_t stream) {
+  with_device_type(v.logits_type, [&](auto type) {
+    using T = typename decltype(type)::type;
+    launch_kernel(process_logits_kernel<T>, grid_of(process_logits_blocks(v)), dim3(kProcessThreads), stream, v);
+  });
+}
 
 }  // namespace specdec::cuda

@@ -1,6 +1,6 @@
 // CUDA kernels of process_logits (contract and per-token maths in ../logits_processing.h, semantics
 // of cpu/logits_processing.cpp). No torch includes; grids and launches are in
-// logits_processing_launch.cuh, the torch wrapper in logits_processing.cu.
+// logits_processing.cu, the torch wrapper in logits_processing_ops.cpp.
 //
 // process_logits_kernel: one block per (row b, column c); a stale column (c > num_draft[b]) exits
 // at once, the whole block. The column's prefix is counted in shared memory first: the tokens and
@@ -26,11 +26,11 @@
 
 #include "../common/op_views.h"
 #include "../logits_processing.h"
+#include "launches.h"  // kMaxProcessDrafts
 
 namespace specdec::cuda {
 
 constexpr int kProcessThreads = 256;
-constexpr int kMaxProcessDrafts = 512;  // n the kernel supports (its prefix staged in shared memory)
 constexpr int kPathSlots = 1024;        // the prefix table's slots: at most half full
 constexpr int kCheckThreads = 256;
 

@@ -1,65 +1,66 @@
-// CUDA backend of the sampling family (contract in ../sampling.h, kernels in sampling.cuh, their
-// launches in sampling_launch.cuh): the shared checks, a device guard, the current stream, no host
-// synchronisation (invalid rows report a RowStatus in num_accepted), so every op can be captured
-// in a CUDA graph.
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
-
+// The host side of the sampling family's kernels (kernels in sampling.cuh): grids, limits, workspace sizes and
+// launches, the entry points of launches.h. No torch: nvcc compiles this file and the kernels
+// alone, the torch wrapper (sampling_ops.cpp) is the host compiler's; the emulated-kernel tests
+// (cpp_tests/emulated) compile this same file under the CPU emulator.
+#include <cstddef>
 #include <cstdint>
 
-#include "../sampling.h"
-#include "sampling_launch.cuh"
+#include "../common/op_views.h"
+#include "launch.cuh"
+#include "launches.h"
+#include "sampling.cuh"
 
 namespace specdec::cuda {
-namespace {
 
-void chain_verify(const ChainVerifyArgs& args) {
-  const ChainVerifyView view = verifier_view(args);
-  SPECDEC_CHECK(chain_verify_fits(view), "chain_verify: target_logits is too large for the CUDA kernels (shape ",
-                shape_str(args.target_logits.sizes()), ")");
-  const c10::cuda::CUDAGuard guard(args.target_logits.device());
-  // The per-chunk statistics come from the caching allocator (a graph's private pool under capture),
-  // ordered on the current stream.
-  const at::Tensor workspace = at::empty({static_cast<int64_t>(chain_verify_workspace_bytes(view))},
-                                         args.target_logits.options().dtype(at::kByte));
-  launch_chain_verify(view, workspace.data_ptr(), c10::cuda::getCurrentCUDAStream());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+inline int64_t chain_stats_blocks(const ChainVerifyView& v) {
+  return v.batch * (v.drafts + 1) * stats_chunks(v.vocab);
 }
 
-void sample_filtered(const SampleFilteredArgs& args) {
-  const SampleFilteredView view = sample_filtered_view(args);
-  SPECDEC_CHECK(view.batch <= INT32_MAX && view.vocab < INT32_MAX,
-                "sample_filtered: logits is too large for the CUDA kernel (shape ", shape_str(args.logits.sizes()), ")");
-  const c10::cuda::CUDAGuard guard(args.logits.device());
-  launch_sample_filtered(view, c10::cuda::getCurrentCUDAStream());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+// Bytes of chain_verify's workspace: the per-chunk statistics of every position.
+size_t chain_verify_workspace_bytes(const ChainVerifyView& v) {
+  return static_cast<size_t>(chain_stats_blocks(v)) * sizeof(RowStats);
 }
 
-void residual_probs(const at::Tensor& target_probs, const at::Tensor& draft_probs, at::Tensor& out) {
-  const ResidualProbsView view = residual_probs_view(target_probs, draft_probs, out);
-  SPECDEC_CHECK(view.rows <= INT32_MAX, "residual_probs: too many rows for the CUDA kernel (", view.rows, ")");
-  const c10::cuda::CUDAGuard guard(target_probs.device());
-  launch_residual_probs(view, c10::cuda::getCurrentCUDAStream());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+// Whether the kernels' 32-bit indices (grid sizes, token indices) hold the view's sizes.
+bool chain_verify_fits(const ChainVerifyView& v) {
+  return v.vocab < INT32_MAX && chain_stats_blocks(v) <= INT32_MAX;
 }
 
-void philox_uniforms(const at::Tensor& seed, const at::Tensor& offset, at::Tensor& out) {
-  const PhiloxUniformsView view = philox_uniforms_view(seed, offset, out);
-  SPECDEC_CHECK(philox_blocks(view) <= INT32_MAX, "philox_uniforms: too many draws for the CUDA kernel (",
-                view.rows * view.columns, ")");
-  const c10::cuda::CUDAGuard guard(out.device());
-  launch_philox_uniforms(view, c10::cuda::getCurrentCUDAStream());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+// `workspace`: chain_verify_workspace_bytes(v) bytes on the launch's device, ordered on `stream`.
+void launch_chain_verify(const ChainVerifyView& v, void* workspace, cudaStream_t stream) {
+  ChainVerifyParams p;
+  static_cast<ChainVerifyView&>(p) = v;
+  p.stats = static_cast<RowStats*>(workspace);
+  p.num_chunks = stats_chunks(v.vocab);
+  with_device_type(v.logits_type, [&](auto type) {
+    using T = typename decltype(type)::type;
+    launch_kernel(chain_stats_kernel<T>, grid_of(chain_stats_blocks(v)), dim3(kStatsThreads), stream, p);
+    launch_kernel(chain_decide_kernel<T>, grid_of(v.batch), dim3(kDecideThreads), stream, p);
+  });
 }
 
-}  // namespace
+void launch_sample_filtered(const SampleFilteredView& v, cudaStream_t stream) {
+  with_device_type(v.logits_type, [&](auto type) {
+    using T = typename decltype(type)::type;
+    launch_kernel(sample_filtered_kernel<T>, grid_of(v.batch), dim3(kDraftSampleThreads), stream, v);
+  });
+}
 
-TORCH_LIBRARY_IMPL(specdec_ext, CUDA, m) {
-  register_sampling_ops<chain_verify, residual_probs, philox_uniforms, sample_filtered>(m);
+void launch_residual_probs(const ResidualProbsView& v, cudaStream_t stream) {
+  with_device_type(v.probs_type, [&](auto type) {
+    using T = typename decltype(type)::type;
+    launch_kernel(residual_probs_kernel<T>, grid_of(v.rows), dim3(kResidualThreads), stream,
+                  static_cast<const T*>(v.target_probs), static_cast<const T*>(v.draft_probs), v.out, v.vocab);
+  });
+}
+
+int64_t philox_blocks(const PhiloxUniformsView& v) {
+  return (v.rows * v.columns + kPhiloxThreads - 1) / kPhiloxThreads;
+}
+
+void launch_philox_uniforms(const PhiloxUniformsView& v, cudaStream_t stream) {
+  launch_kernel(philox_uniforms_kernel, grid_of(philox_blocks(v)), dim3(kPhiloxThreads), stream, v.seed, v.offset,
+                v.out, v.rows, v.columns);
 }
 
 }  // namespace specdec::cuda

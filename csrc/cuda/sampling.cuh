@@ -1,5 +1,5 @@
 // CUDA kernels of the sampling family (contract in ../sampling.h, semantics of cpu/sampling.cpp).
-// No torch includes; grids and launches are in sampling_launch.cuh, the torch wrappers in sampling.cu.
+// No torch includes; grids and launches are in sampling.cu, the torch wrappers in sampling_ops.cpp.
 //
 // chain_verify runs as two kernels:
 //

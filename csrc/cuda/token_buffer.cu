@@ -1,25 +1,19 @@
-// CUDA backend of the token buffer family (contract in ../token_buffer.h, kernel in token_buffer.cuh,
-// its launch in token_buffer_launch.cuh): checks, current stream, launch. No host synchronisation.
-#include <ATen/core/Tensor.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
+// The host side of the token buffer kernel (kernels in token_buffer.cuh): grids, limits, workspace sizes and
+// launches, the entry points of launches.h. No torch: nvcc compiles this file and the kernels
+// alone, the torch wrapper (token_buffer_ops.cpp) is the host compiler's; the emulated-kernel tests
+// (cpp_tests/emulated) compile this same file under the CPU emulator.
+#include <cstdint>
 
-#include "../token_buffer.h"
-#include "token_buffer_launch.cuh"
+#include "../common/op_views.h"
+#include "launch.cuh"
+#include "launches.h"
+#include "token_buffer.cuh"
 
 namespace specdec::cuda {
-namespace {
 
-void commit_tokens(const CommitTokensView& view, const at::Tensor& token_buffer) {
-  const c10::cuda::CUDAGuard guard(token_buffer.device());
-  launch_commit_tokens(view, c10::cuda::getCurrentCUDAStream());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+void launch_commit_tokens(const CommitTokensView& v, cudaStream_t stream) {
+  launch_kernel(commit_tokens_kernel, grid_of((v.batch + kCommitThreads - 1) / kCommitThreads), dim3(kCommitThreads),
+                stream, v);
 }
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(specdec_ext, CUDA, m) { register_token_buffer_ops<commit_tokens>(m); }
 
 }  // namespace specdec::cuda

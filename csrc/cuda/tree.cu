@@ -1,48 +1,57 @@
-// CUDA backend of the tree family (contract in ../tree.h, kernels in tree.cuh, their launches in
-// tree_launch.cuh): the shared checks, a device guard, the current stream, no host
-// synchronisation (invalid rows report a RowStatus in depth / num_accepted), outputs written in
-// place, so both ops can be captured in a CUDA graph. tree_verify's fp32 workspace comes from the
-// caching allocator (a graph's private pool under capture), ordered on the current stream.
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#include <torch/library.h>
-
+// The host side of the tree family's kernels (kernels in tree.cuh): grids, limits, workspace sizes and
+// launches, the entry points of launches.h. No torch: nvcc compiles this file and the kernels
+// alone, the torch wrapper (tree_ops.cpp) is the host compiler's; the emulated-kernel tests
+// (cpp_tests/emulated) compile this same file under the CPU emulator.
 #include <cstdint>
 
-#include "../tree.h"
-#include "tree_launch.cuh"
+#include "../common/op_views.h"
+#include "launch.cuh"
+#include "launches.h"
+#include "tree.cuh"
 
 namespace specdec::cuda {
+
+void launch_build_tree_mask(const TreeMaskView& v, cudaStream_t stream) {
+  launch_kernel(build_tree_mask_kernel, grid_of(v.batch), dim3(kMaskThreads), stream, v.parents, v.num_nodes,
+                v.mask, v.depth, v.nodes);
+}
+
 namespace {
 
-void build_tree_mask(const at::Tensor& parents, const std::optional<at::Tensor>& num_nodes, at::Tensor& mask,
-                     at::Tensor& depth) {
-  const TreeMaskView view = tree_mask_view(parents, num_nodes, mask, depth);
-  SPECDEC_CHECK(view.batch <= INT32_MAX, "build_tree_mask: too many rows for the CUDA kernel (", view.batch, ")");
-  const c10::cuda::CUDAGuard guard(parents.device());
-  launch_build_tree_mask(view, c10::cuda::getCurrentCUDAStream());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
+// tree_verify's fp32 workspace: one row of p per batch row once a rejection has to update it, and
+// with draft_probs a second one (the residual is written beside p, which is kept when the residual
+// mass is 0). Buffers start at multiples of kTreeBufferAlign floats of a kTreeWorkspaceAlignBytes
+// aligned base.
+struct TreeWorkspace {
+  int num_buffers;
+  int64_t stride;  // floats per buffer
 
-void tree_verify(const TreeVerifyArgs& args) {
-  const at::Tensor& logits = args.verifier.target_logits;
-  const TreeVerifyView view = tree_verify_view(args);
-  SPECDEC_CHECK(tree_verify_fits(view), "tree_verify: target_logits is too large for the CUDA kernel (shape ",
-                shape_str(logits.sizes()), ")");
-  const c10::cuda::CUDAGuard guard(logits.device());
-  const at::Tensor workspace = at::empty({TreeWorkspace(view).floats(view)}, logits.options().dtype(at::kFloat));
-  float* ws = workspace.data_ptr<float>();
-  SPECDEC_CHECK(reinterpret_cast<uintptr_t>(ws) % kTreeWorkspaceAlignBytes == 0,
-                "tree_verify: the workspace is not 32-byte aligned");
-  launch_tree_verify(view, ws, c10::cuda::getCurrentCUDAStream());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
+  explicit TreeWorkspace(const TreeVerifyView& v)
+      : num_buffers(v.draft_probs != nullptr ? 2 : 1),
+        stride((v.vocab + kTreeBufferAlign - 1) / kTreeBufferAlign * kTreeBufferAlign) {}
+  int64_t floats(const TreeVerifyView& v) const { return v.batch * num_buffers * stride; }
+};
+static_assert(kTreeWorkspaceAlignBytes == kTreeBufferAlign * static_cast<int64_t>(sizeof(float)));
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(specdec_ext, CUDA, m) { register_tree_ops<build_tree_mask, tree_verify>(m); }
+int64_t tree_verify_workspace_floats(const TreeVerifyView& v) { return TreeWorkspace(v).floats(v); }
+
+bool tree_verify_fits(const TreeVerifyView& v) {
+  return v.batch <= INT32_MAX && v.vocab <= INT32_MAX - kTreeBufferAlign;
+}
+
+void launch_tree_verify(const TreeVerifyView& v, float* workspace, cudaStream_t stream) {
+  const TreeWorkspace layout(v);
+  TreeVerifyParams p;
+  static_cast<TreeVerifyView&>(p) = v;
+  p.workspace = workspace;
+  p.stride = layout.stride;
+  p.num_buffers = layout.num_buffers;
+  with_device_type(v.logits_type, [&](auto type) {
+    using T = typename decltype(type)::type;
+    launch_kernel(tree_verify_kernel<T>, grid_of(v.batch), dim3(kTreeThreads), stream, p);
+  });
+}
 
 }  // namespace specdec::cuda

@@ -1,5 +1,5 @@
 // CUDA kernels of the tree family (contract in ../tree.h, semantics of cpu/tree.cpp). No torch
-// includes; grids, workspace and launches are in tree_launch.cuh, the torch wrappers in tree.cu.
+// includes; grids, workspace and launches are in tree.cu, the torch wrappers in tree_ops.cpp.
 //
 // build_tree_mask_kernel: one block per row. The row's tree is validated first (num_nodes, then
 // every used parent, exactly the CPU's order), the row's [N, N] mask is zero-filled with 16-byte
