@@ -1,7 +1,7 @@
-// The host side of the paged KV cache kernels (kernels in kv_cache.cuh): grids, limits, workspace sizes and
-// launches, the entry points of launches.h. No torch: nvcc compiles this file and the kernels
-// alone, the torch wrapper (kv_cache_ops.cpp) is the host compiler's; the emulated-kernel tests
-// (cpp_tests/emulated) compile this same file under the CPU emulator.
+// The host side of the paged KV cache kernels (kv_cache.cuh): the entry points that launches.h
+// declares. No torch: nvcc compiles this file with the kernels alone, and the torch wrapper
+// (kv_cache_ops.cpp) is the host compiler's; the emulated-kernel tests (cpp_tests/emulated) compile
+// this same file under the CPU emulator.
 #include <cstdint>
 
 #include "../common/op_views.h"
@@ -12,7 +12,7 @@
 namespace specdec::cuda {
 
 // Threads per block for a loop over `elems` elements: a power of two in [32, 256].
-inline int kv_threads_for(int64_t elems) {
+static int kv_threads_for(int64_t elems) {
   int threads = 32;
   while (threads < 256 && threads < elems) threads *= 2;
   return threads;

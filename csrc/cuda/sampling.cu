@@ -1,7 +1,7 @@
-// The host side of the sampling family's kernels (kernels in sampling.cuh): grids, limits, workspace sizes and
-// launches, the entry points of launches.h. No torch: nvcc compiles this file and the kernels
-// alone, the torch wrapper (sampling_ops.cpp) is the host compiler's; the emulated-kernel tests
-// (cpp_tests/emulated) compile this same file under the CPU emulator.
+// The host side of the sampling family's kernels (sampling.cuh): the entry points that launches.h
+// declares. No torch: nvcc compiles this file with the kernels alone, and the torch wrapper
+// (sampling_ops.cpp) is the host compiler's; the emulated-kernel tests (cpp_tests/emulated) compile
+// this same file under the CPU emulator.
 #include <cstddef>
 #include <cstdint>
 
@@ -12,21 +12,18 @@
 
 namespace specdec::cuda {
 
-inline int64_t chain_stats_blocks(const ChainVerifyView& v) {
+static int64_t chain_stats_blocks(const ChainVerifyView& v) {
   return v.batch * (v.drafts + 1) * stats_chunks(v.vocab);
 }
 
-// Bytes of chain_verify's workspace: the per-chunk statistics of every position.
 size_t chain_verify_workspace_bytes(const ChainVerifyView& v) {
   return static_cast<size_t>(chain_stats_blocks(v)) * sizeof(RowStats);
 }
 
-// Whether the kernels' 32-bit indices (grid sizes, token indices) hold the view's sizes.
 bool chain_verify_fits(const ChainVerifyView& v) {
   return v.vocab < INT32_MAX && chain_stats_blocks(v) <= INT32_MAX;
 }
 
-// `workspace`: chain_verify_workspace_bytes(v) bytes on the launch's device, ordered on `stream`.
 void launch_chain_verify(const ChainVerifyView& v, void* workspace, cudaStream_t stream) {
   ChainVerifyParams p;
   static_cast<ChainVerifyView&>(p) = v;

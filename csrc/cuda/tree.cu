@@ -1,7 +1,7 @@
-// The host side of the tree family's kernels (kernels in tree.cuh): grids, limits, workspace sizes and
-// launches, the entry points of launches.h. No torch: nvcc compiles this file and the kernels
-// alone, the torch wrapper (tree_ops.cpp) is the host compiler's; the emulated-kernel tests
-// (cpp_tests/emulated) compile this same file under the CPU emulator.
+// The host side of the tree family's kernels (tree.cuh): the entry points that launches.h declares. No
+// torch: nvcc compiles this file with the kernels alone, and the torch wrapper (tree_ops.cpp) is the
+// host compiler's; the emulated-kernel tests (cpp_tests/emulated) compile this same file under the CPU
+// emulator.
 #include <cstdint>
 
 #include "../common/op_views.h"
