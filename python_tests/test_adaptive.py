@@ -487,8 +487,12 @@ def test_start_asks_for_the_plain_chain_probe_once_and_record_probes_keeps_it():
     assert second.plain_time() == pytest.approx(0.7 * V1)
     second.observe_plain(SEGMENT, SEGMENT * 0.9 * V1, [True])  # observed segments replace the probe
     assert second.plain_time() == pytest.approx(0.9 * V1)
-    assert second.summary()["plain_chain_passes"] == 2 * SEGMENT
-    assert second.summary()["speculation_off_steps"] == 2 * SEGMENT
+    # a stop's short tail pays a chain call's fixed cost over fewer passes: counted, but not P
+    second.observe_plain(1, 2.5 * V1, [True])
+    second.observe_plain(SEGMENT - 1, (SEGMENT - 1) * 1.2 * V1, [True])
+    assert second.plain_time() == pytest.approx(0.9 * V1)
+    assert second.summary()["plain_chain_passes"] == 3 * SEGMENT
+    assert second.summary()["speculation_off_steps"] == 3 * SEGMENT
 
 
 # ------------------------------------------------------------------------------------ probe, helpers
@@ -828,7 +832,7 @@ class RandomBudgets(AdaptiveK):
         self.rng = random.Random(seed)
         self.skip, self.low = skip, low
 
-    def plan(self, active, remaining=None, prefill=0):
+    def plan(self, active, remaining=None, prefill=0, context=None):
         if self.rng.random() < self.skip:
             return [0] * len(active)
         return [self.rng.randint(self.low, self.k_max) if a else 0 for a in active]
@@ -925,7 +929,7 @@ class LookThenSpeculate(AdaptiveK):
         self.calls, self.switch_on, self.look_at = 0, switch_on, look_at
         self.prefills, self.prefilled_after = [], []
 
-    def plan(self, active, remaining=None, prefill=0):
+    def plan(self, active, remaining=None, prefill=0, context=None):
         self.calls += 1
         self._speculating = self.calls >= self.switch_on
         k = 3 if self._speculating else (1 if self.calls == self.look_at else 0)
@@ -1028,7 +1032,7 @@ def test_greedy_through_adaptive_k_with_the_ngram_drafter(tiny_pair):
 class AlwaysOff(AdaptiveK):
     """Speculation off for every row at every step (the loop then runs plain chain segments)."""
 
-    def plan(self, active, remaining=None, prefill=0):
+    def plan(self, active, remaining=None, prefill=0, context=None):
         self._last_plan = [0] * len(active)
         return list(self._last_plan)
 
@@ -1419,7 +1423,7 @@ def test_the_knee_picks_the_draft_length_that_pays_where_a_line_through_the_same
     rate = expected / np.r_[P, np.array(AVX2_V[1:]) * 1e-3 + draft * np.arange(1, 9)]  # on the machine
     assert controller().plan([True]) == [int(np.argmax(rate))] == [2]
     line = controller()
-    line.verify_times = lambda: np.maximum(  # (the line this replaced)
+    line.verify_times = lambda context=None: np.maximum(  # (the line this replaced)
         np.poly1d(np.polyfit([0, 1, 2, 3, 8], [AVX2_V[i] * 1e-3 for i in (0, 1, 2, 3, 8)], 1))(np.arange(9.0)), 1e-9)
     chosen = line.plan([True])[0]
     assert chosen > 2 and rate[chosen] < 0.95 * rate[2]
@@ -1445,3 +1449,81 @@ def test_the_first_passes_after_the_prefill_are_not_timed_into_the_costs():
     assert cold.plain_time() == pytest.approx(0.9 * V1)
     cold.observe_plain(SEGMENT, SEGMENT * 0.8 * V1, [True])
     assert cold.plain_time() == pytest.approx(0.8 * V1)
+
+
+# ------------------------------------------------------------------------------------ the context a pass reads
+BETA = 0.7e-6  # seconds a token of context adds to a pass (measured on forced AVX2, the bundled target)
+
+
+def test_the_context_slope_is_the_shared_slope_within_each_width_and_needs_a_spread():
+    rng = np.random.default_rng(3)
+    slope = ad.ContextSlope(4)
+    assert slope.beta() == 0.0
+    for _ in range(ad.CONTEXT_SPREAD_OBS - 1):  # within one generation: little spread
+        slope.add(0, 150.0 + rng.uniform(-8, 8), V1)
+    assert slope.beta() == 0.0
+    for group, base in ((0, 0.9 * V1), (2, 1.3 * V1), (3, 1.8 * V1)):  # each width its own intercept
+        for context in rng.uniform(50, 600, 40):
+            slope.add(group, float(context), base + BETA * context + rng.normal(0, 0.01 * V1))
+    assert slope.beta() == pytest.approx(BETA, rel=0.15)
+    falling = ad.ContextSlope(2)
+    for context in np.linspace(50, 600, 30):
+        falling.add(0, float(context), V1 - BETA * context)
+    assert falling.beta() == 0.0  # never negative
+
+
+def test_costs_measured_at_one_context_are_compared_at_the_context_of_the_step_planned():
+    """P and V observed over long and short contexts, the choice made at one: both are shifted by beta to
+    it, so that drafting one token loses at a short context and pays at a long one (the context adds the
+    same to a plain pass and to a verify pass, a larger share of the plain one); the same controller
+    without contexts compares the last measurements as they are."""
+    acceptance, draft = [0.4] * 8, 0.1 * V1
+
+    def truth(width, context):  # width 0: a plain chain pass
+        return (0.9 * V1 if width == 0 else steep(width)) + BETA * context
+
+    def observed(with_context):
+        c = known([acceptance], steep, draft, plain=0.9 * V1)
+        c.costs.probe[:] = np.nan
+        for context in np.linspace(100, 600, 60):  # earlier generations, segments and steps, long and short
+            at = float(context) if with_context else None
+            c.observe_plain(SEGMENT, SEGMENT * truth(0, context), [True], at)
+            c.observe([1], StepOutcome.of([1], [0], [True]), draft_time=draft, verify_time=truth(2, context),
+                      drafted=1, width=2, context=at)
+        c.reached[:], c.accepted[:] = 1e6, np.array(acceptance) * 1e6  # (the steps' own counts left out)
+        return c
+
+    c = observed(True)
+    assert c.costs.slope.beta() == pytest.approx(BETA, rel=0.05)
+    for context in (120.0, 580.0):
+        assert c.plain_time(context) == pytest.approx(truth(0, context), rel=0.01)
+        assert c.verify_times(context)[1] == pytest.approx(truth(2, context), rel=0.01)
+
+    def rate(c, context, k):
+        return expected_tokens_table(c.acceptance())[0][k] / c.step_times(context)[k]
+
+    assert rate(c, 120.0, 1) < rate(c, 120.0, 0) and rate(c, 580.0, 1) > rate(c, 580.0, 0)
+    assert c.plan([True], context=120.0) == [0]
+    blind = observed(False)  # the last measurements as they are, at whatever context
+    assert blind.costs.slope.beta() == 0.0 and blind.plain_time(120.0) > truth(0, 550)
+
+
+def test_decode_plans_at_the_rows_mean_context(tiny_pair):
+    """The loop hands adaptive k each row's committed tokens (prompt and generated), averaged over the
+    unfinished rows, at every plan: they start at the prompts' mean and grow by the tokens emitted."""
+    class Recording(AdaptiveK):
+        def plan(self, active, remaining=None, prefill=0, context=None):
+            contexts.append(context)
+            return super().plan(active, remaining, prefill, context=context)
+
+    from specdec_ext import generate
+    from test_generate_utils import one_thread
+    target, draft = tiny_pair
+    prompts = [[1, 2, 3, 4, 5] * 4, [9, 8, 7] * 2]
+    contexts = []
+    with one_thread():
+        result = generate(prompts, target, draft, max_new_tokens=24, k=Recording(4), eos_token_id=False)
+    assert contexts[0] == pytest.approx((20 + 6) / 2 + 1)  # the prompts and the first token
+    assert all(b > a for a, b in zip(contexts, contexts[1:]))
+    assert contexts[-1] < (20 + 6) / 2 + 24
+    assert result.stats.new_tokens == 48

@@ -89,7 +89,9 @@ runner that chains, decode.plain_segment: PLAIN_CHAIN_TOKENS one-token passes pe
 checks between calls: 1.2-1.4x faster per token than a one-token step of the loop, measured on the
 bundled pair), else the loop's
 one-token step, time(0) = V(1) + H. P is the moving average of the observed segments' time per pass
-(their host time included); before any segment, a start-up probe (greedy chains of ``plain_chain``
+(their host time included) over the segments of ``plain_chain`` passes: a shorter one, a row's last
+passes before its stop, pays a chain call's fixed cost over fewer passes (1.3-1.5x P a pass on the
+bundled pair, forced AVX2), and it carried into the next generation's choice; before any segment, a start-up probe (greedy chains of ``plain_chain``
 passes, the median of three, rolled back; once per process for a target and batch size). The two
 sides are measured at different times, and another process on the cores slows every cost alike
 (on the shared 2-core VM: by up to 2x within seconds), so neither side is compared stale with the
@@ -102,6 +104,18 @@ speculation wins by more, a stale P cannot change the choice). Speculation is th
 against the plain decoding the caller would otherwise get (``plain_generate``), not against the
 loop's slower one-token step, which is what made k="auto" keep speculating where it lost a third of
 the speed (issue 25).
+
+Context. A pass reads every cached key and value of its rows, so each of these times grows with the
+context: by beta a token of a row's committed context (``ContextSlope``; the same for a plain pass and a
+verify pass of a few rows, whose keys are read once for the block). The costs are shared by the
+generations of a process, whose prompts differ in length, and each time is kept with the context it was
+measured at; ``plan``'s ``context`` (the active rows' mean) is where they are compared: every time is
+shifted by beta x (context - its own). Measured on the bundled target, one thread: beta = 0.33 us a
+token on the avx512bf16 path, 0.7 us on forced AVX2 (a pass over 32 and over 1024 tokens: 1.22 and
+1.55 ms, 1.47 and 2.17 ms); a P observed over a 460-token prompt was 13% above a 150-token prompt's,
+which made the next short prompt speculate at a loss (BENCHMARKS.md, "The costs at the context of the
+step"). beta is the least-squares slope of time on context within each kind of pass, once the passes
+spread over enough context; until then (a single prompt length) the times are compared as measured.
 
 Choice. Row b's preferred draft length is
 
@@ -270,6 +284,13 @@ SWITCH_ON_MARGIN = 0.05
 # prompts where drafting 2 tokens ran at 1.2x plain (BENCHMARKS.md, "V's knee").
 COLD_PASSES = 2
 COST_REFRESH_STEPS = 8  # plan() refits time(k) to the measurements every this many steps
+# beta, a pass's cost per token of context a row holds (``ContextSlope``): each observation's weight decays
+# by this factor per observation of its width (about the last hundred of each: a few generations)
+CONTEXT_DECAY = 0.99
+# ... estimated only once the observations spread over context (their weighted squared deviations from
+# their width's mean, summed over widths) at least as much as this many at +-CONTEXT_SPREAD_TOKENS
+CONTEXT_SPREAD_OBS = 8
+CONTEXT_SPREAD_TOKENS = 64
 MIN_PLAIN_STEP_S = 1e-6  # a fitted V(1) below this is the fit's floor, not a measurement
 EXPLORE_BACKOFF = 4  # fruitless explorations stretch the interval up to this many times explore_every
 LOOK_REMAINING = 2  # a look (greedy rows) needs this many times explore_every tokens left to use what it finds
@@ -377,7 +398,11 @@ class VerifyCosts:
     The plain path's P (seconds per pass of a greedy plain chain segment, the module docstring's
     "Plain decoding"): ``plain_probe`` the start-up probe, ``plain_obs`` the moving average of
     observed segments, ``plain_obs_step`` when last observed, ``step_plain`` P's estimate when a step
-    was last observed. ``host``: H, the moving average of the host time between two steps."""
+    was last observed. ``host``: H, the moving average of the host time between two steps.
+
+    Each time comes with the context it was measured at (``*_context``: mean committed tokens per row;
+    NaN: unknown), and ``slope`` estimates beta, what a token of context adds to a pass: the times are
+    compared at the context of the step being planned (``AdaptiveK.verify_times``)."""
 
     def __init__(self, k_max: int):
         self.probe = np.full(k_max + 2, np.nan)
@@ -391,8 +416,59 @@ class VerifyCosts:
         self.plain_obs_step = -10 ** 9
         self.host = math.nan
         self.step_plain = math.nan  # P as estimated when a step was last observed
+        self.step_plain_context = math.nan  # ... at this context (tokens per row)
+        # the context (mean tokens per row) each time was measured at, averaged as the time is
+        self.probe_context = math.nan
+        self.obs_context = np.full(k_max + 2, np.nan)
+        self.plain_probe_context = math.nan
+        self.plain_obs_context = math.nan
+        self.slope = ContextSlope(k_max + 2)  # beta (group 0: the plain chain passes, t: verify width t)
         self.fit: Optional[np.ndarray] = None  # V(t) as last fitted (read-only), and what it was fitted to
         self.fit_inputs: Optional[tuple] = None
+
+
+class ContextSlope:
+    """beta: seconds a target pass gains per token of context a row holds, by weighted least squares of
+    time on context within each group of like passes (the plain chain passes; the verify passes of one
+    width), one slope shared by the groups: a pass reads each cached key and value once whatever its
+    rows, so the context adds about the same to a pass of any small width. Measured on the bundled
+    target, one thread, plain chain passes from 32 to 1024 tokens of context: 0.33 us a token on the
+    avx512bf16 path (1.22 -> 1.55 ms), 0.7 us on forced AVX2 (1.47 -> 2.17 ms): the prompts of one
+    benchmark, 150 and 460 tokens long, differ by 8-13% of a pass, which carried from one generation's
+    measurements to the next one's choice. Each observation's weight decays by CONTEXT_DECAY per
+    observation of its group; 0 until the observations spread over context (CONTEXT_SPREAD_OBS at
+    +-CONTEXT_SPREAD_TOKENS), never negative. Host floats (a few per observation)."""
+
+    def __init__(self, groups: int):
+        self.sums = [[0.0] * 5 for _ in range(groups)]  # per group: decayed sums of 1, x, x^2, y, x y
+        self._beta: Optional[float] = 0.0  # (None: to be recomputed)
+
+    def add(self, group: int, context: float, seconds: float) -> None:
+        self._beta = None
+        s, d = self.sums[group], CONTEXT_DECAY
+        s[0] = d * s[0] + 1.0
+        s[1] = d * s[1] + context
+        s[2] = d * s[2] + context * context
+        s[3] = d * s[3] + seconds
+        s[4] = d * s[4] + context * seconds
+
+    def beta(self) -> float:
+        if self._beta is None:
+            sxx = sxy = 0.0
+            for w, wx, wxx, wy, wxy in self.sums:
+                if w > 0.0:
+                    sxx += wxx - wx * wx / w
+                    sxy += wxy - wx * wy / w
+            enough = sxx >= CONTEXT_SPREAD_OBS * CONTEXT_SPREAD_TOKENS ** 2
+            self._beta = max(sxy / sxx, 0.0) if enough else 0.0
+        return self._beta
+
+
+def shifted(seconds: float, measured_at: float, context: Optional[float], beta: float) -> float:
+    """A time measured at context ``measured_at`` as it would be at ``context`` (either unknown: as it is)."""
+    if context is None or math.isnan(measured_at) or beta == 0.0:
+        return seconds
+    return seconds + beta * (context - measured_at)
 
 
 class DrafterMemory:
@@ -429,6 +505,11 @@ def moving_average(old: float, new: float, weight: float) -> float:
     if math.isnan(old):
         return new
     return (1.0 - weight) * old + weight * min(new, SPIKE_CAP * old)
+
+
+def blend(old: float, new: float, weight: float) -> float:
+    """``moving_average`` without the cap (for the contexts a time was measured at)."""
+    return new if math.isnan(old) else (1.0 - weight) * old + weight * new
 
 
 def nonneg_line(x: Sequence[float], y: Sequence[float], w: Sequence[float]):
@@ -644,6 +725,7 @@ class AdaptiveK:
         self._looked = False  # a look was observed since the last plan (a switch on may follow)
         self.looks_observed = 0  # looks this generation
         self._times: Optional[List[float]] = None  # time(k) as of step _times_step (plan() refreshes it)
+        self._context: Optional[float] = None  # the last plan's context (tokens per row; None: unknown)
         self._times_step = 0
         self._last_active: tuple = ()
         self._prev_off = False  # the last step did not call the drafter
@@ -666,16 +748,21 @@ class AdaptiveK:
         """a_i per row: [B, k_max] (see the module docstring)."""
         return acceptance_by_position(self.reached, self.accepted, self.shape, self.prior_strength)
 
-    def verify_times(self) -> np.ndarray:
-        """V(t) for t = 1..k_max+1 in seconds: [k_max+1] (index t-1), or all NaN before any measurement."""
+    def verify_times(self, context: Optional[float] = None) -> np.ndarray:
+        """V(t) for t = 1..k_max+1 in seconds: [k_max+1] (index t-1), or all NaN before any measurement;
+        ``context``: at this many tokens per row (None: as measured; ``ContextSlope``)."""
         costs = self.costs
         fresh = costs.step - costs.obs_step <= COST_MEMORY_STEPS  # [k_max+2]
-        inputs = (costs.probe.tobytes(), costs.obs.tobytes(), fresh.tobytes(), costs.offset)
+        beta = costs.slope.beta() if context is not None else 0.0
+        inputs = (costs.probe.tobytes(), costs.obs.tobytes(), fresh.tobytes(), costs.offset, beta,
+                  None if beta == 0.0 else round(context))
         if inputs == costs.fit_inputs:  # (while speculation is off nothing here moves: no refit)
             return costs.fit
-        probe, obs = costs.probe.tolist(), costs.obs.tolist()
-        points = [(t - 1.0, v + costs.offset, 1.0) for t, v in enumerate(probe) if not math.isnan(v)]
-        points += [(t - 1.0, v, OBSERVED_WEIGHT) for t, v in enumerate(obs) if not math.isnan(v) and fresh[t]]
+        probe, obs, at = costs.probe.tolist(), costs.obs.tolist(), costs.obs_context.tolist()
+        points = [(t - 1.0, shifted(v + costs.offset, costs.probe_context, context, beta), 1.0)
+                  for t, v in enumerate(probe) if not math.isnan(v)]
+        points += [(t - 1.0, shifted(v, at[t], context, beta), OBSERVED_WEIGHT)
+                   for t, v in enumerate(obs) if not math.isnan(v) and fresh[t]]
         if not points:
             fit = np.full(self.k_max + 1, np.nan)
         else:
@@ -684,20 +771,23 @@ class AdaptiveK:
         costs.fit, costs.fit_inputs = fit, inputs
         return fit
 
-    def step_times(self) -> np.ndarray:
+    def step_times(self, context: Optional[float] = None) -> np.ndarray:
         """time(k) = V(k+1) + D(k) + H for k = 0..k_max, then time(0) = P where the loop chains plain
-        decoding and P is known: [k_max+1] seconds (relative units before any timing)."""
-        verify = self.verify_times()
+        decoding and P is known: [k_max+1] seconds (relative units before any timing); ``context``: at
+        this many tokens per row (None: as measured)."""
+        verify = self.verify_times(context)
         if np.isnan(verify).any():
             verify = np.ones(self.k_max + 1)  # nothing measured yet: verification assumed free
             return verify + self.draft_times(verify[0])
         costs = self.costs
         times = verify + self.draft_times(verify[0]) + (0.0 if math.isnan(costs.host) else costs.host)
-        plain = self.plain_time()
+        plain = self.plain_time(context)
         if plain is not None:
             times[0] = plain
             if not self._speculating and not math.isnan(costs.step_plain):
-                times[1:] *= plain / costs.step_plain  # off: the steps' costs follow the load P sees
+                # off: the steps' costs follow the load P sees (P now at the last step's context)
+                then = costs.step_plain_context
+                times[1:] *= self.plain_time(None if math.isnan(then) else then) / costs.step_plain
         return times
 
     def plain_step_time(self) -> Optional[float]:
@@ -706,15 +796,19 @@ class AdaptiveK:
         verify = float(self.verify_times()[0])
         return verify if verify > MIN_PLAIN_STEP_S else None  # (NaN: nothing measured; the fit's floor: none)
 
-    def plain_time(self) -> Optional[float]:
+    def plain_time(self, context: Optional[float] = None) -> Optional[float]:
         """P, seconds per pass of the loop's greedy plain chains: the observed moving average, else the
-        probe; None where the loop cannot chain or nothing was measured."""
+        probe; None where the loop cannot chain or nothing was measured. ``context``: at this many
+        tokens per row (None: as measured)."""
         if not self.plain_chain:
             return None
         costs = self.costs
+        beta = costs.slope.beta() if context is not None else 0.0
         if not math.isnan(costs.plain_obs):
-            return costs.plain_obs
-        return None if math.isnan(costs.plain_probe) else costs.plain_probe
+            return shifted(costs.plain_obs, costs.plain_obs_context, context, beta)
+        if math.isnan(costs.plain_probe):
+            return None
+        return shifted(costs.plain_probe, costs.plain_probe_context, context, beta)
 
     def _plain_stale(self) -> bool:
         """Whether P was last measured more than COST_MEMORY_STEPS steps ago, or only probed."""
@@ -749,7 +843,8 @@ class AdaptiveK:
         return EXPLORE_BACKOFF * max(self.explore_every, 1)
 
     # ------------------------------------------------------------------ the loop's calls
-    def plan(self, active: Sequence[bool], remaining: Optional[int] = None, prefill: int = 0) -> List[int]:
+    def plan(self, active: Sequence[bool], remaining: Optional[int] = None, prefill: int = 0,
+             context: Optional[float] = None) -> List[int]:
         """Draft budgets of this step, one per row (0 for finished rows). Host lists only. ``remaining``:
         the most tokens an unfinished row may still emit (None: unbounded); no exploration starts with
         fewer than the longest exploration interval left (too few to use what it would find), and no row
@@ -757,7 +852,10 @@ class AdaptiveK:
         no row may emit more than ``remaining``: drafts past that are never kept, while the draft and the
         verify pass pay for them). ``prefill``: the tokens the drafter must prefill before it can draft (the
         loop deferred its prefill; 0: it is ready); speculation then switches on only if the time it saves
-        over the ``remaining`` passes repays that prefill (``record_prefill``'s measured cost per token)."""
+        over the ``remaining`` passes repays that prefill (``record_prefill``'s measured cost per token).
+        ``context``: the active rows' mean committed tokens, where the costs are compared (None: as
+        measured, whatever the context; ``ContextSlope``)."""
+        self._context = context
         budgets = self._choose(active, remaining, prefill)
         if remaining is not None and max(budgets, default=0) >= remaining:
             budgets = [min(b, max(remaining - 1, 0)) for b in budgets]
@@ -782,7 +880,7 @@ class AdaptiveK:
                                self.k_max + 1)
         if self._times is None or self.step >= self._times_step + COST_REFRESH_STEPS:
             # [K+1]: the costs move slowly
-            self._times, self._times_step = self.step_times().tolist(), self.step
+            self._times, self._times_step = self.step_times(self._context).tolist(), self.step
         times = self._times
         rates = [e / t for e, t in zip(expected, times)]  # [K+1] tokens per second
         current = self._last_cap if key == self._last_active else None  # (other rows: other rates)
@@ -851,20 +949,22 @@ class AdaptiveK:
             self.prefill_per_token = moving_average(previous, seconds / tokens, self.cost_smoothing)
 
     def observe(self, budget: Sequence[int], outcome: StepOutcome, *, draft_time: float, verify_time: float,
-                drafted: int, width: int, host_time: float = 0.0) -> None:
+                drafted: int, width: int, host_time: float = 0.0, context: Optional[float] = None) -> None:
         """One step's outcome: the budgets ``plan`` gave, the drafted and accepted counts of the active
         rows (``outcome``), the step's draft and verify times (seconds), the drafts per row the drafter
-        ran (0 when it was not called), the verify width (tokens per row) and the host time between
-        the previous step or segment and this step's draft (seconds; 0: not measured)."""
+        ran (0 when it was not called), the verify width (tokens per row), the host time between
+        the previous step or segment and this step's draft (seconds; 0: not measured) and the active
+        rows' mean committed tokens when the step started (None: unknown)."""
         self.step += 1
         costs = self.costs
         costs.step += 1
         w = self.cost_smoothing
         if host_time > 0:
             costs.host = moving_average(costs.host, host_time, w)
-        plain = self.plain_time()
+        plain = self.plain_time(context)
         if plain is not None:
             costs.step_plain = plain  # (while off, the steps' costs follow P's moves from here)
+            costs.step_plain_context = math.nan if context is None else context
         self.history[width - 1] = self.history.get(width - 1, 0) + 1
         # costs
         caught_up = self._prev_off  # this draft pass also fed the tokens of the skipped steps: not timed
@@ -885,9 +985,16 @@ class AdaptiveK:
                 verify_time = min(verify_time, SPIKE_CAP * old)
             costs.obs[width] = moving_average(old, verify_time, w)
             costs.obs_step[width] = costs.step
+            if context is not None:
+                at = float(costs.obs_context[width]) if not math.isnan(old) else math.nan
+                costs.obs_context[width] = blend(at, context, w)
+                costs.slope.add(width, context, verify_time)
             probe = self._probe_at(width)
             if probe is not None:
-                costs.offset = (1 - w) * costs.offset + w * (verify_time - probe)
+                beta = costs.slope.beta() if context is not None else 0.0
+                at_probe = shifted(verify_time, context if context is not None else math.nan,
+                                   None if math.isnan(costs.probe_context) else costs.probe_context, beta)
+                costs.offset = (1 - w) * costs.offset + w * (at_probe - probe)
         self.row_k_sum += sum(budget[b] for b in outcome.rows)
         self.row_steps += len(outcome.rows)
         live = [i for i, d in enumerate(outcome.drafted) if d > 0]  # indices into the outcome's rows
@@ -926,11 +1033,14 @@ class AdaptiveK:
             self.follow_up[:] = False
             self.follow_up_any = False
 
-    def observe_plain(self, passes: int, seconds: float, active: Sequence[bool]) -> None:
+    def observe_plain(self, passes: int, seconds: float, active: Sequence[bool],
+                      context: Optional[float] = None) -> None:
         """A plain chain segment the loop ran because ``plan`` gave every row 0: ``passes`` one-token
         passes of the batch in ``seconds`` (the host time since the previous step or segment
-        included), ``active`` the rows that were unfinished at its start. Counts ``passes`` steps
-        (the exploration schedule, the staleness of the costs) and updates P; no acceptance data."""
+        included), ``active`` the rows that were unfinished at its start, ``context`` their mean committed
+        tokens halfway through it (None: unknown). Counts ``passes`` steps (the exploration schedule, the
+        staleness of the costs) and updates P where the segment ran a whole chain (``plain_chain``
+        passes: see the module docstring); no acceptance data."""
         if passes <= 0:
             return
         self.step += passes
@@ -939,7 +1049,13 @@ class AdaptiveK:
         w = self.cost_smoothing
         per_pass = seconds / passes
         cold, self._cold = self._cold > 0, max(self._cold - passes, 0)  # (COLD_PASSES)
-        if per_pass > 0 and not cold:
+        if per_pass > 0 and not cold and passes >= self.plain_chain:
+            if context is None:
+                costs.plain_obs_context = math.nan
+            else:
+                at = costs.plain_obs_context if not math.isnan(costs.plain_obs) else math.nan
+                costs.plain_obs_context = blend(at, context, w)
+                costs.slope.add(0, context, per_pass)
             costs.plain_obs = moving_average(costs.plain_obs, per_pass, w)
             costs.plain_obs_step = costs.step
         self._prev_off = True  # the next draft pass also feeds the segment's tokens: not timed
@@ -1040,16 +1156,19 @@ class AdaptiveK:
                             counts if self._memory.draft_probe is None else (), plain)
 
     def record_probes(self, verify_times: Dict[int, float], draft_times: Dict[int, float],
-                      plain_time: Optional[float] = None) -> None:
+                      plain_time: Optional[float] = None, context: Optional[float] = None) -> None:
         """The start-up probes' medians: {width t: seconds} of target forwards over [B, t], {count s:
         seconds} of draft steps of s tokens per row (empty where not probed) and the seconds per pass
-        of greedy plain chains (None where not probed)."""
+        of greedy plain chains (None where not probed), at ``context`` tokens per row (None: unknown)."""
+        at = math.nan if context is None else float(context)
         if plain_time is not None:
             self.costs.plain_probe = float(plain_time)
+            self.costs.plain_probe_context = at
         for t, seconds in verify_times.items():
             self.costs.probe[t] = seconds
         if verify_times:
             self.costs.probe_curve = None
+            self.costs.probe_context = at
         for count, seconds in draft_times.items():
             self.draft_probe[count] = seconds
         if self._memory is not None and self._memory.draft_probe is None and draft_times:

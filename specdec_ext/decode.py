@@ -266,10 +266,11 @@ def append_chain(meta: SpecDecodeMetadata, chain: torch.Tensor, n: int) -> None:
 
 
 def timed_segment(loop: "LoopState", drafter: Optional[Drafter], adaptive: AdaptiveK,
-                  host: HostTime) -> Tuple[List[List[int]], int]:
+                  host: HostTime, context: float) -> Tuple[List[List[int]], int]:
     """``plain_segment`` (``drafter``: the loop's, or None while its prefill is deferred), timed for the
-    stats and for adaptive k (its time per pass, the host time since the previous step included), then
-    the stop checks. Returns (each row's new tokens, passes)."""
+    stats and for adaptive k (its time per pass, the host time since the previous step included, at the
+    rows' mean context halfway through it: ``context`` at its start), then the stop checks. Returns (each
+    row's new tokens, passes)."""
     active = [not r.finished for r in loop.rows]
     t0 = host.timer.now()
     emitted, passes = plain_segment(loop.target, drafter, loop.meta, loop.rows, loop.stop)
@@ -277,7 +278,7 @@ def timed_segment(loop: "LoopState", drafter: Optional[Drafter], adaptive: Adapt
         return [], 0
     t1 = host.timer.now()
     loop.stats.verify_time += t1 - t0
-    adaptive.observe_plain(passes, t1 - t0 + host.since(t0), active)
+    adaptive.observe_plain(passes, t1 - t0 + host.since(t0), active, context + passes / 2)
     host.end(t1)
     return stop_passes(loop.rows, emitted, loop.stop, loop.stats), passes
 
@@ -317,15 +318,18 @@ def run_steps(loop: LoopState, config: LoopConfig, adaptive: Optional[AdaptiveK]
                       recorder=loop.stats)
     stops = [loop.stop] * len(loop.rows)
     host = HostTime(loop.timer if adaptive is not None else None)
+    prompt_lens = loop.meta.prompt_lens.tolist() if adaptive is not None else []
     step = FIRST_DECODE_STEP
     while not all(r.finished for r in loop.rows):
         loop.meta.set_step(step)
         budget = None
         if adaptive is not None:
             active = [not r.finished for r in loop.rows]
-            budget = adaptive.plan(active, tokens_left(loop.rows, loop.stop), drafter_prefill.pending())
+            context = mean_context(prompt_lens, loop.rows)
+            budget = adaptive.plan(active, tokens_left(loop.rows, loop.stop), drafter_prefill.pending(), context=context)
         if segments and max(budget) == 0:
-            new, passes = timed_segment(loop, loop.drafter if drafter_prefill.ready else None, adaptive, host)
+            new, passes = timed_segment(loop, loop.drafter if drafter_prefill.ready else None, adaptive, host,
+                                        context)
             if passes:
                 step += passes
                 if adaptive.look_due:  # (not host work between steps: a one-off, like a prefill)
@@ -342,11 +346,18 @@ def run_steps(loop: LoopState, config: LoopConfig, adaptive: Optional[AdaptiveK]
         if adaptive is not None:
             adaptive.observe(budget, result.outcome, draft_time=result.draft_time, verify_time=result.verify_time,
                              drafted=max(budget, default=0), width=result.width,
-                             host_time=host.since(result.started))
+                             host_time=host.since(result.started), context=context)
             host.end(result.started + result.draft_time + result.verify_time)
         loop.stats.new_tokens += sum(len(n) for n in result.new_tokens)
         step += 1
         yield from host.hand_over(result.new_tokens)
+
+
+def mean_context(prompt_lens: List[int], rows: List[RowState]) -> float:
+    """The unfinished rows' mean committed tokens (prompt and generated; adaptive k compares its costs
+    there: a pass's cost grows with the context it reads)."""
+    lengths = [p + len(r.tokens) for p, r in zip(prompt_lens, rows) if not r.finished]
+    return sum(lengths) / len(lengths) if lengths else 0.0
 
 
 def tokens_left(rows: List[RowState], stop: StopCriteria) -> int:
@@ -447,7 +458,8 @@ def start_adaptive(adaptive: AdaptiveK, target: ModelRunner, drafter: Drafter, m
     verify_times, draft_times = probe_costs(target, drafter, meta, request, timer, adaptive.probe_passes)
     plain = (probe_plain_chain(target, meta, request.plain_passes, timer, adaptive.probe_passes)
              if request.plain_passes else None)
-    adaptive.record_probes(verify_times, draft_times, plain)
+    prompt_lens = meta.prompt_lens.tolist()
+    adaptive.record_probes(verify_times, draft_times, plain, sum(prompt_lens) / len(prompt_lens))
     return timer.now() - begin
 
 
