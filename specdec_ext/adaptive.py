@@ -91,8 +91,9 @@ bundled pair), else the loop's
 one-token step, time(0) = V(1) + H. P is the moving average of the observed segments' time per pass
 (their host time included) over the segments of ``plain_chain`` passes: a shorter one, a row's last
 passes before its stop, pays a chain call's fixed cost over fewer passes (1.3-1.5x P a pass on the
-bundled pair, forced AVX2), and it carried into the next generation's choice; before any segment, a start-up probe (greedy chains of ``plain_chain``
-passes, the median of three, rolled back; once per process for a target and batch size). The two
+bundled pair, forced AVX2), and it carried into the next generation's choice; before any segment, a
+start-up probe (greedy chains of ``plain_chain`` passes, the median of three, rolled back; once per
+process for a target and batch size). The two
 sides are measured at different times, and another process on the cores slows every cost alike
 (on the shared 2-core VM: by up to 2x within seconds), so neither side is compared stale with the
 other fresh. While off, time(k >= 1) is scaled by how P moved since the last step was observed

@@ -326,7 +326,8 @@ def run_steps(loop: LoopState, config: LoopConfig, adaptive: Optional[AdaptiveK]
         if adaptive is not None:
             active = [not r.finished for r in loop.rows]
             context = mean_context(prompt_lens, loop.rows)
-            budget = adaptive.plan(active, tokens_left(loop.rows, loop.stop), drafter_prefill.pending(), context=context)
+            budget = adaptive.plan(active, tokens_left(loop.rows, loop.stop), drafter_prefill.pending(),
+                                   context=context)
         if segments and max(budget) == 0:
             new, passes = timed_segment(loop, loop.drafter if drafter_prefill.ready else None, adaptive, host,
                                         context)
