@@ -133,6 +133,55 @@ def test_the_catch_up_feed_is_a_fixed_part_and_a_time_per_token():
     assert controller._catch_up_s(4, [0], pending_tokens=100) == pytest.approx(100 * 2.3 / 231 * MS)
 
 
+def _simulate_rows(controller: LoadGatedK, acceptance, steps: int, verify_s, rng, draft_s: float = 0.2 * MS):
+    """``_simulate`` with one acceptance per row (``acceptance[b]``, width = its length); the choices."""
+    width = len(acceptance)
+    running = list(range(width))
+    choices = []
+    for _ in range(steps):
+        choice = controller.choose(width, running, [])
+        drafted = [choice.budget[b] for b in running]
+        accepted = []
+        for b, d in zip(running, drafted):
+            n = 0
+            while n < d and rng.random() < acceptance[b]:
+                n += 1
+            accepted.append(n)
+        controller.observe(width, choice, StepOutcome(running, drafted, accepted), verify_width=choice.k + 1,
+                           draft_time=choice.k * draft_s, verify_time=verify_s(width * (choice.k + 1)),
+                           host_time=0.05 * MS)
+        choices.append(choice)
+    return choices
+
+
+def compute_bound(tokens: int) -> float:
+    """A pass whose time grows with its tokens: 8 rows drafting one token take 1.5x a plain step."""
+    return 4 * MS + 0.5 * MS * tokens
+
+
+@pytest.mark.parametrize("tolerance", [draft_length.ROW_LOSS_TOLERANCE, math.inf])
+def test_no_row_is_slowed_below_its_plain_rate_for_the_batch_s_gain(monkeypatch, tolerance):
+    """8 rows on a pass that costs in proportion to its tokens: at acceptance 0.9 everywhere drafting pays
+    for every row and the controller drafts. When one row stops accepting, drafting still raises the
+    batch's rate (seven rows gain a quarter) but runs that row at 2/3 of its plain rate: the controller
+    turns plain (but for explorations); without the rule (tolerance inf) it goes on drafting."""
+    monkeypatch.setattr(draft_length, "ROW_LOSS_TOLERANCE", tolerance)
+    rng = np.random.default_rng(11)
+    controller = LoadGatedK(K_MAX, rows=8, pinned_k=4)
+    even = _simulate_rows(controller, [0.9] * 8, 60, compute_bound, rng)
+    assert all(c.k >= 1 for c in even[-20:])
+    uneven = _simulate_rows(controller, [0.9] * 7 + [0.0], 120, compute_bound, rng)
+    tail = uneven[-40:]
+    times, expected = controller.step_times(8), controller._expected_sums(list(range(8)))
+    worst = controller._expected[7]  # (filled by _expected_sums)
+    assert max(e / t for e, t in zip(expected[1:], times[1:])) > 1.1 * expected[0] / times[0]  # the batch would gain
+    if math.isinf(tolerance):
+        assert sum(c.k >= 1 for c in tail) >= 35
+    else:
+        assert all(worst[K] / times[K] < 0.9 / times[0] for K in range(1, K_MAX + 1))  # the row would lose
+        assert sum(c.k == 0 for c in tail) >= 35 and all(c.k == 0 or c.reason == EXPLORE for c in tail)
+
+
 def test_a_seeded_row_drafts_the_pinned_length_whatever_the_load():
     """Seeded rows' tokens must not depend on the load: they draft pinned_k every step even where the
     others are off."""

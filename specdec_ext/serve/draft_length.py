@@ -90,6 +90,16 @@ within a few steps, and the average follows a burst too slowly): at the start of
 first rows drafted at widths 2-6 while 15 prompts waited, each join then paid its draft prefill beside
 the chunks, and the burst's first requests ran at a TPOT 10-16% above the plain server's (its p99).
 
+No row slower. The batch's rate is a sum over its rows, but the pass is shared: a step drafting K takes
+time(w, K) for every row, and a row that accepts little gets about one token from it where a plain step
+gives it one in time(w, 0). So a K is chosen only where the row with the least E_b(K) still gets at
+least (1 - ROW_LOSS_TOLERANCE) of its plain rate, E_b(K) / time(w, K) >= (1 - ROW_LOSS_TOLERANCE) /
+time(w, 0); at one row this is the choice itself. Measured on a Zen 5 (avx512bf16, bench_serve, 16
+clients into 16 rows): a step drafting 2 tokens at 16 rows took 17.5 ms against a plain step's 7.7, so
+the batch gained 1.1-1.3x on those steps while a row accepting little ran at half its plain rate, and
+the speculative server's TPOT p99 was 7-43% above the plain server's at an equal throughput; with this
+rule, 1-11% (BENCHMARKS.md, issue 30, "On a Zen 5").
+
 Holding a clear "off". Where the best K's estimated rate is below HOLD_BAND x plain decoding's, the choice
 (K = 0) is kept for the next HOLD_STEPS steps while the running rows stay the same: between joins and
 leaves nothing a plain step measures can move the estimate that far (no acceptance is observed while off;
@@ -144,6 +154,9 @@ EXPLORE_K = 1  # drafts per row of an exploration
 JOIN_SMOOTHING = 0.05  # weight of a step in J, the prompt tokens joining per step (joins are rare and large)
 HOLD_BAND = 0.9  # a choice to stay off is kept while the best K's rate is below this x plain decoding's ...
 HOLD_STEPS = 8  # ... for this many steps, while the running rows stay the same
+# A draft length is chosen only where no running row's expected rate falls more than this below what a plain
+# step gives it ("No row slower")
+ROW_LOSS_TOLERANCE = 0.1
 PASS_FLOOR_MARGIN = 0.9  # of a prefill chunk's time per token: the chunk's own overheads (a row's start, the draft's
 #   stand-in) are not in a verify pass, nor is all of its attention (measured: verify passes of 20-144 tokens at
 #   1.03-1.2x a 256-token chunk's time per token, this CPU)
@@ -466,6 +479,11 @@ class LoadGatedK:
             times = [math.inf if excluded else t + (per_step if K else 0.0)
                      for K, (t, excluded) in enumerate(zip(times, self._excluded))]
             all_rates = [e / t for e, t in zip(self._expected_sums(running), times)]  # [k_max+1]
+            if len(running) > 1:  # "No row slower": the row that accepts least, against its plain step
+                worst = [min(column) for column in zip(*(self._expected[slot] for slot in running))]
+                for K in range(1, self.k_max + 1):
+                    if worst[K] * times[0] < (1.0 - ROW_LOSS_TOLERANCE) * times[K]:
+                        all_rates[K] = 0.0
             switch_on = SWITCH_ON_MARGIN if self._cap == 0 else 0.0
             current = self._cap if self._cap > 0 else None
             cap = best_cap(all_rates, LONGER_TOLERANCE, current, SWITCH_MARGIN, switch_on) if running else 0
