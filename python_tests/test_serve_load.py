@@ -43,20 +43,26 @@ def _simulate(controller: LoadGatedK, width: int, steps: int, verify_s, acceptan
               draft_s: float = 0.2 * MS, seeded=()):
     """Run ``steps`` choices at ``width`` rows with step costs verify_s(tokens in the pass) and
     draft_s per drafted token, each draft accepted with probability ``acceptance``; the choices."""
-    running = list(range(width))
+    return _simulate_rows(controller, [acceptance] * width, steps, verify_s, rng, draft_s, seeded)
+
+
+def _simulate_rows(controller: LoadGatedK, acceptance, steps: int, verify_s, rng, draft_s: float = 0.2 * MS,
+                   seeded=()):
+    """``_simulate`` with one acceptance per row (``acceptance[b]``; the width is its length)."""
+    running = list(range(len(acceptance)))
     choices = []
     for _ in range(steps):
-        choice = controller.choose(width, running, list(seeded))
+        choice = controller.choose(len(acceptance), running, list(seeded))
         drafted = [choice.budget[b] for b in running]
         accepted = []
-        for d in drafted:
+        for b, d in zip(running, drafted):
             n = 0
-            while n < d and rng.random() < acceptance:
+            while n < d and rng.random() < acceptance[b]:
                 n += 1
             accepted.append(n)
-        controller.observe(width, choice, StepOutcome(running, drafted, accepted), verify_width=choice.k + 1,
-                           draft_time=choice.k * draft_s, verify_time=verify_s(width * (choice.k + 1)),
-                           host_time=0.05 * MS)
+        controller.observe(len(acceptance), choice, StepOutcome(running, drafted, accepted),
+                           verify_width=choice.k + 1, draft_time=choice.k * draft_s,
+                           verify_time=verify_s(len(acceptance) * (choice.k + 1)), host_time=0.05 * MS)
         choices.append(choice)
     return choices
 
@@ -131,27 +137,6 @@ def test_the_catch_up_feed_is_a_fixed_part_and_a_time_per_token():
     assert controller._feed_s(4, 0) == 0.0
     controller.feed = feed  # no draft prefill timed yet: a pending prompt token costs a fed token's slope
     assert controller._catch_up_s(4, [0], pending_tokens=100) == pytest.approx(100 * 2.3 / 231 * MS)
-
-
-def _simulate_rows(controller: LoadGatedK, acceptance, steps: int, verify_s, rng, draft_s: float = 0.2 * MS):
-    """``_simulate`` with one acceptance per row (``acceptance[b]``, width = its length); the choices."""
-    width = len(acceptance)
-    running = list(range(width))
-    choices = []
-    for _ in range(steps):
-        choice = controller.choose(width, running, [])
-        drafted = [choice.budget[b] for b in running]
-        accepted = []
-        for b, d in zip(running, drafted):
-            n = 0
-            while n < d and rng.random() < acceptance[b]:
-                n += 1
-            accepted.append(n)
-        controller.observe(width, choice, StepOutcome(running, drafted, accepted), verify_width=choice.k + 1,
-                           draft_time=choice.k * draft_s, verify_time=verify_s(width * (choice.k + 1)),
-                           host_time=0.05 * MS)
-        choices.append(choice)
-    return choices
 
 
 def compute_bound(tokens: int) -> float:
