@@ -470,6 +470,18 @@ def test_a_deferred_drafter_prefill_must_be_repaid_by_what_speculating_saves():
     assert c.plan([True], remaining=640, prefill=int(1.1 * saved / per_token))[0] > 0  # a longer generation repays it
 
 
+def test_a_prefill_of_a_few_tokens_is_not_timed_into_the_cost_per_token():
+    """A drafter prefill shorter than MIN_TIMED_PREFILL_TOKENS (a warm-up on a 3-token prompt) costs the call's
+    fixed time: taken per token it priced a 128-token prefill at 66 ms, which no short generation repays, and
+    speculation never switched on. It is not timed; a window's prefill is."""
+    c = known([[0.8] * 8], flat, 0.1 * V1, plain=V1)
+    c.record_prefill(2.19e-3, 3)
+    assert c.prefill_per_token is None
+    assert c.plan([True], remaining=64, prefill=128)[0] > 0  # (unmeasured: the prefill costs nothing)
+    c.record_prefill(0.83e-3, ad.MIN_TIMED_PREFILL_TOKENS * 2)
+    assert c.prefill_per_token == pytest.approx(0.83e-3 / (ad.MIN_TIMED_PREFILL_TOKENS * 2))
+
+
 def test_start_asks_for_the_plain_chain_probe_once_and_record_probes_keeps_it():
     target = torch.nn.Linear(1, 1)
     first = AdaptiveK(4)

@@ -285,6 +285,11 @@ SWITCH_ON_MARGIN = 0.05
 # prompts where drafting 2 tokens ran at 1.2x plain (BENCHMARKS.md, "V's knee").
 COLD_PASSES = 2
 COST_REFRESH_STEPS = 8  # plan() refits time(k) to the measurements every this many steps
+# A drafter prefill of fewer tokens is not timed into its cost per token: its time is the call's fixed cost.
+# Measured (the Zen 5, avx512bf16): ``specdec demo``'s 4-token warm-up on "x = 1" prefilled 3 tokens in 2.19 ms,
+# 729 us a token against 26 us for a 32-token window; the average then priced the next prompts' 128-token
+# prefill at 66 ms, which no 64-token generation repays, and the demo never speculated (0.92-0.98x plain)
+MIN_TIMED_PREFILL_TOKENS = 16
 # beta, a pass's cost per token of context a row holds (``ContextSlope``): each observation's weight decays
 # by this factor per observation of its width (about the last hundred of each: a few generations)
 CONTEXT_DECAY = 0.99
@@ -944,8 +949,9 @@ class AdaptiveK:
         return saved > prefill * (self.prefill_per_token or 0.0)
 
     def record_prefill(self, seconds: float, tokens: int) -> None:
-        """The drafter's deferred prefill took ``seconds`` for ``tokens`` tokens (``plan``'s ``prefill``)."""
-        if tokens > 0 and seconds > 0:
+        """The drafter's deferred prefill took ``seconds`` for ``tokens`` tokens (``plan``'s ``prefill``); one
+        of fewer than MIN_TIMED_PREFILL_TOKENS is not timed (its time is the call's fixed cost)."""
+        if tokens >= MIN_TIMED_PREFILL_TOKENS and seconds > 0:
             previous = math.nan if self.prefill_per_token is None else self.prefill_per_token
             self.prefill_per_token = moving_average(previous, seconds / tokens, self.cost_smoothing)
 
