@@ -309,6 +309,17 @@ def test_joining_prompts_charge_every_draft_length_their_draft_prefill():
     assert controller.choose(4, running, []).k == 0
 
 
+def test_a_draft_prefill_of_a_few_tokens_is_not_timed():
+    """A joining request's prompt of a few tokens costs its prefill call's fixed time: taken per token it
+    priced every later join's draft prefill that many times too dear. It is not timed; a longer one is."""
+    from specdec_ext.adaptive import MIN_TIMED_PREFILL_TOKENS
+    controller = LoadGatedK(K_MAX, rows=8, pinned_k=4)
+    controller.record_draft_prefill(3, 2.2e-3)
+    assert math.isnan(controller.prefill_per_token)
+    controller.record_draft_prefill(MIN_TIMED_PREFILL_TOKENS * 4, MIN_TIMED_PREFILL_TOKENS * 4 * 30e-6)
+    assert controller.prefill_per_token == pytest.approx(30e-6)
+
+
 def test_the_first_prefill_chunk_a_controller_sees_is_not_timed():
     controller = LoadGatedK(K_MAX, rows=2, pinned_k=4)
     controller.observe_prefill(64, 1.0)

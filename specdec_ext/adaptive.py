@@ -285,7 +285,8 @@ SWITCH_ON_MARGIN = 0.05
 # prompts where drafting 2 tokens ran at 1.2x plain (BENCHMARKS.md, "V's knee").
 COLD_PASSES = 2
 COST_REFRESH_STEPS = 8  # plan() refits time(k) to the measurements every this many steps
-# A drafter prefill of fewer tokens is not timed into its cost per token: its time is the call's fixed cost.
+# A drafter prefill of fewer tokens is not timed into its cost per token: its time is the call's fixed cost (the
+# server's draft prefills of joining rows too, serve/draft_length.py ``record_draft_prefill``).
 # Measured (the Zen 5, avx512bf16): ``specdec demo``'s 4-token warm-up on "x = 1" prefilled 3 tokens in 2.19 ms,
 # 729 us a token against 26 us for a 32-token window; the average then priced the next prompts' 128-token
 # prefill at 66 ms, which no 64-token generation repays, and the demo never speculated (0.92-0.98x plain)

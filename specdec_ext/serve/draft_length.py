@@ -142,7 +142,7 @@ import numpy as np
 
 from ..adaptive import (DEFAULT_COST_SMOOTHING, DEFAULT_FORGETTING, DEFAULT_PRIOR_ACCEPTANCE,
                         DEFAULT_PRIOR_DRAFT_COST, DEFAULT_PRIOR_STRENGTH, EXPLORE_BACKOFF, GENERATION_SMOOTHING,
-                        LONGER_TOLERANCE, REFRESH_BAND, SWITCH_MARGIN, SWITCH_ON_MARGIN,
+                        LONGER_TOLERANCE, MIN_TIMED_PREFILL_TOKENS, REFRESH_BAND, SWITCH_MARGIN, SWITCH_ON_MARGIN,
                         acceptance_by_position, best_cap, column_sums, expected_by_row, moving_average,
                         nonneg_line)
 from ..stats import StepOutcome
@@ -528,8 +528,9 @@ class LoadGatedK:
 
     def record_draft_prefill(self, tokens: int, seconds: float) -> None:
         """The batcher prefilled ``tokens`` tokens into the drafter in ``seconds`` (a joining row's prompt, or
-        the deferred draft prefills when speculation switches on)."""
-        if tokens > 0 and seconds > 0:
+        the deferred draft prefills when speculation switches on); fewer than MIN_TIMED_PREFILL_TOKENS are
+        not timed (adaptive.py: the call's fixed cost, taken per token, priced later prefills 28x too dear)."""
+        if tokens >= MIN_TIMED_PREFILL_TOKENS and seconds > 0:
             self.prefill_per_token = moving_average(self.prefill_per_token, seconds / tokens, DEFAULT_COST_SMOOTHING)
 
     def _catch_up_s(self, width: int, running: Sequence[int], pending_tokens: int = 0) -> float:
