@@ -472,8 +472,9 @@ class ContextSlope:
 
 
 def shifted(seconds: float, measured_at: float, context: Optional[float], beta: float) -> float:
-    """A time measured at context ``measured_at`` as it would be at ``context`` (either unknown: as it is)."""
-    if context is None or math.isnan(measured_at) or beta == 0.0:
+    """A time measured at context ``measured_at`` as it would be at ``context`` (either unknown, None or NaN:
+    as it is)."""
+    if context is None or math.isnan(context) or math.isnan(measured_at) or beta == 0.0:
         return seconds
     return seconds + beta * (context - measured_at)
 
@@ -793,8 +794,7 @@ class AdaptiveK:
             times[0] = plain
             if not self._speculating and not math.isnan(costs.step_plain):
                 # off: the steps' costs follow the load P sees (P now at the last step's context)
-                then = costs.step_plain_context
-                times[1:] *= self.plain_time(None if math.isnan(then) else then) / costs.step_plain
+                times[1:] *= self.plain_time(costs.step_plain_context) / costs.step_plain
         return times
 
     def plain_step_time(self) -> Optional[float]:
@@ -810,7 +810,7 @@ class AdaptiveK:
         if not self.plain_chain:
             return None
         costs = self.costs
-        beta = costs.slope.beta() if context is not None else 0.0
+        beta = costs.slope.beta()
         if not math.isnan(costs.plain_obs):
             return shifted(costs.plain_obs, costs.plain_obs_context, context, beta)
         if math.isnan(costs.plain_probe):
@@ -998,10 +998,9 @@ class AdaptiveK:
                 costs.obs_context[width] = blend(at, context, w)
                 costs.slope.add(width, context, verify_time)
             probe = self._probe_at(width)
-            if probe is not None:
-                beta = costs.slope.beta() if context is not None else 0.0
-                at_probe = shifted(verify_time, context if context is not None else math.nan,
-                                   None if math.isnan(costs.probe_context) else costs.probe_context, beta)
+            if probe is not None:  # (the step's time moved to the probe's context: the offset is the load's)
+                at_probe = shifted(verify_time, math.nan if context is None else context, costs.probe_context,
+                                   costs.slope.beta())
                 costs.offset = (1 - w) * costs.offset + w * (at_probe - probe)
         self.row_k_sum += sum(budget[b] for b in outcome.rows)
         self.row_steps += len(outcome.rows)
