@@ -31,12 +31,16 @@ def test_explain_names_every_choice_with_its_reason(pair):
     assert choices == ["drafter", "target", "draft", "cuda", "batch", "cache", "capabilities", "sampling"]
     assert plan.adaptive and "k=auto" in text  # k=None: adaptive on the CPU
     assert "lean" in text and "device is cpu" in text and "greedy" in text
-    assert plan.max_seq_len == 5 + 16 + 2 * (plan.slots + 1)
+    assert plan.max_seq_len == 5 + 16 + 2 * plan.slots  # prompt + new + two steps of drafts (plan.loop_cache_len)
     seeded = make_plan(target, draft, drafter="model", prompt_lengths=[5], max_new_tokens=16,
                        sampling=SamplingParams(temperature=1.0), seeded=True)
     assert not seeded.adaptive and seeded.slots == FIXED_K and "seed reproduces" in seeded.explain()
     heads_like = make_plan(target, None, drafter="heads", prompt_lengths=[5], max_new_tokens=4)
     assert heads_like.tree == HEADS_TREE and "k does not apply" in heads_like.explain()
+    assert heads_like.tree_calibration == "shared" and "learnt across this process's calls" in heads_like.explain()
+    seeded_tree = make_plan(target, draft, drafter="model", prompt_lengths=[5], max_new_tokens=16, draft_tree=(2, 2, 4),
+                            sampling=SamplingParams(temperature=1.0), seeded=True)
+    assert seeded_tree.tree_calibration == "per call" and "so that the seed reproduces" in seeded_tree.explain()
     plain = make_plan(target, None, drafter="none", prompt_lengths=[5], max_new_tokens=4)
     assert plain.slots == 0 and "plain decoding" in plain.explain()
 

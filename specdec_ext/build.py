@@ -4,11 +4,11 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 from .drafters import CrossTokenizerDrafter, Drafter, HeadsDrafter, ModelDrafter, NgramDrafter, TreeModelDrafter
-from .drafters.calibration import shared_calibration
+from .drafters.calibration import NodeCalibration, shared_calibration
 from .drafters.model_drafter import draft_window_of
 from .eagle import EagleDrafter
 from .models import Models
-from .plan import DecodePlan
+from .plan import PER_CALL_CALIBRATION, DecodePlan
 from .runners import ModelRunner, make_runner, output_vocab_size
 
 
@@ -29,6 +29,12 @@ def build_drafter(plan: DecodePlan, models: Models, target: Optional[ModelRunner
     features from."""
     vocab_size = output_vocab_size(models.target)
     temperature = plan.sampling.temperature
+
+    def calibration(model, depth: int) -> NodeCalibration:  # plan._tree_calibration says which, and why
+        if plan.tree_calibration == PER_CALL_CALIBRATION:
+            return NodeCalibration(depth)
+        return shared_calibration(model, depth, temperature)
+
     if plan.drafter == "none":
         return None
     if plan.drafter == "ngram":
@@ -38,7 +44,7 @@ def build_drafter(plan: DecodePlan, models: Models, target: Optional[ModelRunner
     if plan.drafter == "heads":
         b, d, n = plan.tree
         return HeadsDrafter(models.target, models.heads, branch=b, depth=d, budget=n,
-                            calibration=shared_calibration(models.heads, d, temperature))
+                            calibration=calibration(models.heads, d))
 
     def draft_runner(*, max_batch_size: int, max_seq_len: int) -> ModelRunner:
         return make_runner(plan.draft_runner, models.draft, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
@@ -51,6 +57,6 @@ def build_drafter(plan: DecodePlan, models: Models, target: Optional[ModelRunner
     if plan.tree is not None:
         b, d, n = plan.tree
         return TreeModelDrafter(models.draft, draft_runner, branch=b, depth=d, budget=n, vocab_size=vocab_size,
-                                calibration=shared_calibration(models.draft, d, temperature))
+                                calibration=calibration(models.draft, d))
     return ModelDrafter(models.draft, draft_runner, k=plan.slots, vocab_size=vocab_size,
                         confidence_threshold=plan.draft_confidence, context_window=draft_window_of(models.draft))

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import json
 import os
@@ -450,12 +449,12 @@ def _in_dtype(models, dtype_name: str):
     CPU kernels run only over float32 master weights (they read bf16 copies, Eagle3Model.kernel_dtype)."""
     import torch
 
+    from .models import cast_model
+
     dtype = getattr(torch, dtype_name)
 
-    def cast(module):
-        if module is None or next(module.parameters()).dtype == dtype:
-            return module
-        return copy.deepcopy(module).to(dtype=dtype)
+    def cast(module):  # as from_pretrained(dtype=...) loads: the rotary frequencies (buffers) stay float32
+        return None if module is None else cast_model(module, dtype, copy=True)
 
     draft = models.draft if models.drafter == "eagle" else cast(models.draft)
     return dataclasses.replace(models, target=cast(models.target), draft=draft, heads=cast(models.heads))

@@ -69,7 +69,8 @@ class LoopConfig:
     @classmethod
     def of(cls, plan: DecodePlan, *, verifier: Verifier = lossless_verify, cost_probe: bool = True,
            grammar_of: Optional[Callable[[int], object]] = None) -> "LoopConfig":
-        return cls(slots=plan.slots, sampling=plan.sampling, max_seq_len=plan.max_seq_len,
+        # the token buffer holds the last emitted token too, which no pass feeds (plan.loop_cache_len)
+        return cls(slots=plan.slots, sampling=plan.sampling, max_seq_len=plan.max_seq_len + 1,
                    adaptive=plan.controller, greedy_chains=plan.target_capabilities.greedy_chain,
                    cost_probe=cost_probe, sync=rank_sync(plan.tensor_parallel, plan.tp_check),
                    step=StepOptions(verifier=verifier, graphs=plan.cuda_graphs),

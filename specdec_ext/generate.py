@@ -265,7 +265,9 @@ def generate(prompts, target: ModelSpec = None, draft: ModelSpec = None, *, max_
         ``vocab_bridge.MIN_INTERSECTION`` tokens. Chains only (no ``draft_tree``).
     max_seq_len : int, optional
         Cache capacity per row (default: the target's max_position_embeddings); a prompt that does not
-        fit with max_new_tokens and one step of drafts raises ValueError.
+        fit with what the loop writes (plan.loop_cache_len: prompt + max_new_tokens - 1 for plain decoding,
+        prompt + max_new_tokens + 2 k with drafts) raises ValueError; one past the models'
+        max_position_embeddings warns.
     runner : 'auto' | 'lean' | 'paged' | 'recompute'
         The model runner of target and draft (runners/). 'auto': for Llama/Mistral/Qwen2-style models a
         lean runner over a contiguous cache (runners/lean.py: the CPU kernels on a CPU, the target in

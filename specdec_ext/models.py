@@ -58,6 +58,35 @@ class Models:
         return self
 
 
+def cast_model(module: torch.nn.Module, dtype: torch.dtype, *, copy: bool = False) -> torch.nn.Module:
+    """``module`` with its floating-point parameters in ``dtype``, the way ``from_pretrained(dtype=...)`` loads
+    it: buffers keep their dtype (a Llama's rotary ``inv_freq`` / ``original_inv_freq`` stay float32, where
+    ``module.to(dtype=...)`` would round them to bf16 and shift every logit: -0.64398 against -0.64237 on the
+    bundled target's first token in bf16), and so do the parameters of the modules HF keeps in float32
+    (``_keep_in_fp32_modules_strict``; ``_keep_in_fp32_modules`` for float16). In place, as nn.Module.to, unless
+    ``copy`` (a deep copy, cast; ``module`` itself when nothing changes). The one place a loaded model is cast."""
+    import copy as copying
+    import re
+
+    keep = set()
+    if dtype in (torch.float16, torch.bfloat16):
+        keep |= set(getattr(module, "_keep_in_fp32_modules_strict", None) or ())
+    if dtype == torch.float16:
+        keep |= set(getattr(module, "_keep_in_fp32_modules", None) or ())
+    kept = re.compile("|".join(rf"(^|\.){re.escape(name)}(\.|$)" for name in sorted(keep))) if keep else None
+    todo = [(name, p) for name, p in module.named_parameters()
+            if p.is_floating_point() and p.dtype != dtype and not (kept and kept.search(name))]
+    if not todo:
+        return module
+    if copy:
+        module = copying.deepcopy(module)
+        names = {name for name, _ in todo}
+        todo = [(name, p) for name, p in module.named_parameters() if name in names]
+    for _, param in todo:  # named_parameters lists a tied weight (lm_head = embed_tokens) once
+        param.data = param.data.to(dtype)
+    return module
+
+
 def default_device() -> str:
     """Where a command's models run unless told: the GPU where torch sees one."""
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -166,7 +195,7 @@ def _load_heads(target: ModelSpec, heads: Union[str, MedusaHeads], tokenizer) ->
         from .default_pair import load_default_heads
         heads = load_default_heads(dtype=param.dtype, device=param.device)
     heads.check_target(target_model)
-    return Models(target_model, "heads", heads=heads.to(dtype=param.dtype, device=param.device), tokenizer=tokenizer)
+    return Models(target_model, "heads", heads=cast_model(heads, param.dtype).to(param.device), tokenizer=tokenizer)
 
 
 def _load_model(spec: ModelSpec, role: str):

@@ -16,7 +16,9 @@ The rules, in the order ``make_plan`` applies them:
    step up to k_max); k=None means "auto" except where adaptive k would cost something: a seeded
    sample at T > 0 (adaptive choices follow measured times, so the seed would not reproduce it) and a
    draft model or EAGLE head where CUDA graphs capture the decode steps (adaptive steps change shape and run
-   eagerly): those get ``FIXED_K``. A tree's size is its node count N' (``tree_num_nodes``).
+   eagerly): those get ``FIXED_K``. A tree's size is its node count N' (``tree_num_nodes``); a draft
+   model's or heads' tree ranks its nodes by the calibration learnt across calls, except a seeded sample
+   at T > 0, which learns from the prior within its call (``tree_calibration``), for the same reason.
 3. runners: runner="auto" takes the lean runner (runners/lean.py) for a model it supports, except
    where CUDA graphs are available (the paged runner's static-shapes mode is what they capture), and
    the paged runner otherwise; a bf16/fp16 draft on the CPU computes in fp32 (the CPU kernels read its
@@ -25,14 +27,17 @@ The rules, in the order ``make_plan`` applies them:
    paged runner for the target and no drafter, a draft model on the paged runner or an EAGLE-3 head
    (``GRAPH_DRAFTERS``); the batch is then padded to a bucket (``BUCKETS``) with frozen
    rows.
-5. cache: every row holds its prompt, max_new_tokens and two steps of drafts (``required_cache_len``);
-   more than max_seq_len (or the models' max_position_embeddings) is refused before any work.
+5. cache: the positions a row writes (``loop_cache_len``): plain decoding its prompt and max_new_tokens - 1
+   (the last token is sampled, never fed), a draft its prompt, max_new_tokens and two steps of drafts;
+   more than max_seq_len (or the models' max_position_embeddings) is refused before any work, and an
+   explicit max_seq_len that lets the rows run past max_position_embeddings is warned about.
 6. capabilities: what the chosen runners can do beyond the ModelRunner contract
    (runners/capabilities.py: greedy chains, device steps), resolved before they are built; the loop,
    the drafters and the server branch on these plan fields, never on the runner objects.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple, Union
 
@@ -55,6 +60,8 @@ AUTO_K = "auto"  # k= value: the draft length chosen per step (adaptive.py); wha
 DEFAULT_PREFILL_CHUNK = 256  # a server's prompt tokens per step of chunked prefill (BENCHMARKS.md, issue 30)
 MIN_PREFILL_CHUNK = 32  # ... at least this many, whatever the running rows' verify tokens take of it
 FIXED_K = 4  # what k=None means where adaptive k is not used: seeded sampling, CUDA-graph-captured steps
+SHARED_CALIBRATION = "shared"  # a tree ranks its nodes by what earlier calls learnt (drafters/calibration.py)
+PER_CALL_CALIBRATION = "per call"  # ... by what this call learns, from the prior: a seeded sample at T > 0
 HEADS_TREE = (3, 3, 8)  # default (b, d, N) of a heads tree (BENCHMARKS.md: heads trees on the bundled pair)
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # batch sizes CUDA graphs are captured for
 GRAPH_DRAFTERS = ("model", "eagle")  # drafters whose chains are device work (captured in generate() and serve)
@@ -72,10 +79,26 @@ def bucket_size(batch: int) -> int:
 
 
 def required_cache_len(max_prompt_len: int, max_new_tokens: int, slots: int) -> int:
-    """Cache positions a row needs. A row commits at most slots + 1 tokens per step, so it ends with at
-    most prompt + max_new_tokens + slots committed (the excess is cut on the host); once finished it is
-    frozen but still takes part in each step with slots + 1 tentative tokens."""
+    """Cache positions a server row is budgeted (serve/budget.py; generate() plans ``loop_cache_len``). A
+    row commits at most slots + 1 tokens per step, so it ends with at most prompt + max_new_tokens + slots
+    committed (the excess is cut on the host); once finished it is frozen but still takes part in each
+    step with slots + 1 tentative tokens."""
     return max_prompt_len + max_new_tokens + 2 * (slots + 1)
+
+
+def loop_cache_len(prompt_len: int, max_new_tokens: int, slots: int) -> int:
+    """The most target cache positions a generate() row writes (the plan's max_seq_len). Plain decoding
+    (``slots`` 0): the prompt, then one pass per new token but the last, which is sampled and never fed:
+    prompt + max_new_tokens - 1. With drafts: an unfinished row has at most max_new_tokens - 1 tokens out
+    and its step commits at most slots + 1 more, so it ends with at most prompt + max_new_tokens + slots
+    tokens out, prompt + max_new_tokens + slots - 1 of them in the cache (the excess is cut on the host);
+    a finished row is frozen but still takes part in each step with its pending token and up to ``slots``
+    tentative drafts after them: prompt + max_new_tokens + 2 * slots. (Measured on the bundled pair: a
+    k=4 chain's frozen rows reach exactly that; the decode loop's token buffer holds one token more,
+    the last one emitted: decode.LoopConfig.of.)"""
+    if slots == 0:
+        return prompt_len + max(max_new_tokens - 1, 0)
+    return prompt_len + max_new_tokens + 2 * slots
 
 
 @dataclass(frozen=True)
@@ -110,6 +133,7 @@ class DecodePlan:
     processing: Optional[Processing] = None  # every row's logits processors (processing.py); None: none
     top_logprobs: Optional[int] = None  # logprobs of the emitted tokens with this many top tokens; None: off
     hidden_taps: Optional[Tuple[int, ...]] = None  # drafter "eagle": the layers its target runner taps (taps.py)
+    tree_calibration: Optional[str] = None  # a draft model's or heads' tree: SHARED_CALIBRATION or PER_CALL_CALIBRATION
     controller: Optional[adaptive_k.AdaptiveK] = field(default=None, compare=False, repr=False)
 
     @property
@@ -195,8 +219,9 @@ def make_plan(target_model, draft_model, **request) -> DecodePlan:
     reasons: List[Tuple[str, str]] = []
     tree = _tree_shape(ask.drafter, ask.draft_tree)
     slots, controller = _draft_length(ask, tree, models, reasons)
+    calibration = _tree_calibration(ask, tree, reasons)
     cross_mode = _cross_tokenizer_mode(ask, reasons)
-    cache_len = required_cache_len(max(ask.prompt_lengths), ask.max_new_tokens, slots)
+    cache_len = loop_cache_len(max(ask.prompt_lengths), ask.max_new_tokens, slots)
     runners = _runners(ask.drafter, ask.runner, tree, models, cache_len, reasons)
     graphs, why = _graphs(models.graphs_ok, models.graphs_reason, ask.drafter, tree, controller, runners)
     if graphs and ask.processing is not None and ask.processing.grammar is not None:
@@ -208,7 +233,8 @@ def make_plan(target_model, draft_model, **request) -> DecodePlan:
                                                  if padded > batch else "")))
     _check_cache(ask, slots, models)
     reasons.append(("cache", f"{cache_len} positions per row (longest prompt {max(ask.prompt_lengths)} + "
-                             f"{ask.max_new_tokens} new + two steps of drafts)"))
+                             + (f"{ask.max_new_tokens} new - 1: the last is never fed)" if slots == 0 else
+                                f"{ask.max_new_tokens} new + 2 x {slots} draft slots)")))
     capabilities = _capabilities(runners, ask.drafter, models, static_shapes=graphs)
     every_token_sampled = (ask.processing is not None and ask.processing.active) or ask.top_logprobs is not None
     reasons.append(("capabilities", _describe_capabilities(*capabilities, ask.sampling, every_token_sampled)))
@@ -228,7 +254,26 @@ def make_plan(target_model, draft_model, **request) -> DecodePlan:
                       target_capabilities=capabilities[0], draft_capabilities=capabilities[1],
                       tensor_parallel=models.tensor_parallel, tp_check=ask.tp_check, reasons=tuple(reasons),
                       cross_tokenizer=cross_mode, processing=ask.processing, top_logprobs=ask.top_logprobs,
-                      hidden_taps=taps, controller=controller)
+                      hidden_taps=taps, tree_calibration=calibration, controller=controller)
+
+
+def _tree_calibration(ask: PlanRequest, tree, reasons: List[Tuple[str, str]]) -> Optional[str]:
+    """Rule 2 for a tree: which node calibration ranks its nodes (drafters/calibration.py). The shared one
+    holds what earlier calls in the process learnt, so the tree's shape, and a seeded sample drawn through
+    it, would depend on what ran before: like adaptive k, which a seeded sample at T > 0 gives up for a
+    fixed k, such a sample starts from the prior each call (and learns within the call, from its own
+    seeded steps), so the seed reproduces it. Greedy output never depends on the shape, and an unseeded
+    sample is not reproducible anyway: those keep learning across calls."""
+    if tree is None or ask.drafter not in ("model", "heads"):  # an EAGLE tree ranks by its own probabilities
+        return None
+    if ask.seeded and not ask.sampling.greedy:
+        reasons.append(("tree calibration", f"{PER_CALL_CALIBRATION}: a seeded sample at T > 0 ranks the tree's "
+                                            "nodes by what this call learns from the prior, so that the seed "
+                                            "reproduces the sample (the shared table follows earlier calls)"))
+        return PER_CALL_CALIBRATION
+    reasons.append(("tree calibration", f"{SHARED_CALIBRATION}: nodes ranked by the rate at which the target emitted "
+                                        "such candidates, learnt across this process's calls"))
+    return SHARED_CALIBRATION
 
 
 def _hidden_taps(drafter: str, head, reasons: List[Tuple[str, str]]) -> Optional[Tuple[int, ...]]:
@@ -450,22 +495,32 @@ def _describe_capabilities(target: RunnerCapabilities, draft: Optional[RunnerCap
 
 
 def _check_cache(ask: PlanRequest, slots: int, models: _Models) -> None:
-    """Rule 5: every prompt fits max_seq_len (or the models' max_position_embeddings) with its tokens."""
-    limit = ask.max_seq_len
-    if limit is None:
-        # a draft with another tokenizer counts its own positions (a row that outgrows them stops drafting)
-        bounded = (models.target,) if ask.drafter in ("cross-tokenizer", "eagle") else (models.target, models.draft)
-        limits = [m for m in (_max_positions(x) for x in bounded if x is not None) if m]
-        limit = min(limits) if limits else None
+    """Rule 5: every prompt fits max_seq_len (or the models' max_position_embeddings) with its tokens; an
+    explicit max_seq_len past max_position_embeddings runs, with one warning per call."""
+    # a draft with another tokenizer counts its own positions (a row that outgrows them stops drafting)
+    bounded = {"target": models.target}
+    if ask.drafter not in ("cross-tokenizer", "eagle") and models.draft is not None:
+        bounded["draft"] = models.draft
+    positions = [(_max_positions(model), role) for role, model in bounded.items() if _max_positions(model)]
+    model_limit = min(positions) if positions else None  # (max_position_embeddings, "target" or "draft")
+    limit = ask.max_seq_len if ask.max_seq_len is not None else (model_limit[0] if model_limit else None)
     if limit is None:
         return
     for b, length in enumerate(ask.prompt_lengths):
-        needs = required_cache_len(length, ask.max_new_tokens, slots)
+        needs = loop_cache_len(length, ask.max_new_tokens, slots)
         if needs > limit:
             raise ValueError(
                 f"prompt {b} has {length} tokens; with max_new_tokens={ask.max_new_tokens} and {slots} draft "
                 f"slots it needs {needs} cache positions but the cache holds {limit} (max_seq_len, or the "
                 f"models' max_position_embeddings): shorten the prompt or lower max_new_tokens")
+    needs = loop_cache_len(max(ask.prompt_lengths), ask.max_new_tokens, slots)
+    if ask.max_seq_len is not None and model_limit is not None and needs > model_limit[0]:
+        warnings.warn(
+            f"max_seq_len={ask.max_seq_len} lets rows run to {needs} positions (longest prompt "
+            f"{max(ask.prompt_lengths)}, max_new_tokens={ask.max_new_tokens}, {slots} draft slots), past the "
+            f"{model_limit[1]} model's max_position_embeddings={model_limit[0]} (without max_seq_len it would be "
+            "refused): the model was not trained for those positions and its outputs there may degrade",
+            UserWarning, stacklevel=5)  # (generate -> _run -> make_plan)
 
 
 def _tree_shape(drafter: str, draft_tree) -> Optional[Tuple[int, int, int]]:

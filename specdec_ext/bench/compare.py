@@ -148,7 +148,7 @@ def parse_args(argv):
 
 
 def load(args):
-    from ..models import load_pair
+    from ..models import cast_model, load_pair
 
     dtype = getattr(torch, args.dtype)
     device = getattr(args, "device", "cpu")
@@ -157,7 +157,7 @@ def load(args):
 
         return load_default_pair(dtype=dtype, device=device)
     target, draft, tokenizer = load_pair(args.target, args.draft)
-    return target.to(device=device, dtype=dtype), draft.to(device=device, dtype=dtype), tokenizer
+    return cast_model(target, dtype).to(device), cast_model(draft, dtype).to(device), tokenizer
 
 
 def workloads_of(args, tokenizer) -> Dict[str, List[List[int]]]:

@@ -15,7 +15,8 @@ changes speed only, never the output distribution.
 
 The tables live as long as the drafting model (``shared_calibration``: one per (model, tree depth,
 temperature), held in a weak dictionary), so later generate() calls in the process start from what
-earlier ones learnt.
+earlier ones learnt; a seeded sample at T > 0 ranks by a fresh NodeCalibration instead, made for its call
+(plan._tree_calibration says why: the seed must reproduce the sample whatever ran before).
 """
 from __future__ import annotations
 
