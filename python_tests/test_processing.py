@@ -143,7 +143,7 @@ def test_the_audit_passes_at_t1_under_a_grammar():
 @pytest.mark.parametrize("kwargs, words", [
     (dict(presence_penalty=2.5), "presence_penalty must lie in [-2, 2]"),
     (dict(frequency_penalty=-3.0), "frequency_penalty must lie in [-2, 2]"),
-    (dict(repetition_penalty=0.0), "repetition_penalty must be a finite number > 0"),
+    (dict(repetition_penalty=0.0), "repetition_penalty must lie in [1e-30, 1e+30]"),
     (dict(min_p=1.5), "min_p must lie in [0, 1]"),
     (dict(logit_bias={"x": 1.0}), "logit_bias key 'x' is not an integer token id"),
     (dict(logit_bias={99999: 1.0}), "logit_bias key 99999 is not a token id of the vocabulary [0, 8192)"),

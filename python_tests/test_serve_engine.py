@@ -210,6 +210,26 @@ def test_a_failing_row_ends_alone_and_frees_its_slot(pair):
     assert engine.batcher.budget.used == 0 and engine.batcher.free_slots == 4
 
 
+def test_a_request_whose_row_cannot_hold_its_values_fails_alone_at_admission(pair):
+    """A temperature above float32's largest and a seed beyond int64 cannot be written into the row's tensors:
+    those requests fail as they join, the requests admitted in the same step finish with generate()'s tokens
+    (the raise used to fail the whole step)."""
+    tokenizer = pair[2]
+    engine = _engine(pair, max_rows=4)
+    requests = [_request(tokenizer, p, max_new=20, sampling=f, seed=i, eos=False)
+                for i, (p, f) in enumerate(zip(PROMPTS[:2], FILTERS[:2]))]
+    hot = _request(tokenizer, "x", max_new=5, sampling=SamplingParams(1e39))
+    huge_seed = _request(tokenizer, "y", max_new=5, sampling=SamplingParams(1.0), seed=2 ** 64)
+    sinks = _run_to_end(engine, [requests[0], hot, requests[1], huge_seed])
+    for sink in (sinks[1], sinks[3]):
+        assert sink.reason == FAILED and sink.tokens == []
+        assert "its sampling parameters could not be set" in sink.message and "overflow" in sink.message.lower()
+    for i, sink in zip((0, 1), (sinks[0], sinks[2])):
+        assert sink.reason == "length" and sink.tokens == _reference(pair, "model", "auto", requests[i], PROMPTS[i])
+    assert engine.batcher.budget.used == 0 and engine.batcher.free_slots == 4
+    assert engine.metrics.finished[FAILED] == 2
+
+
 def test_shutdown_aborts_the_queued_at_once_and_the_running_after_the_grace(pair):
     tokenizer = pair[2]
     engine = _engine(pair, max_rows=1)

@@ -201,6 +201,7 @@ BAD_COMPLETIONS = [
     ("not JSON at all", b"model=tiny-pair", 400, None, "Content-Type: application/json"),
     ("negative temperature", {"temperature": -1}, 400, "temperature", "greater than or equal to 0"),
     ("temperature of the wrong type", {"temperature": "hot"}, 400, "temperature", "valid number"),
+    ("a temperature float32 cannot hold", {"temperature": 1e39}, 400, "temperature", "at most 3.403e+38"),
     ("top_p zero", {"top_p": 0}, 400, "top_p", "greater than 0"),
     ("top_p above one", {"top_p": 1.5}, 400, "top_p", "less than or equal to 1"),
     ("top_k below -1", {"top_k": -2}, 400, "top_k", "greater than or equal to -1"),
@@ -211,6 +212,7 @@ BAD_COMPLETIONS = [
     ("n of zero", {"n": 0}, 400, "n", "greater than or equal to 1"),
     ("two prompts", {"prompt": ["a", "b"]}, 400, "prompt", "one prompt per request"),
     ("empty prompt", {"prompt": ""}, 400, "prompt", "empty"),
+    ("a prompt with a lone surrogate", {"prompt": "x\ud800y"}, 400, "prompt", "not valid text: character 1"),
     ("no prompt", {"prompt": None}, 400, "prompt", ""),
     ("token ids out of range", {"prompt": [1, 2, 999]}, 400, "prompt", "outside [0, 64)"),
     ("empty stop string", {"stop": ["x", ""]}, 400, "stop", "must not be empty"),
@@ -219,10 +221,16 @@ BAD_COMPLETIONS = [
     ("a penalty above 2", {"presence_penalty": 2.5}, 400, "presence_penalty", "less than or equal to 2"),
     ("a frequency penalty below -2", {"frequency_penalty": -3}, 400, "frequency_penalty", "greater than or equal to -2"),
     ("a logit_bias key that is no token id", {"logit_bias": {"x": 1}}, 400, "logit_bias", "not an integer token id"),
+    ("a logit_bias key with a space", {"logit_bias": {" 11": 1}}, 400, "logit_bias", "not an integer token id"),
+    ("a logit_bias key in Arabic-Indic digits", {"logit_bias": {"\u0661\u0661": 1}}, 400, "logit_bias",
+     "not an integer token id"),
     ("a logit_bias key outside the vocabulary", {"logit_bias": {"64": 1}}, 400, "logit_bias", "[0, 64)"),
     ("a logit_bias value above 100", {"logit_bias": {"5": 101}}, 400, "logit_bias", "[-100, 100]"),
     ("min_p above one", {"min_p": 1.5}, 400, "min_p", "less than or equal to 1"),
     ("a repetition penalty of zero", {"repetition_penalty": 0}, 400, "repetition_penalty", "greater than 0"),
+    ("a repetition penalty above float32", {"repetition_penalty": 1e308}, 400, "repetition_penalty", "[1e-30, 1e+30]"),
+    ("a repetition penalty below float32", {"repetition_penalty": 1e-308}, 400, "repetition_penalty",
+     "[1e-30, 1e+30]"),
     ("a regex that does not compile", {"regex": "(ab"}, 400, "regex", "regex"),
     ("a grammar that does not compile", {"grammar": "start: ??"}, 400, "grammar", "grammar"),
     ("a regex and a json response format", {"regex": "a+", "response_format": {"type": "json_object"}}, 400,
@@ -231,6 +239,12 @@ BAD_COMPLETIONS = [
     ("too long for the cache", {"max_tokens": 1000}, 400, "max_tokens",
      "needs 1011 cache positions but a row holds 256"),
 ]
+
+
+def _post_json(url: str, body: dict) -> httpx.Response:
+    """POST ``body`` as JSON text with its non-ASCII escaped, as JSON allows: a lone surrogate is then sent as
+    \\ud800 (httpx's json= writes UTF-8, which cannot encode one)."""
+    return httpx.post(url, content=json.dumps(body), headers={"Content-Type": "application/json"})
 
 
 @pytest.mark.parametrize("case", BAD_COMPLETIONS, ids=[c[0] for c in BAD_COMPLETIONS])
@@ -243,7 +257,7 @@ def test_a_bad_completion_request_is_refused_naming_the_field(server, case):
         body = {"model": MODEL_NAME, "prompt": "abc", "max_tokens": 4}
         body.update(change)
         body = {k: v for k, v in body.items() if v is not None}
-        response = httpx.post(server.url + "/v1/completions", json=body)
+        response = _post_json(server.url + "/v1/completions", body)
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert error["param"] == param and words in error["message"], error
@@ -259,6 +273,8 @@ BAD_CHATS = [
     ("top_logprobs above 20", {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
     ("top_logprobs without logprobs", {"top_logprobs": 2}, "top_logprobs", "needs logprobs"),
     ("n of minus one", {"n": -1}, "n", "greater than or equal to 1"),
+    ("a message with a lone surrogate", {"messages": [{"role": "user", "content": "x\ud800y"}]}, "messages",
+     "not valid text"),
 ]
 
 
@@ -267,10 +283,21 @@ def test_a_bad_chat_request_is_refused_naming_the_field(server, case):
     _, change, param, words = case
     body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     body.update(change)
-    response = httpx.post(server.url + "/v1/chat/completions", json=body)
+    response = _post_json(server.url + "/v1/chat/completions", body)
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param and words in error["message"], error
+
+
+def test_a_top_k_beyond_int32_and_a_top_p_below_float32_are_taken_for_their_meaning(client):
+    """Neither fits the row's int32 / float32 (they failed the whole step with a 500): a top_k past any
+    vocabulary is no top-k filter, a tiny positive top_p keeps the top token."""
+    def text(**fields):
+        return client.completions.create(model=MODEL_NAME, prompt="def f(x):", max_tokens=12, seed=5,
+                                         extra_body=dict(fields, ignore_eos=True)).choices[0].text
+
+    assert text(temperature=1.0, top_k=2 ** 40) == text(temperature=1.0, top_k=0)
+    assert text(temperature=1.0, top_p=1e-300) == text(temperature=0.0)
 
 
 def test_the_openai_client_surfaces_errors_and_unknown_fields_are_ignored(client):

@@ -2,6 +2,7 @@
 build the runners and the drafter (build.py) -> decode (decode.py); the result object and streaming."""
 from __future__ import annotations
 
+import operator
 import secrets
 import sys
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from .logprobs import TokenLogprob
 from .plan import DecodePlan, make_plan
 from .processing import Processing
 from .runners import output_vocab_size
-from .sampling import SamplingParams
+from .sampling import SamplingParams, as_float
 from .stats import GenerationStats
 from .step import Verifier, lossless_verify
 from .stops import RowState, StopCriteria
@@ -27,6 +28,7 @@ from .vocab_bridge import check_round_trip
 
 Prompt = Union[str, Sequence[int]]
 SEED_BITS = 62  # random row seeds are drawn in [0, 2^62)
+SEED_RANGE = (-2 ** 63, 2 ** 63 - 1)  # a given seed is a Philox key: an int64
 
 
 # ------------------------------------------------------------------------------------- result
@@ -119,6 +121,11 @@ def normalise_prompts(prompts, tokenizer) -> Tuple[List[List[int]], bool]:
                 raise ValueError("text prompts need a tokenizer: pass tokenizer= or token ids")
             if not p:
                 raise ValueError(f"prompt {b} is empty")
+            try:
+                p.encode("utf-8")
+            except UnicodeEncodeError as error:  # (the tokenizer would raise a TypeError about its input type)
+                raise ValueError(f"prompt {b} is not valid text: character {error.start} is {p[error.start]!r}, a "
+                                 "lone surrogate, which has no UTF-8 encoding") from None
             ids = tokenizer(p)["input_ids"]
         else:
             ids = p.tolist() if isinstance(p, torch.Tensor) else list(p)
@@ -132,7 +139,8 @@ def normalise_prompts(prompts, tokenizer) -> Tuple[List[List[int]], bool]:
 
 def eos_token_ids_of(eos_token_id, target_model, tokenizer) -> List[int]:
     """generate()'s ``eos_token_id`` rule: False -> none; None -> the target's generation_config EOS (else the
-    tokenizer's); an id or a list of ids as given. (The server ends its responses by the same rule.)"""
+    tokenizer's); an id or a list of ids as given, each a token id of the target's vocabulary (ValueError
+    otherwise). (The server ends its responses by the same rule.)"""
     if eos_token_id is False:
         return []
     if eos_token_id is None:
@@ -140,23 +148,58 @@ def eos_token_ids_of(eos_token_id, target_model, tokenizer) -> List[int]:
         eos_token_id = getattr(config, "eos_token_id", None)
         if eos_token_id is None and tokenizer is not None:
             eos_token_id = tokenizer.eos_token_id
-    if eos_token_id is None:
-        return []
-    if isinstance(eos_token_id, int):
-        return [eos_token_id]
-    return [int(t) for t in eos_token_id]
+        if eos_token_id is None:
+            return []
+        return [eos_token_id] if isinstance(eos_token_id, int) else [int(t) for t in eos_token_id]
+    ids = _integer_list(eos_token_id)
+    if ids is None:
+        raise ValueError(f"eos_token_id must be a token id (an int), a list of them, None or False, got "
+                         f"{eos_token_id!r}")
+    vocab_size = output_vocab_size(target_model)
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"eos_token_id: {bad[:MAX_MISMATCHES_REPORTED]} outside the target's vocabulary "
+                         f"[0, {vocab_size})")
+    return ids
 
 
 def _row_seeds(seed, batch: int) -> torch.Tensor:
+    """generate()'s ``seed`` as the rows' Philox keys [batch] int64."""
     if seed is None:
         return torch.tensor([secrets.randbits(SEED_BITS) for _ in range(batch)], dtype=torch.int64)
-    if isinstance(seed, int) and not isinstance(seed, bool):
-        return torch.full((batch,), seed, dtype=torch.int64)
-    seeds = [int(s) for s in seed]
+    low, high = SEED_RANGE
+    seeds = _integer_list(seed)
+    if seeds is None or not all(low <= s <= high for s in seeds):
+        raise ValueError(f"seed must be an int in [-2^63, 2^63) (for every prompt), a list of such ints (one per "
+                         f"prompt) or None, got {seed!r}")
+    if _integer(seed) is not None:
+        seeds = seeds * batch
     if len(seeds) != batch:
         raise ValueError(f"seed: got {len(seeds)} seeds for {batch} prompts")
     return torch.tensor(seeds, dtype=torch.int64)
 
+
+def _integer(value) -> Optional[int]:
+    """``value`` as an int where it is an integer (a Python or numpy int, a 0-d integer tensor), else None:
+    a bool, a float or text (int() would take True, cut 1.5 to 1 and read "5")."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _integer_list(value) -> Optional[List[int]]:
+    """An integer -> [it]; a list, tuple or tensor of integers -> them as ints; anything else None (text
+    too, which iterates as characters)."""
+    one = _integer(value)
+    if one is not None:
+        return [one]
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        return None
+    items = [_integer(item) for item in value]
+    return None if any(item is None for item in items) else items
 
 
 class _Finisher:
@@ -242,13 +285,17 @@ def generate(prompts, target: ModelSpec = None, draft: ModelSpec = None, *, max_
         static draft width (k_max with "auto"). ``result.plan`` (a ``DecodePlan``) says what ran and
         why (``result.plan.explain()``).
     temperature, top_k, top_p : float, int, float
-        The sampling filter (0 = greedy; top_k 0 and top_p 1 are off), applied to target and draft.
+        The sampling filter (0 = greedy; top_k 0 and top_p 1 are off), applied to target and draft:
+        temperature >= 0, at most float32's largest (3.4e38) or inf (uniform over the finite logits);
+        top_k >= 0 (one at least the vocabulary's size is off too); top_p in (0, 1].
     seed : int, list of int, or None
-        Philox seed per prompt: an int is used for every row (a row's tokens depend on its prompt and
-        seed only, not on the batch; identical prompts with one seed give identical samples; with an
-        int k, which k=None then is), a list gives one per prompt, None draws random seeds.
+        Philox seed per prompt, an int in [-2^63, 2^63): an int is used for every row (a row's tokens
+        depend on its prompt and seed only, not on the batch; identical prompts with one seed give
+        identical samples; with an int k, which k=None then is), a list gives one per prompt, None
+        draws random seeds.
     eos_token_id : int, list of int, None or False
-        None: the target's generation_config (or the tokenizer's) EOS; False: no EOS stop.
+        None: the target's generation_config (or the tokenizer's) EOS; False: no EOS stop; ids given must lie
+        in the target's vocabulary.
         A row ends at its first EOS (the EOS is returned); later tokens of the step are discarded.
     stop : str or list of str
         Stop strings: a row ends after the token that completes one; the text excludes the stop string.
@@ -311,7 +358,7 @@ def generate(prompts, target: ModelSpec = None, draft: ModelSpec = None, *, max_
         logits as it drafts, so the output is distributed exactly as sampling from the processed target.
         min_p in [0, 1] (0 off; tokens below min_p x the top probability after temperature dropped);
         logit_bias {token id: bias in [-100, 100]}; presence / frequency penalties in [-2, 2] over the
-        generated tokens; repetition_penalty > 0 (1 off) over the prompt and generated tokens.
+        generated tokens; repetition_penalty in [1e-30, 1e30] (1 off) over the prompt and generated tokens.
     json_schema, regex, grammar : structured output (at most one)
         A JSON schema (dict or JSON text), a regular expression, or a Lark grammar (llguidance's
         syntax): every row's output follows it (specdec_ext/grammar.py). The masks are filled on the
@@ -343,8 +390,11 @@ PROCESSING_OPTIONS = ("min_p", "logit_bias", "presence_penalty", "frequency_pena
 
 
 def _processing(*, json_schema=None, regex=None, grammar=None, **fields) -> Optional[Processing]:
-    """generate()'s processors and grammar as one Processing (None when they change nothing)."""
+    """generate()'s processors and grammar as one Processing (None when they change nothing). Every field is
+    checked here, whatever its value: make_plan checks only an active Processing (and the logit_bias keys
+    against the vocabulary), and an out-of-range value such as min_p=-0.1 leaves it inactive."""
     processing = Processing.of(grammar=grammar_spec(json_schema=json_schema, regex=regex, grammar=grammar), **fields)
+    processing.validate()
     return processing if processing.active else None
 
 
@@ -373,7 +423,7 @@ def plain_generate(prompts, target: ModelSpec = None, **options):
 
 
 def _sampling(temperature, top_k, top_p) -> SamplingParams:
-    sampling = SamplingParams(float(temperature), top_k, float(top_p))
+    sampling = SamplingParams(as_float("temperature", temperature), top_k, as_float("top_p", top_p))
     sampling.validate()
     return sampling
 
@@ -407,6 +457,8 @@ def _run(models: Models, prompts, request: RunRequest):
     tokenizer = models.tokenizer
     stop_strings = _stop_strings(request.stop, tokenizer)
     token_prompts = _token_prompts(prompts, models)
+    seeds = _row_seeds(request.seed, len(token_prompts))
+    eos_ids = eos_token_ids_of(request.eos_token_id, models.target, tokenizer)
     plan = make_plan(models.target, models.draft, drafter=models.drafter,
                      prompt_lengths=[len(p) for p in token_prompts], max_new_tokens=request.max_new_tokens,
                      k=request.k, draft_tree=request.draft_tree, runner=request.runner, sampling=request.sampling,
@@ -416,14 +468,13 @@ def _run(models: Models, prompts, request: RunRequest):
     if request.explain and distributed.rank() == 0:
         print(plan.explain(), file=sys.stderr)
     B = len(token_prompts)
-    seeds = _row_seeds(request.seed, B).to(plan.device)
+    seeds = seeds.to(plan.device)
     stats = GenerationStats(k=plan.slots, batch_size=B)
     rows = [RowState() for _ in range(B)]
     finisher = _Finisher(rows, tokenizer, stats, token_prompts, stop_strings, plan)
     if request.max_new_tokens == 0:
         events = iter(())
     else:
-        eos_ids = eos_token_ids_of(request.eos_token_id, models.target, tokenizer)
         grammar_of = _grammar_rows(request.processing, tokenizer, output_vocab_size(models.target), eos_ids)
         target_runner, drafter = build(plan, models)
         stop_criteria = StopCriteria(
@@ -454,7 +505,12 @@ def _grammar_rows(processing: Optional[Processing], tokenizer, vocab_size: int, 
 
 def _stop_strings(stop, tokenizer) -> List[str]:
     """generate()'s ``stop`` as a list of non-empty strings (they need a tokenizer)."""
-    stop_strings = [stop] if isinstance(stop, str) else list(stop or [])
+    if stop is None:
+        stop_strings = []
+    elif isinstance(stop, (list, tuple)):
+        stop_strings = list(stop)
+    else:
+        stop_strings = [stop]  # a string, or what the check below refuses (stop=5)
     if any(not isinstance(s, str) or not s for s in stop_strings):
         raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
     if stop_strings and tokenizer is None:

@@ -17,7 +17,6 @@ temperature; the verifier's temperature, top-k and top-p come after.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -25,9 +24,14 @@ import torch
 
 from . import ops
 from .grammar import FINISH_DEAD_END
+from .sampling import as_float
 
 OPENAI_PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty, frequency_penalty (OpenAI's API range)
 OPENAI_LOGIT_BIAS_RANGE = (-100.0, 100.0)  # logit_bias values (OpenAI's API range)
+# repetition_penalty: a seen token's float32 logit is divided by it where positive and multiplied where
+# not, so within these bounds every logit up to 3e8 in size stays finite; beyond them a few units can
+# overflow to inf (1e-38: the verifier refuses the row) and a penalty rounds to 0 or inf in float32
+REPETITION_PENALTY_RANGE = (1e-30, 1e30)
 
 
 @dataclass(frozen=True)
@@ -52,8 +56,9 @@ class Processing:
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ValueError(f"logit_bias[{key!r}] must be a number, got {value!r}")
             bias.append((token, float(value)))
-        return cls(min_p=float(min_p), presence_penalty=float(presence_penalty),
-                   frequency_penalty=float(frequency_penalty), repetition_penalty=float(repetition_penalty),
+        return cls(min_p=as_float("min_p", min_p), presence_penalty=as_float("presence_penalty", presence_penalty),
+                   frequency_penalty=as_float("frequency_penalty", frequency_penalty),
+                   repetition_penalty=as_float("repetition_penalty", repetition_penalty),
                    logit_bias=tuple(sorted(bias)), grammar=grammar)
 
     @property
@@ -66,20 +71,25 @@ class Processing:
         """Whether the counts of generated tokens matter (the penalties)."""
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
-    def validate(self, vocab_size: int) -> None:
-        """Raise ValueError naming the field and the reason (before any work)."""
+    def validate(self, vocab_size: Optional[int] = None) -> None:
+        """Raise ValueError naming the field and the reason (before any work): every field, whether or
+        not its value turns a processor on (min_p=-0.1 is refused, not taken as off). ``vocab_size`` None:
+        the logit_bias keys are checked against the vocabulary later (generate() checks the ranges before
+        loading the models, make_plan the keys)."""
         low, high = OPENAI_PENALTY_RANGE
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not (low <= value <= high):
                 raise ValueError(f"{name} must lie in [{low:g}, {high:g}], got {value}")
-        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0.0):
-            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 is off), got {self.repetition_penalty}")
+        low, high = REPETITION_PENALTY_RANGE
+        if not (low <= self.repetition_penalty <= high):
+            raise ValueError(f"repetition_penalty must lie in [{low:g}, {high:g}] (1 is off), got "
+                             f"{self.repetition_penalty}")
         if not (0.0 <= self.min_p <= 1.0):
             raise ValueError(f"min_p must lie in [0, 1] (0 is off), got {self.min_p}")
         low, high = OPENAI_LOGIT_BIAS_RANGE
         for token, bias in self.logit_bias:
-            if not 0 <= token < vocab_size:
+            if vocab_size is not None and not 0 <= token < vocab_size:
                 raise ValueError(f"logit_bias key {token} is not a token id of the vocabulary [0, {vocab_size})")
             if not (low <= bias <= high):
                 raise ValueError(f"logit_bias[{token}] must lie in [{low:g}, {high:g}], got {bias}")
@@ -97,14 +107,20 @@ class Processing:
 
 
 def _token_id(key) -> int:
-    """A logit_bias key: an int, or the decimal string of one (JSON object keys are strings)."""
+    """A logit_bias key: an int, or the canonical decimal string of one (JSON object keys are strings)."""
     if isinstance(key, bool):
         raise ValueError(f"logit_bias key {key!r} is not an integer token id")
     if isinstance(key, int):
         return key
-    if isinstance(key, str) and key.strip().lstrip("-").isdigit():
-        return int(key)
-    raise ValueError(f"logit_bias key {key!r} is not an integer token id")
+    if isinstance(key, str):
+        try:
+            token = int(key)
+        except ValueError:
+            token = None
+        if token is not None and str(token) == key:  # canonical only: int() also takes " 11", "011", "1_1"
+            return token  #                              and non-ASCII digits ("١١")
+    raise ValueError(f"logit_bias key {key!r} is not an integer token id (its ASCII decimal digits, as str(id) "
+                     "writes them)")
 
 
 @dataclass

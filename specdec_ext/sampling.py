@@ -5,6 +5,7 @@ drafters draw with ops.sample_filtered, the verifiers' own filter).
     SamplingParams        temperature, top-k, top-p (one filter for target and draft alike)
     filtered_probs        softmax(l / T) filtered by top-k then top-p, renormalised, in fp32
     sample_inverse_cdf    the kernels' inverse-CDF draw
+    as_float              a numeric argument as a float (a ValueError naming it otherwise)
 
 Edge temperatures, as the kernels treat them: below ``GREEDY_TEMPERATURE`` a row is greedy (one-hot
 at the argmax, the lowest index on ties); an infinite temperature is uniform over the finite logits
@@ -13,11 +14,17 @@ at the argmax, the lowest index on ties); an infinite temperature is uniform ove
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
 
 from .ops import GREEDY_TEMPERATURE  # temperatures below this are greedy (as vLLM's sampler does)
+
+# the kernels hold a row's temperature and top_p in float32 and its top_k in int32 (metadata.py)
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # 3.4e38
+FLOAT32_TINY = float(torch.finfo(torch.float32).tiny)  # 1.2e-38, the smallest positive normal float32
+INT32_MAX = int(torch.iinfo(torch.int32).max)
 
 
 @dataclass(frozen=True)
@@ -28,17 +35,36 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
 
+    def __post_init__(self):
+        # Values the kernels' int32 / float32 (metadata.py) cannot hold, stored as ones they can that mean
+        # the same: a top_k beyond int32 is beyond any vocabulary (off, as any top_k >= V is), and a
+        # positive top_p that float32 would round to 0 (which the kernels refuse) keeps the top token (ties
+        # included), as float32's smallest normal does. (Other values are left for ``validate``.)
+        if isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k > INT32_MAX:
+            object.__setattr__(self, "top_k", INT32_MAX)
+        if isinstance(self.top_p, float) and 0.0 < self.top_p < FLOAT32_TINY:
+            object.__setattr__(self, "top_p", FLOAT32_TINY)
+
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
 
     def validate(self) -> None:
-        if not (self.temperature >= 0.0):
-            raise ValueError(f"temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if not (self.temperature >= 0.0 and (self.temperature <= FLOAT32_MAX or self.temperature == math.inf)):
+            raise ValueError(f"temperature must be >= 0 (0 is greedy) and at most {FLOAT32_MAX:.4g} (float32's "
+                             f"largest) or inf (uniform), got {self.temperature}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise ValueError(f"top_k must be an int >= 0 (0 is off), got {self.top_k!r}")
         if not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must lie in (0, 1] (1 is off), got {self.top_p}")
+
+
+def as_float(name: str, value) -> float:
+    """A numeric argument as a float; ValueError naming ``name`` for anything but a real number (float()
+    would also take text such as "0.5" and the flags True / False)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    return float(value)
 
 
 def filtered_probs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:

@@ -240,15 +240,20 @@ class ContinuousBatcher:
         joining = []
         for slot, (request, sink, submitted_at) in zip(slots, admissions):
             units = self.budget.units(len(request.prompt), request.max_new_tokens)
-            row = self.rows[slot] = Row(request, sink, slot, units, submitted_at)
-            self.meta.set_row(slot, request.sampling, request.seed)
+            row = Row(request, sink, slot, units, submitted_at)
+            try:
+                self.meta.set_row(slot, request.sampling, request.seed)
+            except Exception as error:  # this request's own values (one its row's tensors cannot hold): it fails
+                self._fail_admission(row, error)  # alone, the others join (a raise here would fail the whole step)
+                continue
+            self.rows[slot] = row
             if self.draft_length is not None:
                 self.draft_length.join(slot)
             joining.append(row)
         self._group(joining)
         for row in joining:
             self.budget.take(row.units)
-        if self.prefill_chunk:
+        if self.prefill_chunk or not joining:
             return
         starters = [row for row in joining if row.group is None or row.group.leader is row]
         begin = self.clock()
@@ -258,6 +263,15 @@ class ContinuousBatcher:
         for row in starters:
             row.prefilled = len(row.request.prompt)
         self._join(*self._fork_followers(starters, logits))
+
+    def _fail_admission(self, row: Row, error: Exception) -> None:
+        """A request whose filter or seed its row cannot take ends as FAILED before it holds the slot (which
+        is cleared again) or any of the cache budget."""
+        log.error("specdec serve: request %s could not join", row.request.request_id, exc_info=error)
+        self._clear_slots([row.slot])
+        self._send(row, RowEvent([], finished=True, finish_reason=FAILED,
+                                 message=f"its sampling parameters could not be set ({type(error).__name__}: {error})"))
+        self.metrics.record_end(FAILED, len(row.request.prompt), 0, self.clock() - row.submitted_at, None, None)
 
     def _group(self, joining: Sequence[Row]) -> None:
         """The choices of one request among ``joining`` (``shares_prompt_with`` its first's id) form a

@@ -18,6 +18,8 @@ from typing import Any, Callable, Dict, List, Literal, Optional, Sequence, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from ..sampling import FLOAT32_MAX
+
 MAX_SEED = 2 ** 63 - 1  # Philox keys are int64
 MAX_TOP_LOGPROBS = 20  # logprobs.MAX_TOP_LOGPROBS (OpenAI's bound)
 
@@ -49,6 +51,14 @@ class SamplingFields(BaseModel):
     repetition_penalty: Optional[float] = Field(None, gt=0.0, allow_inf_nan=False)  # an extension (HF semantics)
     regex: Optional[str] = None  # an extension: the output matches this regular expression
     grammar: Optional[str] = None  # an extension: the output follows this Lark grammar
+
+    @field_validator("temperature")
+    @classmethod
+    def _float32_temperature(cls, temperature):
+        """A row holds its temperature in float32 (pydantic's le= would print the bound's 39 digits)."""
+        if temperature is not None and temperature > FLOAT32_MAX:
+            raise ValueError(f"must be at most {FLOAT32_MAX:.4g} (float32's largest), got {temperature:g}")
+        return temperature
 
     @field_validator("stop")
     @classmethod
@@ -89,6 +99,8 @@ class CompletionRequest(SamplingFields):
             prompt = prompt[0]
         if len(prompt) == 0:
             raise ValueError("the prompt is empty")
+        if isinstance(prompt, str):
+            _check_text(prompt, "the prompt")
         return prompt
 
 
@@ -102,6 +114,13 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, List[TextPart], None] = None
+
+    @field_validator("content")
+    @classmethod
+    def _valid_text(cls, content):
+        for text in [content] if isinstance(content, str) else [part.text for part in content or []]:
+            _check_text(text, "the content")
+        return content
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -131,6 +150,16 @@ class ChatRequest(SamplingFields):
     @property
     def token_limit(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def _check_text(text: str, what: str) -> None:
+    """ValueError for text the tokenizer cannot take: JSON's \\ud800 escapes decode to a lone surrogate,
+    which has no UTF-8 encoding (the tokenizer would raise a TypeError)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"{what} is not valid text: character {error.start} is {text[error.start]!r}, a lone "
+                         "surrogate, which has no UTF-8 encoding") from None
 
 
 def _refuse_unless(value, allowed, name: str):
