@@ -74,7 +74,10 @@ OBSERVED_WEIGHT. The probe times the forward only, while a step also verifies an
 are shifted by the running mean of (observed - probed) time at the widths the loop ran. D's points: a
 start-up probe of the drafter (draft steps of 1, 2, 3 and k_max tokens, each rolled back; for a drafter whose proposals
 cost something, i.e. whose ``checkpoint`` gives an undo; once per process for a drafter and batch
-size), weight 1, and the moving average of the draft time per drafted count the loop ran within the
+size), weight 1, shifted by the running mean of (observed - probed) time at the counts the loop ran (a
+probed step feeds nothing, the loop's also feed what the last step committed: without the shift the line
+through the probe and the one count the loop ran put that count 15-25% low, measured on forced AVX2), and
+the moving average of the draft time per drafted count the loop ran within the
 last COST_MEMORY_STEPS steps (a draft pass right after skipped steps or a plain segment also feeds
 their tokens and is not timed), weight OBSERVED_WEIGHT. The probe anchors the line at both ends: the
 counts the loop runs cluster near its choice, and a draft step has a fixed part (feeding the committed
@@ -163,7 +166,12 @@ counts to see it (measured on the bundled pair: the prefill is 2.5% of a 64-toke
 So a look (``looking``: the plan's drafts are explorations, or the generation's first LOOK_STEPS
 drafting steps, speculation switched on by the prior alone) prefills the draft model with the prompt's
 last tokens only (decode.py, ``DrafterPrefill`` and LOOK_WINDOW), and the whole prefill is paid by the
-first step that speculates after it, which ``plan``'s ``prefill`` makes repay it.
+first step that speculates after it, which ``plan``'s ``prefill`` makes repay it. The generation's
+first plan that may draft (``opening``) bets on the pooled acceptance: it chooses at that acceptance less
+OPENING_DOUBT x the spread of the earlier prompts' acceptance about the pool (a lower bound), so a
+workload of like prompts bets as the pool says and one whose prompts differ bets short or waits for a
+look (measured on forced AVX2, where a wide pass is dear: a prompt of acceptance 0.4 after ones of 0.9-1.0
+bet k = 5-6 and lost 5-6% of its generation to two such steps).
 
 Exploration. A row whose choice is 0 stops producing acceptance data, so its estimate could never
 recover after a change of regime (the text becomes repetitive, a new prompt section...). Every
@@ -213,7 +221,8 @@ not reproducible run to run. Pass a fixed k for reproducible seeded sampling.
 
 Host cost: ``observe`` updates the counts of the rows that drafted (a few numpy operations per
 step), ``plan`` recomputes the choice every REPLAN_STEPS calls (one per step or plain segment;
-OFF_REPLAN_CALLS while speculation is off; or when the active rows change or an exploration is due)
+OFF_REPLAN_CALLS while speculation is off, only for a look where looks precede every switch on; or
+when the active rows change or an exploration is due)
 and repeats its last plan in between; V's fit is redone when its inputs changed, at most every
 COST_REFRESH_STEPS steps. Between two model passes a numpy call costs 4-6 us (the pass has evicted
 numpy's code and data from the caches), so the per-step arithmetic (acceptance, E(k), the rates, the
@@ -262,7 +271,11 @@ OBSERVED_WEIGHT = 4.0  # weight of an observed width's moving average against a 
 # model passes
 REPLAN_STEPS = 2
 # ... and every this many calls while speculation is off and no row explores: the steps' costs then follow
-# P (step_times), so the choice changes only with what explorations measure (each forces a replan)
+# P (step_times), so the choice changes only with what explorations measure (each forces a replan). Where
+# looks precede every switch on (``start``'s ``looks``, after the first plain segment), an off plan is
+# repeated until a look is due or seen, or the rows change: between looks nothing that sets the choice
+# moves (no acceptance data; the steps' costs follow P), and a replan cost 0.1-0.3 ms of host time between
+# model passes, 0.5% of a 96-token generation that never speculated (measured on forced AVX2)
 OFF_REPLAN_CALLS = 4
 # The padded cap is the longest K whose estimated rate is within this fraction of the best: the rate
 # is flat near its optimum, and the estimates of deep positions lean low where a_i rises with i
@@ -307,6 +320,17 @@ LOOK_REMAINING = 2  # a look (greedy rows) needs this many times explore_every t
 # prompt's own first drafts bear it out (measured: anchor prompts of acceptance 0.65 after ones of 1.0
 # started speculating on the prior, paid the draft's prefill of 290 tokens and lost 10-12% to plain)
 LOOK_STEPS = 4
+# A generation's first plan that drafts (``opening``: no step, plain segment or look of its own yet) bets on the
+# acceptance pooled over earlier prompts; it chooses at that acceptance less this many times how far a
+# prompt's acceptance strays from the pool's (``DrafterMemory.spread``): a lower bound, not the mean. A
+# workload of like prompts bets as before, one whose prompts differ bets short or not at all. Measured (forced
+# AVX2, the anchor's prompts, which alternate between acceptance 0.4-0.6 and 0.98): csv after heapq bet k = 5-6
+# on the pooled 0.86, two width-6 steps of 7-8 ms for 3 tokens where plain passes ran at 1.9 ms, 5-6% of its
+# 128-token generation; the demo's three prompts (0.74-0.78) kept their bets
+OPENING_DOUBT = 1.0
+# ... how far a prompt strays from the pool before two generations have measured it (about the spread of the
+# bundled pair's prompts, 0.35-1.0)
+DEFAULT_PRIOR_SPREAD = 0.2
 # Weight of a finished generation's pooled acceptance in the next generations' prior (about the last
 # three generations): with the last one's alone, whether a prompt started speculating followed the
 # prompt before it (measured: the anchor's prompts alternate between acceptance 0.55 and 1.0).
@@ -491,7 +515,10 @@ class DrafterMemory:
         self.draft_obs_step: Optional[np.ndarray] = None  # [k_max+1] when each was last observed
         self.prefill_per_token: Optional[float] = None  # seconds per token of its prefill
         self.draft_probe: Optional[np.ndarray] = None  # [k_max+1] probed draft time per drafted count
+        self.draft_probe_offset = 0.0  # seconds: moving average of a loop's draft step - the probe at its count
         self.acceptance: Optional[np.ndarray] = None  # [k_max]
+        # moving average (GENERATION_SMOOTHING) of (a generation's position-1 acceptance - the pool's before it)^2
+        self.spread: Optional[float] = None
 
 
 # State shared by the controllers of one target model (weakly keyed): VerifyCosts per (batch size,
@@ -716,6 +743,7 @@ class AdaptiveK:
         self.reached[:, 0] = self.prior_strength  # the prior: m pseudo-observations of p0 at position 1
         self.accepted[:, 0] = self.prior_strength * self.prior_acceptance
         self.shape = np.ones(K)  # s_i: a deep position without data is s_i x the one before (set_prior)
+        self.prior_spread = DEFAULT_PRIOR_SPREAD  # how far a prompt's acceptance strays from the prior's (start)
         self.exploring = np.zeros(B, dtype=bool)  # the row's drafts of this step are an exploration
         self.follow_up = np.zeros(B, dtype=bool)  # the row's last exploration was fully accepted
         self._exploring_any = self.follow_up_any = False  # host flags of the two (plan / observe skip work)
@@ -750,6 +778,7 @@ class AdaptiveK:
         self.draft_obs_step = np.full(K + 1, -10 ** 9, dtype=np.int64)  # [s] costs.step when s last observed
         self.prefill_per_token: Optional[float] = None  # seconds per token of the drafter's deferred prefill
         self.draft_probe = np.full(K + 1, np.nan)  # [s] probed draft time of s-token steps (start-up)
+        self.draft_probe_offset = 0.0  # moving average of (observed - probed) draft time at the counts run
 
     # ------------------------------------------------------------------ estimates
     def acceptance(self) -> np.ndarray:
@@ -827,11 +856,14 @@ class AdaptiveK:
         """D(s), the draft time of a step drafting s tokens per row, s = 0..k_max: [k_max+1] seconds.
 
         The weighted least-squares line d_0 + s c (c >= 0, D(0) = 0) through the start-up probe of
-        the drafter (weight 1) and the moving averages per s the loop ran (OBSERVED_WEIGHT); through
+        the drafter (weight 1, shifted by ``draft_probe_offset``) and the moving averages per s the loop
+        ran (OBSERVED_WEIGHT); through
         the origin while those span a single s; before any timing s c with c = prior_draft_cost x
         ``unit``."""
         s = np.arange(self.k_max + 1, dtype=np.float64)
-        points = [(float(i), v, 1.0) for i, v in enumerate(self.draft_probe.tolist()) if i > 0 and not math.isnan(v)]
+        offset = self.draft_probe_offset
+        points = [(float(i), v + offset, 1.0) for i, v in enumerate(self.draft_probe.tolist())
+                  if i > 0 and not math.isnan(v)]
         now, seen = self.costs.step, self.draft_obs_step.tolist()
         points += [(float(i), v, OBSERVED_WEIGHT) for i, v in enumerate(self.draft_obs.tolist())
                    if i > 0 and not math.isnan(v) and now - seen[i] <= COST_MEMORY_STEPS]
@@ -874,7 +906,12 @@ class AdaptiveK:
         explore = bool(self.explore_every and (self.explore_k or self.looks)
                        and (remaining is None or remaining >= (LOOK_REMAINING * self.explore_every if self.looks
                                                                else self._longest_interval())))
-        every = OFF_REPLAN_CALLS if self._last_cap == 0 else REPLAN_STEPS
+        if self._last_cap != 0:
+            every = REPLAN_STEPS
+        elif self.looks and self.plain_passes and not self._speculating:
+            every = math.inf  # only a look switches speculation on again: plan after it (or a row change)
+        else:
+            every = OFF_REPLAN_CALLS
         looked, self._looked, self.look_due = self._looked, False, False
         if (self._last_plan is not None and self._repeats + 1 < every and key == self._last_active
                 and not self._exploring_any and not self.follow_up_any and not self._refreshing
@@ -893,6 +930,12 @@ class AdaptiveK:
         current = self._last_cap if key == self._last_active else None  # (other rows: other rates)
         switch_on = SWITCH_ON_MARGIN if not self._speculating else 0.0
         cap = best_cap(rates, LONGER_TOLERANCE, current, SWITCH_MARGIN, switch_on) if live else 0
+        if cap > 0 and self.opening:  # the first bet: at a lower bound of the pooled acceptance
+            doubtful = self.accepted.copy()
+            doubtful[:, 0] = np.maximum(doubtful[:, 0] - OPENING_DOUBT * self.prior_spread * self.reached[:, 0], 0.0)
+            lower = column_sums(expected_by_row(self.reached, doubtful, self.shape, self.prior_strength, live),
+                                self.k_max + 1)
+            cap = best_cap([e / t for e, t in zip(lower, times)], LONGER_TOLERANCE, None, SWITCH_MARGIN, switch_on)
         if cap > 0 and self.looks and not self._speculating and not looked and self.plain_passes:
             # switching on again over greedy rows waits for a look at the tokens just generated (one
             # plain segment, then the drafter's greedy agreement with them)
@@ -987,6 +1030,10 @@ class AdaptiveK:
                     old = math.nan  # a stale average is left to the probe, not updated
                 self.draft_obs[drafted] = moving_average(old, draft_time, w)
                 self.draft_obs_step[drafted] = costs.step
+                probe = self._draft_probe_at(drafted)
+                if probe is not None:  # (capped as the average was: a spike is not the step's cost)
+                    timed = draft_time if math.isnan(old) else min(draft_time, SPIKE_CAP * old)
+                    self.draft_probe_offset = (1 - w) * self.draft_probe_offset + w * (timed - probe)
         if 1 <= width <= self.k_max + 1 and verify_time > 0 and not cold:
             old = float(costs.obs[width]) if costs.step - costs.obs_step[width] <= COST_MEMORY_STEPS else math.nan
             if not math.isnan(old):
@@ -1113,6 +1160,19 @@ class AdaptiveK:
             costs.probe_curve = np.interp(np.arange(self.k_max + 2), probed, costs.probe[probed])
         return float(costs.probe_curve[width])
 
+    def _draft_probe_at(self, count: int) -> Optional[float]:
+        """The drafter's probe at ``count`` drafted tokens, interpolated between the probed counts (None
+        without a probe)."""
+        probe = self.draft_probe.tolist()
+        probed = [i for i in range(1, len(probe)) if not math.isnan(probe[i])]
+        if not probed:
+            return None
+        below = max((i for i in probed if i <= count), default=probed[0])
+        above = min((i for i in probed if i >= count), default=probed[-1])
+        if below == above:
+            return probe[below]
+        return probe[below] + (probe[above] - probe[below]) * (count - below) / (above - below)
+
     # ------------------------------------------------------------------ start, probe, finish
     def start(self, batch_size: int, target_key, drafter_key, *, probe: bool = True,
               plain_chain: int = 0, looks: bool = False) -> "ProbeRequest":
@@ -1155,8 +1215,11 @@ class AdaptiveK:
             self.prefill_per_token = self._memory.prefill_per_token
         if self._memory.acceptance is not None:
             self.set_prior(self._memory.acceptance)
+        if self._memory.spread is not None:
+            self.prior_spread = math.sqrt(self._memory.spread)
         if self._memory.draft_probe is not None:
             self.draft_probe = self._memory.draft_probe.copy()
+            self.draft_probe_offset = self._memory.draft_probe_offset
         if not probe:
             return ProbeRequest((), ())
         return ProbeRequest(tuple(self.probe_widths) if unprobed else (),
@@ -1194,6 +1257,14 @@ class AdaptiveK:
         self.shape[1:] = np.where(a[:-1] > 0, a[1:] / np.maximum(a[:-1], 1e-12), 1.0)
 
     @property
+    def opening(self) -> bool:
+        """Whether the next plan is the generation's first that may draft: no drafting step, plain segment
+        or look of its own yet, the counts the prior's alone (it bets on the pooled acceptance:
+        ``OPENING_DOUBT``)."""
+        return (not self._drafted_steps and not self.plain_passes and not self.looks_observed
+                and float(self.reached[:, 0].max(initial=0.0)) <= self.prior_strength)  # (the counts: the prior's)
+
+    @property
     def looking(self) -> bool:
         """Whether the last plan's drafts are a look at the prompt: explorations (speculation is off), or
         among the generation's first LOOK_STEPS steps that drafted."""
@@ -1206,11 +1277,17 @@ class AdaptiveK:
             self._memory.draft_per_token = self.draft_per_token
             self._memory.draft_obs = self.draft_obs.copy()
             self._memory.draft_obs_step = self.draft_obs_step.copy()
+            self._memory.draft_probe_offset = self.draft_probe_offset
             # a generation that drafted nothing has no news: the prior relaxes towards p0 (so that a
             # workload that switched speculation off for every prompt comes to try it again)
             pooled = (self.acceptance().mean(axis=0) if self._drafted_steps or self.looks_observed
                       else np.full(self.k_max, self.prior_acceptance))
             old = self._memory.acceptance
+            if old is not None and (self._drafted_steps or self.looks_observed):
+                stray = float(pooled[0] - old[0]) ** 2
+                spread = self._memory.spread
+                self._memory.spread = stray if spread is None else (
+                    (1 - GENERATION_SMOOTHING) * spread + GENERATION_SMOOTHING * stray)
             self._memory.acceptance = pooled if old is None else (
                 (1 - GENERATION_SMOOTHING) * old + GENERATION_SMOOTHING * pooled)
         if self._memory is not None and self.prefill_per_token is not None:
