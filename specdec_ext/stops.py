@@ -73,7 +73,9 @@ def _find_stop_string(row: RowState, start: int, stop: StopCriteria) -> Optional
     index, string = min(hits)
     end = index + len(string)
     count = start + 1
-    while count < len(row.tokens) and len(stop.decode_text(row.tokens[:count])) < end:
+    # (the first prefix whose text holds the whole string: a prefix that ends inside a multi-byte character
+    # decodes it to a replacement character, as long as the text that follows but not the same)
+    while count < len(row.tokens) and stop.decode_text(row.tokens[:count])[index:end] != string:
         count += 1
     del row.tokens[count:]
     row.finished, row.finish_reason, row.stop_text_end = True, "stop", index
