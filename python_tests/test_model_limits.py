@@ -13,7 +13,7 @@ import torch
 import specdec_ext
 from specdec_ext import cli
 from specdec_ext.models import cast_model, load_models
-from specdec_ext.plan import PER_CALL_CALIBRATION, SHARED_CALIBRATION, loop_cache_len
+from specdec_ext.plan import PRIOR_CALIBRATION, SHARED_CALIBRATION, loop_cache_len
 from test_generate_utils import noisy_copy, tiny_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # conftest.py: one CPU thread per module
@@ -71,10 +71,11 @@ def test_cast_model_keeps_buffers_tied_weights_and_fp32_modules():
 
 # ------------------------------------------------------------------------------------------ seeded trees
 @pytest.mark.parametrize("draft", ["model", "heads"])
-def test_a_seeded_tree_sample_is_reproduced_within_one_process(draft):
-    """The node calibration shared across calls learns from each of them; a seeded sample at T > 0 ranks
-    by one made for its call, so calls before it (greedy ones, which keep learning the shared table,
-    included) do not change its tokens."""
+def test_a_seeded_tree_sample_is_reproduced_within_one_process_and_in_any_batch(draft):
+    """The node calibration shared across calls learns from each of them, and one learnt within a call from
+    every row's outcomes; a seeded sample at T > 0 ranks by the prior alone, so neither calls before it
+    (greedy ones, which keep learning the shared table, included) nor the rows beside it change a row's
+    tokens."""
     models = load_models()
     drafter = models.draft if draft == "model" else "heads"
     prompts = ["def fib(n):", "import os\n", "class Foo:\n    def __init__(self):\n        self.x = [1, 2, 3]\n", "x"]
@@ -83,13 +84,16 @@ def test_a_seeded_tree_sample_is_reproduced_within_one_process(draft):
 
     def seeded():
         out = specdec_ext.generate(prompts, models.target, drafter, temperature=0.8, seed=7, **kw)
-        assert out.plan.tree_calibration == PER_CALL_CALIBRATION and "tree calibration" in out.plan.explain()
+        assert out.plan.tree_calibration == PRIOR_CALIBRATION and "tree calibration" in out.plan.explain()
         return out.token_ids
 
     first = seeded()
     greedy = specdec_ext.generate(prompts, models.target, drafter, **kw)  # learns the shared table
     assert greedy.plan.tree_calibration == SHARED_CALIBRATION
     assert seeded() == first and seeded() == first
+    alone = [specdec_ext.generate([p], models.target, drafter, temperature=0.8, seed=7, **kw).token_ids[0]
+             for p in prompts]
+    assert alone == first  # each row's tokens follow its prompt and seed only
     plain = specdec_ext.plain_generate(prompts, models.target, tokenizer=models.tokenizer, max_new_tokens=16,
                                        eos_token_id=False)
     assert greedy.token_ids == plain.token_ids  # the shared table changes the shape only, never the output

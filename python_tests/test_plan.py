@@ -40,7 +40,7 @@ def test_explain_names_every_choice_with_its_reason(pair):
     assert heads_like.tree_calibration == "shared" and "learnt across this process's calls" in heads_like.explain()
     seeded_tree = make_plan(target, draft, drafter="model", prompt_lengths=[5], max_new_tokens=16, draft_tree=(2, 2, 4),
                             sampling=SamplingParams(temperature=1.0), seeded=True)
-    assert seeded_tree.tree_calibration == "per call" and "so that the seed reproduces" in seeded_tree.explain()
+    assert seeded_tree.tree_calibration == "prior" and "so that the seed reproduces" in seeded_tree.explain()
     plain = make_plan(target, None, drafter="none", prompt_lengths=[5], max_new_tokens=4)
     assert plain.slots == 0 and "plain decoding" in plain.explain()
 

@@ -8,7 +8,7 @@ from .drafters.calibration import NodeCalibration, shared_calibration
 from .drafters.model_drafter import draft_window_of
 from .eagle import EagleDrafter
 from .models import Models
-from .plan import PER_CALL_CALIBRATION, DecodePlan
+from .plan import PRIOR_CALIBRATION, DecodePlan
 from .runners import ModelRunner, make_runner, output_vocab_size
 
 
@@ -31,8 +31,8 @@ def build_drafter(plan: DecodePlan, models: Models, target: Optional[ModelRunner
     temperature = plan.sampling.temperature
 
     def calibration(model, depth: int) -> NodeCalibration:  # plan._tree_calibration says which, and why
-        if plan.tree_calibration == PER_CALL_CALIBRATION:
-            return NodeCalibration(depth)
+        if plan.tree_calibration == PRIOR_CALIBRATION:
+            return NodeCalibration(depth, learns=False)
         return shared_calibration(model, depth, temperature)
 
     if plan.drafter == "none":

@@ -18,7 +18,7 @@ The rules, in the order ``make_plan`` applies them:
    draft model or EAGLE head where CUDA graphs capture the decode steps (adaptive steps change shape and run
    eagerly): those get ``FIXED_K``. A tree's size is its node count N' (``tree_num_nodes``); a draft
    model's or heads' tree ranks its nodes by the calibration learnt across calls, except a seeded sample
-   at T > 0, which learns from the prior within its call (``tree_calibration``), for the same reason.
+   at T > 0, which ranks its tree's nodes by the prior alone (``tree_calibration``), for the same reason.
 3. runners: runner="auto" takes the lean runner (runners/lean.py) for a model it supports, except
    where CUDA graphs are available (the paged runner's static-shapes mode is what they capture), and
    the paged runner otherwise; a bf16/fp16 draft on the CPU computes in fp32 (the CPU kernels read its
@@ -61,7 +61,7 @@ DEFAULT_PREFILL_CHUNK = 256  # a server's prompt tokens per step of chunked pref
 MIN_PREFILL_CHUNK = 32  # ... at least this many, whatever the running rows' verify tokens take of it
 FIXED_K = 4  # what k=None means where adaptive k is not used: seeded sampling, CUDA-graph-captured steps
 SHARED_CALIBRATION = "shared"  # a tree ranks its nodes by what earlier calls learnt (drafters/calibration.py)
-PER_CALL_CALIBRATION = "per call"  # ... by what this call learns, from the prior: a seeded sample at T > 0
+PRIOR_CALIBRATION = "prior"  # ... by the prior alone, never learnt: a seeded sample at T > 0
 HEADS_TREE = (3, 3, 8)  # default (b, d, N) of a heads tree (BENCHMARKS.md: heads trees on the bundled pair)
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)  # batch sizes CUDA graphs are captured for
 GRAPH_DRAFTERS = ("model", "eagle")  # drafters whose chains are device work (captured in generate() and serve)
@@ -133,7 +133,7 @@ class DecodePlan:
     processing: Optional[Processing] = None  # every row's logits processors (processing.py); None: none
     top_logprobs: Optional[int] = None  # logprobs of the emitted tokens with this many top tokens; None: off
     hidden_taps: Optional[Tuple[int, ...]] = None  # drafter "eagle": the layers its target runner taps (taps.py)
-    tree_calibration: Optional[str] = None  # a draft model's or heads' tree: SHARED_CALIBRATION or PER_CALL_CALIBRATION
+    tree_calibration: Optional[str] = None  # a draft model's or heads' tree: SHARED_CALIBRATION or PRIOR_CALIBRATION
     controller: Optional[adaptive_k.AdaptiveK] = field(default=None, compare=False, repr=False)
 
     @property
@@ -260,17 +260,18 @@ def make_plan(target_model, draft_model, **request) -> DecodePlan:
 def _tree_calibration(ask: PlanRequest, tree, reasons: List[Tuple[str, str]]) -> Optional[str]:
     """Rule 2 for a tree: which node calibration ranks its nodes (drafters/calibration.py). The shared one
     holds what earlier calls in the process learnt, so the tree's shape, and a seeded sample drawn through
-    it, would depend on what ran before: like adaptive k, which a seeded sample at T > 0 gives up for a
-    fixed k, such a sample starts from the prior each call (and learns within the call, from its own
-    seeded steps), so the seed reproduces it. Greedy output never depends on the shape, and an unseeded
+    it, would depend on what ran before; a calibration learnt within the call would make each row's shape
+    depend on the other rows' outcomes, and its sample on the batch. Like adaptive k, which a seeded sample
+    at T > 0 gives up for a fixed k, such a sample ranks its nodes by the prior alone (never learnt), so that
+    the seed reproduces it, alone or batched. Greedy output never depends on the shape, and an unseeded
     sample is not reproducible anyway: those keep learning across calls."""
     if tree is None or ask.drafter not in ("model", "heads"):  # an EAGLE tree ranks by its own probabilities
         return None
     if ask.seeded and not ask.sampling.greedy:
-        reasons.append(("tree calibration", f"{PER_CALL_CALIBRATION}: a seeded sample at T > 0 ranks the tree's "
-                                            "nodes by what this call learns from the prior, so that the seed "
-                                            "reproduces the sample (the shared table follows earlier calls)"))
-        return PER_CALL_CALIBRATION
+        reasons.append(("tree calibration", f"{PRIOR_CALIBRATION}: a seeded sample at T > 0 ranks the tree's "
+                                            "nodes by the prior alone (the draft's probabilities), so that the seed "
+                                            "reproduces the sample whatever ran before and whatever rows run beside it"))
+        return PRIOR_CALIBRATION
     reasons.append(("tree calibration", f"{SHARED_CALIBRATION}: nodes ranked by the rate at which the target emitted "
                                         "such candidates, learnt across this process's calls"))
     return SHARED_CALIBRATION

@@ -15,8 +15,9 @@ changes speed only, never the output distribution.
 
 The tables live as long as the drafting model (``shared_calibration``: one per (model, tree depth,
 temperature), held in a weak dictionary), so later generate() calls in the process start from what
-earlier ones learnt; a seeded sample at T > 0 ranks by a fresh NodeCalibration instead, made for its call
-(plan._tree_calibration says why: the seed must reproduce the sample whatever ran before).
+earlier ones learnt; a seeded sample at T > 0 ranks by the prior alone instead (``learns=False``;
+plan._tree_calibration says why: the seed must reproduce the sample whatever ran before and whatever rows
+run beside it).
 """
 from __future__ import annotations
 
@@ -53,8 +54,9 @@ class NodeCalibration:
     """Per (depth, sibling rank) bins of draft probability -> rate at which the target emits the candidate."""
 
     def __init__(self, depth: int, *, bins: int = CALIBRATION_BINS, prior_trials: float = PRIOR_TRIALS,
-                 device=None):
+                 device=None, learns: bool = True):
         self.depth, self.bins = depth, bins
+        self.learns = learns  # False: the prior's rates, whatever is observed (plan._tree_calibration)
         centres = (torch.arange(bins, dtype=torch.float64, device=device) + 0.5) / bins
         self.trials = torch.full((depth, RANKS, bins), prior_trials, dtype=torch.float64, device=device)
         self.hits = centres.expand(depth, RANKS, bins) * prior_trials  # [d, RANKS, bins]
@@ -85,6 +87,8 @@ class NodeCalibration:
         depth j is emitted[:, j-1]), active [B] bool (rows whose step counts). No host reads: the
         counts are scattered into the tables, which move to the nodes' device on first use.
         """
+        if not self.learns:
+            return
         B, N = tokens.shape
         device = tokens.device
         path = path.to(torch.int64)
