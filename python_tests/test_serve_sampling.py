@@ -128,6 +128,27 @@ def test_greedy_logprobs_equal_plain_decoding(client):
     assert "".join(item.token for item in content) == chat.choices[0].message.content
 
 
+def test_logprobs_of_tokens_that_hold_part_of_a_character_give_their_bytes(client):
+    """A byte-level token may hold part of a multi-byte character: its logprobs entry shows it as OpenAI does,
+    "bytes:\\x..", chat's "bytes" are the token's own, and text_offset counts the characters before each
+    token (a token inside a character adds none until the one that completes it)."""
+    regex = "é🎉日本 [a-z]+"
+    response = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=20, temperature=0,
+                                         logprobs=1, extra_body={"regex": regex})
+    text, lp = response.choices[0].text, response.choices[0].logprobs
+    assert text.startswith("é🎉日本 ")
+    assert any(t.startswith("bytes:\\x") for t in lp.tokens) and "\ufffd" not in "".join(lp.tokens)
+    assert lp.text_offset == sorted(lp.text_offset) and all(0 <= o < len(text) for o in lp.text_offset)
+    ascii_tail = [i for i, t in enumerate(lp.tokens) if t and t.isascii() and not t.startswith("bytes:")]
+    for i in ascii_tail:  # a whole token's characters sit where its offset says
+        assert text[lp.text_offset[i]: lp.text_offset[i] + len(lp.tokens[i])] == lp.tokens[i]
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=20, temperature=0, logprobs=True, top_logprobs=1,
+                                          extra_body={"regex": regex})
+    content = chat.choices[0].logprobs.content
+    assert bytes(b for item in content for b in item.bytes).decode("utf-8") == chat.choices[0].message.content
+
+
 def test_streamed_logprobs_cover_every_token(client):
     stream = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "x = 1"}],
                                             max_tokens=10, temperature=0, logprobs=True, stream=True,

@@ -34,7 +34,7 @@ from . import protocol
 from .engine import RUNNING, Engine
 from .protocol import ChatRequest, CompletionRequest
 from .request import ABORTED, FAILED, GenerationRequest, QueueFullError, RequestRejected, RowEvent
-from .text import SharedTokenizer, TextStream
+from .text import SharedTokenizer, TextOffsets, TextStream
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's max_tokens default for /v1/completions
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default
@@ -197,7 +197,7 @@ class Choice:
         self.text = TextStream(decode, request.stop.stop_strings)
         self.logprobs: List = []  # logprobs.TokenLogprob of every token so far (when asked for)
         self.prompt_logprobs: Optional[List] = None  # echo with logprobs: the prompt tokens' (the first event's)
-        self.logprob_text = 0  # completions: characters before the next token's text_offset
+        self.logprob_offsets = TextOffsets()  # completions: the characters before the next token's text_offset
         self.finished = False
         self.last: Optional[RowEvent] = None  # its final event
 
@@ -264,12 +264,10 @@ class Reply:
         top = choice.request.top_logprobs
         if top is None:
             return None
-        token_text = lambda token: self.service.tokenizer.decode([token])  # noqa: E731
+        token_bytes = self.service.tokenizer.token_bytes
         if self.chat:
-            return protocol.chat_logprobs(entries, top, token_text)
-        body = protocol.completion_logprobs(entries, top, token_text, choice.logprob_text)
-        choice.logprob_text += sum(len(text) for text in body["tokens"])
-        return body
+            return protocol.chat_logprobs(entries, top, token_bytes)
+        return protocol.completion_logprobs(entries, top, token_bytes, choice.logprob_offsets)
 
     async def chunks(self, events: asyncio.Queue) -> AsyncIterator[str]:
         for index in range(len(self.choices)):

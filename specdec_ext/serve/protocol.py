@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Callable, Dict, List, Literal, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Literal, Optional, Sequence, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from ..sampling import FLOAT32_MAX
+
+if TYPE_CHECKING:
+    from .text import TextOffsets
 
 MAX_SEED = 2 ** 63 - 1  # Philox keys are int64
 MAX_TOP_LOGPROBS = 20  # logprobs.MAX_TOP_LOGPROBS (OpenAI's bound)
@@ -209,28 +212,34 @@ def chat_delta(delta: Dict[str, str], reason: Optional[str], logprobs: Optional[
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
 
 
-def chat_logprobs(entries: Sequence, top: int, token_text: Callable[[int], str]) -> Dict[str, Any]:
+def logprob_token(data: bytes) -> str:
+    """A token's text in a logprobs object: its characters, or as OpenAI writes a token whose bytes are not
+    whole UTF-8 characters, "bytes:\\xe6\\x97"."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
+
+
+def chat_logprobs(entries: Sequence, top: int, token_bytes: Callable[[int], bytes]) -> Dict[str, Any]:
     """Chat's ``logprobs`` object from logprobs.TokenLogprob entries (``top`` alternatives each)."""
     def item(token: int, logprob: float) -> Dict[str, Any]:
-        text = token_text(token)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        data = token_bytes(token)
+        return {"token": logprob_token(data), "logprob": logprob, "bytes": list(data)}
 
     return {"content": [dict(item(e.token, e.logprob), top_logprobs=[item(t, lp) for t, lp in e.top[:top]])
                         for e in entries]}
 
 
-def completion_logprobs(entries: Sequence, top: int, token_text: Callable[[int], str],
-                        text_offset: int = 0) -> Dict[str, Any]:
-    """Completions' ``logprobs`` object (tokens, token_logprobs, top_logprobs, text_offset)."""
-    tokens = [token_text(e.token) for e in entries]
-    offsets, position = [], text_offset
-    for text in tokens:
-        offsets.append(position)
-        position += len(text)
-    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [None if e.logprob is None else {token_text(t): lp for t, lp in e.top[:top]}
+def completion_logprobs(entries: Sequence, top: int, token_bytes: Callable[[int], bytes],
+                        offsets: TextOffsets) -> Dict[str, Any]:
+    """Completions' ``logprobs`` object (tokens, token_logprobs, top_logprobs, text_offset); ``offsets``
+    counts the characters of the choice's text so far (text.TextOffsets) and goes on past these tokens."""
+    data = [token_bytes(e.token) for e in entries]
+    return {"tokens": [logprob_token(d) for d in data], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [None if e.logprob is None else {logprob_token(token_bytes(t)): lp for t, lp in e.top[:top]}
                              for e in entries],
-            "text_offset": offsets}
+            "text_offset": [offsets.take(d) for d in data]}
 
 
 def error_body(message: str, error_type: str = "invalid_request_error", param: Optional[str] = None,

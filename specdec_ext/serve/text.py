@@ -8,6 +8,9 @@
 """
 from __future__ import annotations
 
+import codecs
+import functools
+import re
 import threading
 from typing import Any, Callable, Dict, List, Sequence
 
@@ -15,6 +18,41 @@ from ..grammar import compile_grammar
 from .request import RowEvent
 
 INCOMPLETE_CHARACTER = "\ufffd"  # what the tokenizer decodes a partial UTF-8 sequence to
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_level_alphabet() -> Dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, character -> byte: the printable bytes stand for themselves, the
+    others for the characters from U+0100 on, in byte order."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\u00a1"), ord("\u00ac") + 1)) + \
+        list(range(ord("\u00ae"), ord("\u00ff") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_OF_CHARACTER = _byte_level_alphabet()
+
+
+class TextOffsets:
+    """Completions' ``text_offset``: each token starts after the characters its predecessors' bytes complete
+    (a token that ends inside a multi-byte character adds nothing until the next one completes it)."""
+
+    def __init__(self):
+        self.characters = 0
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def take(self, data: bytes) -> int:
+        """The offset of a token of bytes ``data``, then count them."""
+        offset = self.characters
+        self.characters += len(self._decoder.decode(data))
+        return offset
 
 
 class SharedTokenizer:
@@ -38,6 +76,22 @@ class SharedTokenizer:
         """Text of ``ids``, special tokens skipped (as generate()'s text)."""
         with self._lock:
             return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes token ``token`` stands for (b"" for a special token, as its text is skipped): a token of a
+        byte-level BPE may hold part of a multi-byte character, which decode() alone shows as a replacement
+        character."""
+        with self._lock:
+            if int(token) in self.tokenizer.all_special_ids:
+                return b""
+            piece = self.tokenizer.convert_ids_to_tokens(int(token))
+            decoder = getattr(getattr(self.tokenizer, "backend_tokenizer", None), "decoder", None)
+            if type(decoder).__name__ == "ByteLevel" and all(c in _BYTE_OF_CHARACTER for c in piece):
+                return bytes(_BYTE_OF_CHARACTER[c] for c in piece)
+            byte = _BYTE_FALLBACK.fullmatch(piece)
+            if byte:  # a SentencePiece byte-fallback token, e.g. <0xE6>
+                return bytes([int(byte.group(1), 16)])
+            return self.tokenizer.decode([int(token)], skip_special_tokens=True).encode("utf-8")
 
     def compile_grammar(self, spec, vocab_size: int, eos_token_ids: Sequence[int]):
         """grammar.compile_grammar under the lock (llguidance reads the tokenizer's vocabulary once, cached)."""
