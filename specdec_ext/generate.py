@@ -121,11 +121,7 @@ def normalise_prompts(prompts, tokenizer) -> Tuple[List[List[int]], bool]:
                 raise ValueError("text prompts need a tokenizer: pass tokenizer= or token ids")
             if not p:
                 raise ValueError(f"prompt {b} is empty")
-            try:
-                p.encode("utf-8")
-            except UnicodeEncodeError as error:  # (the tokenizer would raise a TypeError about its input type)
-                raise ValueError(f"prompt {b} is not valid text: character {error.start} is {p[error.start]!r}, a "
-                                 "lone surrogate, which has no UTF-8 encoding") from None
+            check_text(p, f"prompt {b}")
             ids = tokenizer(p)["input_ids"]
         else:
             ids = p.tolist() if isinstance(p, torch.Tensor) else list(p)
@@ -135,6 +131,16 @@ def normalise_prompts(prompts, tokenizer) -> Tuple[List[List[int]], bool]:
             raise ValueError(f"prompt {b} is empty (no tokens)")
         out.append([int(t) for t in ids])
     return out, is_text
+
+
+def check_text(text: str, what: str) -> None:
+    """ValueError for text the tokenizer cannot take (it would raise a TypeError about its input type): a lone
+    surrogate, e.g. from JSON's \\ud800 escape, has no UTF-8 encoding. (The server's requests too.)"""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"{what} is not valid text: character {error.start} is {text[error.start]!r}, a lone "
+                         "surrogate, which has no UTF-8 encoding") from None
 
 
 def eos_token_ids_of(eos_token_id, target_model, tokenizer) -> List[int]:

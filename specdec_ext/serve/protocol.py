@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Literal, Optional, 
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
+from ..generate import check_text
 from ..sampling import FLOAT32_MAX
 
 if TYPE_CHECKING:
@@ -103,7 +104,7 @@ class CompletionRequest(SamplingFields):
         if len(prompt) == 0:
             raise ValueError("the prompt is empty")
         if isinstance(prompt, str):
-            _check_text(prompt, "the prompt")
+            check_text(prompt, "the prompt")
         return prompt
 
 
@@ -122,7 +123,7 @@ class ChatMessage(BaseModel):
     @classmethod
     def _valid_text(cls, content):
         for text in [content] if isinstance(content, str) else [part.text for part in content or []]:
-            _check_text(text, "the content")
+            check_text(text, "the content")
         return content
 
     def text(self) -> str:
@@ -153,16 +154,6 @@ class ChatRequest(SamplingFields):
     @property
     def token_limit(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-
-def _check_text(text: str, what: str) -> None:
-    """ValueError for text the tokenizer cannot take: JSON's \\ud800 escapes decode to a lone surrogate,
-    which has no UTF-8 encoding (the tokenizer would raise a TypeError)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as error:
-        raise ValueError(f"{what} is not valid text: character {error.start} is {text[error.start]!r}, a lone "
-                         "surrogate, which has no UTF-8 encoding") from None
 
 
 def _refuse_unless(value, allowed, name: str):
