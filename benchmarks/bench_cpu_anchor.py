@@ -144,6 +144,8 @@ def llamacpp_tokens(binary: Path, gguf: Path, text: str):
 
 PLAIN_TIMING = re.compile(r"\seval time =\s+([\d.]+) ms /\s+(\d+) runs")  # llama-completion's decode time
 SPECULATIVE_TIMING = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")  # llama-speculative-simple's
+DRAFTED = re.compile(r"n_drafted\s*=\s*(\d+)")  # ... and its counts
+ACCEPTED = re.compile(r"n_accept\s*=\s*(\d+)")
 
 
 def run_llamacpp(binaries, gguf, text, new_tokens, threads, draft_max=None):
@@ -155,21 +157,19 @@ def run_llamacpp(binaries, gguf, text, new_tokens, threads, draft_max=None):
     else:
         cmd = [str(binaries["llama-speculative-simple"]), "-m", str(gguf["target"]), "-md", str(gguf["draft"]),
                "--spec-type", "draft-simple", "--spec-draft-n-max", str(draft_max), "-td", str(threads)] + common
-    timing = PLAIN_TIMING if draft_max is None else SPECULATIVE_TIMING
-    for attempt in range(3):  # on a busy machine a run now and then ends without its timing lines
+    needed = [PLAIN_TIMING] if draft_max is None else [SPECULATIVE_TIMING, DRAFTED, ACCEPTED]
+    for attempt in range(3):  # on a busy machine a run now and then ends without its timing or count lines
         out = subprocess.run(cmd, capture_output=True, text=True)
         log = out.stderr
-        found = timing.search(log)
-        if out.returncode == 0 and found:
+        found = [pattern.search(log) for pattern in needed]
+        if out.returncode == 0 and all(found):
             break
     else:
         raise RuntimeError(f"{cmd[0]} failed three times; its log ends:\n{log[-2000:]}")
     if draft_max is None:
-        ms, runs = found.groups()
+        ms, runs = found[0].groups()
         return int(runs), float(ms) / 1e3, 1.0, out.stdout
-    n, seconds = found.groups()
-    drafted = int(re.search(r"n_drafted\s*=\s*(\d+)", log).group(1))
-    accepted = int(re.search(r"n_accept\s*=\s*(\d+)", log).group(1))
+    (n, seconds), drafted, accepted = found[0].groups(), int(found[1].group(1)), int(found[2].group(1))
     passes = int(n) - accepted  # every target pass yields one token besides the accepted drafts
     at = out.stdout.find(text)  # it prints the prompt (after a blank line or two), then the completion
     text_out = out.stdout[at + len(text):] if at >= 0 else out.stdout

@@ -16,11 +16,12 @@ namespace specdec::cpu::avx2 {
 #include "vec_arith.inc"
 
 struct Avx2Ops : VectorArith<8> {
-  // 4 rows x 2 panels of 8 features: 8 accumulators, a bf16 pair's 4 widened weight vectors and an
-  // activation pair in the 16 registers; one row 8 panels, two rows 4. On a Zen 1 (AVX2 only) against the
-  // former row-major tiles: BENCHMARKS.md, "Panels". Attention's weighted values: 16 dimensions x 4
-  // queries in 8 registers.
-  static constexpr PathTuning kTuning{.panel_rows = 4, .block_panels = {8, 4, 2, 2}, .value_chunks = 2};
+  // 2 rows x 4 panels of 8 features: 8 accumulators, the two rows' activation pairs and one panel's
+  // widened pair in the 16 registers; one row 8 panels. 4 rows x 2 panels (the same 8 accumulators with
+  // the panels' 4 weight vectors live) spilled a register every k step and ran at 80% of this on a Zen 5
+  // (BENCHMARKS.md, "AVX2's row blocks"); the pair layout against one k per step, on a Zen 1: "Panels".
+  // Attention's weighted values: 16 dimensions x 4 queries in 8 registers.
+  static constexpr PathTuning kTuning{.panel_rows = 2, .block_panels = {8, 4}, .value_chunks = 2};
 
   static constexpr int kRegisters = 16;
   static F load(const float* p) { return _mm256_loadu_ps(p); }
