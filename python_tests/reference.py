@@ -41,7 +41,9 @@ GREEDY_TEMPERATURE = 1e-5  # csrc/common/sampling_math.h: kGreedyTemperature
 
 
 def temperature_weights(logits: np.ndarray, temperature: float) -> np.ndarray:
-    """exp((logits - max) / T), float64; weight 0 where that is NaN (a -inf logit at T = inf)."""
+    """exp((logits - max) / T), float64 (so finite logits never overflow apart: each weighs 1 at T = inf, as the
+    kernels' weight_exponent keeps them); weight 0 where that is NaN (a -inf logit at T = inf)."""
+    logits = np.asarray(logits, dtype=np.float64)
     with np.errstate(invalid="ignore"):
         scaled = (logits - logits.max()) / temperature
     return np.where(np.isnan(scaled), 0.0, np.exp(np.where(np.isnan(scaled), 0.0, scaled)))

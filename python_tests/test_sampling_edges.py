@@ -86,6 +86,24 @@ def test_infinite_temperature_is_uniform_over_finite_logits_exactly(kind, temper
 
 
 @pytest.mark.parametrize("kind", VERIFIERS)
+def test_infinite_temperature_weighs_logits_further_apart_than_float32_spans(kind):
+    """3e38 - (-3e38) overflows to -inf in fp32, and -inf * (1 / T = 0) was NaN: the far logit weighed 0 where
+    every finite logit weighs 1 at T = inf (sampling_math.h, weight_exponent)."""
+    row = [3e38, -3e38, 0.0, -INF]
+    logits = torch.tensor([[row, row]])
+    np.testing.assert_allclose(ref.filtered_probs(np.array(row, dtype=np.float32), INF), [1 / 3, 1 / 3, 1 / 3, 0])
+    draft = torch.tensor([[1]])  # the far logit, a deterministic draft: accepted with probability p = 1/3
+    for u, expected in [((0.3, 0.9), [1, 2]), ((0.34, 0.6), [2, -1]), ((0.34, 0.4), [0, -1])]:
+        tokens, _ = verify(kind, logits, draft, temperature=INF, uniforms=torch.tensor([u]))
+        assert tokens.tolist() == [expected], u
+        want = ref.chain_verify(logits.numpy(), draft.numpy(), None, np.array([1]), np.array([INF]), np.array([0]),
+                                np.array([1.0]), np.array([u]))[0]
+        assert tokens.tolist() == want.tolist()
+    probs, _ = ops.sample_filtered(logits[:, 0], temperature=INF, uniforms=torch.tensor([[0.5]]))
+    np.testing.assert_allclose(probs[0].numpy(), [1 / 3, 1 / 3, 1 / 3, 0], rtol=1e-6)
+
+
+@pytest.mark.parametrize("kind", VERIFIERS)
 def test_infinite_temperature_draws_are_uniform_over_seeds(kind):
     draws = 30_000
     logits = torch.tensor([0.0, 5.0, -INF, -2.0, 9.0]).expand(draws, 1, 5).contiguous()

@@ -206,6 +206,22 @@ TEST(EmulatedTemperature, InfiniteTemperatureIsUniformOverTheFiniteLogits) {
   }
 }
 
+TEST(EmulatedTemperature, InfiniteTemperatureWeighsLogitsFurtherApartThanFloatSpans) {
+  // 3e38 - (-3e38) overflows to -inf, and -inf * (1 / T = 0) was NaN: the far logit weighed 0 where every
+  // finite logit weighs 1 at T = inf (sampling_math.h, weight_exponent). Draft 1 (the far logit) is accepted
+  // with probability 1/3; rejected, the residual is uniform over logits 0 and 2.
+  for (const bool tree : {false, true}) {
+    VerifierInputs in = one_row({{3e38f, -3e38f, 0, -kInf}, {3e38f, -3e38f, 0, -kInf}}, {1}, tree);
+    in.temperature = torch::full({1}, kInf);
+    in.uniforms = torch::tensor({0.3f, 0.9f}).view({1, 2});
+    EXPECT_EQ(tokens_of(run_both(in)), (std::vector<int64_t>{1, 2}));  // accepted, then the bonus at 0.9: token 2
+    in.uniforms = torch::tensor({0.34f, 0.6f}).view({1, 2});
+    EXPECT_EQ(tokens_of(run_both(in)), (std::vector<int64_t>{2, -1}));  // rejected: 0 or 2, each 1/2
+    in.uniforms = torch::tensor({0.34f, 0.4f}).view({1, 2});
+    EXPECT_EQ(tokens_of(run_both(in)), (std::vector<int64_t>{0, -1}));
+  }
+}
+
 TEST(EmulatedTemperature, InfiniteTemperatureDrawsAreUniformOverSeeds) {
   const int64_t rows = 600;
   for (const bool tree : {false, true}) {

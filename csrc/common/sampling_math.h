@@ -111,6 +111,17 @@ SPECDEC_HOST_DEVICE float inverse_temperature(float temperature) {
   return is_greedy(temperature) ? 0.0f : 1.0f / temperature;
 }
 
+// The exponent of a logit's weight exp((logit - max_logit) / T): (logit - max_logit) * inv_temperature, where a
+// finite logit whose distance from the max overflows to -inf (logits more than 3.4e38 apart) is taken at the
+// largest finite distance instead: at T = +inf its weight is then exp(0) = 1 like every finite logit's, where
+// -inf * 0 made it NaN and its weight 0; a -inf logit's stays -inf * 0 = NaN, weight 0 (exp_nonpositive,
+// exp_weight). Below T = +inf the weight is as before: 0 at any T up to ~1e36. Branch-free (vector loops).
+SPECDEC_HOST_DEVICE float weight_exponent(float logit, float max_logit, float inv_temperature) {
+  const float distance = logit - max_logit;
+  const float kLargest = 3.40282347e38f;  // FLT_MAX
+  return (distance < -kLargest && logit >= -kLargest ? -kLargest : distance) * inv_temperature;
+}
+
 // Whether top-k or top-p removes anything at a sampling row (greedy rows are never filtered).
 SPECDEC_HOST_DEVICE bool is_filtered(const FilterParams& f, int64_t vocab) {
   return !is_greedy(f.temperature) && ((f.top_k > 0 && f.top_k < vocab) || f.top_p < 1.0f);

@@ -50,7 +50,7 @@ class TargetDistribution {
   float prob(int64_t token) const {
     if (one_hot_token_ >= 0) return token == one_hot_token_ ? 1.0f : 0.0f;
     const float w = materialized_ ? weights_[token]
-                                  : exp_nonpositive((logits_[token] - max_logit_) * inv_temperature_);
+                                  : exp_nonpositive(weight_exponent(logits_[token], max_logit_, inv_temperature_));
     return w / mass_;
   }
 

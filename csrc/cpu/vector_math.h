@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "../common/sampling_math.h"
+
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define SPECDEC_CPU_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
 #else
@@ -87,7 +89,8 @@ SPECDEC_CPU_CLONES inline RowMax row_max(const float* x, int64_t n) {
   return result;
 }
 
-// sum_j exp((x[j] - shift) * scale) for (x - shift) * scale <= 0, each term also written to out
+// sum_j exp((x[j] - shift) * scale) for (x - shift) * scale <= 0 (sampling_math.h's weight_exponent: a finite
+// x's term is 1 at scale 0 even where x - shift overflows), each term also written to out
 // when kStore.
 template <bool kStore>
 SPECDEC_CPU_CLONES inline float exp_sum_impl(const float* x, int64_t n, float shift, float scale, float* out) {
@@ -95,13 +98,13 @@ SPECDEC_CPU_CLONES inline float exp_sum_impl(const float* x, int64_t n, float sh
   int64_t j = 0;
   for (; j + kLanes <= n; j += kLanes) {
     for (int l = 0; l < kLanes; ++l) {
-      const float e = exp_nonpositive((x[j + l] - shift) * scale);
+      const float e = exp_nonpositive(weight_exponent(x[j + l], shift, scale));
       s[l] += e;
       if constexpr (kStore) out[j + l] = e;
     }
   }
   for (; j < n; ++j) {
-    const float e = exp_nonpositive((x[j] - shift) * scale);
+    const float e = exp_nonpositive(weight_exponent(x[j], shift, scale));
     s[0] += e;
     if constexpr (kStore) out[j] = e;
   }

@@ -258,14 +258,14 @@ __device__ RowStats block_row_stats(const T* __restrict__ row, int64_t begin, in
       }
     } else {
       if (span_max > thread_max) {
-        if (thread_max > -INFINITY) sum *= __expf((thread_max - span_max) * inv_temperature);
+        if (thread_max > -INFINITY) sum *= __expf(weight_exponent(thread_max, span_max, inv_temperature));
         thread_max = span_max;
       }
       if (thread_max > -INFINITY) {
 #pragma unroll
         for (int g = 0; g < kGroups; ++g) {
 #pragma unroll
-          for (int e = 0; e < kVec; ++e) sum += exp_weight((v[g][e] - thread_max) * inv_temperature);
+          for (int e = 0; e < kVec; ++e) sum += exp_weight(weight_exponent(v[g][e], thread_max, inv_temperature));
         }
       }
     }
@@ -276,7 +276,7 @@ __device__ RowStats block_row_stats(const T* __restrict__ row, int64_t begin, in
   if (!greedy) {
     float partial = 0.0f;
     if (thread_max > -INFINITY && block.max < INFINITY) {
-      partial = sum * __expf((thread_max - block.max) * inv_temperature);
+      partial = sum * __expf(weight_exponent(thread_max, block.max, inv_temperature));
     }
     total = block_reduce_sum<kThreads>(partial, temp);
   }
@@ -302,7 +302,7 @@ __device__ RowStats block_merge_stats(const RowStats* __restrict__ chunks, int n
       for (int c = threadIdx.x; c < num_chunks; c += kThreads) {
         const RowStats& s = chunks[c];
         if (s.max_logit > -INFINITY) {
-          partial += s.sum * __expf((s.max_logit - block.max) * inv_temperature);
+          partial += s.sum * __expf(weight_exponent(s.max_logit, block.max, inv_temperature));
         }
       }
     }
@@ -342,7 +342,7 @@ __device__ __forceinline__ RowStats warp_merge_stats(const RowStats* __restrict_
     for (int c = lane; c < num_chunks; c += 32) {
       const RowStats& s = chunks[c];
       if (s.max_logit > -INFINITY) {
-        partial += s.sum * __expf((s.max_logit - ms.max) * inv_temperature);
+        partial += s.sum * __expf(weight_exponent(s.max_logit, ms.max, inv_temperature));
       }
     }
   }
@@ -379,7 +379,7 @@ __device__ KeyMeasure block_measure_at(const T* __restrict__ row, int64_t vocab,
         if (e < n[g]) {
           const uint32_t key = float_key(v[g][e]);
           if (key >= pivot) {
-            km.measure += count_only ? 1.0f : exp_weight((v[g][e] - max_logit) * inv_temperature);
+            km.measure += count_only ? 1.0f : exp_weight(weight_exponent(v[g][e], max_logit, inv_temperature));
             km.min_above = min(km.min_above, key);
           } else {
             km.max_below = max(km.max_below, key);
@@ -459,7 +459,7 @@ struct DistState {
 
   __device__ float base_weight(int64_t j, float logit) const {
     if (greedy) return j == argmax ? 1.0f : 0.0f;
-    return float_key(logit) >= key_threshold ? exp_weight((logit - max_logit) * inv_temperature)
+    return float_key(logit) >= key_threshold ? exp_weight(weight_exponent(logit, max_logit, inv_temperature))
                                              : 0.0f;
   }
   // One residual update, written as the CPU's subtract(): r = w * (1 / mass) - q, clamped at 0.

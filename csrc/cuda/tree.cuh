@@ -116,7 +116,7 @@ struct LogitWeights {
   uint32_t threshold;  // 0 keeps every token
 
   __device__ __forceinline__ float weight(float logit) const {
-    return float_key(logit) >= threshold ? exp_weight((logit - max_logit) * inv_temperature) : 0.0f;
+    return float_key(logit) >= threshold ? exp_weight(weight_exponent(logit, max_logit, inv_temperature)) : 0.0f;
   }
   __device__ __forceinline__ float at(int64_t j) const { return weight(to_float(row[j])); }
   __device__ __forceinline__ void prefetch(int64_t) const {}  // (block_inverse_cdf's source hook)
