@@ -270,10 +270,27 @@ def call(**overrides):
     (dict(top_p=1.5), r"top_p: row 0 is outside \(0, 1\]"),
     (dict(top_k=-1), "top_k: row 0 is negative"),
     (dict(uniforms=torch.ones(2, 3), seed=None), r"uniforms: row 0 has a value outside \[0, 1\)"),
+    # numbers past the rows' dtypes (torch's own overflow error named none of them)
+    (dict(num_draft=2 ** 33), r"num_draft=8589934592 does not fit the op's int32 rows"),
+    (dict(temperature=1e39), r"temperature=1e\+39 does not fit the op's float32 rows"),
+    (dict(top_p=-1e39), r"top_p=-1e\+39 does not fit"),
+    (dict(seed=2 ** 63, uniforms=None), r"seed=9223372036854775808 does not fit the op's int64 rows"),
+    (dict(offset=-2 ** 64), r"offset=-18446744073709551616 does not fit"),
 ])
 def test_bad_input_names_the_argument(overrides, message):
     with pytest.raises((ValueError, RuntimeError), match=message):
         call(**overrides)
+
+
+def test_a_top_k_past_int32_is_off():
+    """top_k >= V keeps every token; one past int32 (2**31, 10**12) is that too, not an overflow error."""
+    logits = torch.randn(2, 3, 5)
+    ids = torch.zeros(2, 2, dtype=torch.int64)
+    off = call(target_logits=logits, draft_token_ids=ids, top_k=0, uniforms=torch.rand(2, 3, generator=torch.Generator().manual_seed(1)))
+    for top_k in (2 ** 31, 10 ** 12):
+        tokens = call(target_logits=logits, draft_token_ids=ids, top_k=top_k,
+                      uniforms=torch.rand(2, 3, generator=torch.Generator().manual_seed(1)))
+        assert torch.equal(tokens[0], off[0]) and torch.equal(tokens[1], off[1])
 
 
 def test_nan_logit_in_a_later_row_names_that_row():

@@ -41,7 +41,18 @@ def row_tensor(value: RowParam, name: str, batch: int, dtype: torch.dtype, devic
         return value
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number or a [B] tensor, got {type(value).__name__}")
-    return torch.full((batch,), value, dtype=dtype, device=device)
+    try:
+        return torch.full((batch,), value, dtype=dtype, device=device)
+    except (RuntimeError, OverflowError):  # (torch: "value cannot be converted ... without overflow"; past int64)
+        largest = torch.finfo(dtype).max if dtype.is_floating_point else torch.iinfo(dtype).max
+        raise ValueError(f"{name}={value!r} does not fit the op's {str(dtype).replace('torch.', '')} rows "
+                         f"(at most {largest} in magnitude)") from None
+
+
+def saturated_top_k(top_k: RowParam) -> RowParam:
+    """A top_k past int32 is off (as any top_k >= V is): int32's largest, which the op's rows hold."""
+    limit = torch.iinfo(torch.int32).max
+    return limit if isinstance(top_k, int) and not isinstance(top_k, bool) and top_k > limit else top_k
 
 
 def default_seeds(batch: int, device: torch.device) -> Optional[torch.Tensor]:
@@ -65,7 +76,7 @@ def sampling_op_args(op: str, batch: int, device: torch.device, sampling: Sampli
     if seed is None and uniforms is None:
         seed = default_seeds(batch, device)
     return (row_tensor(sampling.get("temperature"), "temperature", batch, torch.float32, device),
-            row_tensor(sampling.get("top_k"), "top_k", batch, torch.int32, device),
+            row_tensor(saturated_top_k(sampling.get("top_k")), "top_k", batch, torch.int32, device),
             row_tensor(sampling.get("top_p"), "top_p", batch, torch.float32, device),
             row_tensor(seed, "seed", batch, torch.int64, device),
             row_tensor(sampling.get("offset"), "offset", batch, torch.int64, device),
