@@ -253,7 +253,7 @@ def test_shutdown_aborts_the_queued_at_once_and_the_running_after_the_grace(pair
 def test_limits_refuse_with_the_numbers(pair):
     tokenizer = pair[2]
     engine = _engine(pair, max_rows=1, max_queue=1)  # not started: nothing leaves the queue
-    with pytest.raises(RequestTooLargeError, match=r"needs 1011 cache positions but a row holds 256"):
+    with pytest.raises(RequestTooLargeError, match=r"1003 tokens, past this server's context of 248 \(max_model_len: rows of 256 positions, 8 of them kept"):
         engine.submit(_request(tokenizer, "abc", max_new=1000), Collector())
     engine.submit(_request(tokenizer, "abc", max_new=4), Collector())  # takes the free slot's place
     engine.submit(_request(tokenizer, "abc", max_new=4), Collector())  # the one queue place

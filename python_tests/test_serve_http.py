@@ -173,6 +173,27 @@ def test_a_seeded_request_returns_the_same_text_alone_and_among_15_concurrent_ot
 
 
 # ------------------------------------------------------------------------------------------ other routes
+def test_a_request_may_fill_the_advertised_context(server, client):
+    """/v1/models' max_model_len is what prompt + max_tokens may reach: a row's positions less the two steps of
+    drafts it may write past them (it advertised the row's positions, and a request that asked for exactly
+    that got a 400)."""
+    listed = httpx.get(server.url + "/v1/models").json()["data"][0]
+    context = listed["max_model_len"]
+    assert context == 256 - 2 * (K + 1)
+    prompt = "def f(x):"
+    prompt_tokens = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=1).usage.prompt_tokens
+    full = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=context - prompt_tokens,
+                                     temperature=0, extra_body={"ignore_eos": True})
+    assert full.usage.completion_tokens == context - prompt_tokens and full.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=context - prompt_tokens + 1)
+    assert refused.value.body["param"] == "max_tokens" and f"context of {context}" in refused.value.body["message"]
+    # a chat request without max_tokens gets the rest of the context (OpenAI's default)
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+                                          temperature=0, extra_body={"ignore_eos": True})
+    assert chat.usage.prompt_tokens + chat.usage.completion_tokens == context
+
+
 def test_models_health_and_metrics(server, client):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL_NAME]
@@ -237,7 +258,7 @@ BAD_COMPLETIONS = [
      "regex", "not both"),
     ("another model", {"model": "gpt-4"}, 404, "model", "does not exist"),
     ("too long for the cache", {"max_tokens": 1000}, 400, "max_tokens",
-     "needs 1011 cache positions but a row holds 256"),
+     "1003 tokens, past this server's context of 248"),
 ]
 
 

@@ -95,11 +95,11 @@ class OpenAIService:
         prompt = self.tokenizer.encode(text, add_special_tokens=False)  # the template wrote any special tokens
         max_tokens = body.token_limit
         if max_tokens is None:  # as OpenAI: up to the end of the row's cache
-            budget = self.engine.batcher.budget
-            max_tokens = budget.max_seq_len - budget.positions(len(prompt), 0)
+            context = self.engine.batcher.budget.context_len
+            max_tokens = context - len(prompt)
             if max_tokens < 1:
                 raise ApiError(400, f"messages: the prompt has {len(prompt)} tokens and leaves no room to "
-                                    f"generate in a row of {budget.max_seq_len} positions", param="messages")
+                                    f"generate in a context of {context} tokens (max_model_len)", param="messages")
         return await self._respond(body, prompt, max_tokens, http, chat=True)
 
     def _check_model(self, model: str) -> None:
@@ -386,7 +386,7 @@ def create_app(engine: Engine, tokenizer, *, model_name: str, eos_token_ids: Seq
 
     @app.get("/v1/models")
     async def models():
-        return protocol.model_list(model_name, service.created, engine.batcher.max_seq_len)
+        return protocol.model_list(model_name, service.created, engine.batcher.budget.context_len)
 
     @app.get("/health")
     async def health():

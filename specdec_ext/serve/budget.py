@@ -35,6 +35,12 @@ class CacheBudget:
             self.unit, self.page_size, self.capacity = "rows", None, int(max_rows)
         self.used = 0
 
+    @property
+    def context_len(self) -> int:
+        """The most prompt + max_tokens a request may ask (/v1/models' max_model_len): a row's positions less
+        the two steps of drafts it may write past them."""
+        return self.max_seq_len - required_cache_len(0, 0, self.slots)
+
     def positions(self, prompt_len: int, max_new_tokens: int) -> int:
         """Cache positions a row needs at most."""
         return required_cache_len(prompt_len, max_new_tokens, self.slots)
@@ -60,8 +66,12 @@ class CacheBudget:
         shape = (f"the prompt has {prompt_len} tokens; with max_tokens={max_new_tokens} and {self.slots} draft "
                  f"slots a row needs {need} cache positions")
         if need > self.max_seq_len:
-            raise RequestTooLargeError(f"{shape} but a row holds {self.max_seq_len} (max_seq_len): shorten the "
-                                       f"prompt or lower max_tokens", param="max_tokens")
+            raise RequestTooLargeError(f"the prompt has {prompt_len} tokens and max_tokens={max_new_tokens}: "
+                                       f"{prompt_len + max_new_tokens} tokens, past this server's context of "
+                                       f"{self.context_len} (max_model_len: rows of {self.max_seq_len} positions, "
+                                       f"{self.max_seq_len - self.context_len} of them kept for two steps of "
+                                       f"{self.slots} drafts): shorten the prompt or lower max_tokens",
+                                       param="max_tokens")
         units = self.units(prompt_len, max_new_tokens)
         if units > self.capacity:
             raise RequestTooLargeError(f"{shape} ({units} pages of {self.page_size}) but the cache holds "
