@@ -59,6 +59,36 @@ def test_the_target_runner_says_whether_its_forward_runs_on_the_cpu_kernels(pair
     assert "a pure-torch forward (not the CPU kernels: SPECDEC_CPU_KERNELS=0)" in reason(plan)
 
 
+@pytest.mark.parametrize("k", [None, "auto"])
+def test_a_default_draft_length_fits_the_cache(pair, k):
+    """A draft length left to the plan (k None or "auto") drafts what the cache leaves past the longest prompt and
+    max_new_tokens (two steps of drafts: prompt + new + 2 x slots), and with no room for one draft the call decodes
+    plain; an asked k is refused with the numbers (above). It was refused whenever the default k did not fit."""
+    target, draft = pair
+    kw = dict(drafter="model", prompt_lengths=[5, 9], k=k, max_seq_len=24)
+    plan = make_plan(target, draft, max_new_tokens=9, **kw)  # 24 - 9 - 9 = 6: three slots
+    assert (plan.drafter, plan.slots, plan.max_seq_len) == ("model", 3, 24)
+    assert "at most 3 (not" in dict(plan.reasons)["draft length"]
+    assert plan.adaptive and plan.controller.k_max == 3  # (greedy: k=None is k="auto")
+    plan = make_plan(target, draft, max_new_tokens=14, **kw)  # 24 - 9 - 14 = 1: no room for a draft
+    assert (plan.drafter, plan.slots, plan.adaptive, plan.max_seq_len) == ("none", 0, False, 22)
+    assert "leave no room for drafts" in plan.explain()
+    with pytest.raises(ValueError, match="needs 25 cache positions but the cache holds 24"):
+        make_plan(target, draft, max_new_tokens=17, **kw)  # the request itself does not fit: 9 + 17 - 1
+
+
+def test_generate_at_the_end_of_the_context_matches_plain_decoding(pair):
+    """generate() with the default k where two steps of drafts pass the cache: the same tokens as plain decoding,
+    drafting fewer tokens, then none."""
+    target, draft = pair
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6, 5], [2, 7, 1, 8, 2]]
+    for new, drafter in ((9, "model"), (14, "none")):
+        result = specdec_ext.generate(prompts, target, draft, max_new_tokens=new, max_seq_len=24, eos_token_id=False)
+        plain = specdec_ext.plain_generate(prompts, target, max_new_tokens=new, max_seq_len=24, eos_token_id=False)
+        assert result.plan.drafter == drafter and result.token_ids == plain.token_ids
+        assert all(len(t) == new for t in result.token_ids)
+
+
 def test_bad_choices_are_refused_before_any_work(pair):
     target, draft = pair
     kw = dict(prompt_lengths=[5], max_new_tokens=8)
@@ -69,7 +99,8 @@ def test_bad_choices_are_refused_before_any_work(pair):
         (dict(drafter="model", draft_tree=(2, 0, 4)), r"draft_tree must be a tuple \(b, d, N\)"),
         (dict(drafter="model", k=0), "k \\(draft tokens per step\\) must be"),
         (dict(drafter="model", draft_confidence=1.0), "draft_confidence must lie in"),
-        (dict(drafter="model", max_seq_len=20), "needs .* cache positions but the cache holds 20"),
+        (dict(drafter="model", k=4, max_seq_len=20), "needs 21 cache positions but the cache holds 20"),
+        (dict(drafter="model", draft_tree=(2, 2, 4), max_seq_len=20), "needs 21 cache positions but the cache holds 20"),
         (dict(drafter="heads", runner="recompute"), "needs the paged or lean runner"),
     ]
     for extra, message in cases:

@@ -320,7 +320,9 @@ def generate(prompts, target: ModelSpec = None, draft: ModelSpec = None, *, max_
         Cache capacity per row (default: the target's max_position_embeddings); a prompt that does not
         fit with what the loop writes (plan.loop_cache_len: prompt + max_new_tokens - 1 for plain decoding,
         prompt + max_new_tokens + 2 k with drafts) raises ValueError; one past the models'
-        max_position_embeddings warns.
+        max_position_embeddings warns. With the default k (None or "auto") the drafts shrink to what the
+        cache leaves past prompt + max_new_tokens, down to plain decoding (``result.plan.explain()`` says so);
+        an asked k or draft_tree that does not fit is refused.
     runner : 'auto' | 'lean' | 'paged' | 'recompute'
         The model runner of target and draft (runners/). 'auto': for Llama/Mistral/Qwen2-style models a
         lean runner over a contiguous cache (runners/lean.py: the CPU kernels on a CPU, the target in

@@ -30,13 +30,16 @@ The rules, in the order ``make_plan`` applies them:
 5. cache: the positions a row writes (``loop_cache_len``): plain decoding its prompt and max_new_tokens - 1
    (the last token is sampled, never fed), a draft its prompt, max_new_tokens and two steps of drafts;
    more than max_seq_len (or the models' max_position_embeddings) is refused before any work, and an
-   explicit max_seq_len that lets the rows run past max_position_embeddings is warned about.
+   explicit max_seq_len that lets the rows run past max_position_embeddings is warned about. A draft
+   length left to the plan (k None or "auto") shrinks to what the cache leaves, down to plain decoding
+   (``_fit_default_draft_length``); an asked k or tree is refused.
 6. capabilities: what the chosen runners can do beyond the ModelRunner contract
    (runners/capabilities.py: greedy chains, device steps), resolved before they are built; the loop,
    the drafters and the server branch on these plan fields, never on the runner objects.
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple, Union
@@ -219,6 +222,8 @@ def make_plan(target_model, draft_model, **request) -> DecodePlan:
     reasons: List[Tuple[str, str]] = []
     tree = _tree_shape(ask.drafter, ask.draft_tree)
     slots, controller = _draft_length(ask, tree, models, reasons)
+    if tree is None and slots and (ask.k is None or ask.k == AUTO_K):
+        ask, slots, controller = _fit_default_draft_length(ask, slots, controller, models, reasons)
     calibration = _tree_calibration(ask, tree, reasons)
     cross_mode = _cross_tokenizer_mode(ask, reasons)
     cache_len = loop_cache_len(max(ask.prompt_lengths), ask.max_new_tokens, slots)
@@ -495,16 +500,47 @@ def _describe_capabilities(target: RunnerCapabilities, draft: Optional[RunnerCap
     return line + (f" ({'; '.join(uses)})" if uses else "")
 
 
-def _check_cache(ask: PlanRequest, slots: int, models: _Models) -> None:
-    """Rule 5: every prompt fits max_seq_len (or the models' max_position_embeddings) with its tokens; an
-    explicit max_seq_len past max_position_embeddings runs, with one warning per call."""
+def _cache_limits(ask: PlanRequest, models: _Models) -> Tuple[Optional[int], Optional[Tuple[int, str]]]:
+    """(the positions a row may use: max_seq_len, else the models' max_position_embeddings, or None; the
+    models' (max_position_embeddings, "target" or "draft"), or None)."""
     # a draft with another tokenizer counts its own positions (a row that outgrows them stops drafting)
     bounded = {"target": models.target}
     if ask.drafter not in ("cross-tokenizer", "eagle") and models.draft is not None:
         bounded["draft"] = models.draft
     positions = [(_max_positions(model), role) for role, model in bounded.items() if _max_positions(model)]
-    model_limit = min(positions) if positions else None  # (max_position_embeddings, "target" or "draft")
-    limit = ask.max_seq_len if ask.max_seq_len is not None else (model_limit[0] if model_limit else None)
+    model_limit = min(positions) if positions else None
+    return (ask.max_seq_len if ask.max_seq_len is not None else (model_limit[0] if model_limit else None)), model_limit
+
+
+def _fit_default_draft_length(ask: PlanRequest, slots: int, controller, models: _Models,
+                              reasons: List[Tuple[str, str]]) -> Tuple[PlanRequest, int, object]:
+    """Rule 5's room for drafts, for a draft length the caller left to the plan (k None or "auto"): where the
+    longest prompt, max_new_tokens and two steps of ``slots`` drafts (``loop_cache_len``) pass the cache's
+    positions but the request itself fits, the chain drafts what fits, and with no room for one draft the call
+    decodes plain (as HF's assisted generation and vLLM stop drafting at the end of the context). An asked
+    k or tree is refused by ``_check_cache`` instead, with the numbers."""
+    limit, _ = _cache_limits(ask, models)
+    longest = max(ask.prompt_lengths)
+    if limit is None or loop_cache_len(longest, ask.max_new_tokens, slots) <= limit:
+        return ask, slots, controller
+    room = (limit - longest - ask.max_new_tokens) // 2  # the most slots with prompt + new + 2 x slots <= limit
+    if room >= 1:
+        reasons.append(("draft length", f"at most {room} (not {slots}): the longest prompt ({longest}) and "
+                                        f"max_new_tokens={ask.max_new_tokens} leave {limit - longest - ask.max_new_tokens} "
+                                        f"of the cache's {limit} positions for two steps of drafts"))
+        if controller is not None:
+            return ask, room, adaptive_k.AdaptiveK(room)  # (k None or "auto": the default controller)
+        return ask, room, None
+    reasons.append(("drafter", f"none: the longest prompt ({longest}) and max_new_tokens={ask.max_new_tokens} "
+                               f"leave no room for drafts in the cache's {limit} positions (two steps of drafts need "
+                               f"2 x k more): plain decoding"))
+    return dataclasses.replace(ask, drafter="none", vocab_bridge=None), 0, None
+
+
+def _check_cache(ask: PlanRequest, slots: int, models: _Models) -> None:
+    """Rule 5: every prompt fits max_seq_len (or the models' max_position_embeddings) with its tokens; an
+    explicit max_seq_len past max_position_embeddings runs, with one warning per call."""
+    limit, model_limit = _cache_limits(ask, models)
     if limit is None:
         return
     for b, length in enumerate(ask.prompt_lengths):
