@@ -39,9 +39,8 @@ The rules, in the order ``make_plan`` applies them:
 """
 from __future__ import annotations
 
-import dataclasses
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -534,7 +533,7 @@ def _fit_default_draft_length(ask: PlanRequest, slots: int, controller, models: 
     reasons.append(("drafter", f"none: the longest prompt ({longest}) and max_new_tokens={ask.max_new_tokens} "
                                f"leave no room for drafts in the cache's {limit} positions (two steps of drafts need "
                                f"2 x k more): plain decoding"))
-    return dataclasses.replace(ask, drafter="none", vocab_bridge=None), 0, None
+    return replace(ask, drafter="none", vocab_bridge=None), 0, None
 
 
 def _check_cache(ask: PlanRequest, slots: int, models: _Models) -> None:
