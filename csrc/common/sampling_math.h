@@ -115,7 +115,7 @@ SPECDEC_HOST_DEVICE float inverse_temperature(float temperature) {
 // finite logit whose distance from the max overflows to -inf (logits more than 3.4e38 apart) is taken at the
 // largest finite distance instead: at T = +inf its weight is then exp(0) = 1 like every finite logit's, where
 // -inf * 0 made it NaN and its weight 0; a -inf logit's stays -inf * 0 = NaN, weight 0 (exp_nonpositive,
-// exp_weight). Below T = +inf the weight is as before: 0 at any T up to ~1e36. Branch-free (vector loops).
+// exp_weight). Below T = +inf the weight is as before: 0 at any T up to ~4e36. Branch-free (vector loops).
 SPECDEC_HOST_DEVICE float weight_exponent(float logit, float max_logit, float inv_temperature) {
   const float distance = logit - max_logit;
   const float kLargest = 3.40282347e38f;  // FLT_MAX

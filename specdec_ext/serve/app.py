@@ -94,7 +94,7 @@ class OpenAIService:
             raise ApiError(400, f"messages: the chat template refused them: {error}", param="messages") from None
         prompt = self.tokenizer.encode(text, add_special_tokens=False)  # the template wrote any special tokens
         max_tokens = body.token_limit
-        if max_tokens is None:  # as OpenAI: up to the end of the row's cache
+        if max_tokens is None:  # as OpenAI: up to the end of the context
             context = self.engine.batcher.budget.context_len
             max_tokens = context - len(prompt)
             if max_tokens < 1:
