@@ -73,8 +73,12 @@ def test_a_default_draft_length_fits_the_cache(pair, k):
     plan = make_plan(target, draft, max_new_tokens=14, **kw)  # 24 - 9 - 14 = 1: no room for a draft
     assert (plan.drafter, plan.slots, plan.adaptive, plan.max_seq_len) == ("none", 0, False, 22)
     assert "leave no room for drafts" in plan.explain()
-    with pytest.raises(ValueError, match="needs 25 cache positions but the cache holds 24"):
+    with pytest.raises(ValueError, match="needs 25 cache positions but the cache holds 24") as refused:
         make_plan(target, draft, max_new_tokens=17, **kw)  # the request itself does not fit: 9 + 17 - 1
+    assert "leave k to the plan" not in str(refused.value)
+    with pytest.raises(ValueError, match=r"needs 26 cache .* or leave k to the plan \(None or 'auto': it drafts what "
+                                         r"the cache leaves, 3 slots here\)"):
+        make_plan(target, draft, max_new_tokens=9, **{**kw, "k": 4})  # an asked k is refused, with the way out
 
 
 def test_generate_at_the_end_of_the_context_matches_plain_decoding(pair):

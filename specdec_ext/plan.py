@@ -545,10 +545,15 @@ def _check_cache(ask: PlanRequest, slots: int, models: _Models) -> None:
     for b, length in enumerate(ask.prompt_lengths):
         needs = loop_cache_len(length, ask.max_new_tokens, slots)
         if needs > limit:
+            # (a chain that plain decoding would fit: the default k shrinks to fit, _fit_default_draft_length)
+            fits = (loop_cache_len(length, ask.max_new_tokens, 0) <= limit and ask.draft_tree is None
+                    and ask.drafter != "heads")
             raise ValueError(
                 f"prompt {b} has {length} tokens; with max_new_tokens={ask.max_new_tokens} and {slots} draft "
                 f"slots it needs {needs} cache positions but the cache holds {limit} (max_seq_len, or the "
-                f"models' max_position_embeddings): shorten the prompt or lower max_new_tokens")
+                f"models' max_position_embeddings): shorten the prompt or lower max_new_tokens"
+                + (f", or leave k to the plan (None or 'auto': it drafts what the cache leaves, "
+                   f"{max((limit - length - ask.max_new_tokens) // 2, 0)} slots here)" if fits and slots else ""))
     needs = loop_cache_len(max(ask.prompt_lengths), ask.max_new_tokens, slots)
     if ask.max_seq_len is not None and model_limit is not None and needs > model_limit[0]:
         warnings.warn(
