@@ -116,6 +116,22 @@ def test_chat_without_a_template_is_a_400_that_says_so(pair):
     assert error["param"] == "messages" and error["code"] == "no_chat_template"
 
 
+def test_an_unexpected_failure_is_a_500_in_openai_form(pair, monkeypatch):
+    """A bug of the server's (here an exception planted in the completion route) answers OpenAI's error body
+    with type server_error, not starlette's plain-text 500, which an OpenAI client cannot parse."""
+    app, _ = make_app(pair[0], pair[1], char_tokenizer(), max_rows=1, k=K, max_seq_len=64)
+
+    async def broken(self, body, http):
+        raise RuntimeError("planted")
+
+    monkeypatch.setattr(type(app.state.service), "completion", broken)
+    response = TestClient(app, raise_server_exceptions=False).post(
+        "/v1/completions", json={"model": MODEL_NAME, "prompt": "ab", "max_tokens": 2})
+    assert response.status_code == 500
+    error = response.json()["error"]
+    assert error["type"] == "server_error" and "RuntimeError: planted" in error["message"]
+
+
 # ------------------------------------------------------------------------------------------ concurrency
 def _mixed_requests(count: int, seed: int):
     """Requests with their own prompts, kinds, filters, seeds, stops, lengths and streaming."""

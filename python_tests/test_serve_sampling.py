@@ -149,6 +149,47 @@ def test_logprobs_of_tokens_that_hold_part_of_a_character_give_their_bytes(clien
     assert bytes(b for item in content for b in item.bytes).decode("utf-8") == chat.choices[0].message.content
 
 
+@pytest.mark.parametrize("fields", [{"min_p": 0.3}, {"regex": "[0-9]{3}"}])
+def test_logprobs_of_masked_alternatives_are_json(client, server, fields):
+    """min_p and a grammar mask tokens to -inf; with fewer allowed tokens than top_logprobs those came back as
+    -Infinity: a 500 in plain text, and stream chunks that were not JSON. They are now LOGPROB_FLOOR, as vLLM's."""
+    import httpx
+
+    from specdec_ext.serve.protocol import LOGPROB_FLOOR
+    body = {"model": MODEL_NAME, "prompt": "x = ", "max_tokens": 3, "temperature": 0.8, "seed": 3, "logprobs": 20,
+            **fields}
+    reply = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    logprobs = reply.json()["choices"][0]["logprobs"]
+    values = [lp for top in logprobs["top_logprobs"] for lp in top.values()] + logprobs["token_logprobs"]
+    assert LOGPROB_FLOOR in values and min(values) == LOGPROB_FLOOR  # some alternatives were masked
+    assert all(lp > LOGPROB_FLOOR for lp in logprobs["token_logprobs"])  # (the sampled ones never are)
+    def strict(constant):  # JSON has no -Infinity, NaN (Python's json reads them unless told)
+        raise AssertionError(f"{constant} in a streamed chunk")
+
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as stream:
+        chunks = [json.loads(line[6:], parse_constant=strict) for line in stream.iter_lines()
+                  if line.startswith("data: {")]
+    assert chunks and all("error" not in chunk for chunk in chunks)
+    streamed = [lp for c in chunks if c["choices"] and c["choices"][0]["logprobs"]
+                for top in c["choices"][0]["logprobs"]["top_logprobs"] for lp in top.values()]
+    assert min(streamed) == LOGPROB_FLOOR
+
+
+def test_every_chunk_has_a_usage_field_with_include_usage(server):
+    """OpenAI: with stream_options.include_usage every chunk but the last has "usage": null (it was absent)."""
+    import httpx
+    body = {"model": MODEL_NAME, "prompt": "def f(", "max_tokens": 5, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as stream:
+        chunks = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: {")]
+    assert all("usage" in chunk for chunk in chunks)
+    assert [chunk["usage"] is None for chunk in chunks] == [True] * (len(chunks) - 1) + [False]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream_options": None}, timeout=60) as s:
+        assert all("usage" not in json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {"))
+
+
 def test_streamed_logprobs_cover_every_token(client):
     stream = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "x = 1"}],
                                             max_tokens=10, temperature=0, logprobs=True, stream=True,

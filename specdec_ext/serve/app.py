@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import secrets
 from typing import Any, AsyncIterator, Callable, List, Optional, Sequence, Tuple
 
@@ -35,6 +36,8 @@ from .engine import RUNNING, Engine
 from .protocol import ChatRequest, CompletionRequest
 from .request import ABORTED, FAILED, GenerationRequest, QueueFullError, RequestRejected, RowEvent
 from .text import SharedTokenizer, TextOffsets, TextStream
+
+log = logging.getLogger("specdec_ext.serve")
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's max_tokens default for /v1/completions
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default
@@ -217,8 +220,11 @@ class Reply:
         return all(choice.finished for choice in self.choices)
 
     def _object(self, choice, *, chunk: bool, usage=None, choices=None) -> dict:
-        return protocol.completion_object(self.id, self.service.model_name, self.created, choice, chunk=chunk,
+        body = protocol.completion_object(self.id, self.service.model_name, self.created, choice, chunk=chunk,
                                           chat=self.chat, usage_fields=usage, choices=choices)
+        if chunk and usage is None and self.body.include_usage:
+            body["usage"] = None  # (OpenAI: with include_usage every chunk but the last has a null usage)
+        return body
 
     def _usage(self) -> dict:
         """The prompt counted once, the completion tokens of every choice."""
@@ -375,6 +381,13 @@ def create_app(engine: Engine, tokenizer, *, model_name: str, eos_token_ids: Seq
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException):
         return ApiError(error.status_code, str(error.detail), "invalid_request_error").response()
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, error: Exception):
+        # anything else is this server's bug: still OpenAI's error body (a client parses it), and in the log
+        log.error("specdec serve: %s %s failed", request.method, request.url.path, exc_info=error)
+        return ApiError(500, f"the server failed on this request ({type(error).__name__}: {error})",
+                        "server_error").response()
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

@@ -212,11 +212,22 @@ def logprob_token(data: bytes) -> str:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
 
 
+# A logprob of -inf (a token that min_p or a grammar masks, among the alternatives when fewer than top_logprobs
+# tokens remain) is written as this: JSON has no infinity (the response failed with a 500, and a stream's chunk
+# was not JSON), and vLLM writes the same floor.
+LOGPROB_FLOOR = -9999.0
+
+
+def json_logprob(logprob: Optional[float]) -> Optional[float]:
+    """``logprob`` as JSON holds it: at least LOGPROB_FLOOR (None stays None: echo's first prompt token)."""
+    return None if logprob is None else max(logprob, LOGPROB_FLOOR)
+
+
 def chat_logprobs(entries: Sequence, top: int, token_bytes: Callable[[int], bytes]) -> Dict[str, Any]:
     """Chat's ``logprobs`` object from logprobs.TokenLogprob entries (``top`` alternatives each)."""
     def item(token: int, logprob: float) -> Dict[str, Any]:
         data = token_bytes(token)
-        return {"token": logprob_token(data), "logprob": logprob, "bytes": list(data)}
+        return {"token": logprob_token(data), "logprob": json_logprob(logprob), "bytes": list(data)}
 
     return {"content": [dict(item(e.token, e.logprob), top_logprobs=[item(t, lp) for t, lp in e.top[:top]])
                         for e in entries]}
@@ -227,9 +238,9 @@ def completion_logprobs(entries: Sequence, top: int, token_bytes: Callable[[int]
     """Completions' ``logprobs`` object (tokens, token_logprobs, top_logprobs, text_offset); ``offsets``
     counts the characters of the choice's text so far (text.TextOffsets) and goes on past these tokens."""
     data = [token_bytes(e.token) for e in entries]
-    return {"tokens": [logprob_token(d) for d in data], "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [None if e.logprob is None else {logprob_token(token_bytes(t)): lp for t, lp in e.top[:top]}
-                             for e in entries],
+    return {"tokens": [logprob_token(d) for d in data], "token_logprobs": [json_logprob(e.logprob) for e in entries],
+            "top_logprobs": [None if e.logprob is None else
+                             {logprob_token(token_bytes(t)): json_logprob(lp) for t, lp in e.top[:top]} for e in entries],
             "text_offset": [offsets.take(d) for d in data]}
 
 
