@@ -103,6 +103,12 @@ def loop_cache_len(prompt_len: int, max_new_tokens: int, slots: int) -> int:
     return prompt_len + max_new_tokens + 2 * slots
 
 
+def draft_room(limit: int, prompt_len: int, max_new_tokens: int) -> int:
+    """The most draft slots whose ``loop_cache_len`` (prompt + max_new_tokens + 2 x slots) fits ``limit``
+    positions (0 where none does)."""
+    return max((limit - prompt_len - max_new_tokens) // 2, 0)
+
+
 @dataclass(frozen=True)
 class DecodePlan:
     """What one generate() call will run (see the module docstring for the rules)."""
@@ -522,7 +528,7 @@ def _fit_default_draft_length(ask: PlanRequest, slots: int, controller, models: 
     longest = max(ask.prompt_lengths)
     if limit is None or loop_cache_len(longest, ask.max_new_tokens, slots) <= limit:
         return ask, slots, controller
-    room = (limit - longest - ask.max_new_tokens) // 2  # the most slots with prompt + new + 2 x slots <= limit
+    room = draft_room(limit, longest, ask.max_new_tokens)
     if room >= 1:
         reasons.append(("draft length", f"at most {room} (not {slots}): the longest prompt ({longest}) and "
                                         f"max_new_tokens={ask.max_new_tokens} leave {limit - longest - ask.max_new_tokens} "
@@ -553,7 +559,7 @@ def _check_cache(ask: PlanRequest, slots: int, models: _Models) -> None:
                 f"slots it needs {needs} cache positions but the cache holds {limit} (max_seq_len, or the "
                 f"models' max_position_embeddings): shorten the prompt or lower max_new_tokens"
                 + (f", or leave k to the plan (None or 'auto': it drafts what the cache leaves, "
-                   f"{max((limit - length - ask.max_new_tokens) // 2, 0)} slots here)" if fits and slots else ""))
+                   f"{draft_room(limit, length, ask.max_new_tokens)} slots here)" if fits and slots else ""))
     needs = loop_cache_len(max(ask.prompt_lengths), ask.max_new_tokens, slots)
     if ask.max_seq_len is not None and model_limit is not None and needs > model_limit[0]:
         warnings.warn(

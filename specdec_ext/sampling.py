@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .ops import GREEDY_TEMPERATURE  # temperatures below this are greedy (as vLLM's sampler does)
+from .ops.sampling import saturated_top_k  # the op wrappers' rule for a top_k past int32 (off)
 
 # the kernels hold a row's temperature and top_p in float32 and its top_k in int32 (metadata.py)
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)  # 3.4e38
@@ -40,8 +41,7 @@ class SamplingParams:
         # the same: a top_k beyond int32 is beyond any vocabulary (off, as any top_k >= V is), and a
         # positive top_p that float32 would round to 0 (which the kernels refuse) keeps the top token (ties
         # included), as float32's smallest normal does. (Other values are left for ``validate``.)
-        if isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k > INT32_MAX:
-            object.__setattr__(self, "top_k", INT32_MAX)
+        object.__setattr__(self, "top_k", saturated_top_k(self.top_k))
         if isinstance(self.top_p, float) and 0.0 < self.top_p < FLOAT32_TINY:
             object.__setattr__(self, "top_p", FLOAT32_TINY)
 

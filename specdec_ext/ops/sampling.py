@@ -50,7 +50,8 @@ def row_tensor(value: RowParam, name: str, batch: int, dtype: torch.dtype, devic
 
 
 def saturated_top_k(top_k: RowParam) -> RowParam:
-    """A top_k past int32 is off (as any top_k >= V is): int32's largest, which the op's rows hold."""
+    """A top_k past int32 is off (as any top_k >= V is): int32's largest, which the op's rows hold (the op
+    wrappers' and SamplingParams' one rule)."""
     limit = torch.iinfo(torch.int32).max
     return limit if isinstance(top_k, int) and not isinstance(top_k, bool) and top_k > limit else top_k
 
