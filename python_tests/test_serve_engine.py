@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import queue
 import random
+import threading
 from typing import List, Optional
 
 import pytest
@@ -267,6 +268,40 @@ def test_limits_refuse_with_the_numbers(pair):
     assert 'specdec_requests_rejected_total{reason="too_large"} 1' in rendered
     assert 'specdec_requests_rejected_total{reason="queue_full"} 1' in rendered
     assert "specdec_queue_length 2" in rendered
+
+
+def test_requests_taken_for_a_step_count_against_the_queue_until_they_run(pair, monkeypatch):
+    """The rows a step is admitting are in neither the queue nor the running count until the step ends: the
+    queue bound still holds for a burst then (it took max_queue + max_rows more: 4 of 10, not 2)."""
+    tokenizer = pair[2]
+    engine = _engine(pair, max_rows=2, max_queue=2)
+    entered, release = threading.Event(), threading.Event()
+    admit = engine.batcher.admit
+
+    def slow_admit(admissions):
+        entered.set()
+        release.wait(10)
+        return admit(admissions)
+
+    monkeypatch.setattr(engine.batcher, "admit", slow_admit)
+    first = [Collector(), Collector()]
+    for sink in first:
+        engine.submit(_request(tokenizer, "abc", max_new=4), sink)
+    engine.start()
+    try:
+        assert entered.wait(10)  # both taken from the queue, their prefill under way
+        burst = []
+        for _ in range(4):
+            try:
+                burst.append(engine.submit(_request(tokenizer, "abc", max_new=4), Collector()))
+            except QueueFullError:
+                pass
+        assert len(burst) == 2
+    finally:
+        release.set()
+        for sink in first:
+            sink.wait()
+        engine.stop()
 
 
 def test_build_engine_refuses_what_it_cannot_serve(pair):

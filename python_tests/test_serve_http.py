@@ -275,7 +275,49 @@ BAD_COMPLETIONS = [
     ("another model", {"model": "gpt-4"}, 404, "model", "does not exist"),
     ("too long for the cache", {"max_tokens": 1000}, 400, "max_tokens",
      "1003 tokens, past this server's context of 248"),
+    ("a prompt that fills the context alone", {"prompt": list(range(1, 60)) * 5}, 400, "prompt",
+     "the prompt has 295 tokens, which leaves no room to generate in this server's context of 248"),
+    ("a text prompt too long to tokenize", {"prompt": "x" * 200_000}, 400, "prompt",
+     "the prompt has at least"),
+    ("max_tokens as a string", {"max_tokens": "10"}, 400, "max_tokens", "valid integer"),
+    ("temperature as a string", {"temperature": "0"}, 400, "temperature", "valid number"),
+    ("stream as a string", {"stream": "yes"}, 400, "stream", "valid boolean"),
+    ("five stop sequences", {"stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "at most 4 stop sequences, got 5"),
 ]
+
+
+def test_a_prompt_past_the_context_is_refused_with_openai_s_code_and_the_numbers(server, client):
+    """code context_length_exceeded; the prompt alone names the prompt (or messages), with max_tokens names
+    max_tokens; "1 token", not "1 tokens"; and a text that cannot fit is refused by its length, untokenized: a
+    megabyte answers as fast as a short request (tokenizing 5 MB held every client for 3 s)."""
+    context = httpx.get(server.url + "/v1/models").json()["data"][0]["max_model_len"]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=MODEL_NAME, prompt=[5], max_tokens=context)
+    body = refused.value.body
+    assert body["code"] == "context_length_exceeded" and body["param"] == "max_tokens"
+    assert f"the prompt has 1 token and max_tokens={context}: {context + 1} tokens" in body["message"]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "ab" * context}])
+    body = refused.value.body
+    assert body["code"] == "context_length_exceeded" and body["param"] == "messages", body
+    for text in ("x" * (1 << 20), "\u00e9" * (1 << 19)):
+        response = _post_json(server.url + "/v1/completions", {"model": MODEL_NAME, "prompt": text})
+        error = response.json()["error"]
+        assert response.status_code == 400 and error["code"] == "context_length_exceeded", error
+        assert "the prompt has at least" in error["message"] and error["param"] == "prompt"
+
+
+def test_every_get_route_answers_head_a_405_names_the_methods_and_the_model_has_its_own_route(server, client):
+    for path in ("/health", "/v1/models", "/metrics", f"/v1/models/{MODEL_NAME}"):
+        head = httpx.head(server.url + path)
+        assert head.status_code == 200 and head.content == b"", path
+    wrong = httpx.get(server.url + "/v1/completions")
+    assert wrong.status_code == 405 and wrong.headers["allow"] == "POST" and "error" in wrong.json()
+    card = client.models.retrieve(MODEL_NAME)
+    assert card.id == MODEL_NAME and card.model_extra["max_model_len"] == 256 - 2 * (K + 1)
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.models.retrieve("gpt-4")
+    assert missing.value.body["code"] == "model_not_found"
 
 
 def _post_json(url: str, body: dict) -> httpx.Response:

@@ -1,11 +1,13 @@
 """The HTTP app: a FastAPI app over an Engine (``create_app``); serve/server.py runs it with uvicorn.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (the tokenizer's chat template; 400 when it has
-none), GET /v1/models, GET /health, GET /metrics (Prometheus text).
+none), GET /v1/models, GET /v1/models/{model}, GET /health, GET /metrics (Prometheus text); HEAD beside
+every GET.
 
 Errors have OpenAI's shape ({"error": {"message", "type", "param", "code"}}): 400 for malformed JSON and
-bad fields (``param`` names the field) and for a request that can never fit the cache (with the
-numbers), 404 for another model name, 429 with Retry-After when every row runs and the queue is full,
+bad fields (``param`` names the field; strict types) and for a request that can never fit the cache (with
+the numbers; code context_length_exceeded where the prompt and max_tokens pass the context, a text prompt
+refused by its length before it is tokenized where it cannot fit), 404 for another model name, 429 with Retry-After when every row runs and the queue is full,
 503 while shutting down, 500 when the request's row failed.
 
 Streaming is server-sent events of OpenAI chunks ending with ``data: [DONE]``; a row that is aborted
@@ -44,6 +46,9 @@ DEFAULT_TEMPERATURE = 1.0  # OpenAI's default
 DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks that its client is still there
 SEED_BITS = 62  # a request without a seed draws one in [0, 2^62)
 CHOICE_SEED_MULTIPLIER = 0x9E3779B97F4A7C15  # choice_seed: an odd 64-bit constant (the golden ratio's)
+# A text prompt's bytes per token are at most the longest token piece's times this: a normaliser may shorten a
+# character before it is tokenized (NFKC maps a 3-byte full-width letter to 1 byte), never by more than 4 to 1
+NORMALISED_BYTES = 4
 
 
 class ApiError(Exception):
@@ -69,18 +74,22 @@ class OpenAIService:
         self.eos_token_ids = list(eos_token_ids)
         self.created = protocol.now()
         self.vocab_size = engine.batcher.target.vocab_size
+        self.context = engine.batcher.budget.context_len
+        self.bytes_per_token = self.tokenizer.longest_piece_bytes() * NORMALISED_BYTES  # (at most)
 
     # ------------------------------------------------------------------ requests
     async def completion(self, body: CompletionRequest, http: Request):
         self._check_model(body.model)
+        max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_COMPLETION_TOKENS
         if isinstance(body.prompt, str):
-            prompt = self.tokenizer.encode(body.prompt)
+            prompt = await self._tokens(body.prompt, "prompt")
         else:
             prompt = list(body.prompt)
+            self._check_context(len(prompt), 0, "prompt")
             bad = [t for t in prompt if not 0 <= t < self.vocab_size]
             if bad:
                 raise ApiError(400, f"prompt: token ids outside [0, {self.vocab_size}): {bad[:5]}", param="prompt")
-        max_tokens = body.max_tokens if body.max_tokens is not None else DEFAULT_COMPLETION_TOKENS
+        self._check_context(len(prompt), max_tokens, "prompt")
         echo = "" if not body.echo else body.prompt if isinstance(body.prompt, str) else self.tokenizer.decode(prompt)
         return await self._respond(body, prompt, max_tokens, http, chat=False, echo=echo)
 
@@ -95,15 +104,37 @@ class OpenAIService:
             text = self.tokenizer.chat_prompt(messages)
         except Exception as error:  # a template may refuse a conversation (e.g. roles out of order)
             raise ApiError(400, f"messages: the chat template refused them: {error}", param="messages") from None
-        prompt = self.tokenizer.encode(text, add_special_tokens=False)  # the template wrote any special tokens
+        prompt = await self._tokens(text, "messages", add_special_tokens=False)  # (the template wrote any special tokens)
         max_tokens = body.token_limit
+        self._check_context(len(prompt), max_tokens or 0, "messages")
         if max_tokens is None:  # as OpenAI: up to the end of the context
-            context = self.engine.batcher.budget.context_len
-            max_tokens = context - len(prompt)
-            if max_tokens < 1:
-                raise ApiError(400, f"messages: the prompt has {len(prompt)} tokens and leaves no room to "
-                                    f"generate in a context of {context} tokens (max_model_len)", param="messages")
+            max_tokens = self.context - len(prompt)
         return await self._respond(body, prompt, max_tokens, http, chat=True)
+
+    async def _tokens(self, text: str, param: str, **kwargs) -> List[int]:
+        """The tokens of a prompt's text, tokenized off the event loop; a text too long for the context by its
+        length alone is refused untokenized (tokenizing 5 MB held every client of the loop for 3 s)."""
+        at_least = len(text.encode("utf-8")) // self.bytes_per_token
+        if at_least >= self.context:
+            raise self._too_long(f"{param}: the prompt has at least {at_least} tokens, past this server's context of "
+                                 f"{self.context} (max_model_len): shorten the prompt", param)
+        return await asyncio.to_thread(self.tokenizer.encode, text, **kwargs)
+
+    def _check_context(self, prompt_len: int, max_tokens: int, param: str) -> None:
+        """A 400 with the numbers (OpenAI's code context_length_exceeded) when the prompt leaves no room to
+        generate, or the prompt and max_tokens together pass the context."""
+        if prompt_len >= self.context:
+            raise self._too_long(f"{param}: the prompt has {_count(prompt_len, 'token')}, which leaves no room to "
+                                 f"generate in this server's context of {self.context} (max_model_len): shorten the "
+                                 "prompt", param)
+        if prompt_len + max_tokens > self.context:
+            raise self._too_long(f"the prompt has {_count(prompt_len, 'token')} and max_tokens={max_tokens}: "
+                                 f"{prompt_len + max_tokens} tokens, past this server's context of {self.context} "
+                                 "(max_model_len): shorten the prompt or lower max_tokens", "max_tokens")
+
+    def _too_long(self, message: str, param: str) -> ApiError:
+        self.engine.metrics.record_rejected("too_large")
+        return ApiError(400, message, param=param, code="context_length_exceeded")
 
     def _check_model(self, model: str) -> None:
         if model != self.model_name:
@@ -339,6 +370,10 @@ def _event_error(event: RowEvent) -> Optional[ApiError]:
     return None
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def _sse(body: dict) -> str:
     return f"data: {json.dumps(body)}\n\n"
 
@@ -380,7 +415,9 @@ def create_app(engine: Engine, tokenizer, *, model_name: str, eos_token_ids: Seq
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, error: HTTPException):
-        return ApiError(error.status_code, str(error.detail), "invalid_request_error").response()
+        # (a 405's Allow header names the methods the path takes: RFC 9110 asks for it)
+        return ApiError(error.status_code, str(error.detail), "invalid_request_error",
+                        headers=getattr(error, "headers", None)).response()
 
     @app.exception_handler(Exception)
     async def server_error(request: Request, error: Exception):
@@ -397,18 +434,24 @@ def create_app(engine: Engine, tokenizer, *, model_name: str, eos_token_ids: Seq
     async def chat_completions(body: ChatRequest, request: Request):
         return await service.chat(body, request)
 
-    @app.get("/v1/models")
+    # (HEAD beside every GET: a load balancer's health probe may send one)
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models():
         return protocol.model_list(model_name, service.created, engine.batcher.budget.context_len)
 
-    @app.get("/health")
+    @app.api_route("/v1/models/{model:path}", methods=["GET", "HEAD"])
+    async def model(model: str):
+        service._check_model(model)
+        return protocol.model_card(model_name, service.created, engine.batcher.budget.context_len)
+
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         if engine.state == RUNNING:
             return {"status": "ok"}
         detail = engine.failure if engine.failure else f"the engine is {engine.state}"
         return JSONResponse({"status": engine.state, "detail": detail}, status_code=503)
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics():
         return PlainTextResponse(engine.metrics.render(engine.gauges()), media_type="text/plain; version=0.0.4")
 

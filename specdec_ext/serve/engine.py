@@ -72,6 +72,7 @@ class Engine:
         self._waiting: Deque[Admission] = deque()
         self._cancelled: set = set()
         self._running = 0  # rows running after the last step (read by submit and the gauges)
+        self._admitting = 0  # requests taken from the queue for the step under way: in no count until it ends
         self._state = NOT_STARTED
         self._deadline = math.inf  # while draining: when the running rows are aborted
         self.failure: Optional[str] = None
@@ -146,7 +147,7 @@ class Engine:
                     raise ShuttingDownError("the server is shutting down and takes no new requests")
                 if self._state == BROKEN:
                     raise ShuttingDownError(f"the engine failed and takes no new requests: {self.failure}")
-                free_slots = self.batcher.max_rows - self._running
+                free_slots = self.batcher.max_rows - self._running - self._admitting
                 if len(self._waiting) + len(requests) - 1 >= self.max_queue + max(0, free_slots):
                     raise QueueFullError(f"all {self.batcher.max_rows} rows are running and {len(self._waiting)} "
                                          f"requests are queued (the most): retry later", self._retry_after())
@@ -251,6 +252,7 @@ class Engine:
                 cancelled, self._cancelled = self._cancelled, set()
                 drain_over = self._state == DRAINING and self.clock() >= self._deadline
                 admissions = [] if drain_over or self._state == BROKEN else self._take_admissions()
+                self._admitting = len(admissions)
             self._run_step(cancelled, drain_over, admissions)
         self._safely(lambda: self.batcher.end_all(ABORTED, "the server stopped: generation was aborted"))
         with self._cond:
@@ -317,6 +319,7 @@ class Engine:
                     self._abort_waiting(message)
         with self._cond:
             self._running = len(batcher.running)
+            self._admitting = 0
 
     # ------------------------------------------------------------------ helpers
     def _retry_after(self) -> int:

@@ -69,8 +69,17 @@ class SharedTokenizer:
         return getattr(self.tokenizer, "chat_template", None)
 
     def encode(self, text: str, **kwargs) -> List[int]:
+        """The tokens of ``text`` (no warning for a text past the tokenizer's model_max_length: the server
+        checks prompts against its own context)."""
         with self._lock:
-            return list(self.tokenizer(text, **kwargs)["input_ids"])
+            return list(self.tokenizer(text, verbose=False, **kwargs)["input_ids"])
+
+    def longest_piece_bytes(self) -> int:
+        """The most UTF-8 bytes of one token's piece, added tokens included: a text of L bytes has at least
+        L / this many tokens, before normalisation."""
+        with self._lock:
+            pieces = self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer))))
+        return max((len(piece.encode("utf-8")) for piece in pieces if piece), default=1)
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids``, special tokens skipped (as generate()'s text)."""
