@@ -6,7 +6,9 @@ off, a seed, stop or EOS id of the wrong kind, a logit_bias key that is not a ca
 prompt that is not valid text."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import torch
 
 from specdec_ext import generate, plain_generate
 from specdec_ext.sampling import INT32_MAX, SamplingParams
@@ -75,6 +77,13 @@ OUT_OF_RANGE = [
     ("a logit_bias key with a space", dict(logit_bias={" 11": 1.0}), "logit_bias key ' 11' is not an integer token id"),
     ("a logit_bias key in Arabic-Indic digits", dict(logit_bias={"١١": 1.0}), "is not an integer token id"),
     ("a logit_bias key with a leading zero", dict(logit_bias={"011": 1.0}), "logit_bias key '011' is not an integer"),
+    ("a stop string with a lone surrogate", dict(stop=["ok", "\ud800"]), r"stop string '\\ud800' is not valid text"),
+    ("logprobs above 20", dict(logprobs=21), r"^logprobs must be an int in \[0, 20\], got 21"),
+    ("max_seq_len fractional", dict(max_seq_len=100.5), r"max_seq_len must be an int >= 1 or None, got 100.5"),
+    ("max_seq_len as text", dict(max_seq_len="100"), r"max_seq_len must be an int >= 1 or None, got '100'"),
+    ("max_seq_len True", dict(max_seq_len=True), r"max_seq_len must be an int >= 1 or None, got True"),
+    ("max_seq_len negative", dict(max_seq_len=-5), r"max_seq_len must be an int >= 1 or None, got -5"),
+    ("a 0-d tensor prompt", dict(prompt=torch.tensor(5)), r"prompts as a tensor must be \[T\] or \[B, T\]"),
 ]
 
 
@@ -89,3 +98,39 @@ def test_a_value_out_of_range_raises_a_value_error_naming_the_argument(pair, run
 def test_a_prompt_with_a_lone_surrogate_is_not_valid_text(pair, run):
     with pytest.raises(ValueError, match=r"prompt 1 is not valid text: character 1 is '\\ud800', a lone surrogate"):
         _tokens(pair, run, prompt=["abc", "x\ud800y"])
+
+
+@pytest.mark.parametrize("options, words", [
+    (dict(draft_confidence="a"), r"draft_confidence must be a number in \[0, 1\), got 'a'"),
+    (dict(draft_confidence=None), r"draft_confidence must be a number in \[0, 1\), got None"),
+], ids=["draft_confidence as text", "draft_confidence None"])
+def test_a_draft_option_of_the_wrong_kind_is_named(pair, options, words):
+    with pytest.raises(ValueError, match=words):
+        _tokens(pair, generate, **options)
+
+
+@pytest.mark.parametrize("run, name, value", [(generate, "stream", "no"), (plain_generate, "stream", "no"),
+                                             (generate, "explain", "yes"), (plain_generate, "explain", 1),
+                                             (generate, "cost_probe", 1)])
+def test_a_flag_is_true_or_false(pair, run, name, value):
+    """stream="no" is truthy: it returned a stream nobody asked for."""
+    with pytest.raises(TypeError, match=f"{name} must be True or False, got {value!r}"):
+        _tokens(pair, run, **{name: value})
+
+
+@RUNS
+def test_token_ids_may_be_numpy_or_torch_integers(pair, run):
+    expected = _tokens(pair, run, prompt=[[5, 6, 7]])
+    for prompt in ([[np.int64(5), np.int32(6), 7]], [np.array([5, 6, 7])], [torch.tensor([5, 6, 7])],
+                   [[torch.tensor(5), 6, 7]], np.array([5, 6, 7]).tolist()):
+        assert _tokens(pair, run, prompt=prompt) == expected
+    with pytest.raises(TypeError, match="prompt 0 must be a string or a list of int token ids"):
+        _tokens(pair, run, prompt=[[np.float64(5.0), 6]])
+
+
+def test_a_draft_or_tokenizer_of_the_wrong_kind_is_named(pair):
+    target, draft, tokenizer = pair
+    with pytest.raises(TypeError, match="the draft must be a model id or local path, a loaded model, 'ngram'.*got int 5"):
+        generate(PROMPT, target, 5, max_new_tokens=2)
+    with pytest.raises(TypeError, match="tokenizer must be a Hugging Face tokenizer .*got int 5"):
+        generate(PROMPT, target, draft, tokenizer=5, max_new_tokens=2)

@@ -125,3 +125,19 @@ def test_greedy_speculative_generation_equals_the_targets_own_greedy(pair):
                                   eos_token_id=False)
     assert result.token_ids[0] == expected
     assert result.stats.tokens_per_pass > 1.5  # the drafts are really accepted
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_a_stream_hands_every_token_id_to_a_piece_when_a_character_spans_tokens(pair, speculative):
+    """An emoji is three byte tokens of the bundled tokenizer: the steps that end inside one yield no text yet,
+    and their token ids went with nothing (joined, the pieces' token_ids missed two of every three)."""
+    import specdec_ext
+
+    target, draft, tok = pair
+    kw = dict(tokenizer=tok, max_new_tokens=12, stream=True, regex="🙂🙂🙂")
+    stream = (specdec_ext.generate("s = '", target, draft, k=4, **kw) if speculative
+              else specdec_ext.plain_generate("s = '", target, **kw))
+    pieces = list(stream)
+    assert "".join(pieces) == stream.result.text[0] == "🙂🙂🙂"
+    assert [t for piece in pieces for t in piece.token_ids] == stream.result.token_ids[0]
+    assert len(stream.result.token_ids[0]) >= 9  # (three tokens a character)

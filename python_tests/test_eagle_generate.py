@@ -38,6 +38,17 @@ def test_generate_with_an_eagle_head_is_plain_greedy(target, head, runner, kw):
     assert "hidden taps" in plan.explain() and not plan.cuda_graphs
 
 
+def test_with_no_room_for_drafts_the_default_k_decodes_plain_as_the_other_drafters_do(target, head):
+    """The default k where the cache leaves no room for a draft: plain decoding (it built a draft-model runner
+    for the EAGLE head and refused the call with a message about position_ids); and where not even plain
+    decoding fits, the cache's message with the numbers."""
+    prompt, new = PROMPTS[0], 20  # plain decoding writes 7 + 20 - 1 = 26 positions
+    result = specdec_ext.generate([prompt], target, EagleDrafterSpec(head), max_new_tokens=new, max_seq_len=27)
+    assert result.plan.drafter == "none" and result.token_ids == [hf_greedy(target, prompt, new)]
+    with pytest.raises(ValueError, match="needs 30 cache positions but the cache holds 27 \\(max_seq_len\\)"):
+        specdec_ext.generate([prompt], target, EagleDrafterSpec(head), max_new_tokens=new + 4, max_seq_len=27)
+
+
 def test_a_checkpoint_directory_is_a_draft(target, head, tmp_path):
     save_eagle(head, str(tmp_path))
     out = specdec_ext.generate(PROMPTS, target, str(tmp_path), max_new_tokens=8, k=3)

@@ -194,6 +194,40 @@ def test_bundled_heads_keep_the_bundled_targets_greedy_output():
     assert spec.stats.tokens_per_pass > 1.3  # trained heads: most steps accept a candidate
 
 
+def test_threads_sharing_a_target_with_heads_on_it_each_get_their_own_output():
+    """generate(..., "heads") hooks the target's LM head, which other threads' calls on the same target share:
+    each thread's heads read only its own passes, and a plain or draft-model call beside them keeps its greedy
+    chains (they failed with an IndexError, and with "the plan resolved greedy_chain=True")."""
+    import threading
+
+    from specdec_ext.default_pair import load_default_pair
+    from specdec_ext.generate import plain_generate
+
+    target, draft, tokenizer = load_default_pair(dtype=torch.bfloat16)
+    kw = dict(tokenizer=tokenizer, max_new_tokens=24, eos_token_id=False)
+    jobs = {"heads a": lambda: generate("def fib(n):", target, "heads", **kw),
+            "heads b": lambda: generate("import os\n", target, "heads", **kw),
+            "plain": lambda: plain_generate("x = [", target, **kw),
+            "model": lambda: generate("class A:", target, draft, **kw)}
+    alone = {name: job().token_ids for name, job in jobs.items()}
+    results = {name: [] for name in jobs}
+
+    def repeat(name):
+        for _ in range(3):
+            try:
+                results[name].append(jobs[name]().token_ids)
+            except Exception as error:  # (a failure is an outcome to compare, not a crash of the thread)
+                results[name].append(repr(error))
+
+    threads = [threading.Thread(target=repeat, args=(name,)) for name in jobs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results == {name: [tokens] * 3 for name, tokens in alone.items()}
+    assert not lm_head_of(target)._forward_pre_hooks  # every heads drafter removed its hook
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_heads_and_sampled_trees_match_the_cpu(target, references):
     """On CUDA the heads drafter (the LM-head hook, the tree forward, commit_tree) gives the CPU's greedy

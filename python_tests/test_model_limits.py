@@ -158,6 +158,22 @@ def test_speculative_decoding_fits_two_steps_of_drafts(short_pair, k, runner):
         specdec_ext.generate([prompt(largest + 1)], target, draft, k=k, **kw)
 
 
+def test_a_draft_with_fewer_positions_bounds_the_cache_unless_it_keeps_a_window(short_pair):
+    """A draft model of 32 positions under a target of 64: its positions bound the cache, and the message names
+    the draft's; with a declared context window (specdec_draft_window) it keeps its cache within the window, so
+    only the target's positions count (a 40-token prompt was refused for the draft's 32)."""
+    target, _ = short_pair
+    draft = tiny_model("llama", vocab=96, hidden=32, layers=1, logit_scale=3.0, max_positions=32)
+    long_prompt = prompt(40)
+    with pytest.raises(ValueError, match="needs 45 cache positions but the cache holds 32 \\(the draft model's "
+                                         "max_position_embeddings\\)"):
+        specdec_ext.generate([long_prompt], target, draft, k=2, max_new_tokens=1, eos_token_id=False)
+    draft.config.specdec_draft_window = 16
+    out = specdec_ext.generate([long_prompt], target, draft, k=2, max_new_tokens=8, eos_token_id=False)
+    assert out.token_ids == specdec_ext.plain_generate([long_prompt], target, max_new_tokens=8,
+                                                       eos_token_id=False).token_ids
+
+
 # ------------------------------------------------------------------------------------------ past the positions
 def test_an_explicit_max_seq_len_past_max_position_embeddings_warns_once(short_pair):
     target, draft = short_pair

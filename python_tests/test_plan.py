@@ -102,7 +102,7 @@ def test_bad_choices_are_refused_before_any_work(pair):
         (dict(drafter="none", draft_tree=(2, 2, 4)), "plain decoding drafts nothing"),
         (dict(drafter="model", draft_tree=(2, 0, 4)), r"draft_tree must be a tuple \(b, d, N\)"),
         (dict(drafter="model", k=0), "k \\(draft tokens per step\\) must be"),
-        (dict(drafter="model", draft_confidence=1.0), "draft_confidence must lie in"),
+        (dict(drafter="model", draft_confidence=1.0), "draft_confidence must be a number in"),
         (dict(drafter="model", k=4, max_seq_len=20), "needs 21 cache positions but the cache holds 20"),
         (dict(drafter="model", draft_tree=(2, 2, 4), max_seq_len=20), "needs 21 cache positions but the cache holds 20"),
         (dict(drafter="heads", runner="recompute"), "needs the paged or lean runner"),

@@ -148,7 +148,7 @@ def test_the_audit_passes_at_t1_under_a_grammar():
     (dict(logit_bias={"x": 1.0}), "logit_bias key 'x' is not an integer token id"),
     (dict(logit_bias={99999: 1.0}), "logit_bias key 99999 is not a token id of the vocabulary [0, 8192)"),
     (dict(logit_bias={5: 200.0}), "logit_bias[5] must lie in [-100, 100]"),
-    (dict(logprobs=21), "top_logprobs must be an int in [0, 20]"),
+    (dict(logprobs=21), "logprobs must be an int in [0, 20]"),
     (dict(regex="(ab"), "regex"),
     (dict(regex="a", json_schema={"type": "object"}), "at most one of json_schema, regex, grammar"),
 ])

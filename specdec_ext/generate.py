@@ -2,12 +2,14 @@
 build the runners and the drafter (build.py) -> decode (decode.py); the result object and streaming."""
 from __future__ import annotations
 
+import numbers
 import operator
 import secrets
 import sys
 from dataclasses import dataclass, field
 from typing import Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import torch
 
 from . import distributed
@@ -70,6 +72,7 @@ class GenerationStream:
         self._finish = finish
         self._sent = [0] * len(rows)  # characters of each row's text already yielded
         self._closed = [False] * len(rows)  # finished and fully yielded
+        self._held: List[List[int]] = [[] for _ in rows]  # each row's tokens whose text waits for more bytes
         self.result: Optional[GenerationResult] = None
 
     def __iter__(self) -> Iterator[TextPiece]:
@@ -86,10 +89,12 @@ class GenerationStream:
                     continue
                 if not row.finished:
                     if text.endswith("\ufffd"):
-                        continue  # an incomplete UTF-8 sequence: wait for the next token
+                        self._held[b] += tokens  # an incomplete UTF-8 sequence: its tokens go with the next piece
+                        continue
                     text = text[: len(text) - self._finish.stop_prefix_len(text)]
                 piece = text[self._sent[b]:]
                 self._sent[b] = max(self._sent[b], len(text))
+                tokens, self._held[b] = self._held[b] + tokens, []
                 if piece or tokens:
                     yield TextPiece(piece, b, tokens)
         self.result = self._finish.result()
@@ -100,6 +105,8 @@ class GenerationStream:
 def normalise_prompts(prompts, tokenizer) -> Tuple[List[List[int]], bool]:
     """-> (token id lists, whether the prompts were text)."""
     if isinstance(prompts, torch.Tensor):
+        if prompts.dim() not in (1, 2):
+            raise ValueError(f"prompts as a tensor must be [T] or [B, T] token ids, got shape {tuple(prompts.shape)}")
         prompts = prompts.tolist()
         if prompts and not isinstance(prompts[0], list):
             prompts = [prompts]
@@ -109,7 +116,7 @@ def normalise_prompts(prompts, tokenizer) -> Tuple[List[List[int]], bool]:
         raise TypeError(f"prompts must be a string, a list of strings or token ids, got {type(prompts).__name__}")
     if not prompts:
         raise ValueError("prompts is empty: pass at least one prompt")
-    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+    if all(_token_id(t) for t in prompts):
         prompts = [list(prompts)]  # one prompt as token ids
     is_text = isinstance(prompts[0], str)
     out = []
@@ -124,13 +131,22 @@ def normalise_prompts(prompts, tokenizer) -> Tuple[List[List[int]], bool]:
             check_text(p, f"prompt {b}")
             ids = tokenizer(p)["input_ids"]
         else:
-            ids = p.tolist() if isinstance(p, torch.Tensor) else list(p)
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            if not hasattr(p, "tolist") and not isinstance(p, (list, tuple)):
+                raise TypeError(f"prompt {b} must be a string or a list of int token ids, got {type(p).__name__}")
+            ids = p.tolist() if hasattr(p, "tolist") else list(p)  # (a tensor or a numpy array of ids too)
+            if not isinstance(ids, list) or not all(_token_id(t) for t in ids):
                 raise TypeError(f"prompt {b} must be a string or a list of int token ids")
         if not ids:
             raise ValueError(f"prompt {b} is empty (no tokens)")
         out.append([int(t) for t in ids])
     return out, is_text
+
+
+def _token_id(value) -> bool:
+    """An integer that is no bool (numpy's and torch's integer scalars included)."""
+    if isinstance(value, torch.Tensor):
+        return value.dim() == 0 and not value.is_floating_point() and not value.is_complex() and value.dtype != torch.bool
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
 def check_text(text: str, what: str) -> None:
@@ -322,7 +338,8 @@ def generate(prompts, target: ModelSpec = None, draft: ModelSpec = None, *, max_
         prompt + max_new_tokens + 2 k with drafts) raises ValueError; one past the models'
         max_position_embeddings warns. With the default k (None or "auto") the drafts shrink to what the
         cache leaves past prompt + max_new_tokens, down to plain decoding (``result.plan.explain()`` says so);
-        an asked k or draft_tree that does not fit is refused.
+        an asked k or draft_tree that does not fit is refused, and so are heads (their tree is fixed: the
+        default ``HEADS_TREE`` when none is asked).
     runner : 'auto' | 'lean' | 'paged' | 'recompute'
         The model runner of target and draft (runners/). 'auto': for Llama/Mistral/Qwen2-style models a
         lean runner over a contiguous cache (runners/lean.py: the CPU kernels on a CPU, the target in
@@ -462,6 +479,9 @@ class RunRequest:
 
 def _run(models: Models, prompts, request: RunRequest):
     """Normalise the prompts -> plan -> build -> decode."""
+    for name in ("stream", "explain", "cost_probe"):
+        if not isinstance(getattr(request, name), bool):  # (stream="no" is truthy: a stream nobody asked for)
+            raise TypeError(f"{name} must be True or False, got {getattr(request, name)!r}")
     tokenizer = models.tokenizer
     stop_strings = _stop_strings(request.stop, tokenizer)
     token_prompts = _token_prompts(prompts, models)
@@ -521,6 +541,8 @@ def _stop_strings(stop, tokenizer) -> List[str]:
         stop_strings = [stop]  # a string, or what the check below refuses (stop=5)
     if any(not isinstance(s, str) or not s for s in stop_strings):
         raise ValueError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+    for s in stop_strings:
+        check_text(s, f"stop string {s!r}")
     if stop_strings and tokenizer is None:
         raise ValueError("stop strings need a tokenizer")
     return stop_strings

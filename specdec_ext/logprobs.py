@@ -27,11 +27,12 @@ class TokenLogprob:
     top: Tuple[Tuple[int, float], ...] = ()  # (token, logprob), most likely first
 
 
-def check_top_logprobs(top: Optional[int]) -> None:
+def check_top_logprobs(top: Optional[int], name: str = "top_logprobs") -> None:
+    """``name``: the argument as the caller spells it (generate()'s ``logprobs``)."""
     if top is None:
         return
     if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS:
-        raise ValueError(f"top_logprobs must be an int in [0, {MAX_TOP_LOGPROBS}], got {top!r}")
+        raise ValueError(f"{name} must be an int in [0, {MAX_TOP_LOGPROBS}], got {top!r}")
 
 
 def emitted_columns(tokens: torch.Tensor, path: Optional[torch.Tensor]) -> torch.Tensor:

@@ -100,6 +100,10 @@ def load_models(target: ModelSpec = None, draft: Union[ModelSpec, MedusaHeads] =
     replicated on each, on the target's device). ``draft_tokenizer`` (default: the one next to a draft
     path) that spells some token id differently from ``tokenizer`` makes the drafter "cross-tokenizer"
     (drafters/cross_tokenizer.py), refused here unless both tokenizers round-trip text."""
+    for name, given in (("tokenizer", tokenizer), ("draft_tokenizer", draft_tokenizer)):
+        if given is not None and not callable(given):
+            raise TypeError(f"{name} must be a Hugging Face tokenizer (called on text, it gives input_ids), got "
+                            f"{type(given).__name__} {given!r}")
     if tp_size is not None:
         target = _tensor_parallel_target(target, tp_size)
         if tokenizer is None:
@@ -201,6 +205,10 @@ def _load_heads(target: ModelSpec, heads: Union[str, MedusaHeads], tokenizer) ->
 def _load_model(spec: ModelSpec, role: str):
     if isinstance(spec, torch.nn.Module):
         return spec
+    if not isinstance(spec, (str, os.PathLike)):
+        extra = ", 'ngram', 'heads', 'eagle', MedusaHeads or EagleDrafterSpec" if role == "draft" else ""
+        raise TypeError(f"the {role} must be a model id or local path, a loaded model{extra}, or None; got "
+                        f"{type(spec).__name__} {spec!r}")
     from transformers import AutoModelForCausalLM
 
     path = bundled_path(os.fspath(spec))

@@ -48,6 +48,7 @@ import torch
 from . import adaptive as adaptive_k
 from .cuda_graphs import graphs_available
 from .drafters.cross_tokenizer import BY_STEP, GREEDY_THROUGH_TEXT, INTERSECTION
+from .drafters.model_drafter import draft_window_of
 from .drafters.tree_drafter import tree_num_nodes
 from .distributed import TP_CHECKS
 from .logprobs import check_top_logprobs
@@ -179,12 +180,16 @@ class PlanRequest:
             raise ValueError("drafter 'cross-tokenizer' needs vocab_bridge= (and only it takes one)")
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an int >= 0, got {self.max_new_tokens!r}")
-        if not 0.0 <= self.draft_confidence < 1.0:
-            raise ValueError(f"draft_confidence must lie in [0, 1), got {self.draft_confidence}")
+        if (isinstance(self.draft_confidence, bool) or not isinstance(self.draft_confidence, (int, float))
+                or not 0.0 <= self.draft_confidence < 1.0):
+            raise ValueError(f"draft_confidence must be a number in [0, 1), got {self.draft_confidence!r}")
+        if self.max_seq_len is not None and (isinstance(self.max_seq_len, bool) or not isinstance(self.max_seq_len, int)
+                                             or self.max_seq_len < 1):
+            raise ValueError(f"max_seq_len must be an int >= 1 or None, got {self.max_seq_len!r}")
         if self.tp_check not in TP_CHECKS:
             raise ValueError(f"tp_check must be one of {TP_CHECKS}, got {self.tp_check!r}")
         self.sampling.validate()
-        check_top_logprobs(self.top_logprobs)
+        check_top_logprobs(self.top_logprobs, "logprobs")
 
 
 def _check_kinds(drafter: str, runner: str) -> None:
@@ -461,7 +466,7 @@ def _runners(drafter: str, runner: str, tree, models: _Models, cache_len: int,
     if drafter == "heads" and target_runner == "recompute":
         raise ValueError("draft='heads' needs the paged or lean runner (runner='auto'), not 'recompute' (its HF "
                          "forwards are per group of equal lengths, not one per pass)")
-    if models.draft is None or drafter == "eagle":  # an EAGLE head runs in torch beside the target's runner
+    if models.draft is None or drafter in ("eagle", "none"):  # an EAGLE head runs in torch beside the target's runner
         return _Runners(target_runner, None, None)
     draft_runner, why = _runner_for(models.draft, runner, models.graphs_ok, cache_len, models.device, "draft",
                                     tree is not None)
@@ -508,9 +513,11 @@ def _describe_capabilities(target: RunnerCapabilities, draft: Optional[RunnerCap
 def _cache_limits(ask: PlanRequest, models: _Models) -> Tuple[Optional[int], Optional[Tuple[int, str]]]:
     """(the positions a row may use: max_seq_len, else the models' max_position_embeddings, or None; the
     models' (max_position_embeddings, "target" or "draft"), or None)."""
-    # a draft with another tokenizer counts its own positions (a row that outgrows them stops drafting)
+    # a draft with another tokenizer counts its own positions (a row that outgrows them stops drafting), one that
+    # declares a context window keeps its cache within it (drafters/model_drafter.py), and plain decoding runs none
     bounded = {"target": models.target}
-    if ask.drafter not in ("cross-tokenizer", "eagle") and models.draft is not None:
+    if (ask.drafter not in ("cross-tokenizer", "eagle", "none") and models.draft is not None
+            and draft_window_of(models.draft) is None):
         bounded["draft"] = models.draft
     positions = [(_max_positions(model), role) for role, model in bounded.items() if _max_positions(model)]
     model_limit = min(positions) if positions else None
@@ -554,10 +561,12 @@ def _check_cache(ask: PlanRequest, slots: int, models: _Models) -> None:
             # (a chain that plain decoding would fit: the default k shrinks to fit, _fit_default_draft_length)
             fits = (loop_cache_len(length, ask.max_new_tokens, 0) <= limit and ask.draft_tree is None
                     and ask.drafter != "heads")
+            source = ("max_seq_len" if ask.max_seq_len is not None else
+                      f"the {model_limit[1]} model's max_position_embeddings")
             raise ValueError(
                 f"prompt {b} has {length} tokens; with max_new_tokens={ask.max_new_tokens} and {slots} draft "
-                f"slots it needs {needs} cache positions but the cache holds {limit} (max_seq_len, or the "
-                f"models' max_position_embeddings): shorten the prompt or lower max_new_tokens"
+                f"slots it needs {needs} cache positions but the cache holds {limit} ({source}): shorten the "
+                "prompt or lower max_new_tokens"
                 + (f", or leave k to the plan (None or 'auto': it drafts what the cache leaves, "
                    f"{draft_room(limit, length, ask.max_new_tokens)} slots here)" if fits and slots else ""))
     needs = loop_cache_len(max(ask.prompt_lengths), ask.max_new_tokens, slots)

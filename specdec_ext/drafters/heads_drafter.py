@@ -9,7 +9,8 @@ pruned to N nodes. The candidates are a deterministic function of the target's p
 ``tree_verify(..., draft_probs=None)`` verifies them losslessly at any temperature.
 
 Where h comes from: a forward pre-hook on the target's LM head keeps its input of the last target pass
-(registered when the drafter is made, removed by ``close``; the lean runner calls a hooked LM head
+on this thread (``runners.head_hooks.HeadCapture``: other threads' generate() calls on the same target
+neither feed it nor call it; registered when the drafter is made, removed by ``close``; the lean runner calls a hooked LM head
 module on the torch path and its hooks around the kernel's logits on the CPU kernels). After the prefill that is each prompt's last token ([B, 1, H], or [B, H]); after a
 verify pass [B, N+1, H] (column 0 at the pending token, column i+1 at node i), and ``commit`` keeps
 the column of the last accepted node (0 when none was accepted). The heads
@@ -24,6 +25,7 @@ import torch
 
 from ..heads import MedusaHeads, lm_head_of
 from ..metadata import Proposal, SpecDecodeMetadata, Verdict
+from ..runners.head_hooks import HeadCapture
 from .base import Drafter
 from .calibration import NodeCalibration
 from .tree_drafter import DraftTree, beam_widths, grow_tree, observe_tree, tree_num_nodes
@@ -46,12 +48,9 @@ class HeadsDrafter(Drafter):
         self.calibration = calibration  # None: rank by draft log-probability (EAGLE-2)
         self.tree: Optional[DraftTree] = None
         self.lm_head = lm_head_of(target_model)
-        self._captured: Optional[torch.Tensor] = None  # the LM head's input of the last target pass
+        self._capture = HeadCapture()  # the LM head's input of this thread's last target pass
         self._hidden: Optional[torch.Tensor] = None  # [B, H]: h at the pending token's logits
         self._handle = self.lm_head.register_forward_pre_hook(self._capture)
-
-    def _capture(self, module, args) -> None:
-        self._captured = args[0]
 
     def close(self) -> None:
         """Remove the hook from the target's LM head (the decode loop calls this when it ends)."""
@@ -61,9 +60,9 @@ class HeadsDrafter(Drafter):
 
     # ------------------------------------------------------------------ the interface
     def prefill(self, prompts: Sequence[Sequence[int]], meta: SpecDecodeMetadata) -> None:
-        if self._captured is None:
-            raise RuntimeError("HeadsDrafter: the target's prefill did not pass through its LM head")
-        captured = self._captured  # the prefill scores each prompt's last token only: [B, 1, H] or [B, H]
+        captured = self._capture.input  # the prefill scores each prompt's last token only: [B, 1, H] or [B, H]
+        if captured is None:
+            raise RuntimeError("HeadsDrafter: the target's prefill did not pass through its LM head on this thread")
         self._hidden = (captured[:, -1] if captured.dim() == 3 else captured).clone()  # [B, H]
         B, N, device = meta.batch_size, self.slots, meta.device
         self.token_ids = torch.zeros((B, N), dtype=torch.int64, device=device)  # [B, N]
@@ -87,7 +86,7 @@ class HeadsDrafter(Drafter):
         """Keep h at the last accepted node (column path[num_accepted - 1] + 1), or at the pending token;
         the step's outcome updates the node calibration."""
         observe_tree(self.calibration, self.tree, meta, verdict)
-        hidden = self._captured  # [B, N+1, H] of the verify pass
+        hidden = self._capture.input  # [B, N+1, H] of the verify pass
         accepted = verdict.num_accepted.to(torch.int64).clamp(min=0)  # [B]
         last_node = verdict.path.to(torch.int64).gather(1, (accepted - 1).clamp(min=0)[:, None])[:, 0]  # [B]
         column = torch.where(accepted > 0, last_node + 1, torch.zeros_like(last_node))  # [B]

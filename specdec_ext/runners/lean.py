@@ -50,6 +50,7 @@ from .capabilities import RunnerCapabilities
 from .checks import (check_extend_chunks, check_forward_inputs, check_row_counts, check_start_prompts, output_vocab_size,
                      tensor_parallel_size,
                      text_config)
+from .head_hooks import head_hooked
 from .lean_cpu import call_head_hooks, kernels_reason
 from .lean_torch import TorchForward
 from .rows import RowsInUse
@@ -175,9 +176,11 @@ def forward_description(model) -> str:
     return f"the CPU kernels (csrc/cpu, {path})"
 
 
-def _head_hooked(model) -> bool:
-    head = model.lm_head
-    return bool(head._forward_pre_hooks or head._forward_hooks)
+
+
+def _hooked(head) -> bool:
+    """``head_hooks.head_hooked``, asked only where something is hooked (every pass asks; most heads never are)."""
+    return bool(head._forward_pre_hooks or head._forward_hooks) and head_hooked(head)
 
 
 def lean_capabilities(model, compute_dtype: Optional[torch.dtype] = None, hidden_taps: bool = False
@@ -186,7 +189,7 @@ def lean_capabilities(model, compute_dtype: Optional[torch.dtype] = None, hidden
     contract, before it is built (its ``capabilities`` then): greedy chains in one call where its forward
     runs on the CPU kernels, nothing is hooked on the model's LM head now and no hidden states are
     tapped; ``hidden_taps``: built with taps."""
-    chains = _kernels_reason(model, compute_dtype) is None and not _head_hooked(model) and not hidden_taps
+    chains = _kernels_reason(model, compute_dtype) is None and not _hooked(model.lm_head) and not hidden_taps
     return RunnerCapabilities(greedy_chain=chains, chunked_prefill=True, hidden_taps=hidden_taps)
 
 
@@ -364,7 +367,7 @@ class LeanLlamaRunner:
         logits = llama_head(x, w, self.bf16_activations)  # [M or B, V]
         shaped = (lambda t: t) if keep is not None else (lambda t: t.view(B, T, -1))
         head = self.model.lm_head
-        if head._forward_pre_hooks or head._forward_hooks:  # heads on the target read its input
+        if _hooked(head):  # heads on the target read its input
             h = F.rms_norm(x, w.norm.shape, w.norm, w.norm_eps).to(head.weight.dtype)
             call_head_hooks(head, shaped(h), shaped(logits))
         return shaped(logits)
@@ -457,7 +460,7 @@ class LeanLlamaRunner:
         forward where the head is hooked (heads on the target read the whole batch's states at once)."""
         head = self.model.lm_head
         groups = prefill_groups([len(p) for p in prompts])
-        if len(groups) == 1 or head._forward_pre_hooks or head._forward_hooks:
+        if len(groups) == 1 or _hooked(head):
             return self._prefill_block(prompts, cache_rows)
         rows = torch.arange(len(prompts), dtype=torch.int64, device=self.device) if cache_rows is None else cache_rows
         logits = None
@@ -508,8 +511,7 @@ class LeanLlamaRunner:
     @property
     def chains_greedy(self) -> bool:
         """Whether ``greedy_chain`` runs here (the CPU kernels, and nothing hooked on the head)."""
-        head = self.model.lm_head
-        return self._torch is None and not (head._forward_pre_hooks or head._forward_hooks) and self._taps is None
+        return self._torch is None and not _hooked(self.model.lm_head) and self._taps is None
 
     @property
     def capabilities(self) -> RunnerCapabilities:

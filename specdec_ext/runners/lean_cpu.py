@@ -30,6 +30,8 @@ from typing import Optional
 
 import torch
 
+from .head_hooks import foreign_capture
+
 __all__ = ["kernels_reason", "WEIGHT_DTYPES", "call_head_hooks"]
 
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -61,6 +63,8 @@ def call_head_hooks(head: torch.nn.Module, h: torch.Tensor, logits: torch.Tensor
     Shape: h [..., d] in the head's dtype, logits [..., V] fp32.
     """
     for hook_id, hook in list(head._forward_pre_hooks.items()):
+        if foreign_capture(hook):  # (another thread's heads: runners/head_hooks.py)
+            continue
         with_kwargs = hook_id in head._forward_pre_hooks_with_kwargs
         replaced = hook(head, (h,), {}) if with_kwargs else hook(head, (h,))
         if replaced is not None:

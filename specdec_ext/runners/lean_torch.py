@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops.lean_forward import LlamaLayerWeights, LlamaWeights
+from .head_hooks import head_hooked
 from .layout import additive_mask, step_layout
 
 __all__ = ["TorchForward"]
@@ -81,7 +82,7 @@ class TorchForward:
             x = x[self._rows[:B], keep]  # [B, d]
         x = _rms(x, self.weights.norm, self.weights.norm_eps)
         head = self.head
-        if head._forward_pre_hooks or head._forward_hooks:  # e.g. heads on the target read its input
+        if (head._forward_pre_hooks or head._forward_hooks) and head_hooked(head):  # e.g. heads on the target
             return head(x.to(head.weight.dtype)).float()
         return F.linear(x, self.weights.head.weight, self.weights.head.bias).float()
 
