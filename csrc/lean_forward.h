@@ -489,11 +489,11 @@ inline void check_greedy_chain(const at::Tensor& tokens, int64_t steps, const Ll
   const int64_t capacity = k_cache.size(3);
   const int64_t* first = rows.start.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
-    SPECDEC_CHECK(first[b] >= 0 && first[b] + W <= capacity, op, ": start[", b, "] = ", first[b],
+    SPECDEC_CHECK(first[b] >= 0 && first[b] <= capacity - W, op, ": start[", b, "] = ", first[b],
                   " must be in [0, capacity - W] = [0, ", capacity - W, "] (the feed writes its W = ", W,
                   " columns from slot start)");
     const int64_t chain_start = first[b] + (counts == nullptr ? 0 : counts[b]);
-    SPECDEC_CHECK(chain_start + steps - 1 <= capacity, op, ": start[", b, "] = ", chain_start,
+    SPECDEC_CHECK(chain_start <= capacity - (steps - 1), op, ": start[", b, "] = ", chain_start,
                   counts == nullptr ? "" : " (with its feed_counts)", " must be in [0, capacity - (steps - 1)] = [0, ",
                   capacity - steps + 1, "] (the chain feeds ", steps - 1, " tokens from slot start)");
   }
@@ -597,11 +597,11 @@ inline void check_eagle_chain(const at::Tensor& tokens, int64_t steps, const at:
   const int64_t limit = std::min(k_cache.size(3), state.cos.size(0));
   const int64_t* first = start.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
-    SPECDEC_CHECK(first[b] >= 0 && first[b] + W <= limit, op, ": start[", b, "] = ", first[b], " must be in [0, ",
+    SPECDEC_CHECK(first[b] >= 0 && first[b] <= limit - W, op, ": start[", b, "] = ", first[b], " must be in [0, ",
                   limit - W, "] (the feed writes its W = ", W, " columns from start; the cache and the rotary tables "
                   "hold ", limit, ")");
     const int64_t chain = first[b] + (counts == nullptr ? 0 : counts[b]);
-    SPECDEC_CHECK(chain + steps - 1 <= limit, op, ": start[", b, "] = ", chain, counts == nullptr ? "" :
+    SPECDEC_CHECK(chain <= limit - (steps - 1), op, ": start[", b, "] = ", chain, counts == nullptr ? "" :
                   " (with its feed count)", " must be in [0, ", limit - steps + 1, "] (the chain writes ", steps - 1,
                   " slots from start; the cache and the rotary tables hold ", limit, ")");
   }

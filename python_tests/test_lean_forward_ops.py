@@ -372,3 +372,36 @@ def test_cache_attention_errors():
         ops.cache_attention(q, kc, vc, start, 1.0, visible=visible.int())
     with pytest.raises(RuntimeError, match="k_cache holds 3 rows but q has B = 4"):
         ops.cache_attention(torch.zeros(4, 3, 4, 8), kc, vc, torch.zeros(4, dtype=torch.int64), 1.0)
+
+
+# ---------------------------------------------------------------------------------- the bounds and the devices
+@pytest.mark.parametrize("start", [2 ** 63 - 1, 2 ** 63 - 2, 14])
+def test_a_start_past_the_cache_is_refused_even_where_start_plus_t_overflows(start):
+    """start[b] + T <= capacity was checked as a sum, which wrapped negative near INT64_MAX and let the kernel
+    read and write far out of bounds (the process died); it is now start[b] <= capacity - T."""
+    q, k_cache, v_cache = torch.randn(1, 3, 2, 8), torch.randn(1, 1, 16, 8), torch.randn(1, 1, 16, 8)
+    with pytest.raises(RuntimeError, match=rf"cache_attention: start\[0\] = {start} must be in \[0, capacity - T\] "
+                                           r"= \[0, 13\]"):
+        ops.cache_attention(q, k_cache, v_cache, torch.tensor([start]), 0.3)
+
+
+def test_an_operand_on_the_meta_device_beside_cpu_ones_is_refused_not_skipped():
+    """A mixed-device call reaches the fake kernel, which returned without a word: the outputs stayed as they
+    were (a weight left on meta, as an HF model built under init_empty_weights leaves it)."""
+    x, out = torch.randn(2, 8), torch.full((2, 4), 7.0)
+    with pytest.raises(RuntimeError, match=r"fused_linear: weights\[0\] must be on the same device as x \(cpu\), "
+                                           r"got meta"):
+        ops.fused_linear(x, [torch.empty(4, 8, device="meta")], [out])
+    assert bool((out == 7.0).all())
+    buffer, seq_lens, kept = torch.full((1, 6), -1, dtype=torch.int64), torch.tensor([2]), torch.full((1,), 99)
+    with pytest.raises(RuntimeError, match=r"commit_tokens: num_accepted must be on the same device as tokens \(meta\)"):
+        ops.commit_tokens(torch.zeros(1, 3, dtype=torch.int64, device="meta"), torch.tensor([1], dtype=torch.int32),
+                          torch.tensor([True]), buffer, seq_lens, kept, torch.zeros(1, 1, dtype=torch.int64))
+    cache = torch.zeros(2, 2, 4, 1, 2)
+    with pytest.raises(RuntimeError, match=r"kv_write: slot_mapping must be on the same device as key \(cpu\)"):
+        ops.kv_write(torch.ones(1, 1, 1, 2), torch.ones(1, 1, 1, 2),
+                     torch.zeros(1, 1, dtype=torch.int64, device="meta"), cache)
+    q = torch.randn(1, 3, 2, 8)
+    with pytest.raises(RuntimeError, match=r"cache_attention: start must be on the same device as q \(cpu\)"):
+        ops.cache_attention(q, torch.randn(1, 1, 16, 8), torch.randn(1, 1, 16, 8), torch.zeros(1, dtype=torch.int64,
+                            device="meta"), 0.3)

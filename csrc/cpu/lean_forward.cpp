@@ -165,7 +165,7 @@ void attend(Isa isa, const at::Tensor& q, const at::Tensor& k_cache, const at::T
   const int64_t* starts = start.data_ptr<int64_t>();
   int64_t longest = 0;
   for (int64_t b = 0; b < B; ++b) {
-    SPECDEC_CHECK(starts[b] >= 0 && starts[b] + T <= capacity, "cache_attention: start[", b, "] = ", starts[b],
+    SPECDEC_CHECK(starts[b] >= 0 && starts[b] <= capacity - T, "cache_attention: start[", b, "] = ", starts[b],
                   " must be in [0, capacity - T] = [0, ", capacity - T, "] (the block's T = ", T,
                   " tokens sit at slots start .. start + T - 1)");
     SPECDEC_CHECK(rows == nullptr || (rows[b] >= 0 && rows[b] < k_cache.size(0)), "cache_attention: the cache row of "
@@ -255,7 +255,7 @@ void decoder_layers_on(at::Tensor& x, const LlamaModelView& model, bool bf16_act
   check_index_range("cache_positions", pass.cache_positions, k_cache.size(3), "k_cache dimension 3", op);
   const int64_t* starts = pass.start.data_ptr<int64_t>();
   for (int64_t b = 0; b < s.batch; ++b)
-    SPECDEC_CHECK(starts[b] >= 0 && starts[b] + s.tokens <= k_cache.size(3), op, ": start[", b, "] = ", starts[b],
+    SPECDEC_CHECK(starts[b] >= 0 && starts[b] <= k_cache.size(3) - s.tokens, op, ": start[", b, "] = ", starts[b],
                   " must be in [0, capacity - T] = [0, ", k_cache.size(3) - s.tokens, "]");
   std::vector<int64_t> rows(s.batch);
   for (int64_t b = 0; b < s.batch; ++b) rows[b] = pass.cache_rows.data_ptr<int64_t>()[b * s.tokens];

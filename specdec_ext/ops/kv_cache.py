@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .. import _C  # noqa: F401  (loads the library: registers torch.ops.specdec_ext)
+from .sampling import check_operand_devices
 
 
 def kv_write(
@@ -96,12 +97,13 @@ def kv_compact(
     return kv_cache
 
 
-# Fake kernels: both ops mutate kv_cache in place and return nothing.
+# Fake kernels: both ops mutate kv_cache in place and return nothing; they repeat the device check (a mixed-device
+# call reaches them when one argument is a meta tensor: sampling.check_operand_devices).
 @torch.library.register_fake("specdec_ext::kv_write")
 def _kv_write_fake(key, value, slot_mapping, kv_cache):
-    return None
+    check_operand_devices("kv_write", (key, value, slot_mapping, kv_cache))
 
 
 @torch.library.register_fake("specdec_ext::kv_compact")
 def _kv_compact_fake(kv_cache, block_tables, src_positions, dst_start):
-    return None
+    check_operand_devices("kv_compact", (kv_cache, block_tables, src_positions, dst_start))

@@ -22,6 +22,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import _C  # noqa: F401  (loads the library: registers torch.ops.specdec_ext)
+from .sampling import check_operand_devices
 
 EPILOGUES = ("store", "add", "swiglu")
 # The ops of this module: registered for CPU only (a CUDA build has no kernel for them, by design;
@@ -498,33 +499,33 @@ def cpu_isa() -> str:
     return torch.ops.specdec_ext.cpu_isa()
 
 
-# Fake kernels: the ops write their outputs in place and return nothing.
+# Fake kernels: the ops write their outputs in place and return nothing; they repeat the ops' device check, which
+# is the one a mixed-device call reaches when one argument is a meta tensor (it did nothing, silently).
 @torch.library.register_fake("specdec_ext::fused_linear")
-def _fused_linear_fake(x, norm_weight, norm_eps, weights, biases, epilogue, bf16_activations, outs):
-    return None
+def _fused_linear_fake(*operands):  # (x, norm_weight, norm_eps, weights, biases, epilogue, bf16_activations, outs)
+    check_operand_devices("fused_linear", operands)
 
 
 @torch.library.register_fake("specdec_ext::rope_cache_write")
-def _rope_cache_write_fake(q, k, v, cos, sin, positions, cache_rows, cache_positions, k_cache, v_cache):
-    return None
+def _rope_cache_write_fake(*operands):  # (q, k, v, cos, sin, positions, cache_rows, cache_positions, k_cache, v_cache)
+    check_operand_devices("rope_cache_write", operands)
 
 
 @torch.library.register_fake("specdec_ext::cache_attention")
-def _cache_attention_fake(q, k_cache, v_cache, start, visible, scale, out):
-    return None
+def _cache_attention_fake(*operands):  # (q, k_cache, v_cache, start, visible, scale, out)
+    check_operand_devices("cache_attention", operands)
 
 
 @torch.library.register_fake("specdec_ext::decoder_layers")
-def _decoder_layers_fake(x, weights, scalars, bf16_activations, rope, cache, layout, visible=None):
-    return None
+def _decoder_layers_fake(*operands):  # (x, weights, scalars, bf16_activations, rope, cache, layout, visible)
+    check_operand_devices("decoder_layers", operands)
 
 
 @torch.library.register_fake("specdec_ext::greedy_chain")
-def _greedy_chain_fake(tokens, steps, weights, scalars, bf16_activations, rope, cache, rows, vocab_limit,
-                       check_logits=False):
-    return None
+def _greedy_chain_fake(*operands):  # (tokens, steps, weights, scalars, bf16_activations, rope, cache, rows, ...)
+    check_operand_devices("greedy_chain", operands)
 
 
 @torch.library.register_fake("specdec_ext::eagle_chain")
-def _eagle_chain_fake(*args):  # (tokens, steps, last, weights, scalars, eagle, eagle_scalars, rope, cache, start, feed)
-    return None
+def _eagle_chain_fake(*operands):  # (tokens, steps, last, weights, scalars, eagle, eagle_scalars, rope, cache, start, feed)
+    check_operand_devices("eagle_chain", operands)

@@ -41,6 +41,9 @@ def row_tensor(value: RowParam, name: str, batch: int, dtype: torch.dtype, devic
         return value
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number or a [B] tensor, got {type(value).__name__}")
+    if not dtype.is_floating_point and not float(value).is_integer():  # (torch.full would truncate it)
+        raise ValueError(f"{name} must be a whole number for the op's {str(dtype).replace('torch.', '')} rows, "
+                         f"got {value!r}")
     try:
         return torch.full((batch,), value, dtype=dtype, device=device)
     except (RuntimeError, OverflowError):  # (torch: "value cannot be converted ... without overflow"; past int64)
@@ -178,7 +181,9 @@ def chain_verify(
         status code for an invalid row when ``check_status`` is False.
         Shape: [B]
     """
-    batch, positions = target_logits.shape[0], target_logits.shape[1] if target_logits.dim() > 1 else 0
+    # (a tensor of another rank reaches the op, whose message names it)
+    batch = target_logits.shape[0] if target_logits.dim() else 0
+    positions = target_logits.shape[1] if target_logits.dim() > 1 else 0
     device = target_logits.device
     if out is None:
         tokens = torch.empty((batch, positions), dtype=torch.int64, device=device)
@@ -295,6 +300,9 @@ def residual_probs(
         _check_probabilities("draft_probs", draft_probs)
     if out is None:
         out = torch.empty(target_probs.shape, dtype=torch.float32, device=target_probs.device)
+    elif out is target_probs or out is draft_probs:
+        raise ValueError("residual_probs: out must be another tensor than target_probs and draft_probs (a row's "
+                         "residual mass is summed before it is written)")
     torch.ops.specdec_ext.residual_probs(target_probs, draft_probs, out)
     return out
 
@@ -316,6 +324,8 @@ def philox_uniforms(seed: torch.Tensor, offset: torch.Tensor, num_draws: int) ->
         Uniforms in [0, 1 - 2^-24], fp32.
         Shape: [B, C]
     """
+    if isinstance(num_draws, bool) or not isinstance(num_draws, int) or num_draws < 0:
+        raise ValueError(f"philox_uniforms: num_draws must be an int >= 0, got {num_draws!r}")
     out = torch.empty((seed.shape[0] if seed.dim() else 0, num_draws), dtype=torch.float32, device=seed.device)
     torch.ops.specdec_ext.philox_uniforms(seed, offset, out)
     return out
@@ -329,10 +339,13 @@ def check_operand_devices(op: str, operands: Sequence, reference: int = 0) -> No
     ``reference``; the error names both as the schema does."""
     names = [argument.name for argument in getattr(torch.ops.specdec_ext, op).default._schema.arguments]
     device = operands[reference].device
-    for name, tensor in zip(names, operands):
-        if isinstance(tensor, torch.Tensor) and tensor.device != device:
-            raise RuntimeError(f"{op}: {name} must be on the same device as {names[reference]} ({device}), "
-                               f"got {tensor.device}")
+    for name, operand in zip(names, operands):
+        tensors = ([(f"{name}[{i}]", t) for i, t in enumerate(operand)] if isinstance(operand, (list, tuple))
+                   else [(name, operand)])  # (a Tensor[] argument: each of its tensors)
+        for label, tensor in tensors:
+            if isinstance(tensor, torch.Tensor) and tensor.device != device:
+                raise RuntimeError(f"{op}: {label} must be on the same device as {names[reference]} ({device}), "
+                                   f"got {tensor.device}")
 
 
 @torch.library.register_fake("specdec_ext::chain_verify")

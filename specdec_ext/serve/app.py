@@ -7,8 +7,9 @@ every GET.
 Errors have OpenAI's shape ({"error": {"message", "type", "param", "code"}}): 400 for malformed JSON and
 bad fields (``param`` names the field; strict types) and for a request that can never fit the cache (with
 the numbers; code context_length_exceeded where the prompt and max_tokens pass the context, a text prompt
-refused by its length before it is tokenized where it cannot fit), 404 for another model name, 429 with Retry-After when every row runs and the queue is full,
-503 while shutting down, 500 when the request's row failed.
+refused by its length before it is tokenized where it cannot fit), 404 for another model name, 429 with
+Retry-After when every row runs and the queue is full, 503 while shutting down, 500 when the request's row
+failed.
 
 Streaming is server-sent events of OpenAI chunks ending with ``data: [DONE]``; a row that is aborted
 (shutdown) or fails sends an error event in place of its last chunk. A client that goes away cancels its
@@ -104,7 +105,7 @@ class OpenAIService:
             text = self.tokenizer.chat_prompt(messages)
         except Exception as error:  # a template may refuse a conversation (e.g. roles out of order)
             raise ApiError(400, f"messages: the chat template refused them: {error}", param="messages") from None
-        prompt = await self._tokens(text, "messages", add_special_tokens=False)  # (the template wrote any special tokens)
+        prompt = await self._tokens(text, "messages", add_special_tokens=False)  # (the template wrote the specials)
         max_tokens = body.token_limit
         self._check_context(len(prompt), max_tokens or 0, "messages")
         if max_tokens is None:  # as OpenAI: up to the end of the context
