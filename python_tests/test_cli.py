@@ -166,7 +166,7 @@ def test_generate_with_a_heads_directory_for_another_target(pair_dirs, tmp_path,
 
 
 # ------------------------------------------------------------------------------------- --plot, progress, --quiet
-AUDIT_FAST = ["--samples", "60", "--positions", "2", "--ks", "1,2", "--bench-tokens", "6", "--max-prompts", "1"]
+AUDIT_FAST = ["--samples", "300", "--positions", "2", "--ks", "1,2", "--bench-tokens", "6", "--max-prompts", "1"]
 
 
 def test_audit_plot_and_progress_on_a_terminal(pair_dirs, tmp_path, monkeypatch, capsys):
@@ -177,7 +177,7 @@ def test_audit_plot_and_progress_on_a_terminal(pair_dirs, tmp_path, monkeypatch,
     assert cli.main(["audit", "abc", "--target", target, "--draft", draft, *AUDIT_FAST, "--plot", str(figure)]) == 0
     assert png_size(figure) == plots.figure_pixels(1)
     bars = terminal.getvalue()
-    assert "audit sampling" in bars and "120/120" in bars and "audit break-even" in bars
+    assert "audit sampling" in bars and "600/600" in bars and "audit break-even" in bars
     assert "Loading weights" in bars  # transformers' own bars, which --quiet hides too
     assert f"wrote {figure}" in bars
     out = capsys.readouterr().out
@@ -262,3 +262,38 @@ def test_a_loaded_models_tokenizer_is_read_from_disk_once_per_version_of_its_fil
     os.utime(config, ns=(later, later))
     assert plain_generate([[3, 4, 5]], target, max_new_tokens=3, eos_token_id=False).token_ids == first
     assert len(loads) == 2
+
+
+def test_an_audit_with_too_few_samples_is_inconclusive_not_a_pass(pair_dirs, capsys):
+    """With 5 samples every token is pooled into one category: no test ran, and it said PASS, "indistinguishable"."""
+    target, draft = pair_dirs
+    assert cli.main(["audit", "abc", "--target", target, "--draft", draft, "--samples", "5", "--positions", "2",
+                     "--max-prompts", "1", "--no-break-even", "--quiet"]) == 1
+    assert "verdict: INCONCLUSIVE" in capsys.readouterr().out
+
+
+def test_bad_input_is_one_line_on_stderr_and_status_1_not_a_traceback(pair_dirs, capsys, monkeypatch):
+    target, draft = pair_dirs
+    base = ["generate", "abc", "--target", target, "--draft", draft, "--max-new-tokens", "4", "--quiet"]
+    for flags, words in ((["--temperature", "nan"], "temperature"), (["--top-p", "2"], "top_p"),
+                         (["--stop", ""], "stop"), (["--prompt-file", "/nonexistent.txt"], "nonexistent.txt")):
+        assert cli.main(base + flags) == 1
+        err = capsys.readouterr().err
+        assert "specdec generate: error: " in err and words in err and "Traceback" not in err, err
+    for argv in (["demo", "--files", "0"], ["audit", "--alpha", "2"], ["audit", "--max-prompts", "0"]):
+        with pytest.raises(SystemExit) as refused:  # argparse: status 2 with the usage
+            cli.main(argv)
+        assert refused.value.code == 2
+
+
+def test_an_interrupt_is_status_130_and_a_closed_pipe_is_quiet(monkeypatch, capsys):
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    def closed_pipe(args):
+        raise BrokenPipeError
+
+    monkeypatch.setitem(cli.COMMANDS, "demo", interrupted)
+    assert cli.main(["demo"]) == 130 and "specdec demo: interrupted" in capsys.readouterr().err
+    monkeypatch.setitem(cli.COMMANDS, "demo", closed_pipe)
+    assert cli.main(["demo"]) == 1 and "Traceback" not in capsys.readouterr().err

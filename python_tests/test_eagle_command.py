@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -79,11 +80,15 @@ def test_train_eagle_refuses_bad_input_by_name(target_dir, tmp_path, flags, mess
     assert not os.path.exists(tmp_path / "run")  # refused before any work
 
 
-def test_train_eagle_refuses_layers_the_target_does_not_have(target_dir, tmp_path):
+def test_train_eagle_refuses_layers_the_target_does_not_have(target_dir, tmp_path, capsys, monkeypatch):
     target, texts = target_dir
+    args = ["train-eagle", "--target", target, "--data", texts, "--out", str(tmp_path / "run"), "--quiet",
+            "--steps", "2", *FAST[:-4], "--layer-ids", "1,3,9"]
+    assert cli.main(args) == 1  # a line on stderr, no traceback
+    assert re.search(r"specdec train-eagle: error: .*layers \[1, 3, 9\].*6", capsys.readouterr().err)
+    monkeypatch.setenv("SPECDEC_TRACEBACK", "1")
     with pytest.raises(EagleMismatchError, match=r"layers \[1, 3, 9\].*6"):
-        cli.main(["train-eagle", "--target", target, "--data", texts, "--out", str(tmp_path / "run"), "--quiet",
-                  "--steps", "2", *FAST[:-4], "--layer-ids", "1,3,9"])
+        cli.main(args)
 
 
 def test_pieces_come_from_the_files_in_a_seeded_order(target_dir):

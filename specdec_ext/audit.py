@@ -89,12 +89,17 @@ class AuditReport:
         return self.alpha / max(len(self.tests), 1)
 
     @property
+    def inconclusive(self) -> bool:
+        """No test had two categories (too few samples: every token was pooled into one), so nothing was tested."""
+        return not any(t.dof > 0 for t in self.tests)
+
+    @property
     def passed(self) -> bool:
-        return all(t.p_value > self.threshold for t in self.tests)
+        return not self.inconclusive and all(t.p_value > self.threshold for t in self.tests)
 
     @property
     def verdict(self) -> str:
-        return "PASS" if self.passed else "FAIL"
+        return "INCONCLUSIVE" if self.inconclusive else "PASS" if self.passed else "FAIL"
 
     def text(self) -> str:
         s = self.sampling
@@ -106,7 +111,9 @@ class AuditReport:
                          f"{t.chi2:>9.2f} {t.dof:>4} {t.p_value:>9.3g} {t.tv:>7.4f} {t.tv_noise:>8.4f}")
         lines.append(f"verdict: {self.verdict} (every p-value must exceed {self.threshold:.2g} = alpha {self.alpha:g} / "
                      f"{len(self.tests)} tests); "
-                     + ("the speculative tokens are indistinguishable from plain sampling" if self.passed else
+                     + (f"no test had two categories of {MIN_POOLED_COUNT} samples (too few samples, or positions "
+                        "where the target is all but certain): nothing was tested" if self.inconclusive else
+                        "the speculative tokens are indistinguishable from plain sampling" if self.passed else
                         "the speculative tokens do NOT follow plain target sampling"))
         if self.break_even:
             lines.append("")

@@ -37,6 +37,31 @@ def _draft_length(value: str):
     return k
 
 
+def _at_least(low: int):
+    """An argparse type: an int >= ``low`` (a count of 0 or less is no request for all of them)."""
+    def parse(value: str) -> int:
+        try:
+            number = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an int >= {low}, got {value!r}") from None
+        if number < low:
+            raise argparse.ArgumentTypeError(f"expected an int >= {low}, got {value!r}")
+        return number
+    parse.__name__ = f"int >= {low}"
+    return parse
+
+
+def _probability(value: str) -> float:
+    """--alpha: a number in (0, 1)."""
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {value!r}") from None
+    if not 0.0 < number < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {value!r}")
+    return number
+
+
 def _tree_shape(value: str):
     """--tree: 'B,D,N', three ints >= 1."""
     parts = value.split(",")
@@ -60,7 +85,7 @@ def _model_args(parser: argparse.ArgumentParser, threads: Optional[int] = None, 
     parser.add_argument("--target", help="target model: a local path or model id, loaded offline "
                         "(default: the bundled pair's target; give --target and --draft together)")
     parser.add_argument("--draft", help=draft_help)
-    parser.add_argument("--threads", type=int, default=threads,
+    parser.add_argument("--threads", type=_at_least(1), default=threads,
                         help="torch CPU threads (default: " + ("torch's choice" if threads is None else str(threads))
                         + "; 1 is best for small models on a busy CPU)")
     parser.add_argument("--runner", default="auto", choices=["auto", "lean", "paged", "recompute"],
@@ -77,12 +102,12 @@ def _report_args(parser: argparse.ArgumentParser, figure: str) -> None:
                         help="no progress bars (they go to stderr, and only when it is a terminal)")
 
 
-def _sampling_args(parser: argparse.ArgumentParser, temperature: float) -> None:
+def _sampling_args(parser: argparse.ArgumentParser, temperature: float, seed: str = "random") -> None:
     parser.add_argument("--temperature", type=float, default=temperature,
                         help=f"sampling temperature; 0 is greedy (default: {temperature})")
     parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 is off (default: 0)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 is off (default: 1)")
-    parser.add_argument("--seed", type=int, default=None, help="Philox seed of every row (default: random)")
+    parser.add_argument("--seed", type=int, default=None, help=f"Philox seed of every row (default: {seed})")
 
 
 def _generate_parser(sub) -> None:
@@ -141,15 +166,16 @@ def build_parser() -> argparse.ArgumentParser:
                        "measured speedup for each k.")
     a.add_argument("prompts", nargs="*", help="prompt texts (default: two short code prompts)")
     _model_args(a)
-    _sampling_args(a, temperature=1.0)
+    _sampling_args(a, temperature=1.0, seed="0, so that a verdict is reproducible")
     _draft_tokenizer_arg(a)
-    a.add_argument("--positions", type=int, default=3, help="generated positions compared (default: 3)")
-    a.add_argument("--samples", type=int, default=1000,
-                   help="samples per prompt of each sampler, speculative and plain (default: 1000)")
+    a.add_argument("--positions", type=_at_least(1), default=3, help="generated positions compared (default: 3)")
+    a.add_argument("--samples", type=_at_least(1), default=1000,
+                   help="samples per prompt of each sampler, speculative and plain (default: 1000; too few to fill "
+                   "two categories of the chi-square test give the verdict INCONCLUSIVE)")
     a.add_argument("--ks", default="1,2,3,4,5,6,7,8", help="draft lengths of the break-even report (default: 1..8)")
     a.add_argument("--bench-tokens", type=int, default=48, help="new tokens per timed break-even run (default: 48)")
-    a.add_argument("--alpha", type=float, default=1e-3, help="family-wise significance level (default: 0.001)")
-    a.add_argument("--max-prompts", type=int, default=2, help="prompts used (default: 2)")
+    a.add_argument("--alpha", type=_probability, default=1e-3, help="family-wise significance level (default: 0.001)")
+    a.add_argument("--max-prompts", type=_at_least(1), default=2, help="prompts used (default: 2)")
     a.add_argument("--no-break-even", action="store_true", help="skip the timed break-even report")
     _report_args(a, "the TV per position next to its noise floor and the predicted vs measured speedup per k")
 
@@ -165,10 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "bundled pair was not trained on) with speculative decoding and print each text with "
                        "tokens/s, speedup over plain decoding of the same target, and tokens per target pass.")
     _model_args(d, threads=DEMO_THREADS)
-    d.add_argument("--files", type=int, default=DEMO_FILES, help=f"held-out files to complete (default: {DEMO_FILES})")
-    d.add_argument("--lines", type=int, default=DEMO_PROMPT_LINES,
+    d.add_argument("--files", type=_at_least(1), default=DEMO_FILES, help=f"held-out files to complete (default: {DEMO_FILES})")
+    d.add_argument("--lines", type=_at_least(1), default=DEMO_PROMPT_LINES,
                    help=f"lines of each file used as the prompt (default: {DEMO_PROMPT_LINES})")
-    d.add_argument("--max-new-tokens", type=int, default=DEMO_NEW_TOKENS,
+    d.add_argument("--max-new-tokens", type=_at_least(1), default=DEMO_NEW_TOKENS,
                    help=f"new tokens per prompt (default: {DEMO_NEW_TOKENS})")
     d.add_argument("-k", "--k", type=_draft_length, default=None, dest="k",
                    help="draft tokens per step, or 'auto' (default: generate()'s, 'auto' on the CPU)")
@@ -419,7 +445,7 @@ def cmd_audit(args) -> int:
     ks = tuple(int(x) for x in args.ks.split(",") if x.strip())
     report = audit(target, draft, args.prompts or DEFAULT_AUDIT_PROMPTS, temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, positions=args.positions, samples=args.samples, ks=ks,
-                   bench_tokens=args.bench_tokens, alpha=args.alpha, seed=args.seed or 0, runner=args.runner,
+                   bench_tokens=args.bench_tokens, alpha=args.alpha, seed=0 if args.seed is None else args.seed, runner=args.runner,
                    max_prompts=args.max_prompts, run_break_even=not args.no_break_even,
                    progress=progress_wanted(args.quiet),
                    draft_tokenizer=None if args.draft_tokenizer is None else _load_tokenizer_arg(args.draft_tokenizer))
@@ -477,7 +503,10 @@ def cmd_demo(args) -> int:
     target_spec, draft_spec = _pair_args(args)
     models = _in_dtype(load_models(target_spec, draft_spec), args.dtype)  # loaded once, then passed as objects
     target, tokenizer = models.target, models.tokenizer
-    draft = {"model": models.draft, "heads": models.heads, "ngram": "ngram"}[models.drafter]
+    draft = {"model": models.draft, "heads": models.heads, "ngram": "ngram", "eagle": models.draft}.get(models.drafter)
+    if draft is None:
+        raise ValueError(f"specdec demo runs a draft model, 'ngram', 'heads' or 'eagle', not a {models.drafter} "
+                         "draft: use specdec generate")
     kw = dict(max_new_tokens=args.max_new_tokens, eos_token_id=False, runner=args.runner, tokenizer=tokenizer)
     warm_up = {**kw, "max_new_tokens": 4}
     plan = generate(["x = 1"], target, draft, k=args.k, **warm_up).plan
@@ -546,8 +575,33 @@ COMMANDS = {"generate": cmd_generate, "audit": cmd_audit, "bench": cmd_bench, "d
             "train-eagle": eagle_command.run}
 
 
+# What a command's bad input raises (the library's checks name the argument): a line, not a traceback
+# (SPECDEC_TRACEBACK=1 shows it). Other exceptions (a KeyError, an IndexError...) are bugs and keep theirs.
+USER_ERRORS = (ValueError, TypeError, OSError, RuntimeError)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    command = argv[0] if argv and not argv[0].startswith("-") else ""
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:
+        print(f"specdec {command}: interrupted".replace("  ", " "), file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # the reader went away (| head): nothing more to say, and nowhere to say it
+        try:  # (so that flushing stdout at exit does not raise again)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):  # (a stdout without a file descriptor)
+            pass
+        return 1
+    except USER_ERRORS as error:
+        if os.environ.get("SPECDEC_TRACEBACK") == "1":
+            raise
+        print(f"specdec {command}: error: {error}".replace("  ", " "), file=sys.stderr)
+        return 1
+
+
+def _run(argv: List[str]) -> int:
     if argv[:1] == ["bench"]:  # bench has its own parser (and its own --help)
         from .bench import main as bench_main
 
