@@ -141,3 +141,26 @@ def test_a_stream_hands_every_token_id_to_a_piece_when_a_character_spans_tokens(
     assert "".join(pieces) == stream.result.text[0] == "🙂🙂🙂"
     assert [t for piece in pieces for t in piece.token_ids] == stream.result.token_ids[0]
     assert len(stream.result.token_ids[0]) >= 9  # (three tokens a character)
+
+
+def test_importing_the_package_writes_nothing_and_the_target_is_unpacked_on_first_use(tmp_path):
+    """The bundled target's weights are unpacked into the cache when it is first loaded, not when specdec_ext is
+    imported (an import wrote 51 MB, and failed, `specdec --help` included, where the cache was unwritable)."""
+    import subprocess
+    import sys
+
+    cache = tmp_path / "cache"
+    env = {**os.environ, "SPECDEC_CACHE_DIR": str(cache)}
+    probe = ("import specdec_ext, specdec_ext.cli, os, sys; from specdec_ext.models import is_bundled_target; "
+             "assert not is_bundled_target('/tmp'); print(os.path.exists(sys.argv[1]))")
+    run = subprocess.run([sys.executable, "-c", probe, str(cache)], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "False", run.stderr
+    unwritable = {**os.environ, "SPECDEC_CACHE_DIR": "/proc/nope"}
+    helped = subprocess.run([sys.executable, "-m", "specdec_ext", "--help"], env=unwritable, capture_output=True,
+                            text=True, timeout=120)
+    assert helped.returncode == 0 and "generate" in helped.stdout, helped.stderr
+    made = subprocess.run([sys.executable, "-c", "from specdec_ext.default_pair import TARGET_DIR; print(TARGET_DIR)"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0 and os.path.isfile(os.path.join(made.stdout.strip(), "model.safetensors"))
+    assert made.stdout.strip().startswith(str(cache))

@@ -222,8 +222,8 @@ def _load_model(spec: ModelSpec, role: str):
 def bundled_path(path: str) -> str:
     """``path``, or the bundled target's unpacked directory when ``path`` is its folder in the package (which
     holds its weights packed: default_pair/packing.py)."""
-    from .default_pair import PACKED_TARGET_DIR, TARGET_DIR
-    return TARGET_DIR if os.path.realpath(path) == os.path.realpath(PACKED_TARGET_DIR) else path
+    from .default_pair import PACKED_TARGET_DIR, target_dir
+    return target_dir() if os.path.realpath(path) == os.path.realpath(PACKED_TARGET_DIR) else path
 
 
 def _model_path(spec: ModelSpec) -> Optional[str]:
@@ -239,8 +239,8 @@ def _load_tokenizer(spec: ModelSpec):
     path = _model_path(spec)
     if path is None:
         return None
-    from .default_pair import DRAFT_DIR, TARGET_DIR, TOKENIZER_DIR
-    if os.path.realpath(path) in (os.path.realpath(TARGET_DIR), os.path.realpath(DRAFT_DIR)):
+    from .default_pair import DRAFT_DIR, TOKENIZER_DIR, target_dir_path
+    if os.path.realpath(path) in (os.path.realpath(target_dir_path()), os.path.realpath(DRAFT_DIR)):
         path = TOKENIZER_DIR
     if not os.path.isdir(path):
         return None
@@ -269,11 +269,11 @@ def _files_changed_ns(path: str) -> int:
 
 def is_bundled_target(target: ModelSpec) -> bool:
     """Whether ``target`` is the bundled pair's target: None, its directory, or a model loaded from it."""
-    from .default_pair import TARGET_DIR
+    from .default_pair import target_dir_path
     if target is None:
         return True
     path = _model_path(target)
-    return path is not None and os.path.realpath(path) == os.path.realpath(TARGET_DIR)
+    return path is not None and os.path.realpath(path) == os.path.realpath(target_dir_path())
 
 
 # ------------------------------------------------------------------------------------- the vocabulary check

@@ -136,11 +136,11 @@ def machine_label() -> str:
 
 def model_label(model) -> str:
     """A model's directory or id and its size, e.g. "bundled target (26.5M)"."""
-    from .default_pair import PAIR_DIR, TARGET_DIR
+    from .default_pair import PAIR_DIR, target_dir_path
 
     name = getattr(model, "name_or_path", "") or type(model).__name__
     base = os.path.basename(os.path.normpath(name)) if os.path.isdir(name) else name
-    if os.path.isdir(name) and os.path.realpath(name) == os.path.realpath(TARGET_DIR):
+    if os.path.isdir(name) and os.path.realpath(name) == os.path.realpath(target_dir_path()):
         base = "bundled target"  # (its weights unpacked in the user's cache: default_pair/packing.py)
     elif os.path.isdir(name) and os.path.abspath(name).startswith(PAIR_DIR + os.sep):
         base = "bundled " + base

@@ -4,7 +4,7 @@ Layout of this directory (weights are committed to git directly, bf16 safetensor
 
     target/     LlamaForCausalLM save_pretrained dir (config.json, generation_config.json); its weights are
                 committed packed (model.safetensors.planes, packing.py: 35 of 50.5 MiB) and unpacked on
-                first import into ~/.cache/specdec_ext/default_pair/target-<digest>/ (TARGET_DIR)
+                first use into ~/.cache/specdec_ext/default_pair/target-<digest>/ (TARGET_DIR, target_dir())
     heads/      Medusa-style draft heads for the target (specdec_ext/heads.py; tools/train_heads.py)
     eagle/      an EAGLE-3 head for the target (specdec_ext/eagle/; specdec train-eagle), stored int8 with a
                 scale per row (eagle/checkpoints.py INT8_WEIGHTS)
@@ -31,31 +31,46 @@ CACHE_ROOT = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.join(os.path.
                           "specdec_ext", "default_pair")  # SPECDEC_CACHE_DIR overrides it
 
 
-def _target_dir() -> str:
-    """The target's save_pretrained directory with its weights unpacked: ``<cache>/target-<digest>/`` (the
-    package directory is never written: an uninstall leaves nothing behind in it), made on first use. A
-    rebuilt pair whose weights are not packed (no .planes file) is used where it is."""
+def target_dir_path() -> str:
+    """Where the target's save_pretrained directory is, made or not: ``<cache>/target-<digest>/`` (the digest read
+    from the packed file's header), or the package's own directory for a rebuilt pair whose weights are not packed
+    (no .planes file). Nothing is written: a path compares with it (``models.is_bundled_target``)."""
     packed = os.path.join(PACKED_TARGET_DIR, "model.safetensors" + PACKED_SUFFIX)
     if not os.path.isfile(packed):
         return PACKED_TARGET_DIR
-    folder = os.path.join(os.environ.get("SPECDEC_CACHE_DIR", CACHE_ROOT), f"target-{packed_digest(packed)[:16]}")
+    return os.path.join(os.environ.get("SPECDEC_CACHE_DIR", CACHE_ROOT), f"target-{packed_digest(packed)[:16]}")
+
+
+def target_dir() -> str:
+    """The target's save_pretrained directory with its weights unpacked (``target_dir_path``), made on the first
+    use of the bundled target, not at import (the package directory is never written: an uninstall leaves
+    nothing behind in it; importing specdec_ext wrote 51 MB into ~/.cache, and failed where it could not)."""
+    folder = target_dir_path()
+    if folder == PACKED_TARGET_DIR or folder in _MADE:
+        return folder
     os.makedirs(folder, exist_ok=True)
     for name in TARGET_FILES:
         source, copy = os.path.join(PACKED_TARGET_DIR, name), os.path.join(folder, name)
         if not os.path.isfile(copy) or not filecmp.cmp(source, copy, shallow=False):
             shutil.copyfile(source, copy)
-    unpacked(packed, os.path.join(folder, "model.safetensors"))
+    unpacked(os.path.join(PACKED_TARGET_DIR, "model.safetensors" + PACKED_SUFFIX), os.path.join(folder, "model.safetensors"))
+    _MADE.add(folder)
     return folder
 
 
-TARGET_DIR = _target_dir()
+_MADE: set = set()  # target directories made (or found whole) by this process
+
+
+def __getattr__(name: str):
+    if name == "TARGET_DIR":  # (made on first use: ``target_dir``)
+        return target_dir()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 DRAFT_DIR = os.path.join(PAIR_DIR, "draft")
 TOKENIZER_DIR = os.path.join(PAIR_DIR, "tokenizer")
 HEADS_DIR = os.path.join(PAIR_DIR, "heads")  # Medusa-style heads for the target (tools/train_heads.py)
 EAGLE_DIR = os.path.join(PAIR_DIR, "eagle")  # an EAGLE-3 head for the target (specdec train-eagle)
 
-_REQUIRED = {
-    TARGET_DIR: ("config.json", "model.safetensors"),
+_REQUIRED = {  # (the target's directory is checked where target_dir() makes it)
     DRAFT_DIR: ("config.json", "model.safetensors"),
     TOKENIZER_DIR: ("tokenizer.json", "tokenizer_config.json"),
 }
@@ -77,7 +92,8 @@ def trained_context():
 
 
 def _check_files():
-    missing = [os.path.join(d, f) for d, files in _REQUIRED.items() for f in files
+    required = {**_REQUIRED, target_dir(): ("config.json", "model.safetensors")}
+    missing = [os.path.join(d, f) for d, files in required.items() for f in files
                if not os.path.isfile(os.path.join(d, f))]
     if missing:
         raise FileNotFoundError(
@@ -108,7 +124,7 @@ def load_default_pair(dtype=torch.float32, device="cpu"):
 
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER_DIR, local_files_only=True)
     models = []
-    for path in (TARGET_DIR, DRAFT_DIR):
+    for path in (target_dir(), DRAFT_DIR):
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
         models.append(model.to(device).eval())
     target, draft = models
