@@ -297,3 +297,15 @@ def test_an_interrupt_is_status_130_and_a_closed_pipe_is_quiet(monkeypatch, caps
     assert cli.main(["demo"]) == 130 and "specdec demo: interrupted" in capsys.readouterr().err
     monkeypatch.setitem(cli.COMMANDS, "demo", closed_pipe)
     assert cli.main(["demo"]) == 1 and "Traceback" not in capsys.readouterr().err
+
+
+def test_version_and_strict_json_stats(pair_dirs, capsys):
+    with pytest.raises(SystemExit) as shown:
+        cli.main(["--version"])
+    assert shown.value.code == 0 and capsys.readouterr().out.startswith("specdec_ext ")
+    target, draft = pair_dirs
+    assert cli.main(["generate", "x", "--target", target, "--draft", draft, "--max-new-tokens", "2", "-k", "8",
+                     "--no-stream", "--json", "--quiet"]) == 0
+    out = capsys.readouterr().out
+    stats = json.loads(out[out.rindex("\n{\n") + 1:])  # (json.loads takes NaN; the text must not hold one)
+    assert "NaN" not in out and None in stats["acceptance_by_position"]  # (positions 2 steps never reached)

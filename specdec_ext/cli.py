@@ -37,6 +37,19 @@ def _draft_length(value: str):
     return k
 
 
+def _json(value) -> str:
+    """Strict JSON: a NaN or an infinity (an acceptance nobody measured) is null (json.dumps wrote a bare NaN)."""
+    def strict(v):
+        if isinstance(v, float) and (v != v or v in (float("inf"), float("-inf"))):
+            return None
+        if isinstance(v, dict):
+            return {k: strict(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [strict(x) for x in v]
+        return v
+    return json.dumps(strict(value), indent=2, allow_nan=False)
+
+
 def _at_least(low: int):
     """An argparse type: an int >= ``low`` (a count of 0 or less is no request for all of them)."""
     def parse(value: str) -> int:
@@ -137,7 +150,8 @@ def _generate_parser(sub) -> None:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable); excluded from the text")
     _processing_args(g)
     g.add_argument("--no-stream", action="store_true", help="print each prompt's text at the end instead of streaming")
-    g.add_argument("--json", action="store_true", help="print the stats as JSON instead of text")
+    g.add_argument("--json", action="store_true", help="print the stats as JSON (strict: null for what was not "
+                   "measured) on stdout, after the text, instead of text on stderr")
     g.add_argument("--tp", type=int, default=None, metavar="N",
                    help="shard --target over N ranks with tensor parallelism: run under "
                    "torchrun --nproc_per_node=N -m specdec_ext generate --tp N ... (rank 0 prints; docs/multi-gpu.md)")
@@ -155,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="specdec", description="Lossless speculative decoding for Hugging Face models: a small draft "
         "proposes k tokens, the target verifies them in one pass, and the output is distributed exactly as "
         "sampling from the target.")
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"specdec_ext {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,audit,bench,demo,serve,train-eagle}")
 
     _generate_parser(sub)
@@ -323,7 +340,7 @@ def cmd_generate(args) -> int:
         for i, text in enumerate(result.text or []):
             print(f"--- [{i}] {prompts[i]!r}\n{text}")
     if args.json:
-        print(json.dumps(result.stats.as_dict(), indent=2))
+        print(_json(result.stats.as_dict()))
     else:
         print("\n" + result.stats.summary(), file=sys.stderr)
     if args.plot:
@@ -413,7 +430,7 @@ def _generate_tensor_parallel(args, prompts, target, draft, kw) -> NoReturn:
         for i, text in enumerate(result.text or [str(t) for t in result.token_ids]):
             print(f"--- [{i}] {prompts[i]!r}\n{text}")
         if args.json:
-            print(json.dumps(result.stats.as_dict(), indent=2))
+            print(_json(result.stats.as_dict()))
         else:
             print("\n" + result.stats.summary(), file=sys.stderr)
     distributed.destroy()
