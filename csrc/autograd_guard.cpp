@@ -15,37 +15,36 @@
 namespace specdec {
 namespace {
 
-// Calls fn(tensor, label) for every defined tensor in ``value``: a Tensor, a Tensor[] or a Tensor?[].
+// Calls fn(tensor, index) for every defined tensor in ``value``: a Tensor (index -1), a Tensor[] or a Tensor?[].
 template <class Fn>
-void for_each_tensor(const c10::IValue& value, const std::string& name, Fn fn) {
+void for_each_tensor(const c10::IValue& value, Fn fn) {
   if (value.isTensor()) {
     const at::Tensor& t = value.toTensor();
-    if (t.defined()) fn(t, name);
+    if (t.defined()) fn(t, -1);
   } else if (value.isTensorList()) {
     const auto list = value.toTensorList();
-    for (size_t i = 0; i < list.size(); ++i) fn(list.get(i), name + "[" + std::to_string(i) + "]");
+    for (size_t i = 0; i < list.size(); ++i) fn(list.get(i), static_cast<int64_t>(i));
   } else if (value.isList()) {
     const auto list = value.toListRef();
     for (size_t i = 0; i < list.size(); ++i)
-      if (list[i].isTensor() && list[i].toTensor().defined())
-        fn(list[i].toTensor(), name + "[" + std::to_string(i) + "]");
+      if (list[i].isTensor() && list[i].toTensor().defined()) fn(list[i].toTensor(), static_cast<int64_t>(i));
   }
 }
 
+// Every op call passes here (the decode loop's included): only the written arguments are read (the weights'
+// lists never), and the message is made only for a refusal.
 void refuse_grad(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   const auto& arguments = op.schema().arguments();
   const size_t n = arguments.size();
-  const std::string name = op.schema().name();
   const bool grad_mode = c10::GradMode::is_enabled();  // (under torch.no_grad() nothing is recorded: weights may require grad)
   for (size_t i = 0; i < n; ++i) {
-    const c10::IValue& value = (*stack)[stack->size() - n + i];
     const c10::AliasInfo* alias = arguments[i].alias_info();  // (the schema's Tensor(a!): written in place)
-    const bool written = alias != nullptr && alias->isWrite();
-    for_each_tensor(value, arguments[i].name(), [&](const at::Tensor& t, const std::string& label) {
-      if (!written) return;
-      SPECDEC_CHECK(!grad_mode || !t.requires_grad(), name, ": ", label, " requires grad, and the op writes it in "
-                    "place without a derivative: call it under torch.no_grad(), or pass a tensor that does not "
-                    "require grad (.detach())");
+    if (alias == nullptr || !alias->isWrite()) continue;
+    for_each_tensor((*stack)[stack->size() - n + i], [&](const at::Tensor& t, int64_t index) {
+      SPECDEC_CHECK(!grad_mode || !t.requires_grad(), op.schema().name(), ": ", arguments[i].name(),
+                    index < 0 ? std::string() : "[" + std::to_string(index) + "]", " requires grad, and the op "
+                    "writes it in place without a derivative: call it under torch.no_grad(), or pass a tensor that "
+                    "does not require grad (.detach())");
       if (!t.is_inference()) t.unsafeGetTensorImpl()->bump_version();
     });
   }

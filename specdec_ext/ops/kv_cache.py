@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .. import _C  # noqa: F401  (loads the library: registers torch.ops.specdec_ext)
-from .sampling import check_operand_devices
+from .fake_checks import check_operand_devices
 
 
 def kv_write(
@@ -98,7 +98,7 @@ def kv_compact(
 
 
 # Fake kernels: both ops mutate kv_cache in place and return nothing; they repeat the device check (a mixed-device
-# call reaches them when one argument is a meta tensor: sampling.check_operand_devices).
+# call reaches them when one argument is a meta tensor: fake_checks.check_operand_devices).
 @torch.library.register_fake("specdec_ext::kv_write")
 def _kv_write_fake(key, value, slot_mapping, kv_cache):
     check_operand_devices("kv_write", (key, value, slot_mapping, kv_cache))

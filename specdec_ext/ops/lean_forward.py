@@ -22,7 +22,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import _C  # noqa: F401  (loads the library: registers torch.ops.specdec_ext)
-from .sampling import check_operand_devices
+from .fake_checks import check_operand_devices
 
 EPILOGUES = ("store", "add", "swiglu")
 # The ops of this module: registered for CPU only (a CUDA build has no kernel for them, by design;

@@ -12,7 +12,8 @@ import torch
 from typing_extensions import Unpack
 
 from .. import _C  # noqa: F401  (loads the library: registers torch.ops.specdec_ext)
-from .sampling import RowParam, check_operand_devices, row_tensor
+from .fake_checks import check_operand_devices
+from .sampling import RowParam, row_tensor
 
 # The per-row parameters: keyword -> the op's dtype ([B] tensors; numbers are broadcast).
 _ROW_PARAMETERS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "temperature")

@@ -9,13 +9,14 @@ turns the per-row status codes of the verifiers into errors. The decode loop pas
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple, TypedDict, Union
+from typing import Optional, Tuple, TypedDict, Union
 
 import torch
 from typing_extensions import Unpack
 
 from .. import _C  # noqa: F401  (loads the library: registers torch.ops.specdec_ext)
 from .._status import raise_for_row_status
+from .fake_checks import check_operand_devices
 
 RowParam = Union[None, float, int, torch.Tensor]
 
@@ -331,23 +332,8 @@ def philox_uniforms(seed: torch.Tensor, offset: torch.Tensor, num_draws: int) ->
     return out
 
 
-# Fake kernels: every op mutates its outputs in place and returns nothing; the fakes repeat the
-# device check, which is the one a mixed-device call reaches when one argument is a meta tensor.
-def check_operand_devices(op: str, operands: Sequence, reference: int = 0) -> None:
-    """The device check of the C++ ops, for the fake kernels (which torch.compile and meta tensors run):
-    every tensor among ``operands`` (an op's arguments in schema order) on the device of operand
-    ``reference``; the error names both as the schema does."""
-    names = [argument.name for argument in getattr(torch.ops.specdec_ext, op).default._schema.arguments]
-    device = operands[reference].device
-    for name, operand in zip(names, operands):
-        tensors = ([(f"{name}[{i}]", t) for i, t in enumerate(operand)] if isinstance(operand, (list, tuple))
-                   else [(name, operand)])  # (a Tensor[] argument: each of its tensors)
-        for label, tensor in tensors:
-            if isinstance(tensor, torch.Tensor) and tensor.device != device:
-                raise RuntimeError(f"{op}: {label} must be on the same device as {names[reference]} ({device}), "
-                                   f"got {tensor.device}")
-
-
+# Fake kernels: every op mutates its outputs in place and returns nothing; the fakes repeat the device check
+# (fake_checks.check_operand_devices), which is the one a mixed-device call reaches when one argument is a meta tensor.
 @torch.library.register_fake("specdec_ext::chain_verify")
 def _chain_verify_fake(target_logits, *operands):
     check_operand_devices("chain_verify", (target_logits, *operands))

@@ -25,13 +25,13 @@ from __future__ import annotations
 import torch
 
 from .. import _C  # noqa: F401  (loads the library: registers torch.ops.specdec_ext)
-from .sampling import check_operand_devices
+from .fake_checks import check_operand_devices
 
 commit_tokens = torch.ops.specdec_ext.commit_tokens.default
 
 
 # Fake kernel: the op writes its outputs in place and returns nothing; it repeats the device check (a mixed-device
-# call reaches it when one argument is a meta tensor: sampling.check_operand_devices).
+# call reaches it when one argument is a meta tensor: fake_checks.check_operand_devices).
 @torch.library.register_fake("specdec_ext::commit_tokens")
 def _commit_tokens_fake(*operands):  # (tokens, num_accepted, active, token_buffer, seq_lens, num_kept, next_input)
     check_operand_devices("commit_tokens", operands)

@@ -16,7 +16,8 @@ import torch
 from typing_extensions import Unpack
 
 from .. import _C  # noqa: F401  (loads the library: registers torch.ops.specdec_ext)
-from .sampling import (RowParam, SamplingKeywords, check_operand_devices, raise_if_a_row_failed, row_tensor,
+from .fake_checks import check_operand_devices
+from .sampling import (RowParam, SamplingKeywords, raise_if_a_row_failed, row_tensor,
                        sampling_op_args, with_sampling_parameters_doc)
 
 
@@ -177,7 +178,7 @@ def tree_verify(
 
 
 # Fake kernels: both ops mutate their outputs in place and return nothing; the fakes repeat the
-# device check (sampling.check_operand_devices).
+# device check (fake_checks.check_operand_devices).
 @torch.library.register_fake("specdec_ext::build_tree_mask")
 def _build_tree_mask_fake(parents, *operands):
     check_operand_devices("build_tree_mask", (parents, *operands))
