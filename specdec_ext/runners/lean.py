@@ -176,8 +176,6 @@ def forward_description(model) -> str:
     return f"the CPU kernels (csrc/cpu, {path})"
 
 
-
-
 def _hooked(head) -> bool:
     """``head_hooks.head_hooked``, asked only where something is hooked (every pass asks; most heads never are)."""
     return bool(head._forward_pre_hooks or head._forward_hooks) and head_hooked(head)
