@@ -45,6 +45,7 @@ from typing import Dict, List, Sequence
 
 GOAL = 0.97
 K_MAX = 8  # adaptive.DEFAULT_K_MAX
+SEGMENT_PAIRS = 4  # plain / never-drafting pairs per repeat for a segment's host work
 
 
 @dataclass
@@ -166,10 +167,14 @@ def measure_costs(target, draft, tokenizer, repeats: int) -> Costs:
     verify[1] = med(s.verify_time / s.steps * 1e3 for s in sampled)
     # a controller that never drafts (no looks) against plain decoding: the segments' host work
     never = lambda: adaptive.AdaptiveK(K_MAX, explore_every=0, prior_acceptance=0.0)
+    # (a difference of two whole generations, 1-2% of either: the median of more pairs than the other costs
+    # take, the order alternated, else one slow phase of the machine read as 0.9 ms a segment where 0.1-0.3 is)
     extra = []
-    for _ in range(repeats):
-        a = decode_ms(plain_generate([ids], target, **kw).stats)
-        b = decode_ms(generate([ids], target, draft, k=never(), **kw).stats)
+    for pair in range(SEGMENT_PAIRS * repeats):
+        runs = [lambda: plain_generate([ids], target, **kw), lambda: generate([ids], target, draft, k=never(), **kw)]
+        order = runs if pair % 2 == 0 else runs[::-1]
+        times = [decode_ms(run().stats) for run in order]
+        a, b = times if pair % 2 == 0 else times[::-1]
         extra.append((b - a) / math.ceil(63 / 8))
     # the drafter's calls in runs that look first, then switch on (json.decoder: its looks see agreement), once
     # the start-up probes are shared (a draft probe prefills the whole context before any look)

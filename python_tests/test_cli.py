@@ -74,8 +74,10 @@ def test_generate_streams_text_and_prints_stats(pair_dirs, capsys):
     assert cli.main(["generate", "x = ", "--target", target, "--draft", draft, "--max-new-tokens", "6",
                      "--no-stream", "--json", "--temperature", "0.8", "--seed", "1"]) == 0
     out = capsys.readouterr().out
-    stats = json.loads(out[out.index("{"):])
+    stats = json.loads(out)  # (--json: stdout is one JSON document)
     assert stats["new_tokens"] <= 6 and stats["k"] == 4
+    assert stats["prompts"] == ["x = "] and len(stats["token_ids"][0]) == stats["new_tokens"]
+    assert isinstance(stats["text"][0], str)
 
 
 def test_generate_needs_both_models(pair_dirs):
@@ -132,8 +134,8 @@ def test_generate_with_the_bundled_heads_and_a_tree(capsys):
     assert cli.main(["generate", "--prompt", "def f(x):", "--draft", "heads", "--tree", "2,2,4", "--max-new-tokens", "6",
                      "--no-stream", "--no-eos", "--json"]) == 0
     out = capsys.readouterr().out
-    stats = json.loads(out[out.rindex("\n{\n") + 1:])  # the stats follow the generated text
-    assert stats["k"] == 4 and stats["new_tokens"] == 6
+    stats = json.loads(out)
+    assert stats["k"] == 4 and stats["new_tokens"] == 6 and len(stats["token_ids"][0]) == 6
     with pytest.raises(SystemExit):
         cli.main(["generate", "--prompt", "x", "--tree", "2,2"])
 
@@ -142,9 +144,8 @@ def test_generate_with_the_bundled_eagle_head(capsys):
     assert cli.main(["generate", "--prompt", "def f(x):", "--draft", "eagle", "-k", "3", "--max-new-tokens", "6",
                      "--no-stream", "--no-eos", "--json", "--explain"]) == 0
     captured = capsys.readouterr()
-    out = captured.out
-    stats = json.loads(out[out.rindex("\n{\n") + 1:])
-    assert stats["k"] == 3 and stats["new_tokens"] == 6 and "hidden taps" in captured.out + captured.err
+    stats = json.loads(captured.out)  # (--explain writes to stderr)
+    assert stats["k"] == 3 and stats["new_tokens"] == 6 and "hidden taps" in captured.err
 
 
 def test_demo_with_the_bundled_heads(capsys):
@@ -160,7 +161,7 @@ def test_generate_with_a_heads_directory_for_another_target(pair_dirs, tmp_path,
     assert cli.main(["generate", "--prompt", "abc", "--target", target_dir, "--draft", str(tmp_path / "heads"),
                      "--tree", "2,2,3", "--max-new-tokens", "5", "--no-stream", "--json"]) == 0
     out = capsys.readouterr().out
-    assert json.loads(out[out.index("{"):])["k"] == 3
+    assert json.loads(out)["k"] == 3
     with pytest.raises(SystemExit, match="needs the --target"):
         cli.main(["generate", "--prompt", "abc", "--draft", str(tmp_path / "heads")])
 
@@ -307,5 +308,5 @@ def test_version_and_strict_json_stats(pair_dirs, capsys):
     assert cli.main(["generate", "x", "--target", target, "--draft", draft, "--max-new-tokens", "2", "-k", "8",
                      "--no-stream", "--json", "--quiet"]) == 0
     out = capsys.readouterr().out
-    stats = json.loads(out[out.rindex("\n{\n") + 1:])  # (json.loads takes NaN; the text must not hold one)
+    stats = json.loads(out)  # (json.loads takes NaN; the text must not hold one)
     assert "NaN" not in out and None in stats["acceptance_by_position"]  # (positions 2 steps never reached)

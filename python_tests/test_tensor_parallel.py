@@ -10,6 +10,7 @@ verdict: they agree by construction. The target loaded by path with tp_size=2 un
 environment; the CLI under torchrun; a rank that raises ends both processes with its error."""
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -181,9 +182,9 @@ def test_the_cli_under_torchrun(tmp_path):
     out = subprocess.run(command, capture_output=True, text=True, timeout=180, cwd=str(tmp_path),
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.count("--- [0]") == 1  # rank 0 prints, once
+    result = json.loads(out.stdout)  # rank 0 prints, once: one JSON document
     assert "tensor parallel  the target is sharded over 2 ranks" in out.stderr
-    assert '"new_tokens": 6' in out.stdout
+    assert result["new_tokens"] == 6 and len(result["token_ids"][0]) == 6
 
 
 def test_tensor_parallel_refuses_adaptive_k_and_a_size_that_does_not_match():

@@ -150,8 +150,9 @@ def _generate_parser(sub) -> None:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable); excluded from the text")
     _processing_args(g)
     g.add_argument("--no-stream", action="store_true", help="print each prompt's text at the end instead of streaming")
-    g.add_argument("--json", action="store_true", help="print the stats as JSON (strict: null for what was not "
-                   "measured) on stdout, after the text, instead of text on stderr")
+    g.add_argument("--json", action="store_true", help="print one JSON document on stdout and nothing else: the "
+                   "stats' fields (strict: null for what was not measured) with each prompt's \"text\" and "
+                   "\"token_ids\" (nothing is streamed; the summary on stderr is left out)")
     g.add_argument("--tp", type=int, default=None, metavar="N",
                    help="shard --target over N ranks with tensor parallelism: run under "
                    "torchrun --nproc_per_node=N -m specdec_ext generate --tp N ... (rank 0 prints; docs/multi-gpu.md)")
@@ -327,22 +328,17 @@ def cmd_generate(args) -> int:
     if args.tp is not None:
         _generate_tensor_parallel(args, prompts, target, draft, kw)
     check_plot_option("generate", args.plot)
+    streamed = not (args.no_stream or args.json)  # (--json: stdout is one JSON document)
     # streamed to a terminal, the text is its own progress (a bar next to it would tear it)
-    show_bar = progress_wanted(args.quiet) and (args.no_stream or not sys.stdout.isatty())
-    if args.no_stream and not show_bar:
+    show_bar = progress_wanted(args.quiet) and (not streamed or not sys.stdout.isatty())
+    if not streamed and not show_bar:
         result = generate(prompts, target, draft, **kw)
     else:
         with progress_bar(args.max_new_tokens * len(prompts), "generating", unit="token", show=show_bar,
                           delay_s=GENERATE_PROGRESS_DELAY_S, leave=False) as bar:
-            result = _consume(generate(prompts, target, draft, stream=True, **kw), bar, echo=not args.no_stream,
+            result = _consume(generate(prompts, target, draft, stream=True, **kw), bar, echo=streamed,
                               several=len(prompts) > 1)
-    if args.no_stream:
-        for i, text in enumerate(result.text or []):
-            print(f"--- [{i}] {prompts[i]!r}\n{text}")
-    if args.json:
-        print(_json(result.stats.as_dict()))
-    else:
-        print("\n" + result.stats.summary(), file=sys.stderr)
+    _print_result(result, prompts, args.json, streamed)
     if args.plot:
         pair = f"target / draft: {args.target or 'bundled'} / {args.draft or 'bundled'}"
         write_plot("generate", lambda: result.stats.plot(args.plot, label=pair))
@@ -427,15 +423,24 @@ def _generate_tensor_parallel(args, prompts, target, draft, kw) -> NoReturn:
               file=sys.stderr, flush=True)
         distributed.exit_rank(1)
     if distributed.rank() == 0:
-        for i, text in enumerate(result.text or [str(t) for t in result.token_ids]):
-            print(f"--- [{i}] {prompts[i]!r}\n{text}")
-        if args.json:
-            print(_json(result.stats.as_dict()))
-        else:
-            print("\n" + result.stats.summary(), file=sys.stderr)
+        _print_result(result, prompts, args.json, streamed=False)
     distributed.destroy()
     distributed.exit_rank(0)
 
+
+
+def _print_result(result, prompts: List[str], as_json: bool, streamed: bool) -> None:
+    """generate's output: with ``as_json`` one JSON document on stdout (the stats' fields, each prompt's
+    text and token ids); else each prompt's text (unless it was ``streamed``) and the stats' summary on stderr."""
+    texts = result.text or [str(t) for t in result.token_ids]
+    if as_json:
+        print(_json({**result.stats.as_dict(), "prompts": list(prompts), "text": list(texts),
+                     "token_ids": [list(map(int, t)) for t in result.token_ids]}))
+        return
+    if not streamed:
+        for i, text in enumerate(texts):
+            print(f"--- [{i}] {prompts[i]!r}\n{text}")
+    print("\n" + result.stats.summary(), file=sys.stderr)
 
 
 def _consume(stream, bar, *, echo: bool, several: bool):
