@@ -70,6 +70,7 @@ def test_train_eagle_trains_resumes_and_exports(target_dir, tmp_path, monkeypatc
     (["--data", "{texts}/missing.txt"], "is neither a file nor a directory"),
     (["--data", "{texts}", "--steps", "0"], "--steps must be at least 1, not 0"),
     ([], "--target needs --data"),
+    (["--data", "{texts}", "--export", "{texts}/a.txt"], "a.txt is a file, not a directory"),
 ])
 def test_train_eagle_refuses_bad_input_by_name(target_dir, tmp_path, flags, message):
     target, texts = target_dir

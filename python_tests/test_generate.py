@@ -2,6 +2,8 @@
 the recompute oracle against the paged runner, and every bad-input path."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -248,6 +250,14 @@ def test_stats_and_cost_model(pair):
     assert set(stats.as_dict()) >= {"tokens_per_pass", "acceptance_by_position", "tpot_s", "predicted_speedup"}
     assert expected_tokens_per_pass(0.7, 5) == pytest.approx((1 - 0.7 ** 6) / 0.3)
     assert expected_tokens_per_pass(1.0, 4) == 5 and expected_tokens_per_pass(0.0, 4) == 1
+
+
+def test_summary_writes_a_dash_where_nothing_was_measured(pair):
+    _, target, draft = pair
+    stats = generate(PROMPTS[:1], target, draft, max_new_tokens=2, k=8).stats  # one step: positions 2.. unreached
+    assert any(math.isnan(a) for a in stats.acceptance_by_position)
+    text = stats.summary()
+    assert "nan" not in text.lower() and "by position [" in text and ", -" in text
     assert predicted_speedup(0.7, 5, 0.02, 1.0) == pytest.approx(2.94 / 1.1, rel=1e-2)
 
 

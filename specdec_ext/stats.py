@@ -17,6 +17,11 @@ from .cost_model import expected_tokens_per_pass, predicted_speedup
 from .plots import plot_generation
 
 
+def _measured(value: Optional[float], spec: str) -> str:
+    """``value`` in ``spec``, or "-" where nothing was measured (None or NaN: a position no step reached)."""
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else spec.format(value)
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for queued device work so that host timers measure it (no-op on the CPU)."""
     if device.type == "cuda":
@@ -205,12 +210,12 @@ class GenerationStats:
 
     def summary(self) -> str:
         """A few human-readable lines."""
-        by_pos = ", ".join(f"{a:.2f}" for a in self.acceptance_by_position)
+        by_pos = ", ".join(_measured(a, "{:.2f}") for a in self.acceptance_by_position)
         lines = [
             f"tokens: {self.new_tokens} in {self.total_time:.3f}s ({self.tokens_per_second:.1f} tok/s, "
             f"TPOT {self.tpot * 1e3:.2f} ms), batch {self.batch_size}, k={self.k}",
             f"target passes: {self.steps}, tokens per pass {self.tokens_per_pass:.2f} "
-            f"(cost model {self.predicted_tokens_per_pass:.2f}), acceptance a={self.acceptance_rate:.3f}, "
+            f"(cost model {_measured(self.predicted_tokens_per_pass, '{:.2f}')}), acceptance a={_measured(self.acceptance_rate, '{:.3f}')}, "
             f"by position [{by_pos}]",
             f"time: prefill {self.prefill_time * 1e3:.1f} ms, draft {self.draft_time * 1e3:.1f} ms, "
             f"verify {self.verify_time * 1e3:.1f} ms",
@@ -218,8 +223,8 @@ class GenerationStats:
         if self.target_step_time:
             lines.append(
                 f"cost model: target step {self.target_step_time * 1e3:.2f} ms, c={self.draft_cost:.3f}, "
-                f"v={self.verify_cost:.3f} -> predicted decode speedup {self.predicted_speedup:.2f}x "
-                f"(measured {self.measured_decode_speedup:.2f}x)")
+                f"v={self.verify_cost:.3f} -> predicted decode speedup {_measured(self.predicted_speedup, '{:.2f}x')} "
+                f"(measured {_measured(self.measured_decode_speedup, '{:.2f}x')})")
         if self.adaptive:
             a = self.adaptive
             lines.append(f"adaptive k (k_max={a['k_max']}): mean k per row {a['mean_row_k']:.2f}, steps by verify "

@@ -85,6 +85,17 @@ def _load_target(args, device: str):
     return target, transformers.AutoTokenizer.from_pretrained(args.target)
 
 
+def _check_writable_dir(option: str, path: str) -> None:
+    """SystemExit naming ``option`` unless ``path`` is a directory this process can write, or can be made one."""
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if existing == os.path.abspath(path) and not os.path.isdir(existing):
+        raise SystemExit(f"specdec train-eagle: {option} {path} is a file, not a directory")
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+        raise SystemExit(f"specdec train-eagle: {option} {path}: {existing} is not a writable directory")
+
+
 def export(head, out_dir: str, losses, seconds: float, argv) -> None:
     """The head as the bundled pair ships it (eagle/checkpoints.py INT8_WEIGHTS) and how it was trained
     (``argv``: the command's arguments)."""
@@ -110,6 +121,9 @@ def run(args) -> int:
     if args.target is not None and args.data is None:
         raise SystemExit("specdec train-eagle: --target needs --data (the texts it continues)")
     layer_ids = _layer_ids(args.layer_ids)
+    for option, path in (("--out", args.out), ("--export", args.export)):
+        if path is not None:
+            _check_writable_dir(option, path)  # (before the training, not after it)
     try:
         files = text_files(args.data)
     except (OSError, ValueError) as error:
