@@ -196,6 +196,13 @@ def test_audit_quiet_draws_no_progress(pair_dirs, tmp_path, monkeypatch):
     assert "audit sampling" not in terminal.getvalue() and "Loading weights" not in terminal.getvalue()
 
 
+def test_no_bar_of_any_kind_where_stderr_is_not_a_terminal(pair_dirs, capsys):
+    target, draft = pair_dirs  # (capsys: stderr is a file, as in a log or a CI job)
+    assert cli.main(["generate", "x", "--target", target, "--draft", draft, "--max-new-tokens", "2", "-k", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "tokens per pass" in err and "Loading weights" not in err and "%|" not in err
+
+
 def test_generate_progress_bar_and_plot(pair_dirs, tmp_path, monkeypatch, capsys):
     target, draft = pair_dirs
     monkeypatch.setattr(cli, "GENERATE_PROGRESS_DELAY_S", 0.0)  # the tiny pair is done long before 3 s

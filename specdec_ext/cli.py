@@ -631,7 +631,7 @@ def _run(argv: List[str]) -> int:
     args = build_parser().parse_args(argv)
     args.argv = argv  # what the command was given (train-eagle records it)
     _set_threads(getattr(args, "threads", None))
-    with hf_progress_bars_off(getattr(args, "quiet", False)):
+    with hf_progress_bars_off(not progress_wanted(getattr(args, "quiet", False))):  # (a log is no terminal)
         return COMMANDS[args.command](args)
 
 

@@ -180,7 +180,7 @@ def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     check_plot_option("bench", args.plot)
     torch.set_num_threads(args.threads)
-    with hf_progress_bars_off(args.quiet):
+    with hf_progress_bars_off(not progress_wanted(args.quiet)):
         target, draft, tokenizer = load(args)
     workloads = workloads_of(args, tokenizer)
     drafters = {d.strip() for d in args.drafters.split(",") if d.strip()}
