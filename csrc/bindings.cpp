@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu/packed_weights.h"
 #include "suffix_automaton.h"
 
 // What this build was compiled against (torch version and commit, its CUDA version, the C++11 ABI,
@@ -121,4 +122,6 @@ PYBIND11_MODULE(_C, m) {
                                      : pybind11::object(pybind11::str(SPECDEC_BUILD_TORCH_CUDA_VERSION));
   m.attr("cxx11_abi") = static_cast<bool>(SPECDEC_BUILD_CXX11_ABI);
   register_suffix_automaton(m);
+  m.def("recheck_packed_weights", &specdec::cpu::recheck_packed_weights,
+        "Compare each packed weight copy's fingerprint again at its next use (a lean runner calls it when built).");
 }

@@ -176,6 +176,72 @@ def test_unsupported_configs_raise_and_the_plan_falls_back():
     assert target_runner(tiny("qwen2")) == "lean"
 
 
+class _ScaledLinear(torch.nn.Linear):  # an adapter's shape: the weight alone is not what it computes
+    def forward(self, x):
+        return super().forward(x) * 3.0
+
+
+def test_hooked_or_adapted_modules_run_on_the_paged_runner_with_their_effect():
+    """A hook or an adapted projection changes what the model computes, which the lean forward (the weights
+    alone) cannot see: the plan falls back to the paged runner (the HF modules) and the tokens are HF's."""
+    from specdec_ext import generate
+
+    def hf_greedy(model, prompt):
+        ids = torch.tensor([prompt])
+        return model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=10,
+                              pad_token_id=0)[0, len(prompt):].tolist()
+
+    def layer_hook(model):
+        return model.model.layers[0].mlp.register_forward_hook(lambda module, args, out: out * 5.0 + 0.3)
+
+    def adapter(model):
+        old = model.model.layers[0].mlp.down_proj
+        new = _ScaledLinear(old.in_features, old.out_features, bias=False)
+        new.weight = old.weight
+        model.model.layers[0].mlp.down_proj = new
+
+    prompt = [5, 17, 3, 44, 9]
+    for change, reason in ((layer_hook, "forward hook on model.layers.0.mlp"), (adapter, "down_proj is a _ScaledLinear")):
+        model = tiny("llama", seed=5)
+        with torch.no_grad():
+            model.lm_head.weight.mul_(4.0)
+        plain = generate([prompt], model, "ngram", max_new_tokens=10, k=2).token_ids[0]
+        change(model)
+        assert reason in unsupported_reason(model, 32)
+        result = generate([prompt], model, "ngram", max_new_tokens=10, k=2)
+        assert result.plan.target_runner == "paged"
+        assert result.token_ids[0] == hf_greedy(model, prompt) != plain
+    model = tiny("llama", seed=5)
+    internal = layer_hook(model)
+    list(internal.hooks_dict_ref().values())[0].specdec_internal = True  # (the package's own: taps, pass counts)
+    model(input_ids=torch.tensor([prompt]), output_hidden_states=True)  # (transformers' capturing hooks stay)
+    assert unsupported_reason(model, 32) is None
+
+
+@pytest.mark.parametrize("kernels,dtype,compute", [("1", torch.float32, None), ("1", torch.bfloat16, None),
+                                                   ("0", torch.bfloat16, torch.float32)])
+def test_a_weight_written_through_data_is_read_again_by_the_next_runner(kernels, dtype, compute, monkeypatch):
+    """``.data`` writes (a LoRA merge, a fine-tuning step) leave the version counter as it was: the packed
+    copies of the CPU kernels and cached_cast's copies are rechecked by a fingerprint at the next runner."""
+    monkeypatch.setenv("SPECDEC_CPU_KERNELS", kernels)
+    model = tiny("llama", seed=6).to(dtype)
+
+    def last_logits():
+        lean = LeanLlamaRunner(model, max_batch_size=1, max_seq_len=16, compute_dtype=compute)
+        return lean.start([[5, 17, 3, 44, 9]])
+
+    before = last_logits()
+    with torch.no_grad():
+        hf = lambda: model(torch.tensor([[5, 17, 3, 44, 9]])).logits[0, -1].float()  # noqa: E731
+        version = model.model.layers[0].mlp.down_proj.weight._version
+        model.model.layers[0].mlp.down_proj.weight.data.mul_(-4.0)
+        assert model.model.layers[0].mlp.down_proj.weight._version == version  # (unseen by the counter)
+        expected = hf()
+    after = last_logits()
+    assert not torch.allclose(after[0], before[0], atol=1e-3)
+    assert torch.allclose(after[0], expected, atol=0.05 if dtype == torch.bfloat16 else 1e-4)
+
+
 def test_interface_errors():
     lean = LeanLlamaRunner(tiny("llama"), max_batch_size=2, max_seq_len=16)
     with pytest.raises(ValueError):

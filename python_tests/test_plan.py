@@ -203,3 +203,47 @@ def test_a_server_plans_k_by_load_and_chunked_prefill_where_the_runner_can(pair)
         plan_server(target, draft, drafter="model", k=None, runner="lean", max_rows=4, max_seq_len=128, prefill_chunk=-1)
     with pytest.raises(ValueError, match="k \\(draft tokens per step\\) must be an int >= 1"):
         plan_server(target, draft, drafter="model", k=0, runner="lean", max_rows=4, max_seq_len=128)
+
+
+def _plan_for(target, draft="ngram", **request):
+    request = {"drafter": "ngram" if draft == "ngram" else "model", "prompt_lengths": [4], "max_new_tokens": 8,
+               **request}
+    return make_plan(target, None if isinstance(draft, str) else draft, **request)
+
+
+def test_models_that_cannot_give_their_own_output_are_refused_by_name():
+    import transformers
+    meta = tiny_model("llama").to("meta")
+    with pytest.raises(ValueError, match="target model's weights are on the meta device"):
+        _plan_for(meta)
+    training = tiny_model("gpt_neox").train()
+    training.config.attention_dropout = 0.1
+    with pytest.raises(ValueError, match=r"target model is in training mode with dropout .*model.eval\(\)"):
+        _plan_for(training)
+    assert _plan_for(tiny_model("llama").train()).target_runner == "lean"  # (no dropout: deterministic)
+    wide = tiny_model("gpt_neox").to(torch.float64)
+    with pytest.raises(ValueError, match="target model is torch.float64: the paged runner's cache holds"):
+        _plan_for(wide)
+    assert _plan_for(tiny_model("llama").to(torch.float64)).target_runner == "lean"
+    chunked = transformers.Llama4ForCausalLM(transformers.Llama4TextConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=128, intermediate_size_mlp=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4, attention_chunk_size=8,
+        bos_token_id=None, eos_token_id=None, pad_token_id=None)).eval()
+    assert _plan_for(chunked, prompt_lengths=[2], max_new_tokens=2, k=1).target_runner == "paged"  # (one chunk)
+    with pytest.raises(ValueError, match=r"chunked attention \(attention_chunk_size=8\) over rows of 14 positions"):
+        _plan_for(chunked, k=1)
+
+
+def test_a_longrope_target_that_would_switch_factors_inside_the_generation_is_refused():
+    import transformers
+    config = transformers.LlamaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        max_position_embeddings=256, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 4,
+                         "long_factor": [2.0] * 4, "original_max_position_embeddings": 16})
+    target = transformers.LlamaForCausalLM(config).eval()
+    with pytest.raises(ValueError, match="longrope switches to its long factors at original_max_position_embeddings=16"):
+        _plan_for(target, prompt_lengths=[10], max_new_tokens=8, k=2)
+    assert _plan_for(target, prompt_lengths=[4], max_new_tokens=8, k=2).target_runner == "paged"  # 16 positions
+    assert _plan_for(target, prompt_lengths=[20], max_new_tokens=8, k=2).target_runner == "paged"  # long throughout
+    assert _plan_for(target, draft="none", drafter="none", prompt_lengths=[10], max_new_tokens=8).target_runner == "paged"

@@ -54,14 +54,15 @@ from .distributed import TP_CHECKS
 from .logprobs import check_top_logprobs
 from .processing import Processing
 from .runners import RUNNER_KINDS, RunnerCapabilities, capabilities_of, unsupported_reason
-from .runners.checks import output_vocab_size, tensor_parallel_size
-from .runners.lean import forward_description
+from .runners.checks import output_vocab_size, tensor_parallel_size, text_config
+from .runners.lean import forward_description, rope_parameters
 from .runners.support import unsupported_reason as paged_unsupported_reason
 from .sampling import SamplingParams
 
 AUTO_K = "auto"  # k= value: the draft length chosen per step (adaptive.py); what k=None means by default
 DEFAULT_PREFILL_CHUNK = 256  # a server's prompt tokens per step of chunked prefill (BENCHMARKS.md, issue 30)
 MIN_PREFILL_CHUNK = 32  # ... at least this many, whatever the running rows' verify tokens take of it
+PAGED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the paged cache's (kv_write's) dtypes
 FIXED_K = 4  # what k=None means where adaptive k is not used: seeded sampling, CUDA-graph-captured steps
 SHARED_CALIBRATION = "shared"  # a tree ranks its nodes by what earlier calls learnt (drafters/calibration.py)
 PRIOR_CALIBRATION = "prior"  # ... by the prior alone, never learnt: a seeded sample at T > 0
@@ -214,13 +215,51 @@ class _Models:
     @classmethod
     def of(cls, target_model, draft_model) -> "_Models":
         param = next(target_model.parameters())
+        _check_model_state("target", target_model, param)
         if draft_model is not None:
             draft_device = next(draft_model.parameters()).device
             if draft_device != param.device:
                 raise ValueError(f"the draft is on {draft_device}, the target on {param.device}: use one device")
+            if isinstance(draft_model, torch.nn.Module):
+                _check_model_state("draft", draft_model, next(draft_model.parameters()))
         graphs_ok, graphs_reason = graphs_available(param.device)
         return cls(target_model, draft_model, param.device, param.dtype, graphs_ok, graphs_reason,
                    tensor_parallel_size(target_model))
+
+
+def _check_model_state(role: str, model: torch.nn.Module, param: Optional[torch.Tensor]) -> None:
+    """ValueError where the model cannot give its own output: weights on the meta device (not loaded), or
+    training mode with dropout (every pass random: no output to be lossless to)."""
+    if param is not None and param.is_meta:
+        raise ValueError(f"the {role} model's weights are on the meta device (not loaded): load them first")
+    if not model.training:
+        return
+    config = getattr(model, "config", None)
+    dropouts = [(name, m.p) for name, m in model.named_modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
+    attention = getattr(text_config(config), "attention_dropout", 0.0) if config is not None else 0.0
+    if dropouts or (isinstance(attention, (int, float)) and attention > 0):
+        where = f"{dropouts[0][0] or 'the model'} p={dropouts[0][1]}" if dropouts else f"attention_dropout={attention}"
+        raise ValueError(f"the {role} model is in training mode with dropout ({where}): its passes are random; "
+                         f"call model.eval() first")
+
+
+def _check_rope_switch(ask: "PlanRequest", slots: int, target, cache_len: int) -> None:
+    """ValueError where a longrope target would switch its rotary factors inside the generation: HF's longrope
+    uses the long factors for a whole forward once its furthest position passes original_max_position_embeddings,
+    and a verify pass reaches up to k positions further than a plain one, so it would switch earlier than the
+    target's own decoding does (its tokens then differ from the target's)."""
+    config = text_config(getattr(target, "config", None))
+    rope = rope_parameters(config) if config is not None else {}
+    original = rope.get("original_max_position_embeddings", getattr(config, "original_max_position_embeddings", None))
+    if not slots or rope.get("rope_type") != "longrope" or not original:
+        return
+    longest = max(ask.prompt_lengths)
+    if longest <= original < cache_len:
+        raise ValueError(f"the target's longrope switches to its long factors at original_max_position_embeddings="
+                         f"{original}, inside this generation (longest prompt {longest}, up to {cache_len} positions "
+                         f"with {slots} draft slots): a verify pass would switch before the target's own decoding "
+                         f"does. Keep the prompt plus max_new_tokens within {original - 2 * slots} or give a prompt "
+                         f"of more than {original} tokens, or decode plainly (draft='none')")
 
 
 def make_plan(target_model, draft_model, **request) -> DecodePlan:
@@ -247,6 +286,7 @@ def make_plan(target_model, draft_model, **request) -> DecodePlan:
     reasons.append(("batch", f"{batch} rows" + (f", padded to the graph bucket {padded} with frozen rows"
                                                  if padded > batch else "")))
     _check_cache(ask, slots, models)
+    _check_rope_switch(ask, slots, models.target, cache_len)
     reasons.append(("cache", f"{cache_len} positions per row (longest prompt {max(ask.prompt_lengths)} + "
                              + (f"{ask.max_new_tokens} new - 1: the last is never fed)" if slots == 0 else
                                 f"{ask.max_new_tokens} new + 2 x {slots} draft slots)")))
@@ -636,11 +676,16 @@ def _runner_for(model, runner: str, graphs_ok: bool, cache_len: int, device: tor
     if runner == "auto" and not graphs_ok and lean_reason is None:
         return "lean", f"a Llama-family model: {forward_description(model)} over its weights and a contiguous cache"
     if runner in ("auto", "paged"):
-        paged_reason = paged_unsupported_reason(model, tree=tree)
+        paged_reason = paged_unsupported_reason(model, tree=tree, cache_len=cache_len)
         if paged_reason is not None:
             lean_note = lean_reason is not None and not lean_reason.startswith("model_type")
             raise ValueError(f"the {role} model cannot be run: {paged_reason}"
                              + (f" (and the lean runner does not apply: {lean_reason})" if lean_note else ""))
+    dtype = next(model.parameters()).dtype
+    if dtype not in PAGED_DTYPES and runner in ("auto", "paged"):
+        raise ValueError(f"the {role} model is {dtype}: the paged runner's cache holds {PAGED_DTYPES}"
+                         + (f", and the lean runner does not apply ({lean_reason})" if lean_reason else "")
+                         + ": convert it with model.to(torch.float32)")
     if runner != "auto":
         return runner, "as asked"
     if graphs_ok:

@@ -12,11 +12,15 @@ namespace specdec::cpu {
 // The packed copy of `weight` ([N, K] of fp32, bf16 or fp16, row stride weight.stride(0)) in `layout`,
 // shared by every tensor over the same storage, offset and shape (a parameter and its detach()ed
 // copies): packed on first use, again when the data pointer or the version counter has changed, dropped
-// once the storage is freed. As the Python side's cached_cast: a write the version counter does not see
-// (through `.data`, or inside inference mode) leaves the copy stale. Thread safe; the returned tensor
-// keeps the copy alive for the caller.
+// once the storage is freed. A write the version counter does not see (through `.data`, or inside
+// inference mode) is caught by a fingerprint of sampled elements, compared at a weight's first use after
+// each recheck_packed_weights() (a lean runner's construction: once per generation), not at every call.
+// Thread safe; the returned tensor keeps the copy alive for the caller.
 // Shape: uint8 [packed_panel_bytes(weight, layout)] (gemm_types.h's panels)
 at::Tensor panel_packed_weight(const at::Tensor& weight, const PanelLayout& layout);
+
+// Starts a new recheck epoch: each packed copy's fingerprint is compared again at its weight's next use.
+void recheck_packed_weights();
 
 // The same for the amxbf16 route's tiles of a bf16 weight with K a multiple of 32 and N >= 16.
 // Shape: [N / 16 * 16 * K] bf16 (simd/amx.h's [N / 16][K / 32][16][32])

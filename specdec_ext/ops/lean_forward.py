@@ -121,7 +121,25 @@ def rope_tables(weights: LlamaWeights, capacity: int) -> List[torch.Tensor]:
     return [(freqs.cos() * weights.rope_scaling).contiguous(), (freqs.sin() * weights.rope_scaling).contiguous()]
 
 
-_CASTS = WeakIdKeyDictionary()  # weight -> (version, dtype, copy)
+_CASTS = WeakIdKeyDictionary()  # weight -> ((version, data_ptr, dtype), copy, sampled elements, recheck epoch)
+_FINGERPRINT_SAMPLES = 64  # elements of a weight compared once per recheck epoch (the C++ copies' count too)
+_recheck_epoch = 0
+
+
+def recheck_weights() -> None:
+    """A new recheck epoch (a lean runner's construction, once per generation): the next use of each cached
+    weight copy (``cached_cast``, and the CPU kernels' packed copies, csrc/cpu/packed_weights.h) compares
+    sampled elements of the weight with those it was copied from. A write that the version counter does not
+    see (through ``.data``: a LoRA merge, a fine-tuning step, a rescale) then makes a fresh copy; it served
+    the stale one for good."""
+    global _recheck_epoch
+    _recheck_epoch += 1
+    _C.recheck_packed_weights()
+
+
+def _sampled(weight: torch.Tensor) -> torch.Tensor:
+    flat = weight.detach().reshape(-1)
+    return flat[:: max(1, flat.numel() // _FINGERPRINT_SAMPLES)][:_FINGERPRINT_SAMPLES].clone()
 
 
 def cached_cast(weight: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
@@ -134,9 +152,13 @@ def cached_cast(weight: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[
     key = (weight._version, weight.data_ptr(), dtype)
     hit = _CASTS.get(weight)
     if hit is not None and hit[0] == key:
-        return hit[1]
+        if hit[3] == _recheck_epoch:
+            return hit[1]
+        if torch.equal(_sampled(weight), hit[2]):
+            _CASTS[weight] = (key, hit[1], hit[2], _recheck_epoch)
+            return hit[1]
     copy = weight.detach().to(dtype).contiguous()
-    _CASTS[weight] = (key, copy)
+    _CASTS[weight] = (key, copy, _sampled(weight), _recheck_epoch)
     return copy
 
 

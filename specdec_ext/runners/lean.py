@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops.lean_forward import (Linear, LlamaLayerWeights, LlamaWeights, cached_cast, cpu_isa, decoder_layers,
-                                greedy_chain, llama_head, rope_tables)
+                                greedy_chain, llama_head, recheck_weights, rope_tables)
 from .capabilities import RunnerCapabilities
 from .checks import (check_extend_chunks, check_forward_inputs, check_row_counts, check_start_prompts, output_vocab_size,
                      tensor_parallel_size,
@@ -90,7 +90,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 CAPACITY_SLACK = 16  # cache positions past max_seq_len for padding columns of a forward
 
 
-def _rope_parameters(cfg) -> dict:
+def rope_parameters(cfg) -> dict:
+    """The model's RoPE parameters (rope_type, rope_theta, scaling), from transformers 5's rope_parameters or 4.x's fields."""
     params = getattr(cfg, "rope_parameters", None)
     if isinstance(params, dict):
         return params
@@ -110,7 +111,7 @@ def unsupported_reason(model, max_seq_len: Optional[int] = None) -> Optional[str
     model_type = getattr(cfg, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         return f"model_type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}"
-    rope = _rope_parameters(cfg)
+    rope = rope_parameters(cfg)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
         return f"rope_type {rope_type!r} (only the default RoPE is implemented)"
@@ -143,12 +144,54 @@ def unsupported_reason(model, max_seq_len: Optional[int] = None) -> Optional[str
             return f"layer {i} does not have the Llama attention/MLP layout"
         if hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
             return f"layer {i} has q/k norms"
+        for owner, names in ((attn, ("q_proj", "k_proj", "v_proj", "o_proj")), (mlp, ("gate_proj", "up_proj", "down_proj"))):
+            for n in names:
+                if not _plain_module(getattr(owner, n), torch.nn.Linear):
+                    return (f"layer {i}'s {n} is a {type(getattr(owner, n)).__qualname__}, not a torch.nn.Linear (an "
+                            f"adapter such as LoRA, or a quantized layer): the lean forward reads the weight alone")
+    if not _plain_module(base.embed_tokens, torch.nn.Embedding) or not _plain_module(head, torch.nn.Linear):
+        return "the embedding or the LM head is not a plain torch.nn.Embedding / torch.nn.Linear"
+    hooked = _hooked_module(model)
+    if hooked is not None:
+        return f"a forward hook on {hooked} (the lean forward runs the weights, not the modules)"
     for name in ("final_logit_softcapping", "attn_logit_softcapping"):
         if getattr(cfg, name, None):
             return f"{name} is set"
     if getattr(model, "training", False) and getattr(cfg, "attention_dropout", 0.0):
         return "training mode with attention dropout"
     return None
+
+
+def _plain_module(module, kind: type) -> bool:
+    """Whether ``module`` computes what ``kind`` does from its weight (and bias): a subclass that overrides
+    forward (a quantized or adapted layer) does not."""
+    return isinstance(module, kind) and type(module).forward is kind.forward
+
+
+HF_OUTPUT_CAPTURING = "transformers.utils.output_capturing"  # the module of transformers 5's capturing hooks
+
+
+def _hooked_module(model) -> Optional[str]:
+    """The name of a module of ``model`` with a forward hook or pre-hook (a global one: "every module"), the
+    LM head's left out (it is called as a module: head_hooks.py), or None."""
+    from torch.nn.modules import module as torch_module
+
+    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+        return "every module (torch.nn.modules.module.register_module_forward_hook)"
+    head = getattr(model, "lm_head", None)
+    for name, m in model.named_modules():
+        hooks = [*m._forward_hooks.values(), *m._forward_pre_hooks.values()] if m is not head else []
+        if any(not _observes_only(hook) for hook in hooks):
+            return name or "the model"
+    return None
+
+
+def _observes_only(hook) -> bool:
+    """A hook that changes nothing the model computes: the package's own (taps, the bench's pass counter:
+    ``specdec_internal``) and transformers' output capturing (installed for good by a first call with
+    output_hidden_states=True, and idle outside such a call)."""
+    return bool(getattr(hook, "specdec_internal", False)) or getattr(hook, "__module__", "") == HF_OUTPUT_CAPTURING
+
 
 
 def _head_dim(cfg) -> int:
@@ -229,6 +272,7 @@ class LeanLlamaRunner:
             raise NotImplementedError(f"LeanLlamaRunner: {reason}")
         self.model = model
         self.max_batch_size, self.max_seq_len = int(max_batch_size), int(max_seq_len)
+        recheck_weights()  # (the copies of weights written through .data since the last generation: made again)
         weight_dtype = model.model.embed_tokens.weight.dtype
         # compute_dtype None: the model's own weight tensors (no copies). Otherwise, on the torch path,
         # the weights are cast once (a copy: torch's half-precision GEMVs are slow on a CPU); the CPU

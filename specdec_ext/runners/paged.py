@@ -40,6 +40,7 @@ sdpa outside a paged forward). The page pool is sized from the keys and values t
 """
 from __future__ import annotations
 
+import weakref
 from typing import List, Optional, Sequence
 
 import torch
@@ -76,7 +77,7 @@ class PagedModelRunner:
         self.max_batch_size, self.max_seq_len, self.page_size = max_batch_size, max_seq_len, page_size
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        layout = kv_layout(model)  # the cache shapes the model produces (UnsupportedModelError names why not)
+        layout = kv_layout(model, max_seq_len)  # the cache shapes the model produces (UnsupportedModelError names why not)
         self.vocab_size: int = output_vocab_size(model)  # logits last dim
         pages_per_row = -(-max_seq_len // page_size)
         full_pool = max_batch_size * pages_per_row
@@ -114,7 +115,9 @@ class PagedModelRunner:
         ids = check_tap_layers(hidden_taps, len(decoder_layers_of(model)))
         hidden = int(model.get_input_embeddings().weight.shape[1])
         buffer = TapBuffer(ids, hidden, self.max_batch_size, self.max_seq_len + 2, self.device)
-        return buffer, LayerInputHooks(model, ids)
+        hooks = LayerInputHooks(model, ids)
+        weakref.finalize(self, hooks.remove)  # (they sat on the model for good, one more set per runner)
+        return buffer, hooks
 
     @property
     def hidden_taps(self):

@@ -74,9 +74,9 @@ def model_type(model) -> str:
     return str(getattr(text_config(model.config), "model_type", None) or getattr(model.config, "model_type", "?"))
 
 
-def unsupported_reason(model, tree: bool = False) -> Optional[str]:
-    """None when the paged runner can run ``model`` (with tree forwards when ``tree``); else why not,
-    naming the architecture."""
+def unsupported_reason(model, tree: bool = False, cache_len: Optional[int] = None) -> Optional[str]:
+    """None when the paged runner can run ``model`` (with tree forwards when ``tree``, rows of up to
+    ``cache_len`` positions: None, any); else why not, naming the architecture."""
     name = model_type(model)
     if name in UNSUPPORTED_MODEL_TYPES:
         return f"{name}: {UNSUPPORTED_MODEL_TYPES[name]}"
@@ -86,15 +86,21 @@ def unsupported_reason(model, tree: bool = False) -> Optional[str]:
         return (f"{name}: its forward takes no position_ids (it computes positions from the cache length, which "
                 "a ragged batch of rows cannot give it)")
     cfg = text_config(model.config)
+    chunk = getattr(cfg, "attention_chunk_size", None)
+    if chunk and "chunked_attention" in (getattr(cfg, "layer_types", None) or ()) and (cache_len is None or cache_len > chunk):
+        return (f"{name}: chunked attention (attention_chunk_size={chunk}) over rows of "
+                f"{'any length' if cache_len is None else f'{cache_len} positions'}: a layer sees its own chunk only, "
+                f"which HF's cache keeps as a sliding window (the same within one chunk)")
     if getattr(cfg, "alibi", False) and name == "falcon":
         return f"{name}: Falcon with ALiBi (alibi=True) builds its bias from a 2D attention mask"
     layout = _probe(model)
     return layout if isinstance(layout, str) else None
 
 
-def kv_layout(model) -> KVLayout:
-    """The cache shapes of ``model`` (module docstring); raises UnsupportedModelError naming why not."""
-    reason = unsupported_reason(model)
+def kv_layout(model, cache_len: Optional[int] = None) -> KVLayout:
+    """The cache shapes of ``model`` (module docstring) for rows of up to ``cache_len`` positions; raises
+    UnsupportedModelError naming why not."""
+    reason = unsupported_reason(model, cache_len=cache_len)
     if reason is not None:
         raise UnsupportedModelError(f"the paged runner cannot run {reason}")
     return _probe(model)

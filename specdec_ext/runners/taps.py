@@ -111,6 +111,7 @@ class LayerInputHooks:
         def hook(module, args, kwargs):
             if self.active:
                 self.captured[index] = args[0] if args else kwargs["hidden_states"]
+        hook.specdec_internal = True  # (runners/lean.py: not a user's hook, which the lean forward cannot honour)
         return hook
 
     def remove(self) -> None:
