@@ -2,6 +2,7 @@
 the recompute oracle against the paged runner, and every bad-input path."""
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -309,6 +310,26 @@ def test_vocabulary_mismatch_names_the_first_mismatching_tokens(text_pair):
     assert len(out.token_ids[0]) == 4
     with pytest.raises(VocabularyMismatchError, match="target scores 64 tokens"):
         generate([[1, 2]], target, tiny_model("llama", vocab=40))  # no tokenizers: sizes must agree
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_neox"])  # the lean draft runner and the paged one
+def test_a_target_padding_id_past_the_draft_embedding_is_fed_to_the_draft_as_another_id(text_pair, arch):
+    """A target scoring more ids than the draft embeds (padding, allowed) may emit one of them: the draft is fed
+    runners.in_range.OUT_OF_RANGE_FEED there (it crashed mid-generation); the output stays the target's."""
+    target, _, tokenizer = text_pair  # (the tokenizer has 61 ids, the target scores 64)
+    loud = copy.deepcopy(target)
+    with torch.no_grad():
+        loud.get_output_embeddings().weight[61:] *= 40.0  # the padding ids win now and then
+    draft = tiny_model(arch, vocab=62, seed=3)  # embeds 62 ids: 62 and 63 are past it
+    plain = specdec_ext.plain_generate([[5, 9, 14, 2]], loud, max_new_tokens=24, eos_token_id=False)
+    assert any(t >= 62 for t in plain.token_ids[0])
+    for k in (1, 4, "auto"):
+        out = generate([[5, 9, 14, 2]], loud, draft, tokenizer=tokenizer, draft_tokenizer=tokenizer, k=k,
+                       max_new_tokens=24, eos_token_id=False)
+        assert out.token_ids == plain.token_ids, k
+    sampled = generate([[5, 9, 14, 2]] * 4, loud, draft, tokenizer=tokenizer, draft_tokenizer=tokenizer, k=3,
+                       max_new_tokens=24, eos_token_id=False, temperature=1.0, seed=0)
+    assert any(t >= 62 for row in sampled.token_ids for t in row)
 
 
 def test_exports():

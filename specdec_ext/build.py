@@ -10,6 +10,7 @@ from .eagle import EagleDrafter
 from .models import Models
 from .plan import PRIOR_CALIBRATION, DecodePlan
 from .runners import ModelRunner, make_runner, output_vocab_size
+from .runners.in_range import in_range_feeds
 
 
 def build(plan: DecodePlan, models: Models) -> Tuple[ModelRunner, Optional[Drafter]]:
@@ -47,8 +48,10 @@ def build_drafter(plan: DecodePlan, models: Models, target: Optional[ModelRunner
                             calibration=calibration(models.heads, d))
 
     def draft_runner(*, max_batch_size: int, max_seq_len: int) -> ModelRunner:
-        return make_runner(plan.draft_runner, models.draft, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
-                           compute_dtype=plan.draft_compute_dtype, static_shapes=plan.static_shapes)
+        runner = make_runner(plan.draft_runner, models.draft, max_batch_size=max_batch_size, max_seq_len=max_seq_len,
+                             compute_dtype=plan.draft_compute_dtype, static_shapes=plan.static_shapes)
+        # (a draft in its own vocabulary is fed its own ids)
+        return runner if plan.drafter == "cross-tokenizer" else in_range_feeds(runner, models.draft, vocab_size)
 
     if plan.drafter == "cross-tokenizer":
         return CrossTokenizerDrafter(models.draft, draft_runner, k=plan.slots, bridge=models.bridge,

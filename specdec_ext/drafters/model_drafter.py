@@ -29,7 +29,8 @@ A re-windowed row proposes exactly what a drafter prefilled with those tokens wo
 keeps the window it started with and grows past it, but for the catch-ups between steps.
 
 Vocabularies padded to different sizes are reconciled here: draft logits beyond the target's V are
-dropped, missing ones are -inf (never proposed).
+dropped, missing ones are -inf (never proposed). A target id past the draft's embedding (a padding id the
+target emitted) is fed to the draft as another id (build.py wraps the runner: runners/in_range.py).
 """
 from __future__ import annotations
 
