@@ -136,8 +136,12 @@ def test_a_hooked_head_gives_the_kernels_logits_and_its_hooks_see_its_input():
     with pytest.raises(RuntimeError, match="forward pre-hook on the LM head, returned a new input"):
         _runner_logits(model16, ids)
     handle.remove()
-    handle = head.register_forward_hook(lambda m, args, out: out * 2)
-    with pytest.raises(RuntimeError, match="forward hook on the LM head, returned a new output"):
+    for rewrite in (lambda m, args, out: out * 2, lambda m, args, out: out.mul_(2)):  # new logits, or in place
+        handle = head.register_forward_hook(rewrite)
+        assert torch.equal(_runner_logits(model16, ids), unhooked * 2)  # what the hooked head gives
+        handle.remove()
+    handle = head.register_forward_hook(lambda m, args, out: out[..., :3])
+    with pytest.raises(RuntimeError, match=r"forward hook on the LM head, returned .* for logits of shape"):
         _runner_logits(model16, ids)
     handle.remove()
 

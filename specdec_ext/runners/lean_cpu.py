@@ -74,7 +74,9 @@ def call_head_hooks(head: torch.nn.Module, h: torch.Tensor, logits: torch.Tensor
     for hook_id, hook in list(head._forward_hooks.items()):
         with_kwargs = hook_id in head._forward_hooks_with_kwargs
         replaced = hook(head, (h,), {}, logits) if with_kwargs else hook(head, (h,), logits)
-        if replaced is not None:
-            raise RuntimeError(f"{hook!r}, a forward hook on the LM head, returned a new output; the CPU kernels "
-                               "compute the head themselves (SPECDEC_CPU_KERNELS=0 runs the torch forward, which "
-                               "calls the head module)")
+        if replaced is not None and replaced is not logits:  # (the output, changed in place or replaced)
+            if not isinstance(replaced, torch.Tensor) or replaced.shape != logits.shape:
+                raise RuntimeError(f"{hook!r}, a forward hook on the LM head, returned "
+                                   f"{getattr(replaced, 'shape', type(replaced).__name__)} for logits of shape "
+                                   f"{tuple(logits.shape)}")
+            logits.copy_(replaced)
