@@ -332,6 +332,16 @@ def test_a_target_padding_id_past_the_draft_embedding_is_fed_to_the_draft_as_ano
     assert any(t >= 62 for row in sampled.token_ids for t in row)
 
 
+def test_generation_config_settings_that_generate_does_not_read_are_named_in_a_warning(pair):
+    _, target, _ = pair
+    model = copy.deepcopy(target)
+    model.generation_config.repetition_penalty = 1.5
+    model.generation_config.do_sample = True
+    with pytest.warns(UserWarning, match=r"generation_config sets do_sample=True, repetition_penalty=1.5, which "
+                                         r"generate\(\) does not read"):
+        generate([[1, 2, 3]], model, "ngram", max_new_tokens=2)
+
+
 def test_exports():
     assert specdec_ext.generate is generate
     assert callable(specdec_ext.audit) and callable(specdec_ext.load_pair)

@@ -6,6 +6,7 @@ import numbers
 import operator
 import secrets
 import sys
+import warnings
 from dataclasses import dataclass, field
 from typing import Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -157,6 +158,26 @@ def check_text(text: str, what: str) -> None:
     except UnicodeEncodeError as error:
         raise ValueError(f"{what} is not valid text: character {error.start} is {text[error.start]!r}, a lone "
                          "surrogate, which has no UTF-8 encoding") from None
+
+
+# generation_config fields that transformers' generate() applies by default and generate() does not read (it
+# decodes by its own arguments), with the value that means "off"
+UNREAD_GENERATION_FIELDS = {"do_sample": False, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+                            "min_new_tokens": None, "suppress_tokens": None, "begin_suppress_tokens": None,
+                            "bad_words_ids": None, "sequence_bias": None}
+
+
+def warn_unread_generation_config(target_model) -> None:
+    """A warning naming what the target's generation_config sets that generate() leaves out (transformers'
+    generate() would apply it: its sampling or its penalties gave other tokens than ours, silently)."""
+    config = getattr(target_model, "generation_config", None)
+    fields = {name: getattr(config, name, off) for name, off in UNREAD_GENERATION_FIELDS.items()}
+    set_ = [f"{name}={value!r}" for name, value in fields.items()
+            if value not in (UNREAD_GENERATION_FIELDS[name], None, [], 0)]
+    if set_:
+        warnings.warn(f"the target's generation_config sets {', '.join(set_)}, which generate() does not read: it "
+                      f"decodes by its own arguments (temperature=, top_p=, repetition_penalty=, ...; greedy by "
+                      f"default)", stacklevel=3)
 
 
 def eos_token_ids_of(eos_token_id, target_model, tokenizer) -> List[int]:
@@ -487,6 +508,7 @@ def _run(models: Models, prompts, request: RunRequest):
     token_prompts = _token_prompts(prompts, models)
     seeds = _row_seeds(request.seed, len(token_prompts))
     eos_ids = eos_token_ids_of(request.eos_token_id, models.target, tokenizer)
+    warn_unread_generation_config(models.target)
     plan = make_plan(models.target, models.draft, drafter=models.drafter,
                      prompt_lengths=[len(p) for p in token_prompts], max_new_tokens=request.max_new_tokens,
                      k=request.k, draft_tree=request.draft_tree, runner=request.runner, sampling=request.sampling,
