@@ -157,6 +157,34 @@ def test_first_tokens_follow_plain_target_sampling_at_t1(tiny_pair, tree):
     assert p_value > PASS_P
 
 
+def test_draws_past_a_one_token_q_and_fallback_come_from_the_tokens_left():
+    """At a temperature near 0 the filtered q and the fallback are one token each: the next draws come from
+    the tokens not drawn yet (they were 0 / 0 rows: NaN, which the verifier refused)."""
+    from specdec_ext.drafters.tree_drafter import draw_without_replacement
+    V = 8
+    one_hot = torch.nn.functional.one_hot(torch.tensor([[3, 5]]), V).float()  # [B=1, F=2, V]
+    _, tokens, rows = draw_without_replacement(one_hot, one_hot.clone(), torch.rand(1, 2, 3))
+    assert torch.isfinite(rows).all() and torch.allclose(rows.sum(-1), torch.ones(1, 2, 3))
+    assert tokens[0, :, 0].tolist() == [3, 5]
+    for f in range(2):
+        assert len(set(tokens[0, f].tolist())) == 3  # without replacement
+        assert rows[0, f, 1, tokens[0, f, 0]] == 0 and torch.allclose(rows[0, f, 1].max(), torch.tensor(1 / (V - 1)))
+
+
+@pytest.mark.parametrize("temperature", [1e-5, 1e-3])
+def test_a_sampled_tree_near_temperature_zero_decodes_as_greedy(pair, references, temperature):
+    """... up to the greedy path's first near-tie (top-2 logits within 0.01: a sample there is a coin toss)."""
+    target, draft = pair
+    out = generate([PROMPTS[0]], target, draft, max_new_tokens=NEW, draft_tree=(3, 2, 6), temperature=temperature,
+                   seed=0)
+    with torch.no_grad():
+        logits = target(torch.tensor([PROMPTS[0] + references[0]])).logits[0, len(PROMPTS[0]) - 1:]  # [NEW + 1, V]
+    top2 = logits.topk(2, dim=-1).values
+    ties = (top2[:, 0] - top2[:, 1] < 0.01).nonzero()
+    clear = NEW if len(ties) == 0 else int(ties[0])
+    assert clear >= 8 and out.token_ids[0][:clear] == references[0][:clear]
+
+
 def test_sampled_tree_kernel_equals_the_python_rule_draw_for_draw(tiny_pair):
     """At T > 0 the draft samples each node's children without replacement and tree_verify runs
     recursive rejection sampling with each node's own q row: with the same Philox draws the kernel

@@ -94,17 +94,20 @@ def draw_without_replacement(q: torch.Tensor, fallback: torch.Tensor, uniforms: 
     """
     B, F, V = q.shape
     b = uniforms.shape[-1]
-    left, left_fallback = q.clone(), fallback.clone()
+    # ... and once the fallback's support is used up too (at a temperature near 0 it is one token), from the
+    # tokens not drawn yet, uniformly: 0 / 0 made NaN rows, which the verifier refused
+    left, left_fallback, left_any = q.clone(), fallback.clone(), torch.ones_like(q)
     tokens = torch.empty((B, F, b), dtype=torch.int64, device=q.device)
     rows = torch.empty((B, F, b, V), dtype=torch.float32, device=q.device)
     for j in range(b):
-        mass = left.sum(-1, keepdim=True)  # [B, F, 1]
+        mass, fallback_mass = left.sum(-1, keepdim=True), left_fallback.sum(-1, keepdim=True)  # [B, F, 1]
         row = torch.where(mass > EMPTY_MASS, left / mass.clamp(min=EMPTY_MASS),
-                          left_fallback / left_fallback.sum(-1, keepdim=True))
+                          torch.where(fallback_mass > EMPTY_MASS, left_fallback / fallback_mass.clamp(min=EMPTY_MASS),
+                                      left_any / left_any.sum(-1, keepdim=True)))
         x = sample_inverse_cdf(row.reshape(B * F, V), uniforms[:, :, j].reshape(-1)).view(B, F)
         tokens[:, :, j], rows[:, :, j] = x, row
-        left.scatter_(-1, x[..., None], 0.0)
-        left_fallback.scatter_(-1, x[..., None], 0.0)
+        for remaining in (left, left_fallback, left_any):
+            remaining.scatter_(-1, x[..., None], 0.0)
     ranked = q.topk(b, dim=-1).values.clamp(min=1e-30).log().clamp(min=LOG_Q_FLOOR)
     return ranked, tokens, rows
 
