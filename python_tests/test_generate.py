@@ -259,6 +259,9 @@ def test_summary_writes_a_dash_where_nothing_was_measured(pair):
     assert any(math.isnan(a) for a in stats.acceptance_by_position)
     text = stats.summary()
     assert "nan" not in text.lower() and "by position [" in text and ", -" in text
+    auto = generate(PROMPTS[:1], target, draft, max_new_tokens=8, k="auto").stats  # (steps draft 0..8 each)
+    assert math.isnan(auto.predicted_speedup) and math.isnan(auto.draft_cost)
+    assert "k=auto (k_max 8)" in auto.summary() and "k varies per step" in auto.summary()
     assert predicted_speedup(0.7, 5, 0.02, 1.0) == pytest.approx(2.94 / 1.1, rel=1e-2)
 
 

@@ -150,8 +150,8 @@ class GenerationStats:
     @property
     def draft_cost(self) -> float:
         """c: one draft forward relative to one plain target step (needs target_step_time)."""
-        if not self.target_step_time or not self.steps or self.k == 0:
-            return float("nan")
+        if not self.target_step_time or not self.steps or self.k == 0 or self.adaptive:
+            return float("nan")  # (adaptive k: k is the most a step drafts, not what each did)
         return self.draft_time_per_step / self.k / self.target_step_time
 
     @property
@@ -163,7 +163,11 @@ class GenerationStats:
 
     @property
     def predicted_tokens_per_pass(self) -> float:
-        return expected_tokens_per_pass(self.acceptance_rate, self.k) if self.row_steps else float("nan")
+        """The fixed-k cost model's tokens per pass at the measured acceptance (NaN under adaptive k, whose
+        steps draft 0..k each)."""
+        if not self.row_steps or self.adaptive:
+            return float("nan")
+        return expected_tokens_per_pass(self.acceptance_rate, self.k)
 
     @property
     def predicted_speedup(self) -> float:
@@ -213,14 +217,19 @@ class GenerationStats:
         by_pos = ", ".join(_measured(a, "{:.2f}") for a in self.acceptance_by_position)
         lines = [
             f"tokens: {self.new_tokens} in {self.total_time:.3f}s ({self.tokens_per_second:.1f} tok/s, "
-            f"TPOT {self.tpot * 1e3:.2f} ms), batch {self.batch_size}, k={self.k}",
+            f"TPOT {self.tpot * 1e3:.2f} ms), batch {self.batch_size}, "
+            + (f"k=auto (k_max {self.k})" if self.adaptive else f"k={self.k}"),
             f"target passes: {self.steps}, tokens per pass {self.tokens_per_pass:.2f} "
             f"(cost model {_measured(self.predicted_tokens_per_pass, '{:.2f}')}), acceptance a={_measured(self.acceptance_rate, '{:.3f}')}, "
             f"by position [{by_pos}]",
             f"time: prefill {self.prefill_time * 1e3:.1f} ms, draft {self.draft_time * 1e3:.1f} ms, "
             f"verify {self.verify_time * 1e3:.1f} ms",
         ]
-        if self.target_step_time:
+        if self.target_step_time and self.adaptive:
+            lines.append(f"cost model: k varies per step (adaptive k below); target step "
+                         f"{self.target_step_time * 1e3:.2f} ms, measured decode speedup "
+                         f"{_measured(self.measured_decode_speedup, '{:.2f}x')}")
+        elif self.target_step_time:
             lines.append(
                 f"cost model: target step {self.target_step_time * 1e3:.2f} ms, c={self.draft_cost:.3f}, "
                 f"v={self.verify_cost:.3f} -> predicted decode speedup {_measured(self.predicted_speedup, '{:.2f}x')} "
