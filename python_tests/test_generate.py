@@ -345,6 +345,19 @@ def test_generation_config_settings_that_generate_does_not_read_are_named_in_a_w
         generate([[1, 2, 3]], model, "ngram", max_new_tokens=2)
 
 
+def test_numpy_and_torch_integers_are_ints_for_counts_and_prompts(pair):
+    import numpy as np
+    _, target, draft = pair
+    expected = generate(PROMPTS[:2], target, draft, max_new_tokens=4, k=2).token_ids
+    array = np.array([PROMPTS[0][:3], PROMPTS[1][:3]], dtype=np.int32)
+    assert generate(array, target, draft, max_new_tokens=np.int64(4), k=np.int64(2)).token_ids == \
+        generate([p[:3] for p in PROMPTS[:2]], target, draft, max_new_tokens=4, k=2).token_ids
+    assert generate(PROMPTS[:2], target, draft, max_new_tokens=torch.tensor(4), k=torch.tensor(2)).token_ids == expected
+    assert len(generate(PROMPTS[:1], target, draft, max_new_tokens=3, draft_tree=(np.int64(2), 2, 4)).token_ids[0]) == 3
+    with pytest.raises(ValueError, match="max_new_tokens must be an int >= 0, got 4.0"):
+        generate(PROMPTS[:1], target, draft, max_new_tokens=4.0)
+
+
 def test_exports():
     assert specdec_ext.generate is generate
     assert callable(specdec_ext.audit) and callable(specdec_ext.load_pair)

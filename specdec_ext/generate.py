@@ -105,6 +105,8 @@ class GenerationStream:
 # ------------------------------------------------------------------------------------- prompts
 def normalise_prompts(prompts, tokenizer) -> Tuple[List[List[int]], bool]:
     """-> (token id lists, whether the prompts were text)."""
+    if isinstance(prompts, np.ndarray) and prompts.dtype.kind in "iu":  # (as a tensor of token ids)
+        prompts = torch.from_numpy(prompts.astype(np.int64))
     if isinstance(prompts, torch.Tensor):
         if prompts.dim() not in (1, 2):
             raise ValueError(f"prompts as a tensor must be [T] or [B, T] token ids, got shape {tuple(prompts.shape)}")
@@ -496,6 +498,15 @@ class RunRequest:
     tp_check: str = "broadcast"
     processing: Optional[Processing] = None
     top_logprobs: Optional[int] = None
+
+    def __post_init__(self):
+        # numpy's and torch's integer scalars are ints here, as they are for token ids (the checks want int)
+        for name in ("max_new_tokens", "max_seq_len", "k", "top_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, int) and _token_id(value):
+                object.__setattr__(self, name, int(value))  # (frozen)
+        if isinstance(self.draft_tree, (tuple, list)) and all(_token_id(v) for v in self.draft_tree):
+            object.__setattr__(self, "draft_tree", tuple(int(v) for v in self.draft_tree))
 
 
 def _run(models: Models, prompts, request: RunRequest):
