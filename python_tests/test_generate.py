@@ -262,6 +262,7 @@ def test_summary_writes_a_dash_where_nothing_was_measured(pair):
     auto = generate(PROMPTS[:1], target, draft, max_new_tokens=8, k="auto").stats  # (steps draft 0..8 each)
     assert math.isnan(auto.predicted_speedup) and math.isnan(auto.draft_cost)
     assert "k=auto (k_max 8)" in auto.summary() and "k varies per step" in auto.summary()
+    assert str(auto) == auto.summary() and repr(auto).startswith("GenerationStats(")  # (print(result.stats))
     assert predicted_speedup(0.7, 5, 0.02, 1.0) == pytest.approx(2.94 / 1.1, rel=1e-2)
 
 

@@ -607,8 +607,9 @@ def _check_cache(ask: PlanRequest, slots: int, models: _Models) -> None:
                 f"prompt {b} has {length} tokens; with max_new_tokens={ask.max_new_tokens} and {slots} draft "
                 f"slots it needs {needs} cache positions but the cache holds {limit} ({source}): shorten the "
                 "prompt or lower max_new_tokens"
-                + (f", or leave k to the plan (None or 'auto': it drafts what the cache leaves, "
-                   f"{draft_room(limit, length, ask.max_new_tokens)} slots here)" if fits and slots else ""))
+                + (f", or leave k to the plan (None or 'auto': up to {adaptive_k.DEFAULT_K_MAX} drafts a step, fewer "
+                   f"where the cache leaves fewer slots: {draft_room(limit, length, ask.max_new_tokens)} here)"
+                   if fits and slots else ""))
     needs = loop_cache_len(max(ask.prompt_lengths), ask.max_new_tokens, slots)
     if ask.max_seq_len is not None and model_limit is not None and needs > model_limit[0]:
         warnings.warn(

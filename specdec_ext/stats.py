@@ -212,6 +212,9 @@ class GenerationStats:
             "adaptive": self.adaptive,
         }
 
+    def __str__(self) -> str:  # (print(result.stats): the summary, as README says; repr() keeps the fields)
+        return self.summary()
+
     def summary(self) -> str:
         """A few human-readable lines."""
         by_pos = ", ".join(_measured(a, "{:.2f}") for a in self.acceptance_by_position)
