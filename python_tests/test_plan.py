@@ -76,8 +76,8 @@ def test_a_default_draft_length_fits_the_cache(pair, k):
     with pytest.raises(ValueError, match="needs 25 cache positions but the cache holds 24") as refused:
         make_plan(target, draft, max_new_tokens=17, **kw)  # the request itself does not fit: 9 + 17 - 1
     assert "leave k to the plan" not in str(refused.value)
-    with pytest.raises(ValueError, match=r"needs 26 cache .* or leave k to the plan \(None or 'auto': it drafts what "
-                                         r"the cache leaves, 3 slots here\)"):
+    with pytest.raises(ValueError, match=r"needs 26 cache .* or leave k to the plan \(None or 'auto': up to 8 drafts "
+                                         r"a step, fewer where the cache leaves fewer slots: 3 here\)"):
         make_plan(target, draft, max_new_tokens=9, **{**kw, "k": 4})  # an asked k is refused, with the way out
 
 
