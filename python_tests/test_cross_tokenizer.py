@@ -304,6 +304,18 @@ def test_cli_generate_with_a_draft_tokenizer(bigram_pair, tmp_path, capsys):
     assert "greedy-through-text" in captured.err
 
 
+def test_a_draft_tokenizer_given_as_its_directory(bigram_pair, tmp_path):
+    target, draft, tokenizer, draft_tokenizer = bigram_pair
+    _saved_pair(bigram_pair, tmp_path)
+    by_object = generate(PROMPTS[0], target, draft, tokenizer=tokenizer, draft_tokenizer=draft_tokenizer,
+                         max_new_tokens=8, k=3)
+    by_path = generate(PROMPTS[0], target, draft, tokenizer=tokenizer, draft_tokenizer=tmp_path / "draft-tokenizer",
+                       max_new_tokens=8, k=3)
+    assert by_path.token_ids == by_object.token_ids and by_path.plan.drafter == "cross-tokenizer"
+    with pytest.raises(ValueError, match="draft_tokenizer='/nonexistent': no such directory"):
+        generate(PROMPTS[0], target, draft, tokenizer=tokenizer, draft_tokenizer="/nonexistent", max_new_tokens=2)
+
+
 def test_cli_audit_with_a_draft_tokenizer(bigram_pair, tmp_path, capsys):
     """`specdec audit --draft-tokenizer`: the intersection mode audited from the command line."""
     from specdec_ext import cli

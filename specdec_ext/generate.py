@@ -347,7 +347,8 @@ def generate(prompts, target: ModelSpec = None, draft: ModelSpec = None, *, max_
     stream : bool
         Return a ``GenerationStream``: an iterator of ``TextPiece`` (str with ``.index``), with
         ``.result`` set once exhausted.
-    tokenizer, draft_tokenizer : optional tokenizers (default: loaded next to the model paths)
+    tokenizer, draft_tokenizer : optional tokenizers, or the directories they were saved to (default: loaded next
+        to the model paths)
         A draft whose tokenizer spells some token id differently from the target's drafts through text
         (issue 29, drafters/cross_tokenizer.py): greedy, its tokens are decoded and re-encoded as target
         tokens at the committed boundary; sampling, it samples from its distribution moved onto the

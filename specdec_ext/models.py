@@ -100,6 +100,8 @@ def load_models(target: ModelSpec = None, draft: Union[ModelSpec, MedusaHeads] =
     replicated on each, on the target's device). ``draft_tokenizer`` (default: the one next to a draft
     path) that spells some token id differently from ``tokenizer`` makes the drafter "cross-tokenizer"
     (drafters/cross_tokenizer.py), refused here unless both tokenizers round-trip text."""
+    tokenizer, draft_tokenizer = (_tokenizer_arg(name, given) for name, given in
+                                  (("tokenizer", tokenizer), ("draft_tokenizer", draft_tokenizer)))
     for name, given in (("tokenizer", tokenizer), ("draft_tokenizer", draft_tokenizer)):
         if given is not None and not callable(given):
             raise TypeError(f"{name} must be a Hugging Face tokenizer (called on text, it gives input_ids), got "
@@ -231,6 +233,20 @@ def _model_path(spec: ModelSpec) -> Optional[str]:
     if isinstance(spec, torch.nn.Module):
         spec = getattr(spec, "name_or_path", None) or getattr(spec.config, "_name_or_path", None)
     return bundled_path(os.fspath(spec)) if isinstance(spec, (str, os.PathLike)) and spec else None
+
+
+def _tokenizer_arg(name: str, given):
+    """A tokenizer argument given as a directory (or os.PathLike): the tokenizer saved there, as the CLI's
+    --draft-tokenizer PATH loads it; anything else as given."""
+    if not isinstance(given, (str, os.PathLike)):
+        return given
+    path = os.fspath(given)
+    if not os.path.isdir(path):
+        raise ValueError(f"{name}={path!r}: no such directory (a tokenizer object, or the directory it was saved to)")
+    loaded = _tokenizer_at(os.path.realpath(path), _files_changed_ns(os.path.realpath(path)))
+    if loaded is None:
+        raise ValueError(f"{name}={path!r}: no tokenizer could be loaded from that directory")
+    return loaded
 
 
 def _load_tokenizer(spec: ModelSpec):
