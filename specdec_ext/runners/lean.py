@@ -179,10 +179,13 @@ def _hooked_module(model) -> Optional[str]:
     if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
         return "every module (torch.nn.modules.module.register_module_forward_hook)"
     head = getattr(model, "lm_head", None)
-    for name, m in model.named_modules():
-        hooks = [*m._forward_hooks.values(), *m._forward_pre_hooks.values()] if m is not head else []
-        if any(not _observes_only(hook) for hook in hooks):
-            return name or "the model"
+    stack = [model]  # (the modules by their _modules dicts: named_modules() took 3x as long, per plan and runner)
+    while stack:
+        m = stack.pop()
+        if (m._forward_hooks or m._forward_pre_hooks) and m is not head and not all(
+                map(_observes_only, [*m._forward_hooks.values(), *m._forward_pre_hooks.values()])):
+            return next(name for name, each in model.named_modules() if each is m) or "the model"
+        stack.extend(child for child in m._modules.values() if child is not None)
     return None
 
 
