@@ -314,6 +314,8 @@ def test_vocabulary_mismatch_names_the_first_mismatching_tokens(text_pair):
     assert len(out.token_ids[0]) == 4
     with pytest.raises(VocabularyMismatchError, match="target scores 64 tokens"):
         generate([[1, 2]], target, tiny_model("llama", vocab=40))  # no tokenizers: sizes must agree
+    with pytest.raises(VocabularyMismatchError, match=r"first ids only one of them has: 62, 63$"):
+        generate([[1, 2]], target, tiny_model("llama", vocab=62))  # (no ids past the larger vocabulary)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt_neox"])  # the lean draft runner and the paged one
@@ -355,6 +357,9 @@ def test_numpy_and_torch_integers_are_ints_for_counts_and_prompts(pair):
         generate([p[:3] for p in PROMPTS[:2]], target, draft, max_new_tokens=4, k=2).token_ids
     assert generate(PROMPTS[:2], target, draft, max_new_tokens=torch.tensor(4), k=torch.tensor(2)).token_ids == expected
     assert len(generate(PROMPTS[:1], target, draft, max_new_tokens=3, draft_tree=(np.int64(2), 2, 4)).token_ids[0]) == 3
+    assert generate(PROMPTS[:1], target, draft, max_new_tokens=3, k=2, temperature=0.7, top_k=np.int64(5),
+                    seed=1).token_ids == generate(PROMPTS[:1], target, draft, max_new_tokens=3, k=2, temperature=0.7,
+                                                  top_k=5, seed=1).token_ids
     with pytest.raises(ValueError, match="max_new_tokens must be an int >= 0, got 4.0"):
         generate(PROMPTS[:1], target, draft, max_new_tokens=4.0)
 

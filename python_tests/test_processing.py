@@ -64,6 +64,13 @@ def test_greedy_logprobs_equal_plain_decoding_bit_for_bit():
             assert e.logprob <= 0.0
 
 
+def test_more_logprobs_than_the_vocabulary_has_give_every_token(tiny_pair):
+    target, draft = tiny_pair  # (TINY_VOCAB ids: fewer than the 20 asked for)
+    out = generate([[1, 2, 3]], target, draft, k=2, max_new_tokens=4, logprobs=20)
+    assert all(len(e.top) == TINY_VOCAB for e in out.logprobs[0])
+    assert math.isclose(sum(math.exp(lp) for _, lp in out.logprobs[0][0].top), 1.0, rel_tol=1e-4)
+
+
 def test_sampled_logprobs_are_the_processed_distribution_at_the_temperature():
     result = generate(CODE_PROMPTS[:1], k=4, max_new_tokens=16, temperature=0.7, seed=5, logprobs=3,
                       presence_penalty=1.0)

@@ -472,6 +472,7 @@ def plain_generate(prompts, target: ModelSpec = None, **options):
 
 
 def _sampling(temperature, top_k, top_p) -> SamplingParams:
+    top_k = int(top_k) if not isinstance(top_k, int) and _token_id(top_k) else top_k  # (numpy's, torch's ints)
     sampling = SamplingParams(as_float("temperature", temperature), top_k, as_float("top_p", top_p))
     sampling.validate()
     return sampling

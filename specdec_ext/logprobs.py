@@ -60,6 +60,7 @@ def step_logprobs(logits: torch.Tensor, tokens: torch.Tensor, path: Optional[tor
     scale = torch.where((t >= GREEDY_TEMPERATURE) & torch.isfinite(t), t, torch.ones_like(t))  # [B]
     logprobs = torch.log_softmax(picked / scale[:, None, None], dim=-1)  # [B, n+1, V]
     chosen = logprobs.gather(2, tokens.clamp(min=0)[..., None])[..., 0]  # [B, n+1]
+    top = min(top, V)  # (a vocabulary smaller than the alternatives asked for gives every token)
     values, ids = logprobs.topk(top, dim=-1) if top > 0 else (logprobs[..., :0], columns[..., None][..., :0])
     return chosen, ids, values
 

@@ -347,4 +347,5 @@ def check_vocabularies(target_model, draft_model, target_tokenizer=None, draft_t
             raise VocabularyMismatchError(
                 f"the target scores {v_target} tokens (config vocab_size {t_cfg}) and the draft {v_draft} "
                 f"(config vocab_size {d_cfg}): first ids only one of them has: "
-                + ", ".join(str(i) for i in range(min(v_target, v_draft), min(v_target, v_draft) + MAX_MISMATCHES_REPORTED)))
+                + ", ".join(str(i) for i in range(min(v_target, v_draft),
+                                                  min(max(v_target, v_draft), min(v_target, v_draft) + MAX_MISMATCHES_REPORTED))))
