@@ -179,7 +179,7 @@ def warn_unread_generation_config(target_model) -> None:
     if set_:
         warnings.warn(f"the target's generation_config sets {', '.join(set_)}, which generate() does not read: it "
                       f"decodes by its own arguments (temperature=, top_p=, repetition_penalty=, ...; greedy by "
-                      f"default)", stacklevel=3)
+                      f"default)", stacklevel=4)  # (the caller of generate())
 
 
 def eos_token_ids_of(eos_token_id, target_model, tokenizer) -> List[int]:
