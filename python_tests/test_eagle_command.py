@@ -7,6 +7,7 @@ import json
 import os
 import re
 import sys
+import warnings
 
 import pytest
 import torch
@@ -52,9 +53,14 @@ def test_train_eagle_trains_resumes_and_exports(target_dir, tmp_path, monkeypatc
     head = load_eagle(out, model)
     assert head.config.layer_ids == (1, 3, 5) and head.config.draft_vocab_size == 16
 
-    assert cli.main(["train-eagle", "--target", target, "--data", texts, "--out", out, "--steps", "9", "--quiet",
-                     "--export", exported, *FAST]) == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (the same options: nothing to warn about)
+        assert cli.main(["train-eagle", "--target", target, "--data", texts, "--out", out, "--steps", "9", "--quiet",
+                         "--export", exported, *FAST]) == 0
     assert "trained steps 6..9" in capsys.readouterr().out
+    with pytest.warns(UserWarning, match=r"resuming the run in .*ignored: prompt_tokens=5 \(the run's: "):
+        cli.main(["train-eagle", "--target", target, "--data", texts, "--out", out, "--steps", "9", "--quiet",
+                  *FAST, "--prompt-tokens", "5"])
     summary = json.load(open(os.path.join(exported, "train_summary.json")))
     assert summary["steps"] == 9 and summary["layer_ids"] == [1, 3, 5] and summary["training_seconds"] >= 0
     assert summary["command"].startswith(f"specdec train-eagle --target {target} --data {texts} --out {out} --steps 9")

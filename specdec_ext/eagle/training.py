@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import os
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Callable, List, Optional, Sequence, Tuple
 
@@ -209,7 +210,29 @@ def _prepare(target, tokenizer, texts, out_dir: str, config: TrainConfig):
         state = torch.load(state_path, weights_only=False)
         optimizer.load_state_dict(state["optimizer"])
         losses, start, seconds = list(state["losses"]), int(state["step"]), float(state.get("seconds", 0.0))
+        _warn_fixed_by_the_run(state.get("config", {}), config, out_dir)
     return head, optimizer, data, losses, start, seconds
+
+
+# What a run's saved data and head fix: a resumed run keeps them whatever the call asks
+FIXED_BY_THE_RUN = ("draft_vocab_size", "prompt_tokens", "new_tokens", "temperature", "seed", "layer_ids",
+                    "intermediate_size")
+
+
+def _warn_fixed_by_the_run(saved: dict, config: TrainConfig, out_dir: str) -> None:
+    """A warning naming the options a resumed run ignores (its data and head were made with the saved ones);
+    the texts too are the saved data's."""
+    asked = asdict(config)
+    ignored = [f"{name}={asked[name]!r} (the run's: {saved[name]!r})" for name in FIXED_BY_THE_RUN
+               if name in saved and _plain(saved[name]) != _plain(asked[name])]
+    if ignored:
+        warnings.warn(f"resuming the run in {out_dir}: its data and head were made with other options, so these are "
+                      f"ignored: {', '.join(ignored)}; the texts are the saved data's too. A new out_dir trains "
+                      f"afresh.", stacklevel=3)
+
+
+def _plain(value):
+    return list(value) if isinstance(value, (tuple, list)) else value
 
 
 def learning_rate(step: int, steps: int, config: TrainConfig) -> float:
