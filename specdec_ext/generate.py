@@ -152,6 +152,12 @@ def _token_id(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
+def _plain_int(value):
+    """numpy's and torch's integer scalars as ints, as token ids take them (the argument checks want int);
+    anything else as given."""
+    return int(value) if not isinstance(value, int) and _token_id(value) else value
+
+
 def check_text(text: str, what: str) -> None:
     """ValueError for text the tokenizer cannot take (it would raise a TypeError about its input type): a lone
     surrogate, e.g. from JSON's \\ud800 escape, has no UTF-8 encoding. (The server's requests too.)"""
@@ -472,8 +478,7 @@ def plain_generate(prompts, target: ModelSpec = None, **options):
 
 
 def _sampling(temperature, top_k, top_p) -> SamplingParams:
-    top_k = int(top_k) if not isinstance(top_k, int) and _token_id(top_k) else top_k  # (numpy's, torch's ints)
-    sampling = SamplingParams(as_float("temperature", temperature), top_k, as_float("top_p", top_p))
+    sampling = SamplingParams(as_float("temperature", temperature), _plain_int(top_k), as_float("top_p", top_p))
     sampling.validate()
     return sampling
 
@@ -502,11 +507,8 @@ class RunRequest:
     top_logprobs: Optional[int] = None
 
     def __post_init__(self):
-        # numpy's and torch's integer scalars are ints here, as they are for token ids (the checks want int)
         for name in ("max_new_tokens", "max_seq_len", "k", "top_logprobs"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, int) and _token_id(value):
-                object.__setattr__(self, name, int(value))  # (frozen)
+            object.__setattr__(self, name, _plain_int(getattr(self, name)))  # (frozen)
         if isinstance(self.draft_tree, (tuple, list)) and all(_token_id(v) for v in self.draft_tree):
             object.__setattr__(self, "draft_tree", tuple(int(v) for v in self.draft_tree))
 

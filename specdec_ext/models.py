@@ -243,7 +243,8 @@ def _tokenizer_arg(name: str, given):
     path = os.fspath(given)
     if not os.path.isdir(path):
         raise ValueError(f"{name}={path!r}: no such directory (a tokenizer object, or the directory it was saved to)")
-    loaded = _tokenizer_at(os.path.realpath(path), _files_changed_ns(os.path.realpath(path)))
+    real = os.path.realpath(path)
+    loaded = _tokenizer_at(real, _files_changed_ns(real))
     if loaded is None:
         raise ValueError(f"{name}={path!r}: no tokenizer could be loaded from that directory")
     return loaded

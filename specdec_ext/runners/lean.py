@@ -88,6 +88,8 @@ def prefill_groups(lengths: Sequence[int], slack: float = PREFILL_PADDING_SLACK,
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 CAPACITY_SLACK = 16  # cache positions past max_seq_len for padding columns of a forward
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")  # a Llama layer's self_attn's
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # ... and its mlp's
 
 
 def rope_parameters(cfg) -> dict:
@@ -138,17 +140,16 @@ def unsupported_reason(model, max_seq_len: Optional[int] = None) -> Optional[str
         return "no rotary_emb.inv_freq buffer"
     for i, layer in enumerate(base.layers):
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        names = ("q_proj", "k_proj", "v_proj", "o_proj")
-        if attn is None or mlp is None or not all(hasattr(attn, n) for n in names) or \
-                not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+        parts = ((attn, ATTENTION_PROJECTIONS), (mlp, MLP_PROJECTIONS))
+        if any(owner is None or not all(hasattr(owner, n) for n in names) for owner, names in parts):
             return f"layer {i} does not have the Llama attention/MLP layout"
         if hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
             return f"layer {i} has q/k norms"
-        for owner, names in ((attn, ("q_proj", "k_proj", "v_proj", "o_proj")), (mlp, ("gate_proj", "up_proj", "down_proj"))):
-            for n in names:
-                if not _plain_module(getattr(owner, n), torch.nn.Linear):
-                    return (f"layer {i}'s {n} is a {type(getattr(owner, n)).__qualname__}, not a torch.nn.Linear (an "
-                            f"adapter such as LoRA, or a quantized layer): the lean forward reads the weight alone")
+        for projection in (getattr(owner, n) for owner, names in parts for n in names):
+            if not _plain_module(projection, torch.nn.Linear):
+                name = next(n for owner, names in parts for n in names if getattr(owner, n) is projection)
+                return (f"layer {i}'s {name} is a {type(projection).__qualname__}, not a torch.nn.Linear (an adapter "
+                        f"such as LoRA, or a quantized layer): the lean forward reads the weight alone")
     if not _plain_module(base.embed_tokens, torch.nn.Embedding) or not _plain_module(head, torch.nn.Linear):
         return "the embedding or the LM head is not a plain torch.nn.Embedding / torch.nn.Linear"
     hooked = _hooked_module(model)
@@ -194,7 +195,6 @@ def _observes_only(hook) -> bool:
     ``specdec_internal``) and transformers' output capturing (installed for good by a first call with
     output_hidden_states=True, and idle outside such a call)."""
     return bool(getattr(hook, "specdec_internal", False)) or getattr(hook, "__module__", "") == HF_OUTPUT_CAPTURING
-
 
 
 def _head_dim(cfg) -> int:
