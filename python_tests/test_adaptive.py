@@ -1641,5 +1641,6 @@ def test_decode_plans_at_the_rows_mean_context(tiny_pair):
         result = generate(prompts, target, draft, max_new_tokens=24, k=Recording(4), eos_token_id=False)
     assert contexts[0] == pytest.approx((20 + 6) / 2 + 1)  # the prompts and the first token
     assert all(b > a for a, b in zip(contexts, contexts[1:]))
-    assert contexts[-1] < (20 + 6) / 2 + 24
+    # (a row that reaches 24 tokens first leaves the mean: which one does depends on k's timed choices)
+    assert contexts[-1] < 20 + 24
     assert result.stats.new_tokens == 48
