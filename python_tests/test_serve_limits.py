@@ -62,7 +62,8 @@ def test_a_full_server_answers_429_with_retry_after(server, client):
         assert response.status_code == 429
         assert int(response.headers["Retry-After"]) >= 1
         error = response.json()["error"]
-        assert error["type"] == "rate_limit_exceeded" and "all 2 rows are running" in error["message"]
+        assert error["code"] == "rate_limit_exceeded" and error["type"] == "requests"  # OpenAI's shape
+        assert "all 2 rows are running" in error["message"]
         with pytest.raises(openai.RateLimitError):
             client.completions.create(model=MODEL_NAME, prompt="abc")
     finally:

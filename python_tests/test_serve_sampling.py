@@ -255,6 +255,26 @@ def test_echo_with_logprobs_scores_the_prompt_then_the_completion(client, server
     assert streamed == {"text": echoed.text, "tokens": lp.tokens, "token_logprobs": lp.token_logprobs}
 
 
+def test_max_tokens_zero_scores_the_prompt_and_draws_nothing(client):
+    """max_tokens=0 with echo and logprobs (how a client scores a text): the prompt's text and logprobs, no
+    completion token, finish_reason "length", the same objects streamed; n choices each get them."""
+    kw = dict(model=MODEL_NAME, prompt=PROMPTS[1], temperature=0, logprobs=2, echo=True)
+    scored = client.completions.create(max_tokens=0, **kw)
+    with_one = client.completions.create(max_tokens=1, **kw).choices[0]
+    choice = scored.choices[0]
+    assert choice.text == PROMPTS[1] and choice.finish_reason == "length"
+    P = scored.usage.prompt_tokens
+    assert scored.usage.completion_tokens == 0 and len(choice.logprobs.tokens) == P
+    assert choice.logprobs.token_logprobs == with_one.logprobs.token_logprobs[:P]
+    streamed = list(client.completions.create(max_tokens=0, stream=True, **kw))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == PROMPTS[1]
+    assert [c.choices[0].finish_reason for c in streamed if c.choices][-1] == "length"
+    two = client.completions.create(max_tokens=0, n=2, **kw)
+    assert [c.text for c in two.choices] == [PROMPTS[1]] * 2 and two.usage.completion_tokens == 0
+    plain = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=0).choices[0]
+    assert plain.text == "" and plain.finish_reason == "length"
+
+
 def test_echo_prepends_the_prompt(client):
     kw = dict(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
     plain = client.completions.create(**kw).choices[0].text

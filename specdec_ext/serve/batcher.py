@@ -367,10 +367,18 @@ class ContinuousBatcher:
         running (the client need not wait for the draft's prefill); a row whose draft prefill is deferred
         is held by the drafter (``Drafter.hold_rows``: no draft forward, where a one-token stand-in prompt,
         a draft forward per joining row, was the speculative server's extra with every step plain)."""
+        self._prompt_logprobs(rows)
+        scoring = [i for i, row in enumerate(rows) if row.request.max_new_tokens == 0]
+        if scoring:  # max_tokens=0 (a prompt scored with echo and logprobs): no token is drawn
+            for i in scoring:
+                self.end(rows[i], "length")
+            kept = sorted(set(range(len(rows))) - set(scoring))
+            if not kept:
+                return
+            rows, logits = [rows[i] for i in kept], logits[kept]
         for row in rows:  # (after any chunked prefill's frozen one-token row: the counts start here)
             self.meta.processing.set_row(row.slot, row.request.processing, row.request.prompt, row.request.grammar)
         self.meta.top_logprobs = _widest_logprobs(rows)
-        self._prompt_logprobs(rows)
         first, status, logprobs = join_rows([row.slot for row in rows], [row.request.prompt for row in rows],
                                             logits, self.meta)
         now = self.clock()

@@ -1,6 +1,7 @@
 """The OpenAI request bodies (validated by pydantic: a bad field is named in the 400) and response objects.
 
-Supported request fields: prompt / messages, max_tokens (max_completion_tokens for chat), temperature,
+Supported request fields: prompt / messages, max_tokens (max_completion_tokens for chat; completions take 0:
+the prompt scored with echo and logprobs, no token drawn), temperature,
 top_p, top_k (an extension: 0 or -1 is off), seed, stop, stream, stream_options.include_usage, n (one row per choice),
 ignore_eos (an extension: generate exactly max_tokens); the logits processors presence_penalty,
 frequency_penalty, logit_bias and the extensions min_p and repetition_penalty (specdec_ext/processing.py);
@@ -32,6 +33,8 @@ MAX_TOP_LOGPROBS = 20  # logprobs.MAX_TOP_LOGPROBS (OpenAI's bound)
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
     include_usage: bool = False
 
 
@@ -76,7 +79,17 @@ class SamplingFields(BaseModel):
             raise ValueError("stop strings must not be empty")
         if len(strings) > MAX_STOP_SEQUENCES:
             raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences, got {len(strings)}")
+        for s in strings:
+            check_text(s, "a stop string")
         return strings
+
+    @field_validator("stream_options")
+    @classmethod
+    def _stream_options_need_stream(cls, options, info: ValidationInfo):
+        """As OpenAI: stream_options belong to a streamed request (a non-streamed one has its usage anyway)."""
+        if options is not None and not info.data.get("stream", False):
+            raise ValueError("only allowed when stream is true")
+        return options
 
     @property
     def include_usage(self) -> bool:
@@ -85,7 +98,7 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     prompt: Union[str, List[str], List[int], List[List[int]]]
-    max_tokens: Optional[int] = Field(None, ge=1)
+    max_tokens: Optional[int] = Field(None, ge=0)  # 0: the prompt scored (echo with logprobs), nothing drawn
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     best_of: Optional[int] = None

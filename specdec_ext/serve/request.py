@@ -60,6 +60,7 @@ class RequestRejected(Exception):
 
     status = 400
     error_type = "invalid_request_error"
+    code: Optional[str] = None
     param: Optional[str] = None
 
     def __init__(self, message: str, param: Optional[str] = None):
@@ -75,7 +76,8 @@ class QueueFullError(RequestRejected):
     """Every slot is running and the queue is full: try again after ``retry_after`` seconds."""
 
     status = 429
-    error_type = "rate_limit_exceeded"
+    error_type = "requests"  # OpenAI's shape: the limit that was hit in "type", what happened in "code"
+    code = "rate_limit_exceeded"
 
     def __init__(self, message: str, retry_after: int):
         super().__init__(message)
