@@ -190,3 +190,26 @@ def test_an_explicit_max_seq_len_past_max_position_embeddings_warns_once(short_p
         warnings.simplefilter("error")  # within the model's positions: no warning
         specdec_ext.plain_generate([prompt(POSITIONS - 4)], target, max_new_tokens=4, eos_token_id=False,
                                    max_seq_len=4 * POSITIONS)
+
+
+def test_a_position_table_is_a_hard_limit_even_with_max_seq_len():
+    """A model that looks positions up in a table (GPT-2's wpe) cannot run past it: an explicit max_seq_len
+    beyond it is refused before any work, naming the table (it raised IndexError mid-stream), where a rotary
+    model runs with a warning (above); within the table the call runs."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_positions=32, n_embd=32, n_layer=1, n_head=2)).eval()
+    ids = [[5, 17, 3, 99, 42]]
+    with pytest.raises(ValueError, match=r"the cache holds 32 \(the target model's position table transformer.wpe, "
+                                         r"of max_position_embeddings=32, which it cannot look past"):
+        specdec_ext.generate(ids, gpt2, "ngram", k=4, max_new_tokens=40, max_seq_len=64, eos_token_id=False)
+    with pytest.raises(ValueError, match="transformer.wpe"):
+        specdec_ext.plain_generate(ids, gpt2, max_new_tokens=40, max_seq_len=64, eos_token_id=False)
+    with pytest.raises(ValueError, match="transformer.wpe"):  # 5 + 20 + two steps of 4 drafts > 32
+        specdec_ext.generate(ids, gpt2, "ngram", k=4, max_new_tokens=20, max_seq_len=64, eos_token_id=False)
+    reference = gpt2.generate(torch.tensor(ids), max_new_tokens=20, do_sample=False)[0, 5:].tolist()
+    out = specdec_ext.generate(ids, gpt2, "ngram", max_new_tokens=20, max_seq_len=64, eos_token_id=False)
+    assert out.token_ids[0] == reference and "at most 3" in out.plan.explain()  # the default k fits the table
+    assert specdec_ext.plain_generate(ids, gpt2, max_new_tokens=20, max_seq_len=64,
+                                      eos_token_id=False).token_ids[0] == reference

@@ -30,7 +30,8 @@ The rules, in the order ``make_plan`` applies them:
 5. cache: the positions a row writes (``loop_cache_len``): plain decoding its prompt and max_new_tokens - 1
    (the last token is sampled, never fed), a draft its prompt, max_new_tokens and two steps of drafts;
    more than max_seq_len (or the models' max_position_embeddings) is refused before any work, and an
-   explicit max_seq_len that lets the rows run past max_position_embeddings is warned about. A draft
+   explicit max_seq_len that lets the rows run past max_position_embeddings is warned about (a model with an
+   absolute position table, GPT-2's wpe, is bounded by it whatever max_seq_len says: it cannot look past it). A draft
    length left to the plan (k None or "auto") shrinks to what the cache leaves, down to plain decoding
    (``_fit_default_draft_length``); an asked k or tree is refused.
 6. capabilities: what the chosen runners can do beyond the ModelRunner contract
@@ -550,9 +551,10 @@ def _describe_capabilities(target: RunnerCapabilities, draft: Optional[RunnerCap
     return line + (f" ({'; '.join(uses)})" if uses else "")
 
 
-def _cache_limits(ask: PlanRequest, models: _Models) -> Tuple[Optional[int], Optional[Tuple[int, str]]]:
+def _cache_limits(ask: PlanRequest, models: _Models) -> Tuple[Optional[int], Optional[Tuple[int, str]], str]:
     """(the positions a row may use: max_seq_len, else the models' max_position_embeddings, or None; the
-    models' (max_position_embeddings, "target" or "draft"), or None)."""
+    models' (max_position_embeddings, "target" or "draft"), or None; what sets the first). A model with an
+    absolute position table bounds the rows whatever max_seq_len says: it cannot look past its table."""
     # a draft with another tokenizer counts its own positions (a row that outgrows them stops drafting), one that
     # declares a context window keeps its cache within it (drafters/model_drafter.py), and plain decoding runs none
     bounded = {"target": models.target}
@@ -561,7 +563,15 @@ def _cache_limits(ask: PlanRequest, models: _Models) -> Tuple[Optional[int], Opt
         bounded["draft"] = models.draft
     positions = [(_max_positions(model), role) for role, model in bounded.items() if _max_positions(model)]
     model_limit = min(positions) if positions else None
-    return (ask.max_seq_len if ask.max_seq_len is not None else (model_limit[0] if model_limit else None)), model_limit
+    source = f"the {model_limit[1]} model's max_position_embeddings" if model_limit else ""
+    if ask.max_seq_len is None:
+        return (model_limit[0] if model_limit else None), model_limit, source
+    tables = [(limit, role, _position_table(bounded[role])) for limit, role in sorted(positions)]
+    table = next(((limit, role, name) for limit, role, name in tables if name is not None), None)
+    if table is not None and table[0] < ask.max_seq_len:
+        return table[0], model_limit, (f"the {table[1]} model's position table {table[2]}, of max_position_embeddings"
+                                       f"={table[0]}, which it cannot look past whatever max_seq_len says")
+    return ask.max_seq_len, model_limit, "max_seq_len"
 
 
 def _fit_default_draft_length(ask: PlanRequest, slots: int, controller, models: _Models,
@@ -571,7 +581,7 @@ def _fit_default_draft_length(ask: PlanRequest, slots: int, controller, models: 
     positions but the request itself fits, the chain drafts what fits, and with no room for one draft the call
     decodes plain (as HF's assisted generation and vLLM stop drafting at the end of the context). An asked
     k or tree is refused by ``_check_cache`` instead, with the numbers."""
-    limit, _ = _cache_limits(ask, models)
+    limit, _, _ = _cache_limits(ask, models)
     longest = max(ask.prompt_lengths)
     if limit is None or loop_cache_len(longest, ask.max_new_tokens, slots) <= limit:
         return ask, slots, controller
@@ -592,7 +602,7 @@ def _fit_default_draft_length(ask: PlanRequest, slots: int, controller, models: 
 def _check_cache(ask: PlanRequest, slots: int, models: _Models) -> None:
     """Rule 5: every prompt fits max_seq_len (or the models' max_position_embeddings) with its tokens; an
     explicit max_seq_len past max_position_embeddings runs, with one warning per call."""
-    limit, model_limit = _cache_limits(ask, models)
+    limit, model_limit, source = _cache_limits(ask, models)
     if limit is None:
         return
     for b, length in enumerate(ask.prompt_lengths):
@@ -601,8 +611,6 @@ def _check_cache(ask: PlanRequest, slots: int, models: _Models) -> None:
             # (a chain that plain decoding would fit: the default k shrinks to fit, _fit_default_draft_length)
             fits = (loop_cache_len(length, ask.max_new_tokens, 0) <= limit and ask.draft_tree is None
                     and ask.drafter != "heads")
-            source = ("max_seq_len" if ask.max_seq_len is not None else
-                      f"the {model_limit[1]} model's max_position_embeddings")
             raise ValueError(
                 f"prompt {b} has {length} tokens; with max_new_tokens={ask.max_new_tokens} and {slots} draft "
                 f"slots it needs {needs} cache positions but the cache holds {limit} ({source}): shorten the "
@@ -714,6 +722,18 @@ def _graphs(graphs_ok: bool, graphs_reason: Optional[str], drafter: str, tree, c
         return True, ("an EAGLE-3 chain of fixed k on the paged target runner (static shapes, its hidden states "
                       "tapped on the device): draft, verify and commit are graphs")
     return True, "a chain of fixed k on the paged runners (static shapes): draft, verify and commit are graphs"
+
+
+# the names HF gives a learned (or fixed sinusoidal) absolute position table: GPT-2 / GPT-J-style ``wpe``, OPT's and
+# BART's ``embed_positions``, BERT-style ``position_embeddings``
+POSITION_TABLE_NAMES = ("wpe", "embed_positions", "position_embeddings")
+
+
+def _position_table(model) -> Optional[str]:
+    """The name of ``model``'s absolute position table (an embedding indexed by position), or None: such a model
+    cannot run past the table, where a rotary or ALiBi model only leaves its training range."""
+    return next((name for name, module in model.named_modules()
+                 if isinstance(module, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in POSITION_TABLE_NAMES), None)
 
 
 def _max_positions(model) -> Optional[int]:
