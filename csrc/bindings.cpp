@@ -124,4 +124,6 @@ PYBIND11_MODULE(_C, m) {
   register_suffix_automaton(m);
   m.def("recheck_packed_weights", &specdec::cpu::recheck_packed_weights,
         "Compare each packed weight copy's fingerprint again at its next use (a lean runner calls it when built).");
+  m.def("forget_packed_weights", &specdec::cpu::forget_packed_weights,
+        "Drop every packed weight copy: each weight is packed again at its next use (specdec_ext.refresh_weights).");
 }

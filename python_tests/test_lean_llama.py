@@ -7,6 +7,7 @@ import pytest
 import torch
 import transformers
 
+import specdec_ext
 from specdec_ext.runners import LeanLlamaRunner, PagedModelRunner, RecomputeRunner, unsupported_reason
 
 TOL = 1e-4
@@ -240,6 +241,36 @@ def test_a_weight_written_through_data_is_read_again_by_the_next_runner(kernels,
     after = last_logits()
     assert not torch.allclose(after[0], before[0], atol=1e-3)
     assert torch.allclose(after[0], expected, atol=0.05 if dtype == torch.bfloat16 else 1e-4)
+
+
+@pytest.mark.parametrize("kernels,dtype,compute", [("1", torch.float32, None), ("1", torch.bfloat16, None),
+                                                   ("0", torch.bfloat16, torch.float32)])
+def test_refresh_weights_reads_a_one_row_write_that_the_fingerprint_misses(kernels, dtype, compute, monkeypatch):
+    """One row written through ``.data`` changes none of the fingerprint's 64 sampled elements (rows 0, V/64,
+    2V/64, ...): specdec_ext.refresh_weights() drops every cached copy, and the next runner reads the write."""
+    monkeypatch.setenv("SPECDEC_CPU_KERNELS", kernels)
+    model = tiny("llama", seed=6).to(dtype)
+    prompt = [[5, 17, 3, 44, 9]]
+
+    def last_logits():
+        return LeanLlamaRunner(model, max_batch_size=1, max_seq_len=16, compute_dtype=compute).start(prompt)[0]
+
+    last_logits()  # the copies are made
+    head = model.lm_head.weight
+    rows, cols = head.shape
+    packed_samples = {(i * rows // 64, (i * 40503 + i * rows // 64) % cols) for i in range(64)}  # packed_weights.cpp
+    step = max(1, rows * cols // 64)
+    cast_samples = {divmod(j * step, cols) for j in range(64)}  # lean_forward._sampled
+    row = 1
+    unsampled = [c for c in range(cols) if (row, c) not in packed_samples | cast_samples]
+    with torch.no_grad():
+        head.data[row, unsampled] += 3.0
+        expected = model(torch.tensor(prompt)).logits[0, -1].float()
+    assert not torch.allclose(last_logits(), expected, atol=0.05)  # the write the fingerprint misses
+    specdec_ext.refresh_weights()
+    after = last_logits()
+    bf16 = dtype == torch.bfloat16  # (row 1's logit is now ~19: bf16's steps there are 0.125)
+    assert torch.allclose(after, expected, atol=0.05 if bf16 else 1e-4, rtol=0.02 if bf16 else 1e-5)
 
 
 def test_interface_errors():

@@ -17,8 +17,10 @@ from .default_pair import load_default_pair  # noqa: E402
 from .eagle import EagleDrafterSpec, load_eagle  # noqa: E402
 from .generate import GenerationResult, generate, plain_generate  # noqa: E402
 from .models import VocabularyMismatchError, load_pair  # noqa: E402
+from .ops.lean_forward import refresh_weights  # noqa: E402
 from .plan import DecodePlan  # noqa: E402
 
 __all__ = ["ops", "generate", "plain_generate", "audit", "load_pair", "load_default_pair", "AdaptiveK",
-           "GenerationResult", "DecodePlan", "VocabularyMismatchError", "EagleDrafterSpec", "load_eagle"]
+           "GenerationResult", "DecodePlan", "VocabularyMismatchError", "EagleDrafterSpec", "load_eagle",
+           "refresh_weights"]
 __version__ = "0.1.0"

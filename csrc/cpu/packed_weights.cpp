@@ -96,6 +96,11 @@ at::Tensor cached_copy(const at::Tensor& weight, const PanelLayout& layout, cons
 
 void recheck_packed_weights() { recheck_epoch.fetch_add(1, std::memory_order_relaxed); }
 
+void forget_packed_weights() {
+  std::lock_guard<std::mutex> lock(packed_mutex);
+  packed_entries.clear();  // (a caller's returned tensor keeps its copy alive until it lets go)
+}
+
 at::Tensor panel_packed_weight(const at::Tensor& weight, const PanelLayout& layout) {
   return cached_copy(weight, layout, [&] {
     const GemmWeight w{weight.data_ptr(), dtype_of(weight), weight.size(0), weight.size(1), weight.stride(0)};

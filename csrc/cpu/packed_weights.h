@@ -13,14 +13,19 @@ namespace specdec::cpu {
 // shared by every tensor over the same storage, offset and shape (a parameter and its detach()ed
 // copies): packed on first use, again when the data pointer or the version counter has changed, dropped
 // once the storage is freed. A write the version counter does not see (through `.data`, or inside
-// inference mode) is caught by a fingerprint of sampled elements, compared at a weight's first use after
-// each recheck_packed_weights() (a lean runner's construction: once per generation), not at every call.
+// inference mode) is caught by a fingerprint of 64 sampled elements, compared at a weight's first use after
+// each recheck_packed_weights() (a lean runner's construction: once per generation), not at every call;
+// a write that misses every sampled element is not (forget_packed_weights()).
 // Thread safe; the returned tensor keeps the copy alive for the caller.
 // Shape: uint8 [packed_panel_bytes(weight, layout)] (gemm_types.h's panels)
 at::Tensor panel_packed_weight(const at::Tensor& weight, const PanelLayout& layout);
 
 // Starts a new recheck epoch: each packed copy's fingerprint is compared again at its weight's next use.
 void recheck_packed_weights();
+
+// Drops every packed copy: each weight is packed again at its next use (after a write that neither the
+// version counter nor the fingerprint sees: one row or a few elements written through `.data`).
+void forget_packed_weights();
 
 // The same for the amxbf16 route's tiles of a bf16 weight with K a multiple of 32 and N >= 16.
 // Shape: [N / 16 * 16 * K] bf16 (simd/amx.h's [N / 16][K / 32][16][32])

@@ -131,10 +131,19 @@ def recheck_weights() -> None:
     weight copy (``cached_cast``, and the CPU kernels' packed copies, csrc/cpu/packed_weights.h) compares
     sampled elements of the weight with those it was copied from. A write that the version counter does not
     see (through ``.data``: a LoRA merge, a fine-tuning step, a rescale) then makes a fresh copy; it served
-    the stale one for good."""
+    the stale one for good. A write that changes none of the 64 sampled elements (one row of a matrix, a few
+    elements) is not seen: ``refresh_weights``."""
     global _recheck_epoch
     _recheck_epoch += 1
     _C.recheck_packed_weights()
+
+
+def refresh_weights() -> None:
+    """Drop every cached weight copy (``cached_cast``'s and the CPU kernels' packed ones): each is made again
+    from the weight at its next use. For a write that neither the version counter nor the sampled elements
+    see."""
+    _CASTS.clear()
+    _C.forget_packed_weights()
 
 
 def _sampled(weight: torch.Tensor) -> torch.Tensor:
