@@ -84,6 +84,10 @@ OUT_OF_RANGE = [
     ("max_seq_len True", dict(max_seq_len=True), r"max_seq_len must be an int >= 1 or None, got True"),
     ("max_seq_len negative", dict(max_seq_len=-5), r"max_seq_len must be an int >= 1 or None, got -5"),
     ("a 0-d tensor prompt", dict(prompt=torch.tensor(5)), r"prompts as a tensor must be \[T\] or \[B, T\]"),
+    ("a prompt tensor on the meta device", dict(prompt=torch.tensor([[1, 2]], device="meta")),
+     "prompts as a tensor are on the meta device"),
+    ("one prompt of a list on the meta device", dict(prompt=[[1, 2], torch.tensor([3], device="meta")]),
+     "prompt 1 is a tensor on the meta device"),
 ]
 
 

@@ -264,6 +264,8 @@ def test_summary_writes_a_dash_where_nothing_was_measured(pair):
     assert "k=auto (k_max 8)" in auto.summary() and "k varies per step" in auto.summary()
     assert str(auto) == auto.summary() and repr(auto).startswith("GenerationStats(")  # (print(result.stats))
     assert predicted_speedup(0.7, 5, 0.02, 1.0) == pytest.approx(2.94 / 1.1, rel=1e-2)
+    one = generate(PROMPTS[:1], target, draft, max_new_tokens=1, k=4).stats  # the prefill's token: no pass after it
+    assert one.steps == 0 and "tokens per pass -" in one.summary() and "nan" not in one.summary().lower()
 
 
 # ---------------------------------------------------------------------------------- bad input

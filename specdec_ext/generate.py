@@ -110,6 +110,8 @@ def normalise_prompts(prompts, tokenizer) -> Tuple[List[List[int]], bool]:
     if isinstance(prompts, torch.Tensor):
         if prompts.dim() not in (1, 2):
             raise ValueError(f"prompts as a tensor must be [T] or [B, T] token ids, got shape {tuple(prompts.shape)}")
+        if prompts.is_meta:
+            raise ValueError("prompts as a tensor are on the meta device: they hold no token ids")
         prompts = prompts.tolist()
         if prompts and not isinstance(prompts[0], list):
             prompts = [prompts]
@@ -136,6 +138,8 @@ def normalise_prompts(prompts, tokenizer) -> Tuple[List[List[int]], bool]:
         else:
             if not hasattr(p, "tolist") and not isinstance(p, (list, tuple)):
                 raise TypeError(f"prompt {b} must be a string or a list of int token ids, got {type(p).__name__}")
+            if getattr(p, "is_meta", False):
+                raise ValueError(f"prompt {b} is a tensor on the meta device: it holds no token ids")
             ids = p.tolist() if hasattr(p, "tolist") else list(p)  # (a tensor or a numpy array of ids too)
             if not isinstance(ids, list) or not all(_token_id(t) for t in ids):
                 raise TypeError(f"prompt {b} must be a string or a list of int token ids")

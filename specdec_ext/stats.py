@@ -220,9 +220,9 @@ class GenerationStats:
         by_pos = ", ".join(_measured(a, "{:.2f}") for a in self.acceptance_by_position)
         lines = [
             f"tokens: {self.new_tokens} in {self.total_time:.3f}s ({self.tokens_per_second:.1f} tok/s, "
-            f"TPOT {self.tpot * 1e3:.2f} ms), batch {self.batch_size}, "
+            f"TPOT {_measured(self.tpot * 1e3, '{:.2f}')} ms), batch {self.batch_size}, "
             + (f"k=auto (k_max {self.k})" if self.adaptive else f"k={self.k}"),
-            f"target passes: {self.steps}, tokens per pass {self.tokens_per_pass:.2f} "
+            f"target passes: {self.steps}, tokens per pass {_measured(self.tokens_per_pass, '{:.2f}')} "
             f"(cost model {_measured(self.predicted_tokens_per_pass, '{:.2f}')}), acceptance a={_measured(self.acceptance_rate, '{:.3f}')}, "
             f"by position [{by_pos}]",
             f"time: prefill {self.prefill_time * 1e3:.1f} ms, draft {self.draft_time * 1e3:.1f} ms, "
