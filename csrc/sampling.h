@@ -19,7 +19,7 @@
 //   Per row, status checks before anything is emitted: validate_filter() (-5, -6, -7), num_draft in
 //   [0, k] (-4), draws (-11 when a sampling row has neither seed nor uniforms, -8 for a uniform
 //   outside [0, 1)), draft ids in [0, V) (-3); then the walk (-1 for a non-finite logits row, -2 for
-//   an invalid draft probability at a position read).
+//   an invalid draft probability at a position read, or q(x) = 0 at a draft x: it cannot have been drawn).
 //
 // residual_probs: normalise(max(0, p - q)) over the last dimension; p where that mass is zero.
 //   target_probs [..., V] fp32/bf16/fp16, draft_probs [..., V] same shape, out [..., V] fp32.

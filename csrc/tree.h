@@ -73,7 +73,7 @@
 //         p <- filtered target at logits row cur+1               (-1 if that row is not finite)
 //         for each child c of cur (i < n, parents[i] == cur, increasing i):
 //           x = tree_token_ids[c]; q_row = draft_probs ? draft_probs[b, c, :] : one-hot(x)
-//           qx = q_row[x]; qx must lie in [0, 1]                 (-2 otherwise)
+//           qx = q_row[x]; qx must lie in (0, 1]                 (-2 otherwise: x cannot be drawn at 0)
 //           if accept_draft(u(c), p(x), qx):                     (u * qx < p(x), sampling_math.h)
 //             path[d] = c; tokens[d] = x; d += 1; cur = c; continue the outer loop
 //           p <- normalise(max(0, p - q_row)), p kept where that mass is 0   (-2 if q_row has a

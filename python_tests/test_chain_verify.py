@@ -264,6 +264,9 @@ def call(**overrides):
     (dict(target_logits=torch.full((2, 3, 5), float("-inf"))), "every logit is -inf"),
     (dict(draft_probs=torch.full((2, 2, 5), -0.2)), "draft_probs: row 0 has a NaN, negative"),
     (dict(draft_probs=torch.full((2, 2, 5), float("nan"))), "draft_probs: row 0 has a NaN"),
+    # q(x) = 0 at the drafted token 0: x cannot have been drawn from q (min(1, p / 0) accepted it)
+    (dict(draft_probs=torch.tensor([0.0, 0.25, 0.25, 0.25, 0.25]).expand(2, 2, 5).contiguous()),
+     "draft_probs: row 0 .* or 0 at its drafted token"),
     (dict(temperature=-1.0), "temperature: row 0 is negative or NaN"),
     (dict(temperature=float("nan")), "temperature: row 0 is negative or NaN"),
     (dict(top_p=0.0), r"top_p: row 0 is outside \(0, 1\]"),

@@ -299,8 +299,12 @@ class Stepper:
         """Rows whose verification failed (a RowStatus < 0: NaN logits, ...): raised, or with
         ``isolate_failures`` the running ones returned (the others commit nothing anyway)."""
         if not self.options.isolate_failures:
-            if min(num_accepted, default=0) < 0:
-                raise_for_row_status("chain_verify" if verdict.path is None else "tree_verify", verdict.num_accepted)
+            # (a finished row is verified too, over whatever its buffers hold, and commits nothing: its status
+            # is not the caller's problem)
+            if min((code for b, code in enumerate(num_accepted) if active[b]), default=0) < 0:
+                finished = ~torch.tensor(active[: len(num_accepted)], device=verdict.num_accepted.device)
+                live = verdict.num_accepted.masked_fill(finished, 0)
+                raise_for_row_status("chain_verify" if verdict.path is None else "tree_verify", live)
             return {}
         return {b: code for b, code in enumerate(num_accepted) if active[b] and code < 0}
 

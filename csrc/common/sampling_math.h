@@ -34,7 +34,7 @@ namespace specdec {
 // negative value into an error that names the argument, which keeps the ops free of host syncs.
 enum RowStatus : int32_t {
   kStatusNonFiniteLogits = -1,     // a NaN or +inf logit, or every logit -inf, at a position read
-  kStatusInvalidDraftProbs = -2,   // a NaN, negative or > 1 draft probability at a position read
+  kStatusInvalidDraftProbs = -2,   // a NaN, negative or > 1 draft probability at a position read, or 0 at its draft
   kStatusDraftTokenOutOfRange = -3,
   kStatusNumDraftOutOfRange = -4,
   kStatusInvalidTemperature = -5,  // negative or NaN

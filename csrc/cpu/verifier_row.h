@@ -58,7 +58,7 @@ class VerifierRow {
     const int64_t x = token_id(slot);
     const float* q_row = v_.draft_probs ? v_.draft_probs + (row_ * v_.drafts + slot) * v_.vocab : nullptr;
     const float q = q_row ? q_row[x] : 1.0f;
-    if (!(q >= 0.0f && q <= 1.0f)) {
+    if (!(q > 0.0f && q <= 1.0f)) {  // (q(x) = 0: x cannot have been drawn from q; min(1, p / 0) took it)
       status = kStatusInvalidDraftProbs;
       return false;
     }

@@ -155,7 +155,7 @@ __global__ void __launch_bounds__(kDecideThreads) chain_decide_kernel(ChainVerif
     if (status != 0) break;
     q_row = p.draft_probs ? p.draft_probs + (b * k + accepted) * vocab : nullptr;
     const float q = fast ? position_q_x[accepted] : (q_row ? q_row[x] : 1.0f);
-    if (!(q >= 0.0f && q <= 1.0f)) {
+    if (!(q > 0.0f && q <= 1.0f)) {  // (q(x) = 0: x cannot have been drawn from q)
       status = kStatusInvalidDraftProbs;
       break;
     }

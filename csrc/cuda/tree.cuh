@@ -327,7 +327,7 @@ __global__ void __launch_bounds__(kTreeThreads) tree_verify_kernel(TreeVerifyPar
       const int64_t x = row_ids[c];
       const float* q_row = p.draft_probs ? p.draft_probs + (b * nodes + c) * vocab : nullptr;
       const float qx = q_row ? q_row[x] : 1.0f;
-      if (!(qx >= 0.0f && qx <= 1.0f)) {
+      if (!(qx > 0.0f && qx <= 1.0f)) {  // (q(x) = 0: x cannot have been drawn from q)
         status = kStatusInvalidDraftProbs;
         break;
       }
