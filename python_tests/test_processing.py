@@ -97,6 +97,12 @@ def test_a_regex_bounds_the_output_and_a_complete_match_ends_the_row():
     for text, reason in zip(result.text, result.finish_reasons):
         assert len(text) == 6 and text[3] == "-" and text[:3].isdigit() and text[4:].isalpha()
         assert reason == "stop"  # no EOS token: the complete match ends the row
+    # a grammar complete before any token (llguidance's matcher is accepting but not yet stopped) ends "stop" too,
+    # with nothing drawn; one that cannot complete without a token it disallows is the dead end
+    empty = generate(CODE_PROMPTS, k=4, max_new_tokens=10, regex="", eos_token_id=False)
+    assert empty.token_ids == [[], []] and empty.finish_reasons == ["stop", "stop"]
+    optional = plain_generate(CODE_PROMPTS[:1], max_new_tokens=10, regex="a?", eos_token_id=False)
+    assert optional.text == ["a"] and optional.finish_reasons == ["stop"]
 
 
 # ------------------------------------------------------------------------------------------ the audit

@@ -41,7 +41,7 @@ class GenerationResult:
 
     token_ids: List[List[int]]  # new tokens per prompt (EOS included when it ended the row)
     text: Optional[List[str]]  # decoded new tokens per prompt (stop string excluded); None without a tokenizer
-    finish_reasons: List[str]  # "eos", "length" or "stop" per prompt
+    finish_reasons: List[str]  # "eos", "length", "stop" (a stop string, or a complete grammar) or "grammar_dead_end"
     stats: GenerationStats
     prompt_token_ids: List[List[int]] = field(default_factory=list)
     plan: Optional[DecodePlan] = None  # what ran and why (plan.explain())

@@ -343,4 +343,5 @@ class ProcessingState:
         grammar = self.grammars[row]
         if grammar is None or not grammar.is_dead_end():
             return None
-        return "stop" if grammar.is_complete() else FINISH_DEAD_END
+        # (accepting: a grammar that matched the empty text from the start, e.g. regex "", is not yet "stopped")
+        return "stop" if grammar.is_complete() or grammar.is_accepting() else FINISH_DEAD_END
