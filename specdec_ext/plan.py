@@ -30,10 +30,10 @@ The rules, in the order ``make_plan`` applies them:
 5. cache: the positions a row writes (``loop_cache_len``): plain decoding its prompt and max_new_tokens - 1
    (the last token is sampled, never fed), a draft its prompt, max_new_tokens and two steps of drafts;
    more than max_seq_len (or the models' max_position_embeddings) is refused before any work, and an
-   explicit max_seq_len that lets the rows run past max_position_embeddings is warned about (a model with an
-   absolute position table, GPT-2's wpe, is bounded by it whatever max_seq_len says: it cannot look past it). A draft
-   length left to the plan (k None or "auto") shrinks to what the cache leaves, down to plain decoding
-   (``_fit_default_draft_length``); an asked k or tree is refused.
+   explicit max_seq_len that lets the rows run past max_position_embeddings is warned about (a model with
+   an absolute position table, GPT-2's wpe, is bounded by it whatever max_seq_len says: it cannot look
+   past it). A draft length left to the plan (k None or "auto") shrinks to what the cache leaves, down to
+   plain decoding (``_fit_default_draft_length``); an asked k or tree is refused.
 6. capabilities: what the chosen runners can do beyond the ModelRunner contract
    (runners/capabilities.py: greedy chains, device steps), resolved before they are built; the loop,
    the drafters and the server branch on these plan fields, never on the runner objects.

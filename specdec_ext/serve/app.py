@@ -208,7 +208,8 @@ class OpenAIService:
             handles = self.engine.submit_group(requests, sinks)  # all choices or none
         except RequestRejected as error:
             headers = {"Retry-After": str(error.retry_after)} if isinstance(error, QueueFullError) else None
-            raise ApiError(error.status, str(error), error.error_type, error.param, error.code, headers=headers) from None
+            raise ApiError(error.status, str(error), error.error_type, error.param, error.code,
+                           headers=headers) from None
         reply = Reply(self, requests, body, chat, echo)
 
         def cancel() -> None:
