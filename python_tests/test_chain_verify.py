@@ -232,6 +232,17 @@ def test_opcheck():
                           (torch.arange(2), torch.zeros(2, dtype=torch.int64), torch.empty(2, 5)))
 
 
+def test_the_wrappers_take_meta_tensors_and_return_shapes():
+    """On the meta device the ops give outputs of the right shapes (their fake kernels), and the wrappers'
+    status check has nothing to read (it raised "Tensor.item() cannot be called on meta tensors")."""
+    logits, ids = torch.randn(2, 3, 5, device="meta"), torch.zeros(2, 2, dtype=torch.int64, device="meta")
+    tokens, num_accepted = ops.chain_verify(logits, ids, None, temperature=0.0)
+    assert tokens.is_meta and tokens.shape == (2, 3) and num_accepted.shape == (2,)
+    parents = torch.tensor([[-1, 0]] * 2, dtype=torch.int32, device="meta")
+    path, tree_tokens, tree_accepted = ops.tree_verify(logits, ids, parents, None, temperature=0.0)
+    assert path.is_meta and path.shape == (2, 2) and tree_tokens.shape == (2, 3) and tree_accepted.shape == (2,)
+
+
 # ---------------------------------------------------------------------------------------------
 def good_args():
     return dict(target_logits=torch.randn(2, 3, 5), draft_token_ids=torch.zeros(2, 2, dtype=torch.int64),

@@ -123,8 +123,8 @@ def _sampling_parameters(n: str, draws: str) -> str:
 
 def raise_if_a_row_failed(op: str, num_accepted: torch.Tensor) -> None:
     """A verifier's ``check_status``: one host read; a failed row (a negative status) raises ``ValueError``
-    naming the argument (_status.py)."""
-    if bool((num_accepted < 0).any()):
+    naming the argument (_status.py). Meta tensors hold shapes, no statuses: nothing to read."""
+    if not num_accepted.is_meta and bool((num_accepted < 0).any()):
         raise_for_row_status(op, num_accepted)
 
 
