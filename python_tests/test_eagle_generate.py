@@ -38,6 +38,14 @@ def test_generate_with_an_eagle_head_is_plain_greedy(target, head, runner, kw):
     assert "hidden taps" in plan.explain() and not plan.cuda_graphs
 
 
+def test_a_batch_with_more_rows_than_cache_positions_on_the_paged_runner(target, head):
+    """The paged runner's taps wrote and read rows through its arange of positions: 32 rows of a 14-position
+    cache (4 + 4 + two steps of 3 drafts) raised a size mismatch."""
+    prompts = [[5, 17, 3, b] for b in range(32)]
+    result = specdec_ext.generate(prompts, target, EagleDrafterSpec(head), max_new_tokens=4, k=3, runner="paged")
+    assert result.token_ids == specdec_ext.plain_generate(prompts, target, max_new_tokens=4).token_ids
+
+
 def test_with_no_room_for_drafts_the_default_k_decodes_plain_as_the_other_drafters_do(target, head):
     """The default k where the cache leaves no room for a draft: plain decoding (it built a draft-model runner
     for the EAGLE head and refused the call with a message about position_ids); and where not even plain

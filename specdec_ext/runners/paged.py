@@ -104,7 +104,8 @@ class PagedModelRunner:
         self._tentative: List[int] = []  # tokens written by the last forward, per row (host mode)
         self._tree = False  # whether the last forward was a tree
         self._in_use = RowsInUse(max_batch_size)  # continuous batching: start_rows / free_rows
-        self._arange = torch.arange(max(max_seq_len, pages_per_row * page_size) + 1, device=self.device)
+        self._arange = torch.arange(max(max_seq_len, pages_per_row * page_size) + 1, device=self.device)  # positions
+        self._rows = torch.arange(max_batch_size, device=self.device)  # (rows: a batch may outnumber the positions)
         self._taps, self._tap_hooks = self._make_taps(model, hidden_taps)
 
     def _make_taps(self, model, hidden_taps):
@@ -128,7 +129,7 @@ class PagedModelRunner:
         (< lengths[b]; others are unspecified): positions [B, W] int64 -> [B, W, n * H] fp32."""
         if self._taps is None:
             raise ValueError("tapped_states: this runner was built without hidden_taps")
-        return self._taps.gather(self._arange[: positions.shape[0]], positions.clamp(max=self.max_seq_len))
+        return self._taps.gather(self._rows[: positions.shape[0]], positions.clamp(max=self.max_seq_len))
 
     # ------------------------------------------------------------------ state
     @property
@@ -208,7 +209,7 @@ class PagedModelRunner:
             if self._taps is not None:
                 self._tap_hooks.active = False
         if self._taps is not None:
-            rows = self._arange[:B] if cache_rows is None else cache_rows
+            rows = self._rows[:B] if cache_rows is None else cache_rows
             captured = self._tap_hooks.captured
             self._taps.write_valid(rows, layout.storage, layout.valid & (layout.storage < self.max_seq_len),
                                    [captured[i] for i in self._taps.layers])
