@@ -46,6 +46,19 @@ def test_a_batch_with_more_rows_than_cache_positions_on_the_paged_runner(target,
     assert result.token_ids == specdec_ext.plain_generate(prompts, target, max_new_tokens=4).token_ids
 
 
+def test_a_head_for_a_gpt2_target_takes_its_mlp_width_and_drafts_losslessly():
+    """GPT-2's config names its MLP width n_inner (None: 4 x n_embd); EagleConfig.for_target read
+    intermediate_size alone and raised AttributeError."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=96, n_positions=64, n_embd=32, n_layer=5, n_head=2)).eval()
+    head = random_head(gpt2)
+    assert head.config.intermediate_size == 4 * 32
+    result = specdec_ext.generate(PROMPTS, gpt2, EagleDrafterSpec(head), max_new_tokens=8, k=3)
+    assert result.plan.drafter == "eagle" and result.token_ids == [hf_greedy(gpt2, p, 8) for p in PROMPTS]
+
+
 def test_with_no_room_for_drafts_the_default_k_decodes_plain_as_the_other_drafters_do(target, head):
     """The default k where the cache leaves no room for a draft: plain decoding (it built a draft-model runner
     for the EAGLE head and refused the call with a message about position_ids); and where not even plain

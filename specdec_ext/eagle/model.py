@@ -37,6 +37,15 @@ NUM_FEATURES = 3  # EAGLE-3 fuses three of the target's hidden states
 KERNEL_DTYPE = torch.bfloat16  # Eagle3Model.kernel_dtype's default
 
 
+def _mlp_width(cfg) -> int:
+    """The target's MLP width under its config's name for it (GPT-2's n_inner, None: 4 x its width; OPT's
+    ffn_dim), where it has no ``intermediate_size``."""
+    for name in ("intermediate_size", "n_inner", "ffn_dim"):
+        if getattr(cfg, name, None):
+            return int(getattr(cfg, name))
+    return 4 * int(cfg.hidden_size)
+
+
 @dataclass(frozen=True)
 class EagleConfig:
     """The draft head's shape and the target it reads (see the module docstring)."""
@@ -74,7 +83,7 @@ class EagleConfig:
             hidden_size=int(cfg.hidden_size), num_attention_heads=heads,
             num_key_value_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
             head_dim=int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads),
-            intermediate_size=int(cfg.intermediate_size), vocab_size=vocab,
+            intermediate_size=int(_mlp_width(cfg)), vocab_size=vocab,
             draft_vocab_size=int(draft_vocab_size or vocab),
             target_hidden_size=int(cfg.hidden_size),
             layer_ids=tuple(layer_ids) if layer_ids is not None else default_tap_layers(layers),
