@@ -75,6 +75,7 @@ OUT_OF_RANGE = [
     ("eos_token_id negative", dict(eos_token_id=[2, -1]), r"eos_token_id: \[-1\] outside the target's vocabulary"),
     ("eos_token_id as text", dict(eos_token_id="2"), "eos_token_id must be a token id"),
     ("a logit_bias key with a space", dict(logit_bias={" 11": 1.0}), "logit_bias key ' 11' is not an integer token id"),
+    ("logit_bias a list", dict(logit_bias=[1, 2]), r"logit_bias must be a mapping of token id -> bias .*got list"),
     ("a logit_bias key in Arabic-Indic digits", dict(logit_bias={"١١": 1.0}), "is not an integer token id"),
     ("a logit_bias key with a leading zero", dict(logit_bias={"011": 1.0}), "logit_bias key '011' is not an integer"),
     ("a stop string with a lone surrogate", dict(stop=["ok", "\ud800"]), r"stop string '\\ud800' is not valid text"),

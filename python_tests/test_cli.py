@@ -317,3 +317,23 @@ def test_version_and_strict_json_stats(pair_dirs, capsys):
     out = capsys.readouterr().out
     stats = json.loads(out)  # (json.loads takes NaN; the text must not hold one)
     assert "NaN" not in out and None in stats["acceptance_by_position"]  # (positions 2 steps never reached)
+
+
+@pytest.mark.parametrize("argv,option", [
+    (["bench", "--prompts", "0"], "--prompts"), (["bench", "--lines", "0"], "--lines"),
+    (["bench", "--max-new-tokens", "0"], "--max-new-tokens"), (["bench", "--repeats", "0"], "--repeats"),
+    (["bench", "--ks", "a"], "--ks"), (["bench", "--ks", "0,2"], "--ks"), (["bench", "--eagle-ks", ""], "--eagle-ks"),
+])
+def test_bench_refuses_a_count_of_zero_or_a_bad_list_as_a_usage_error(argv, option, capsys, monkeypatch):
+    """--prompts 0 meant all 13 prompts, --max-new-tokens 0 raised ZeroDivisionError, --lines 0 blamed `specdec
+    demo`'s held-out files, --ks a raised a ValueError: argparse's usage error naming the option, before any work."""
+    monkeypatch.setattr(importlib.import_module("specdec_ext.bench.compare"), "load",
+                        lambda *a, **k: pytest.fail("the models were loaded"))
+    with pytest.raises(SystemExit) as error:
+        cli.main(argv)
+    assert error.value.code == 2 and f"argument {option}" in capsys.readouterr().err
+
+
+def test_generate_refuses_a_logit_bias_that_is_no_json_object(capsys):
+    assert cli.main(["generate", "x", "--logit-bias", "[1, 2]"]) == 1  # a line, no traceback (an AttributeError)
+    assert "logit_bias must be a mapping of token id -> bias" in capsys.readouterr().err

@@ -74,17 +74,68 @@ def test_train_eagle_trains_resumes_and_exports(target_dir, tmp_path, monkeypatc
 @pytest.mark.parametrize("flags,message", [
     (["--data", "{texts}", "--layer-ids", "1,x"], "--layer-ids takes comma-separated integers, not '1,x'"),
     (["--data", "{texts}/missing.txt"], "is neither a file nor a directory"),
-    (["--data", "{texts}", "--steps", "0"], "--steps must be at least 1, not 0"),
     ([], "--target needs --data"),
     (["--data", "{texts}", "--export", "{texts}/a.txt"], "a.txt is a file, not a directory"),
+    # a directory that is not a train-eagle run is not overwritten (the target's own lost its weights)
+    (["--data", "{texts}", "--out", "{target}"], "is not empty and holds no train-eagle run"),
+    (["--data", "{texts}", "--export", "{target}"], "is not empty and holds no earlier export"),
+    (["--data", "{texts}", "--export", "{out}"], "--export must be another directory than --out"),
+    (["--target", "{texts}/nowhere", "--data", "{texts}"], "--target {texts}/nowhere: could not load a causal LM"),
 ])
 def test_train_eagle_refuses_bad_input_by_name(target_dir, tmp_path, flags, message):
     target, texts = target_dir
-    flags = [f.format(texts=texts) for f in flags]
+    out = str(tmp_path / "run")
+    flags = [f.format(texts=texts, target=target, out=out) for f in flags]
+    message = message.format(texts=texts)
+    before = sorted(os.listdir(target))
     with pytest.raises(SystemExit) as error:
-        cli.main(["train-eagle", "--target", target, "--out", str(tmp_path / "run"), "--quiet", *flags])
+        cli.main(["train-eagle", "--target", target, "--out", out, "--quiet", *flags])
     assert message in str(error.value)
     assert not os.path.exists(tmp_path / "run")  # refused before any work
+    assert sorted(os.listdir(target)) == before
+
+
+@pytest.mark.parametrize("flag,value", [("--steps", "0"), ("--pieces", "0"), ("--pieces", "-1"), ("--ttt-steps", "0"),
+                                        ("--save-every", "0"), ("--prompt-tokens", "0"), ("--draft-vocab", "0"),
+                                        ("--batch", "0"), ("--chars", "0"), ("--temperature", "-1"),
+                                        ("--device", "cuda")])
+def test_train_eagle_refuses_a_count_of_zero_or_a_device_it_lacks_as_a_usage_error(target_dir, tmp_path, capsys,
+                                                                                   flag, value):
+    """A count of 0 meant "all" (--pieces, --draft-vocab) or raised ZeroDivisionError inside the run (--ttt-steps,
+    --save-every); --device cuda on a CPU torch an AssertionError: now argparse's usage error naming the option."""
+    if flag == "--device" and torch.cuda.is_available():
+        pytest.skip("a GPU is visible: --device cuda is a device this process has")
+    target, texts = target_dir
+    with pytest.raises(SystemExit) as error:
+        cli.main(["train-eagle", "--target", target, "--data", texts, "--out", str(tmp_path / "run"), "--quiet",
+                  f"{flag}={value}"])
+    assert error.value.code == 2 and f"argument {flag}" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "run")
+
+
+def test_a_resumed_run_keeps_its_options_and_leftover_data_for_other_options_are_made_again(target_dir, tmp_path):
+    """trainer.pt records the run's options, not the ignored ones a resume asked for (the next resume, asking the
+    run's own, was warned about them); data.pt left by a run that saved no step is made again for other options
+    (it was reused silently)."""
+    from specdec_ext.eagle.training import DATA, TRAINER_STATE
+
+    target, texts = target_dir
+    out = str(tmp_path / "run")
+    base = ["train-eagle", "--target", target, "--data", texts, "--out", out, "--quiet", *FAST]
+    assert cli.main([*base, "--steps", "3"]) == 0
+    with pytest.warns(UserWarning, match=r"ignored: draft_vocab_size=12 \(the run's: 16\)"):
+        assert cli.main([*base, "--steps", "4", "--draft-vocab", "12"]) == 0
+    assert torch.load(os.path.join(out, TRAINER_STATE), weights_only=False)["config"]["draft_vocab_size"] == 16
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the run's own options again: nothing ignored
+        assert cli.main([*base, "--steps", "5"]) == 0
+
+    fresh = str(tmp_path / "fresh")
+    assert cli.main([*base[:6], fresh, *base[7:], "--steps", "3"]) == 0
+    os.remove(os.path.join(fresh, TRAINER_STATE))  # as a run stopped before its first save leaves it
+    assert torch.load(os.path.join(fresh, DATA), weights_only=True)["draft_ids"].numel() == 16
+    assert cli.main([*base[:6], fresh, *base[7:], "--steps", "3", "--draft-vocab", "12"]) == 0
+    assert torch.load(os.path.join(fresh, DATA), weights_only=True)["draft_ids"].numel() == 12
 
 
 def test_train_eagle_refuses_layers_the_target_does_not_have(target_dir, tmp_path, capsys, monkeypatch):

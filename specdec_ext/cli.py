@@ -8,6 +8,8 @@ import os
 import sys
 from typing import List, NoReturn, Optional
 
+from .arg_types import at_least, device
+from .stats import format_measured
 from .bench.workloads import heldout_prompts
 from .eagle import command as eagle_command
 from .plots import check_plot_option, write_plot
@@ -50,20 +52,6 @@ def _json(value) -> str:
     return json.dumps(strict(value), indent=2, allow_nan=False)
 
 
-def _at_least(low: int):
-    """An argparse type: an int >= ``low`` (a count of 0 or less is no request for all of them)."""
-    def parse(value: str) -> int:
-        try:
-            number = int(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an int >= {low}, got {value!r}") from None
-        if number < low:
-            raise argparse.ArgumentTypeError(f"expected an int >= {low}, got {value!r}")
-        return number
-    parse.__name__ = f"int >= {low}"
-    return parse
-
-
 def _probability(value: str) -> float:
     """--alpha: a number in (0, 1)."""
     try:
@@ -98,7 +86,7 @@ def _model_args(parser: argparse.ArgumentParser, threads: Optional[int] = None, 
     parser.add_argument("--target", help="target model: a local path or model id, loaded offline "
                         "(default: the bundled pair's target; give --target and --draft together)")
     parser.add_argument("--draft", help=draft_help)
-    parser.add_argument("--threads", type=_at_least(1), default=threads,
+    parser.add_argument("--threads", type=at_least(1), default=threads,
                         help="torch CPU threads (default: " + ("torch's choice" if threads is None else str(threads))
                         + "; 1 is best for small models on a busy CPU)")
     parser.add_argument("--runner", default="auto", choices=["auto", "lean", "paged", "recompute"],
@@ -186,14 +174,14 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(a)
     _sampling_args(a, temperature=1.0, seed="0, so that a verdict is reproducible")
     _draft_tokenizer_arg(a)
-    a.add_argument("--positions", type=_at_least(1), default=3, help="generated positions compared (default: 3)")
-    a.add_argument("--samples", type=_at_least(1), default=1000,
+    a.add_argument("--positions", type=at_least(1), default=3, help="generated positions compared (default: 3)")
+    a.add_argument("--samples", type=at_least(1), default=1000,
                    help="samples per prompt of each sampler, speculative and plain (default: 1000; too few to fill "
                    "two categories of the chi-square test give the verdict INCONCLUSIVE)")
     a.add_argument("--ks", default="1,2,3,4,5,6,7,8", help="draft lengths of the break-even report (default: 1..8)")
     a.add_argument("--bench-tokens", type=int, default=48, help="new tokens per timed break-even run (default: 48)")
     a.add_argument("--alpha", type=_probability, default=1e-3, help="family-wise significance level (default: 0.001)")
-    a.add_argument("--max-prompts", type=_at_least(1), default=2, help="prompts used (default: 2)")
+    a.add_argument("--max-prompts", type=at_least(1), default=2, help="prompts used (default: 2)")
     a.add_argument("--no-break-even", action="store_true", help="skip the timed break-even report")
     _report_args(a, "the TV per position next to its noise floor and the predicted vs measured speedup per k")
 
@@ -209,10 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "bundled pair was not trained on) with speculative decoding and print each text with "
                        "tokens/s, speedup over plain decoding of the same target, and tokens per target pass.")
     _model_args(d, threads=DEMO_THREADS)
-    d.add_argument("--files", type=_at_least(1), default=DEMO_FILES, help=f"held-out files to complete (default: {DEMO_FILES})")
-    d.add_argument("--lines", type=_at_least(1), default=DEMO_PROMPT_LINES,
+    d.add_argument("--files", type=at_least(1), default=DEMO_FILES, help=f"held-out files to complete (default: {DEMO_FILES})")
+    d.add_argument("--lines", type=at_least(1), default=DEMO_PROMPT_LINES,
                    help=f"lines of each file used as the prompt (default: {DEMO_PROMPT_LINES})")
-    d.add_argument("--max-new-tokens", type=_at_least(1), default=DEMO_NEW_TOKENS,
+    d.add_argument("--max-new-tokens", type=at_least(1), default=DEMO_NEW_TOKENS,
                    help=f"new tokens per prompt (default: {DEMO_NEW_TOKENS})")
     d.add_argument("-k", "--k", type=_draft_length, default=None, dest="k",
                    help="draft tokens per step, or 'auto' (default: generate()'s, 'auto' on the CPU)")
@@ -239,7 +227,7 @@ def _serve_parser(sub) -> None:
                 "'none' for plain decoding (one target pass per token); heads and trees are not served (default: "
                 "the bundled pair's draft)")
     _draft_tokenizer_arg(s)
-    s.add_argument("--device", default=None,
+    s.add_argument("--device", type=device, default=None,
                    help="where the models run: cpu, cuda or cuda:N (default: cuda where torch sees a GPU, else cpu); "
                    "on CUDA with a draft model, an EAGLE-3 head or none the decode steps are captured in CUDA graphs")
     s.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
@@ -543,9 +531,10 @@ def cmd_demo(args) -> int:
         print(prompt + "\033[1m" + spec.text[0] + "\033[0m" if sys.stdout.isatty() else prompt + spec.text[0])
         s, p = spec.stats, plain.stats
         how = _draft_shape(spec.stats, tree=spec.plan.is_tree)
+        per_pass, acceptance = format_measured(s.tokens_per_pass, "{:.2f}"), format_measured(s.acceptance_rate, "{:.2f}")
         print(f"--- speculative {how}: {s.tokens_per_second:.1f} tok/s, plain: {p.tokens_per_second:.1f} tok/s, "
-              f"speedup {s.tokens_per_second / p.tokens_per_second:.2f}x, {s.tokens_per_pass:.2f} tokens per target "
-              f"pass, acceptance {s.acceptance_rate:.2f}; {same}\n")
+              f"speedup {s.tokens_per_second / p.tokens_per_second:.2f}x, {per_pass} tokens per target pass, "
+              f"acceptance {acceptance}; {same}\n")
     return 0
 
 

@@ -50,6 +50,9 @@ class Processing:
            repetition_penalty: float = 1.0, logit_bias: Optional[Mapping] = None, grammar=None) -> "Processing":
         """From API-shaped values: ``logit_bias`` a mapping token id (int or its decimal string, as
         JSON keys are) -> bias. Types are checked here; ranges by ``validate``."""
+        if logit_bias is not None and not isinstance(logit_bias, Mapping):
+            raise ValueError(f"logit_bias must be a mapping of token id -> bias (a JSON object), got "
+                             f"{type(logit_bias).__name__} {logit_bias!r:.60}")
         bias = []
         for key, value in (logit_bias or {}).items():
             token = _token_id(key)

@@ -17,7 +17,7 @@ from .cost_model import expected_tokens_per_pass, predicted_speedup
 from .plots import plot_generation
 
 
-def _measured(value: Optional[float], spec: str) -> str:
+def format_measured(value: Optional[float], spec: str) -> str:
     """``value`` in ``spec``, or "-" where nothing was measured (None or NaN: a position no step reached)."""
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else spec.format(value)
 
@@ -217,13 +217,13 @@ class GenerationStats:
 
     def summary(self) -> str:
         """A few human-readable lines."""
-        by_pos = ", ".join(_measured(a, "{:.2f}") for a in self.acceptance_by_position)
+        by_pos = ", ".join(format_measured(a, "{:.2f}") for a in self.acceptance_by_position)
         lines = [
-            f"tokens: {self.new_tokens} in {self.total_time:.3f}s ({self.tokens_per_second:.1f} tok/s, "
-            f"TPOT {_measured(self.tpot * 1e3, '{:.2f}')} ms), batch {self.batch_size}, "
+            f"tokens: {self.new_tokens} in {self.total_time:.3f}s ({format_measured(self.tokens_per_second, '{:.1f}')} tok/s, "
+            f"TPOT {format_measured(self.tpot * 1e3, '{:.2f}')} ms), batch {self.batch_size}, "
             + (f"k=auto (k_max {self.k})" if self.adaptive else f"k={self.k}"),
-            f"target passes: {self.steps}, tokens per pass {_measured(self.tokens_per_pass, '{:.2f}')} "
-            f"(cost model {_measured(self.predicted_tokens_per_pass, '{:.2f}')}), acceptance a={_measured(self.acceptance_rate, '{:.3f}')}, "
+            f"target passes: {self.steps}, tokens per pass {format_measured(self.tokens_per_pass, '{:.2f}')} "
+            f"(cost model {format_measured(self.predicted_tokens_per_pass, '{:.2f}')}), acceptance a={format_measured(self.acceptance_rate, '{:.3f}')}, "
             f"by position [{by_pos}]",
             f"time: prefill {self.prefill_time * 1e3:.1f} ms, draft {self.draft_time * 1e3:.1f} ms, "
             f"verify {self.verify_time * 1e3:.1f} ms",
@@ -231,12 +231,12 @@ class GenerationStats:
         if self.target_step_time and self.adaptive:
             lines.append(f"cost model: k varies per step (adaptive k below); target step "
                          f"{self.target_step_time * 1e3:.2f} ms, measured decode speedup "
-                         f"{_measured(self.measured_decode_speedup, '{:.2f}x')}")
+                         f"{format_measured(self.measured_decode_speedup, '{:.2f}x')}")
         elif self.target_step_time:
             lines.append(
                 f"cost model: target step {self.target_step_time * 1e3:.2f} ms, c={self.draft_cost:.3f}, "
-                f"v={self.verify_cost:.3f} -> predicted decode speedup {_measured(self.predicted_speedup, '{:.2f}x')} "
-                f"(measured {_measured(self.measured_decode_speedup, '{:.2f}x')})")
+                f"v={self.verify_cost:.3f} -> predicted decode speedup {format_measured(self.predicted_speedup, '{:.2f}x')} "
+                f"(measured {format_measured(self.measured_decode_speedup, '{:.2f}x')})")
         if self.adaptive:
             a = self.adaptive
             lines.append(f"adaptive k (k_max={a['k_max']}): mean k per row {a['mean_row_k']:.2f}, steps by verify "

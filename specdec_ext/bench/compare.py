@@ -43,6 +43,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from ..arg_types import at_least, device, int_list
 from ..cost_model import expected_tokens_per_pass, predicted_speedup
 from ..plots import BenchPanel, BenchPoint, check_plot_option, pair_label, plot_bench, write_plot
 from ..progress import hf_progress_bars_off, progress_bar, progress_wanted
@@ -113,29 +114,29 @@ def parse_args(argv):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", help="target model path/id (default: the bundled pair; give --draft too)")
     p.add_argument("--draft", help="draft model path/id (default: the bundled pair)")
-    p.add_argument("--ks", default=",".join(map(str, DEFAULT_KS)), help="our draft lengths (default: 2,4,6,8)")
+    p.add_argument("--ks", type=int_list, default=list(DEFAULT_KS), help="our draft lengths (default: 2,4,6,8)")
     p.add_argument("--drafters", default=",".join(DRAFTERS),
                    help=f"our drafters besides the model chain at --ks (default: {','.join(DRAFTERS)})")
-    p.add_argument("--ngram-ks", default=",".join(map(str, DEFAULT_NGRAM_KS)),
+    p.add_argument("--ngram-ks", type=int_list, default=list(DEFAULT_NGRAM_KS),
                    help="draft lengths of the lookup drafter (default: 4,8)")
     p.add_argument("--trees", default=DEFAULT_TREES, help="draft-model trees b,d,N separated by ';' (default: 2,3,6)")
     p.add_argument("--heads-trees", default=DEFAULT_HEADS_TREES,
                    help="heads trees b,d,N separated by ';' (default: 3,3,8)")
-    p.add_argument("--eagle-ks", default=",".join(map(str, DEFAULT_EAGLE_KS)),
+    p.add_argument("--eagle-ks", type=int_list, default=list(DEFAULT_EAGLE_KS),
                    help="chain lengths of the EAGLE-3 head (default: 4)")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="subset of code,edit (default: code,edit)")
-    p.add_argument("--prompts", type=int, default=3, help="held-out prompts per workload (default: 3)")
-    p.add_argument("--lines", type=int, default=20, help="lines of each held-out file per prompt (default: 20)")
+    p.add_argument("--prompts", type=at_least(1), default=3, help="held-out prompts per workload (default: 3)")
+    p.add_argument("--lines", type=at_least(1), default=20, help="lines of each held-out file per prompt (default: 20)")
     p.add_argument("--prompt-file", action="append", default=[], help="a file whose content is one prompt (repeatable)")
-    p.add_argument("--max-new-tokens", type=int, default=96, help="new tokens per prompt (default: 96)")
-    p.add_argument("--repeats", type=int, default=3, help="timed repeats; medians are reported (default: 3)")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--max-new-tokens", type=at_least(1), default=96, help="new tokens per prompt (default: 96)")
+    p.add_argument("--repeats", type=at_least(1), default=3, help="timed repeats; medians are reported (default: 3)")
+    p.add_argument("--threads", type=at_least(1), default=1,
                    help="torch CPU threads (default: 1; small models on a shared CPU run fastest on one)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
                    help="dtype of both models, for every method (default: bfloat16, the bundled pair's stored "
                    "dtype; in fp32 a one-thread CPU is compute-bound and verifying k+1 tokens costs more)")
     p.add_argument("--runner", default="auto", choices=["auto", "lean", "paged", "recompute"], help="our model runner")
-    p.add_argument("--device", default="cpu", help="where both models run, e.g. cuda (default: cpu)")
+    p.add_argument("--device", type=device, default="cpu", help="where both models run, e.g. cuda (default: cpu)")
     p.add_argument("--confidence", type=float, default=0.0,
                    help="our drafter stops a row's draft after a token it gives probability below this "
                    "(like HF's assistant_confidence_threshold); 0 = always k (default: 0)")
@@ -192,8 +193,8 @@ def main(argv=None) -> int:
         if bundled in drafters and args.target is not None:
             print(f"({bundled} rows skipped: the bundled {bundled} head(s) belong to the bundled target)", flush=True)
             drafters.discard(bundled)
-    ks = [int(x) for x in args.ks.split(",") if x.strip()]
-    ngram_ks = [int(x) for x in args.ngram_ks.split(",") if x.strip()] if "ngram" in drafters else []
+    ks = args.ks
+    ngram_ks = args.ngram_ks if "ngram" in drafters else []
     counter = PassCounter(target)
     print(f"pair: target {sum(p.numel() for p in target.parameters()) / 1e6:.1f}M, draft "
           f"{sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M params, {args.dtype}, {args.threads} thread(s); "
@@ -278,7 +279,7 @@ def build_methods(args, target, draft, tokenizer, drafters, ks, ngram_ks):
         from ..default_pair import load_default_eagle
         from ..eagle import EagleDrafterSpec
         eagle = EagleDrafterSpec(load_default_eagle(target))
-        for k in [int(x) for x in args.eagle_ks.split(",") if x.strip()]:
+        for k in args.eagle_ks:
             add(f"ours eagle k={k}", ours(eagle, k=k), PlotPlace("ours EAGLE-3", k))
         for tree in parse_trees(args.heads_trees):
             add(f"ours eagle tree {','.join(map(str, tree))}", ours(eagle, draft_tree=tree),

@@ -25,11 +25,12 @@
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -190,16 +191,37 @@ def _new_head(target, data: dict, config: TrainConfig) -> Eagle3Model:
     return head
 
 
+# The options the saved data were made with (data.pt's "options", with a digest of the texts)
+DATA_OPTIONS = ("draft_vocab_size", "prompt_tokens", "new_tokens", "temperature", "seed")
+
+
+def _data_options(config: TrainConfig, texts: Sequence[str]) -> dict:
+    options = {name: getattr(config, name) for name in DATA_OPTIONS}
+    options["texts"] = hashlib.sha256("\0".join(texts).encode("utf-8", "surrogatepass")).hexdigest()
+    return options
+
+
 def _prepare(target, tokenizer, texts, out_dir: str, config: TrainConfig):
-    """(head, optimizer, data, losses, start step, seconds trained): resumed from ``out_dir`` when it holds a run."""
+    """(head, optimizer, data, losses, start step, seconds trained, the run's config): resumed from ``out_dir``
+    when it holds a run, whose saved data and head fix the options FIXED_BY_THE_RUN (the config returned has
+    them). Data saved by a run that never saved a step are made again where they were made for other options
+    or texts (they were reused silently)."""
     os.makedirs(out_dir, exist_ok=True)
     state_path, data_path = os.path.join(out_dir, TRAINER_STATE), os.path.join(out_dir, DATA)
-    if os.path.isfile(data_path):
-        data = torch.load(data_path, weights_only=True)
-    else:
-        data = self_distillation_data(target, tokenizer, texts, config)
-        torch.save(data, data_path)
     resumed = os.path.isfile(state_path)
+    data = torch.load(data_path, weights_only=True) if os.path.isfile(data_path) else None
+    if data is not None and not resumed and data.get("options") != _data_options(config, texts):
+        data = None
+    if data is None:
+        data = self_distillation_data(target, tokenizer, texts, config)
+        data["options"] = _data_options(config, texts)
+        torch.save(data, data_path)
+    state = torch.load(state_path, weights_only=False) if resumed else None
+    if resumed:
+        saved = state.get("config", {})
+        _warn_fixed_by_the_run(saved, config, out_dir)
+        config = replace(config, **{name: tuple(saved[name]) if isinstance(saved[name], list) else saved[name]
+                                    for name in FIXED_BY_THE_RUN if name in saved})
     head = load_eagle(out_dir, target) if resumed else _new_head(target, data, config)
     head.train().requires_grad_(True)
     head.embed_tokens.weight.requires_grad_(False)
@@ -207,11 +229,9 @@ def _prepare(target, tokenizer, texts, out_dir: str, config: TrainConfig):
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
     losses, start, seconds = [], 0, 0.0
     if resumed:
-        state = torch.load(state_path, weights_only=False)
         optimizer.load_state_dict(state["optimizer"])
         losses, start, seconds = list(state["losses"]), int(state["step"]), float(state.get("seconds", 0.0))
-        _warn_fixed_by_the_run(state.get("config", {}), config, out_dir)
-    return head, optimizer, data, losses, start, seconds
+    return head, optimizer, data, losses, start, seconds, config
 
 
 # What a run's saved data and head fix: a resumed run keeps them whatever the call asks
@@ -258,7 +278,7 @@ def train_eagle(target, tokenizer, texts: Sequence[str], out_dir: str, steps: in
     target's own continuations of ``texts`` (module docstring); the head is saved in ``out_dir``.
     ``tokenizer``: anything with ``encode(text) -> ids``; ``on_step(step, loss)`` after each step (a progress
     bar; ``step`` counts from 1 over the whole run). Returns the head (eval mode) and the losses."""
-    head, optimizer, data, losses, start, seconds = _prepare(target, tokenizer, texts, out_dir, config)
+    head, optimizer, data, losses, start, seconds, config = _prepare(target, tokenizer, texts, out_dir, config)
     started = time.perf_counter()
     generator = torch.Generator().manual_seed(config.seed + start)
     N = data["tokens"].shape[0]
