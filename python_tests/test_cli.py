@@ -337,3 +337,23 @@ def test_bench_refuses_a_count_of_zero_or_a_bad_list_as_a_usage_error(argv, opti
 def test_generate_refuses_a_logit_bias_that_is_no_json_object(capsys):
     assert cli.main(["generate", "x", "--logit-bias", "[1, 2]"]) == 1  # a line, no traceback (an AttributeError)
     assert "logit_bias must be a mapping of token id -> bias" in capsys.readouterr().err
+
+
+def test_an_eagle_head_directory_alone_drafts_for_the_bundled_target(capsys):
+    """specdec train-eagle --out DIR (no --target) trains for the bundled target; `--draft DIR` alone was refused
+    ("give --target and --draft together")."""
+    import specdec_ext
+
+    head_dir = os.path.join(os.path.dirname(specdec_ext.__file__), "default_pair", "eagle")
+    assert cli.main(["generate", "def f(x):", "--draft", head_dir, "--max-new-tokens", "6", "--json", "-k", "2"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert cli.main(["generate", "def f(x):", "--draft", "eagle", "--max-new-tokens", "6", "--json", "-k", "2"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == out["token_ids"]
+
+
+def test_prompt_file_dash_reads_standard_input(capsys, monkeypatch):
+    import io
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("def fib(n):\n"))
+    assert cli.main(["generate", "--prompt-file", "-", "--draft", "ngram", "--max-new-tokens", "4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["prompts"] == ["def fib(n):\n"]

@@ -79,7 +79,8 @@ DRAFT_HELP = ("draft model sharing the target's vocabulary (generate: or with an
               "--draft-tokenizer); 'ngram' for lookup drafting over the prompt and the "
               "generated tokens (no draft model); 'heads' for the bundled target's Medusa-style heads, or a heads "
               "directory (tools/train_heads.py) with --target; 'eagle' for the bundled target's EAGLE-3 head, or an "
-              "EAGLE-3 checkpoint directory with --target (default: the bundled pair's draft)")
+              "EAGLE-3 checkpoint directory (with its --target; alone: a head for the bundled target) (default: the "
+              "bundled pair's draft)")
 
 
 def _model_args(parser: argparse.ArgumentParser, threads: Optional[int] = None, draft_help: str = DRAFT_HELP) -> None:
@@ -120,7 +121,8 @@ def _generate_parser(sub) -> None:
     g.add_argument("prompts", nargs="*", help="prompt texts (use --prompt-file for multi-line prompts)")
     g.add_argument("--prompt", action="append", default=[], dest="prompt_flags", metavar="TEXT",
                    help="a prompt text, as an option (repeatable; added after the positional prompts)")
-    g.add_argument("--prompt-file", action="append", default=[], help="a file whose content is one prompt (repeatable)")
+    g.add_argument("--prompt-file", action="append", default=[],
+                   help="a file whose content is one prompt (repeatable; - reads standard input)")
     _model_args(g)
     g.add_argument("--max-new-tokens", type=int, default=128, help="exact cap on new tokens per prompt (default: 128)")
     _draft_tokenizer_arg(g)
@@ -291,8 +293,13 @@ def _pair_args(args):
                              "(--draft heads uses the bundled target's heads)")
         from .heads import load_heads
         return args.target, load_heads(args.draft)
+    if args.target is None and args.draft is not None:
+        from .eagle.spec import is_eagle_draft
+        if is_eagle_draft(args.draft):  # a head trained for the bundled target (specdec train-eagle --out DIR)
+            return None, args.draft
     if (args.target is None) != (args.draft is None):
-        raise SystemExit("specdec: give --target and --draft together (or neither, for the bundled pair)")
+        raise SystemExit("specdec: give --target and --draft together (or neither, for the bundled pair; an "
+                         "EAGLE-3 head directory alone drafts for the bundled target)")
     return args.target, args.draft
 
 
@@ -301,6 +308,9 @@ def cmd_generate(args) -> int:
 
     prompts: List[str] = list(args.prompts) + list(args.prompt_flags)
     for path in args.prompt_file:
+        if path == "-":
+            prompts.append(sys.stdin.read())
+            continue
         with open(path, encoding="utf-8") as f:
             prompts.append(f.read())
     if not prompts:
