@@ -1270,23 +1270,45 @@ def test_a_greedy_look_reads_what_a_first_draft_from_each_position_would_propose
     assert torch.equal(drafter.propose(meta).token_ids[0], whole.propose(single).token_ids[0])
 
 
-def test_a_look_counts_each_position_as_a_drafting_step_of_its_run_of_matches():
-    """observe_look: position j of a look is a drafting step whose chain is accepted up to the first
-    mismatch: run r from j accepts 1..r and reaches 1..r+1, or, where the run reaches the look's end,
-    reaches and accepts the n - j positions seen; capped at k_max; rows outside ``active`` untouched."""
+def test_a_look_replays_the_steps_a_drafting_loop_would_have_made_from_each_phase():
+    """observe_look: a chain from position j is accepted up to the first mismatch (run r from j accepts 1..r
+    and reaches 1..r+1; a run that reaches the look's end reaches and accepts the n - j positions seen; capped
+    at k_max), and the look replays the steps a loop drafting k_max would make (the next step from j + accepted
+    + 1) from each starting phase p = 0..k_max, weighing n / ((n - p) x phases); other rows untouched."""
     c = AdaptiveK(3, forgetting=1.0, explore_every=0)
     c.reset(2)
     c.reached[:] = 0.0
     c.accepted[:] = 0.0
     c.observe_look([[True, True, False, True, True, True, True], [True, False]], [True, False])
-    # runs from j = 0..6: 2, 1, 0, 4 (to the end: 4 seen), 3, 2, 1 (each to the end)
-    reached = [3, 2, 1, 3, 3, 2, 1]  # min(r + 1, K) before a mismatch, else min(n - j, K)
-    accepted = [2, 1, 0, 3, 3, 2, 1]
+    # runs from j = 0..6: 2, 1, 0, 4 (to the end), 3, 2, 1. Phases 0, 1, 2 step from p, then from 3 (its 3
+    # drafts accepted: past the end); phase 3 from 3 alone. n = 7, 4 phases
+    weight = {p: 7 / ((7 - p) * 4) for p in range(4)}
+    starts = {0: weight[0], 1: weight[1], 2: weight[2], 3: sum(weight.values())}
+    reached = {0: 3, 1: 2, 2: 1, 3: 3}
+    accepted = {0: 2, 1: 1, 2: 0, 3: 3}
     for i in range(3):
-        assert c.reached[0, i] == sum(r > i for r in reached)
-        assert c.accepted[0, i] == sum(a > i for a in accepted)
+        assert c.reached[0, i] == pytest.approx(sum(w for j, w in starts.items() if reached[j] > i))
+        assert c.accepted[0, i] == pytest.approx(sum(w for j, w in starts.items() if accepted[j] > i))
     assert not c.reached[1].any() and not c.accepted[1].any()
     assert c._looked and not c.look_due and c.looks_observed == 1
+    c.reached[:] = 0.0
+    c.accepted[:] = 0.0
+    c.observe_look([[False] * 16], [True])  # no match: 16 steps accepting nothing, whatever the phase
+    assert c.reached[0, 0] == pytest.approx(16) and c.accepted[0].sum() == 0 and c.reached[0, 1:].sum() == 0
+
+
+def test_a_look_weighs_an_agreeing_stretch_as_the_steps_over_it_would():
+    """One agreeing stretch of 8 among 16 positions, k_max 4: counting a chain from every position read half
+    the first drafts accepted (8 of 16 positions) and position 2 reached 7 times, once per start inside the
+    stretch; a drafting loop crosses the stretch in two steps and spends one step per mismatch, so its first
+    drafts are accepted in about 2 steps of 10 and its deep positions are reached about twice."""
+    c = AdaptiveK(4, forgetting=1.0, explore_every=0)
+    c.reset(1)
+    c.reached[:] = 0.0
+    c.accepted[:] = 0.0
+    c.observe_look([[False] * 4 + [True] * 8 + [False] * 4], [True])
+    assert 0.2 < c.accepted[0, 0] / c.reached[0, 0] < 0.35
+    assert 1.5 < c.reached[0, 1] < 3.0 and c.reached[0, 0] == pytest.approx(c.reached[0].max())
 
 
 def test_switching_on_again_waits_for_a_look_and_follows_what_it_saw():

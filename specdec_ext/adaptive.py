@@ -201,9 +201,9 @@ Looks (greedy rows). Where every row is greedy and the loop runs plain chain seg
 fed the generated tokens (teacher-forced, one draft pass whose LM head runs on the last LOOK_TOKENS of
 them, decode.py ``DrafterPrefill.greedy_look``), its greedy token after position p is the first draft a
 step from p would propose, accepted exactly when it is token p + 1, and a chain from p is accepted up to
-the first mismatch. So one look gives, per row, one observation of a drafting step per position
-(``observe_look``) instead of an exploration's one. With looks (``start``'s ``looks``): every exploration
-is a look (the first one right after the generation's first plain segment, later ones on the backed-off
+the first mismatch. So one look gives, per row, the observations of the drafting steps a loop would have
+made over those positions (``observe_look``) instead of an exploration's one. With looks (``start``'s
+``looks``): every exploration is a look (the first one right after the generation's first plain segment, later ones on the backed-off
 schedule; none with fewer than LOOK_REMAINING x explore_every tokens left), and speculation that is off
 after plain segments switches on again only on the plan right after a look (a plan that would switch on
 asks for one: ``look_due``, no drafts, then chooses with what it saw). A generation's start still
@@ -1125,12 +1125,19 @@ class AdaptiveK:
         row b's last generated positions oldest first, whether a first draft from there equals the
         committed token (greedy verification would accept it); ``active`` the rows the plan covered.
 
-        A chain of drafts from position j is accepted up to the first mismatch, so every position j of a
-        look is one observation of a drafting step: the run r of matches from j accepts positions 1..r
-        and reaches 1..r+1, or, where the run reaches the look's end (n - j positions seen), reaches and
-        accepts 1..n-j (what lies beyond is unseen); each decays the counts as a step does. The next
-        plan chooses with them (``_looked``), and the next scheduled look is an interval later, doubled
-        up to EXPLORE_BACKOFF x explore_every until speculation switches on."""
+        A chain of drafts from position j is accepted up to the first mismatch: the run r of matches from j
+        accepts positions 1..r and reaches 1..r+1, or, where the run reaches the look's end (n - j positions
+        seen), reaches and accepts 1..n-j (what lies beyond is unseen). The look replays the steps a loop
+        drafting k_max would have made over the n positions (a step from j, the next from j + accepted + 1),
+        from each starting phase p = 0..k_max (later phases repeat these), a phase that sees n - p positions
+        weighing n / ((n - p) x phases): about as many observations as the loop's steps over those positions.
+        Counting a chain from every position instead weighed each agreeing stretch once per position inside
+        it where a loop crosses it in a step or two: the first drafts read accepted as often as positions
+        match, and deep positions reached from every start within the stretch (csv's looks read 0.8-0.85 at
+        positions 2-4 where its steps accepted about half; BENCHMARKS.md, "The look's chains"). Each
+        observation decays the counts by its weight (a step's: 1). The next plan chooses with them
+        (``_looked``), and the next scheduled look is an interval later, doubled up to EXPLORE_BACKOFF x
+        explore_every until speculation switches on."""
         self.look_due = False
         self._looked = True
         self.looks_observed += 1
@@ -1144,11 +1151,17 @@ class AdaptiveK:
             run = [0] * (n + 1)  # run[j]: consecutive matches from j
             for j in range(n - 1, -1, -1):
                 run[j] = run[j + 1] + 1 if seen[j] else 0
-            for j in range(n):
-                accepted = min(run[j], K)
-                reached = min(run[j] + 1 if run[j] < n - j else n - j, K)
-                self.reached[b] = g * self.reached[b] + prefix[reached]
-                self.accepted[b] = g * self.accepted[b] + prefix[accepted]
+            phases = min(K + 1, n)  # (a step moves at most K + 1 positions: later phases repeat these)
+            for phase in range(phases):
+                weight = n / ((n - phase) * phases)  # (a phase sees n - phase positions: as many steps per position)
+                decay = g ** weight
+                j = phase
+                while j < n:
+                    accepted = min(run[j], K)
+                    reached = accepted if run[j] >= n - j else min(accepted + 1, K)
+                    self.reached[b] = decay * self.reached[b] + weight * prefix[reached]
+                    self.accepted[b] = decay * self.accepted[b] + weight * prefix[accepted]
+                    j += accepted + 1
 
     def _probe_at(self, width: int) -> Optional[float]:
         """The probe's forward time at ``width``, interpolated between the probed widths (cached)."""
