@@ -8,7 +8,7 @@ import os
 import sys
 from typing import List, NoReturn, Optional
 
-from .arg_types import at_least, device
+from .arg_types import at_least
 from .stats import format_measured
 from .bench.workloads import heldout_prompts
 from .eagle import command as eagle_command
@@ -229,7 +229,7 @@ def _serve_parser(sub) -> None:
                 "'none' for plain decoding (one target pass per token); heads and trees are not served (default: "
                 "the bundled pair's draft)")
     _draft_tokenizer_arg(s)
-    s.add_argument("--device", type=device, default=None,
+    s.add_argument("--device", default=None,
                    help="where the models run: cpu, cuda or cuda:N (default: cuda where torch sees a GPU, else cpu); "
                    "on CUDA with a draft model, an EAGLE-3 head or none the decode steps are captured in CUDA graphs")
     s.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
