@@ -81,6 +81,8 @@ def test_train_eagle_trains_resumes_and_exports(target_dir, tmp_path, monkeypatc
     (["--data", "{texts}", "--export", "{target}"], "is not empty and holds no earlier export"),
     (["--data", "{texts}", "--export", "{out}"], "--export must be another directory than --out"),
     (["--target", "{texts}/nowhere", "--data", "{texts}"], "--target {texts}/nowhere: could not load a causal LM"),
+    (["--target", "{texts}/nowhere", "--data", "{texts}", "--chars", "100000"],  # (found before the target loads)
+     "--data: no file holds a piece of --chars 100000 characters"),
 ])
 def test_train_eagle_refuses_bad_input_by_name(target_dir, tmp_path, flags, message):
     target, texts = target_dir

@@ -162,13 +162,15 @@ def run(args) -> int:
         files = text_files(args.data)
     except (OSError, ValueError) as error:
         raise SystemExit(f"specdec {error}") from None
+    texts = read_pieces(files, args.pieces, args.chars, args.seed)
+    if not texts:  # (before the target loads, not after)
+        raise SystemExit(f"specdec train-eagle: --data: no file holds a piece of --chars {args.chars} characters")
     device = args.device or default_device()
     target, tokenizer = _load_target(args, device)
     vocab = int(target.get_output_embeddings().weight.shape[0])
     if args.draft_vocab > vocab:
         raise SystemExit(f"specdec train-eagle: --draft-vocab {args.draft_vocab} is more than the target's "
                          f"vocabulary of {vocab}")
-    texts = read_pieces(files, args.pieces, args.chars, args.seed)
     config = TrainConfig(draft_vocab_size=args.draft_vocab, prompt_tokens=args.prompt_tokens,
                          new_tokens=args.new_tokens, temperature=args.temperature, ttt_steps=args.ttt_steps,
                          batch_size=args.batch, lr=args.lr, warmup_steps=args.warmup_steps,
