@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
 import sys
+import warnings
 from typing import List, NoReturn, Optional
 
 from .arg_types import at_least
@@ -605,7 +607,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     command = argv[0] if argv and not argv[0].startswith("-") else ""
     try:
-        return _run(argv)
+        with _one_line_warnings(command):
+            return _run(argv)
     except KeyboardInterrupt:
         print(f"specdec {command}: interrupted".replace("  ", " "), file=sys.stderr)
         return 130
@@ -620,6 +623,20 @@ def main(argv: Optional[List[str]] = None) -> int:
             raise
         print(f"specdec {command}: error: {error}".replace("  ", " "), file=sys.stderr)
         return 1
+
+
+@contextlib.contextmanager
+def _one_line_warnings(command: str):
+    """A warning on the command line as one line, "specdec CMD: warning: ..." (Python's shows the file, the
+    line number and the source line of the library's code that warned)."""
+    def one_line(message, category, filename, lineno, line=None):
+        return f"specdec {command}: warning: {message}\n".replace("  ", " ")
+
+    saved, warnings.formatwarning = warnings.formatwarning, one_line
+    try:
+        yield
+    finally:
+        warnings.formatwarning = saved
 
 
 def _run(argv: List[str]) -> int:
