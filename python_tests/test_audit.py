@@ -61,6 +61,12 @@ def test_audit_bad_input(pair):
         audit(target, draft, PROMPTS, temperature=1.0, positions=0)
     with pytest.raises(ValueError, match="prompts"):
         audit(target, draft, None, temperature=1.0)
+    # (alpha 1 failed a lossless pair and 0 passed anything; bench_tokens 0 raised ZeroDivisionError)
+    for bad, words in ((dict(alpha=1.0), r"alpha must be in \(0, 1\), got 1.0"), (dict(alpha=0.0), "alpha"),
+                       (dict(max_prompts=0), "max_prompts and bench_tokens must be >= 1"),
+                       (dict(bench_tokens=0), "bench_tokens must be >= 1")):
+        with pytest.raises(ValueError, match=words):
+            audit(target, draft, PROMPTS, temperature=1.0, **bad)
 
 
 def test_audit_report_plot(pair, tmp_path, monkeypatch):

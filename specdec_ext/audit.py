@@ -360,6 +360,10 @@ def audit(target=None, draft=None, prompts=None, *, temperature: float = 1.0, to
         raise ValueError("audit: temperature must be > 0 (greedy decoding is checked token for token instead)")
     if positions < 1 or samples < 2:
         raise ValueError(f"audit: positions must be >= 1 and samples >= 2, got {positions} and {samples}")
+    if not 0.0 < alpha < 1.0:  # (alpha 1 failed a lossless pair, 0 passed anything)
+        raise ValueError(f"audit: alpha must be in (0, 1), got {alpha}")
+    if max_prompts < 1 or (run_break_even and bench_tokens < 1):  # (bench_tokens 0 divided by zero)
+        raise ValueError(f"audit: max_prompts and bench_tokens must be >= 1, got {max_prompts} and {bench_tokens}")
     if is_eagle_draft(draft):  # an EAGLE-3 head: checked against and bound to the target (eagle/spec.py)
         models = load_models(target, draft, tokenizer=tokenizer)
         target_model, draft_model, tokenizer = models.target, models.draft, models.tokenizer

@@ -179,11 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(a, temperature=1.0, seed="0, so that a verdict is reproducible")
     _draft_tokenizer_arg(a)
     a.add_argument("--positions", type=at_least(1), default=3, help="generated positions compared (default: 3)")
-    a.add_argument("--samples", type=at_least(1), default=1000,
+    a.add_argument("--samples", type=at_least(2), default=1000,
                    help="samples per prompt of each sampler, speculative and plain (default: 1000; too few to fill "
                    "two categories of the chi-square test give the verdict INCONCLUSIVE)")
     a.add_argument("--ks", default="1,2,3,4,5,6,7,8", help="draft lengths of the break-even report (default: 1..8)")
-    a.add_argument("--bench-tokens", type=int, default=48, help="new tokens per timed break-even run (default: 48)")
+    a.add_argument("--bench-tokens", type=at_least(1), default=48, help="new tokens per timed break-even run (default: 48)")
     a.add_argument("--alpha", type=_probability, default=1e-3, help="family-wise significance level (default: 0.001)")
     a.add_argument("--max-prompts", type=at_least(1), default=2, help="prompts used (default: 2)")
     a.add_argument("--no-break-even", action="store_true", help="skip the timed break-even report")
