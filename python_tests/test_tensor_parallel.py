@@ -53,7 +53,9 @@ def _save_pair(root, arch):
     draft.save_pretrained(os.path.join(root, f"{arch}_draft"))
     from eagle_utils import random_head
     from specdec_ext.eagle import save_eagle
-    save_eagle(random_head(target, draft_vocab=40, layer_ids=(0, 1, 1)), os.path.join(root, f"{arch}_eagle"))
+    # (without its embedding, as train-eagle and the bundled head save it: loaded from the sharded target's)
+    save_eagle(random_head(target, draft_vocab=40, layer_ids=(0, 1, 1)), os.path.join(root, f"{arch}_eagle"),
+               embed=False)
     return target, draft
 
 
@@ -178,13 +180,15 @@ def test_the_cli_under_torchrun(tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port",
                str(_free_port()), "-m", "specdec_ext", "generate", "--target", str(tmp_path / "llama_target"),
                "--draft", str(tmp_path / "llama_draft"), "--tp", "2", "--tp-check", "verify", "-k", "3",
-               "--max-new-tokens", "6", "--no-eos", "--no-stream", "--explain", "--threads", "1", "--json", "def f(x):"]
+               "--max-new-tokens", "6", "--no-eos", "--no-stream", "--explain", "--threads", "1", "--json", "def f(x):",
+               "--plot", str(tmp_path / "tp.png")]
     out = subprocess.run(command, capture_output=True, text=True, timeout=180, cwd=str(tmp_path),
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout)  # rank 0 prints, once: one JSON document
     assert "tensor parallel  the target is sharded over 2 ranks" in out.stderr
     assert result["new_tokens"] == 6 and len(result["token_ids"][0]) == 6
+    assert (tmp_path / "tp.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # (--plot was dropped under --tp)
 
 
 def test_tensor_parallel_refuses_adaptive_k_and_a_size_that_does_not_match():
@@ -196,3 +200,18 @@ def test_tensor_parallel_refuses_adaptive_k_and_a_size_that_does_not_match():
         specdec_ext.generate([[1, 2]], target, noisy_copy(target, 0.1), tp_size=0, max_new_tokens=2)
     with pytest.raises(RuntimeError, match="run under torchrun"):
         specdec_ext.generate([[1, 2]], "/nonexistent/model", "ngram", tp_size=2, max_new_tokens=2)
+
+
+def test_heads_that_do_not_divide_over_the_ranks_are_named_before_the_load(tmp_path):
+    """(HF's sharded forward failed in a reshape: "shape '[1, 2, -1, 64]' is invalid for input of size 342")"""
+    import transformers
+
+    from specdec_ext.distributed import _check_heads_divide
+
+    for heads, kv_heads, words in ((3, 3, "3 attention heads"), (4, 1, "1 key/value heads")):
+        config = transformers.LlamaConfig(hidden_size=48 if heads == 3 else 64, num_attention_heads=heads,
+                                          num_key_value_heads=kv_heads, num_hidden_layers=1, vocab_size=32)
+        config.save_pretrained(tmp_path / f"h{heads}_{kv_heads}")
+        with pytest.raises(ValueError, match=f"the target has {words}, which do not divide over tp_size=2 ranks"):
+            _check_heads_divide(str(tmp_path / f"h{heads}_{kv_heads}"), 2)
+    _check_heads_divide(str(tmp_path / "h4_1"), 1)  # one rank: anything divides

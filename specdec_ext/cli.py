@@ -325,9 +325,9 @@ def cmd_generate(args) -> int:
     if args.draft_tokenizer is not None:
         kw["draft_tokenizer"] = _load_tokenizer_arg(args.draft_tokenizer)
     kw.update(_processing_kwargs(args))
+    check_plot_option("generate", args.plot)  # (before any work, --tp's too)
     if args.tp is not None:
         _generate_tensor_parallel(args, prompts, target, draft, kw)
-    check_plot_option("generate", args.plot)
     streamed = not (args.no_stream or args.json)  # (--json: stdout is one JSON document)
     # streamed to a terminal, the text is its own progress (a bar next to it would tear it)
     show_bar = progress_wanted(args.quiet) and (not streamed or not sys.stdout.isatty())
@@ -424,6 +424,9 @@ def _generate_tensor_parallel(args, prompts, target, draft, kw) -> NoReturn:
         distributed.exit_rank(1)
     if distributed.rank() == 0:
         _print_result(result, prompts, args.json, streamed=False)
+        if args.plot:  # (it was dropped: rank 0 draws what every rank ran)
+            label = f"target / draft: {args.target} / {args.draft or 'bundled'}, tp {args.tp}"
+            write_plot("generate", lambda: result.stats.plot(args.plot, label=label))
     distributed.destroy()
     distributed.exit_rank(0)
 

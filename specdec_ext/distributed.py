@@ -104,6 +104,7 @@ def load_tensor_parallel(path: str, tp_size: int, **kwargs):
     if world_size() != tp_size:
         raise ValueError(f"tp_size={tp_size} but the process group has {world_size()} ranks: start "
                          f"{tp_size} processes (torchrun --nproc_per_node={tp_size})")
+    _check_heads_divide(path, tp_size)
     try:
         from transformers import DistributedConfig
         sharding = dict(distributed_config=DistributedConfig(tp_size=tp_size))
@@ -115,6 +116,24 @@ def load_tensor_parallel(path: str, tp_size: int, **kwargs):
         raise ValueError(f"could not load the target from {path!r} with tensor parallelism over {tp_size} ranks: "
                          f"{error}") from error
     return model.eval()
+
+
+def _check_heads_divide(path: str, tp_size: int) -> None:
+    """ValueError unless the attention and key/value heads divide over ``tp_size`` ranks (HF's sharded forward
+    failed in a reshape, which named neither)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError):
+        return  # (the load below says why)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    for name, count in (("attention heads", heads), ("key/value heads", kv_heads)):
+        if isinstance(count, int) and count % tp_size:
+            raise ValueError(f"the target has {count} {name}, which do not divide over tp_size={tp_size} ranks: "
+                             f"choose a tp_size that divides {heads} attention and {kv_heads} key/value heads")
 
 
 class RankSync:

@@ -190,8 +190,11 @@ def load_eagle(path: str, target=None, *, device=None) -> Eagle3Model:
     if EMBED not in state:
         if target is None:
             raise ValueError(f"load_eagle: {path} has no {EMBED}: pass target= (EAGLE-3 uses the target's embedding)")
+        embedding = target.get_input_embeddings().weight
+        if hasattr(embedding, "full_tensor"):  # a tensor-parallel target's DTensor: the whole table (replicated)
+            embedding = embedding.full_tensor()
         with torch.no_grad():
-            head.embed_tokens.weight.copy_(target.get_input_embeddings().weight.float())
+            head.embed_tokens.weight.copy_(embedding.float())
     head.to(device=device if device is not None else _device_of(target))
     return head.eval().requires_grad_(False)
 
