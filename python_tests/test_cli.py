@@ -323,8 +323,9 @@ def test_version_and_strict_json_stats(pair_dirs, capsys):
     (["bench", "--prompts", "0"], "--prompts"), (["bench", "--lines", "0"], "--lines"),
     (["bench", "--max-new-tokens", "0"], "--max-new-tokens"), (["bench", "--repeats", "0"], "--repeats"),
     (["bench", "--ks", "a"], "--ks"), (["bench", "--ks", "0,2"], "--ks"), (["bench", "--eagle-ks", ""], "--eagle-ks"),
+    (["audit", "--ks", "3,x"], "--ks"), (["audit", "--bench-tokens", "0"], "--bench-tokens"),
 ])
-def test_bench_refuses_a_count_of_zero_or_a_bad_list_as_a_usage_error(argv, option, capsys, monkeypatch):
+def test_bench_and_audit_refuse_a_count_of_zero_or_a_bad_list_as_a_usage_error(argv, option, capsys, monkeypatch):
     """--prompts 0 meant all 13 prompts, --max-new-tokens 0 raised ZeroDivisionError, --lines 0 blamed `specdec
     demo`'s held-out files, --ks a raised a ValueError: argparse's usage error naming the option, before any work."""
     monkeypatch.setattr(importlib.import_module("specdec_ext.bench.compare"), "load",

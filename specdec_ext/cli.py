@@ -10,7 +10,7 @@ import sys
 import warnings
 from typing import List, NoReturn, Optional
 
-from .arg_types import at_least
+from .arg_types import at_least, int_list
 from .stats import format_measured
 from .bench.workloads import heldout_prompts
 from .eagle import command as eagle_command
@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--samples", type=at_least(2), default=1000,
                    help="samples per prompt of each sampler, speculative and plain (default: 1000; too few to fill "
                    "two categories of the chi-square test give the verdict INCONCLUSIVE)")
-    a.add_argument("--ks", default="1,2,3,4,5,6,7,8", help="draft lengths of the break-even report (default: 1..8)")
+    a.add_argument("--ks", type=int_list, default=list(range(1, 9)), help="draft lengths of the break-even report (default: 1..8)")
     a.add_argument("--bench-tokens", type=at_least(1), default=48, help="new tokens per timed break-even run (default: 48)")
     a.add_argument("--alpha", type=_probability, default=1e-3, help="family-wise significance level (default: 0.001)")
     a.add_argument("--max-prompts", type=at_least(1), default=2, help="prompts used (default: 2)")
@@ -467,7 +467,7 @@ def cmd_audit(args) -> int:
 
     target, draft = _pair_args(args)
     check_plot_option("audit", args.plot)
-    ks = tuple(int(x) for x in args.ks.split(",") if x.strip())
+    ks = tuple(args.ks)
     report = audit(target, draft, args.prompts or DEFAULT_AUDIT_PROMPTS, temperature=args.temperature,
                    top_k=args.top_k, top_p=args.top_p, positions=args.positions, samples=args.samples, ks=ks,
                    bench_tokens=args.bench_tokens, alpha=args.alpha, seed=0 if args.seed is None else args.seed, runner=args.runner,
