@@ -42,15 +42,23 @@ def int_list(value: str):
 
 
 def device(value: str) -> str:
-    """A torch device this process can use: "cuda" on a torch without CUDA, or on a machine without a GPU, is a
-    usage error (it raised "Torch not compiled with CUDA enabled" from inside the run)."""
-    import torch
+    """A device the models can run on here (models.usable_device): "cuda" without CUDA is a usage error (it
+    raised "Torch not compiled with CUDA enabled" from inside the run)."""
+    from .models import usable_device
 
     try:
-        parsed = torch.device(value)
-    except RuntimeError as error:
-        raise argparse.ArgumentTypeError(f"not a device: {value!r} ({error})") from None
-    if parsed.type == "cuda" and not torch.cuda.is_available():
-        why = "this torch is built without CUDA" if torch.version.cuda is None else "torch sees no GPU"
-        raise argparse.ArgumentTypeError(f"{value!r}: {why}")
+        usable_device(value)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
     return value
+
+
+def probability(value: str) -> float:
+    """A number in (0, 1) (a significance level)."""
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {value!r}") from None
+    if not 0.0 < number < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {value!r}")
+    return number

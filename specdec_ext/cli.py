@@ -10,7 +10,7 @@ import sys
 import warnings
 from typing import List, NoReturn, Optional
 
-from .arg_types import at_least, int_list
+from .arg_types import at_least, int_list, probability
 from .stats import format_measured
 from .bench.workloads import heldout_prompts
 from .eagle import command as eagle_command
@@ -52,17 +52,6 @@ def _json(value) -> str:
             return [strict(x) for x in v]
         return v
     return json.dumps(strict(value), indent=2, allow_nan=False)
-
-
-def _probability(value: str) -> float:
-    """--alpha: a number in (0, 1)."""
-    try:
-        number = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {value!r}") from None
-    if not 0.0 < number < 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {value!r}")
-    return number
 
 
 def _tree_shape(value: str):
@@ -184,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "two categories of the chi-square test give the verdict INCONCLUSIVE)")
     a.add_argument("--ks", type=int_list, default=list(range(1, 9)), help="draft lengths of the break-even report (default: 1..8)")
     a.add_argument("--bench-tokens", type=at_least(1), default=48, help="new tokens per timed break-even run (default: 48)")
-    a.add_argument("--alpha", type=_probability, default=1e-3, help="family-wise significance level (default: 0.001)")
+    a.add_argument("--alpha", type=probability, default=1e-3, help="family-wise significance level (default: 0.001)")
     a.add_argument("--max-prompts", type=at_least(1), default=2, help="prompts used (default: 2)")
     a.add_argument("--no-break-even", action="store_true", help="skip the timed break-even report")
     _report_args(a, "the TV per position next to its noise floor and the predicted vs measured speedup per k")

@@ -40,22 +40,28 @@ class Models:
 
     def to(self, device: Union[str, torch.device]) -> "Models":
         """The same models on ``device`` ("cpu", "cuda", "cuda:1"; moved in place, as nn.Module.to does).
-        ValueError naming the device when torch cannot use it."""
-        try:
-            device = torch.device(device)
-        except RuntimeError as error:  # an unknown device string
-            raise ValueError(f"device {device}: {str(error).splitlines()[0]}") from None
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device {device}: CUDA is not available here (torch {torch.__version__}; "
-                             "run on the CPU with device cpu)")
-        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-            raise ValueError(f"device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-        if device.type not in ("cpu", "cuda"):
-            raise ValueError(f"device {device}: the models run on cpu or cuda")
+        ValueError naming the device when torch cannot use it (``usable_device``)."""
+        device = usable_device(device)
         for module in (self.target, self.draft, self.heads):
             if module is not None:
                 module.to(device)
         return self
+
+
+def usable_device(device: Union[str, torch.device]) -> torch.device:
+    """``device`` as a torch.device the models can run on here; ValueError naming it otherwise."""
+    try:
+        parsed = torch.device(device)
+    except RuntimeError as error:  # an unknown device string
+        raise ValueError(f"device {device}: {str(error).splitlines()[0]}") from None
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {parsed}: CUDA is not available here (torch {torch.__version__}; "
+                         "run on the CPU with device cpu)")
+    if parsed.type == "cuda" and (parsed.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"device {parsed}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if parsed.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {parsed}: the models run on cpu or cuda")
+    return parsed
 
 
 def cast_model(module: torch.nn.Module, dtype: torch.dtype, *, copy: bool = False) -> torch.nn.Module:

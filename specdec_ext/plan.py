@@ -566,11 +566,11 @@ def _cache_limits(ask: PlanRequest, models: _Models) -> Tuple[Optional[int], Opt
     source = f"the {model_limit[1]} model's max_position_embeddings" if model_limit else ""
     if ask.max_seq_len is None:
         return (model_limit[0] if model_limit else None), model_limit, source
-    tables = [(limit, role, _position_table(bounded[role])) for limit, role in sorted(positions)]
-    table = next(((limit, role, name) for limit, role, name in tables if name is not None), None)
-    if table is not None and table[0] < ask.max_seq_len:
-        return table[0], model_limit, (f"the {table[1]} model's position table {table[2]}, of max_position_embeddings"
-                                       f"={table[0]}, which it cannot look past whatever max_seq_len says")
+    for limit, role in sorted(positions):
+        table = _position_table(bounded[role]) if limit < ask.max_seq_len else None  # (a walk only past a limit)
+        if table is not None:
+            return limit, model_limit, (f"the {role} model's position table {table}, of max_position_embeddings"
+                                        f"={limit}, which it cannot look past whatever max_seq_len says")
     return ask.max_seq_len, model_limit, "max_seq_len"
 
 

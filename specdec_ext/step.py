@@ -298,15 +298,13 @@ class Stepper:
     def _failures(self, active: List[bool], num_accepted: List[int], verdict: Verdict) -> Dict[int, int]:
         """Rows whose verification failed (a RowStatus < 0: NaN logits, ...): raised, or with
         ``isolate_failures`` the running ones returned (the others commit nothing anyway)."""
-        if not self.options.isolate_failures:
-            # (a finished row is verified too, over whatever its buffers hold, and commits nothing: its status
-            # is not the caller's problem)
-            if min((code for b, code in enumerate(num_accepted) if active[b]), default=0) < 0:
-                finished = ~torch.tensor(active[: len(num_accepted)], device=verdict.num_accepted.device)
-                live = verdict.num_accepted.masked_fill(finished, 0)
-                raise_for_row_status("chain_verify" if verdict.path is None else "tree_verify", live)
-            return {}
-        return {b: code for b, code in enumerate(num_accepted) if active[b] and code < 0}
+        # (a finished row is verified too, over whatever its buffers hold, and commits nothing: only the running
+        # rows' statuses count)
+        failed = {b: code for b, code in enumerate(num_accepted) if active[b] and code < 0}
+        if failed and not self.options.isolate_failures:
+            live = torch.tensor([failed.get(b, 0) for b in range(len(num_accepted))], dtype=torch.int32)
+            raise_for_row_status("chain_verify" if verdict.path is None else "tree_verify", live)
+        return failed
 
     def _reserve(self, drafts: int) -> None:
         """Device steps: every running row gets the pages this step can write, ``drafts`` per row at most

@@ -372,7 +372,7 @@ class ContinuousBatcher:
         if scoring:  # max_tokens=0 (a prompt scored with echo and logprobs): no token is drawn
             for i in scoring:
                 self.end(rows[i], "length")
-            kept = sorted(set(range(len(rows))) - set(scoring))
+            kept = [i for i, row in enumerate(rows) if row.request.max_new_tokens > 0]
             if not kept:
                 return
             rows, logits = [rows[i] for i in kept], logits[kept]
