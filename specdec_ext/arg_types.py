@@ -5,29 +5,28 @@ from __future__ import annotations
 import argparse
 
 
+def _parsed(value: str, convert, valid, expected: str):
+    """``convert(value)`` where ``valid`` holds of it, else argparse's usage error saying what was ``expected``."""
+    try:
+        number = convert(value)
+    except ValueError:
+        number = None
+    if number is None or not valid(number):
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {value!r}")
+    return number
+
+
 def at_least(low: int):
     """An int >= ``low`` (a count of 0 or less is no request for all of them)."""
     def parse(value: str) -> int:
-        try:
-            number = int(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an int >= {low}, got {value!r}") from None
-        if number < low:
-            raise argparse.ArgumentTypeError(f"expected an int >= {low}, got {value!r}")
-        return number
+        return _parsed(value, int, lambda n: n >= low, f"an int >= {low}")
     parse.__name__ = f"int >= {low}"
     return parse
 
 
 def non_negative(value: str) -> float:
     """A finite number >= 0 (a temperature)."""
-    try:
-        number = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value!r}") from None
-    if not 0.0 <= number < float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {value!r}")
-    return number
+    return _parsed(value, float, lambda x: 0.0 <= x < float("inf"), "a finite number >= 0")
 
 
 def int_list(value: str):
@@ -55,10 +54,4 @@ def device(value: str) -> str:
 
 def probability(value: str) -> float:
     """A number in (0, 1) (a significance level)."""
-    try:
-        number = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {value!r}") from None
-    if not 0.0 < number < 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1), got {value!r}")
-    return number
+    return _parsed(value, float, lambda x: 0.0 < x < 1.0, "a number in (0, 1)")
