@@ -190,11 +190,16 @@ def measure_costs(target, draft, tokenizer, repeats: int) -> Costs:
             return out
         return call
 
-    def looking():  # (no pooled acceptance: with its prior of 0 the generation opens with a look)
-        for memory in adaptive._SHARED.get(target, {}).values():
-            if isinstance(memory, adaptive.DrafterMemory):
-                memory.acceptance = None
-        generate([ids], target, draft, k=adaptive.AdaptiveK(K_MAX, prior_acceptance=0.0), **kw)
+    def looking():
+        # no pooled acceptance: with a prior of 0 the generation opens with a look; with a prior of 1 it bets at
+        # once and prefills the whole context after its first steps (after a look at a prior of 0 it may
+        # never switch on: on forced AVX2 json.decoder's look at 7 positions did not, no whole prefill ran,
+        # and the cost table's prefill per token was NaN)
+        for prior in (0.0, 1.0):
+            for memory in adaptive._SHARED.get(target, {}).values():
+                if isinstance(memory, adaptive.DrafterMemory):
+                    memory.acceptance = None
+            generate([ids], target, draft, k=adaptive.AdaptiveK(K_MAX, prior_acceptance=prior), **kw)
 
     adaptive._SHARED.pop(target, None)
     looking()
