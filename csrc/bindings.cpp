@@ -124,6 +124,10 @@ PYBIND11_MODULE(_C, m) {
   register_suffix_automaton(m);
   m.def("recheck_packed_weights", &specdec::cpu::recheck_packed_weights,
         "Compare each packed weight copy's fingerprint again at its next use (a lean runner calls it when built).");
+  m.def("packed_weight_bytes", &specdec::cpu::packed_weight_bytes,
+        "The bytes the CPU kernels' packed weight copies hold (specdec_ext.ops.packed_weight_bytes).");
+  m.def("sweep_packed_weights", &specdec::cpu::sweep_packed_weights,
+        "Drop the packed copies of weights that are gone (a collected model's; specdec_ext.ops.lean_forward).");
   m.def("forget_packed_weights", &specdec::cpu::forget_packed_weights,
         "Drop every packed weight copy: each weight is packed again at its next use (specdec_ext.refresh_weights).");
 }

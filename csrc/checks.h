@@ -1,6 +1,7 @@
 // Argument checks shared by every op family. Each message names the op, the argument, what was
 // expected and what was passed, so a wrong call fails with a sentence instead of a crash.
 #pragma once
+#include <ATen/MemoryOverlap.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Optional.h>
@@ -41,6 +42,23 @@ inline void check_same_device(const char* op, const char* name, const at::Tensor
 
 inline void check_contiguous(const char* op, const char* name, const at::Tensor& t) {
   SPECDEC_CHECK(t.is_contiguous(), op, ": ", name, " must be contiguous");
+}
+
+// A tensor the op writes in place: no two of its elements may share memory (an expanded or otherwise
+// self-overlapping view would be written once per alias), as torch's own in-place ops require.
+inline void check_no_internal_overlap(const char* op, const char* name, const at::Tensor& t) {
+  SPECDEC_CHECK(at::has_internal_overlap(t) != at::MemOverlap::Yes, op, ": ", name,
+                " is written, so no two of its elements may share memory (an expanded or self-overlapping view), "
+                "got shape ", shape_str(t.sizes()), " and strides ", shape_str(t.strides()));
+}
+
+// An output the op writes and one of its inputs must not share memory: the op may write the output
+// before it has read all of the input.
+inline void check_no_overlap(const char* op, const char* out_name, const at::Tensor& out, const char* in_name,
+                             const at::Tensor& in) {
+  const at::MemOverlapStatus status = at::get_overlap_status(out, in);
+  SPECDEC_CHECK(status != at::MemOverlapStatus::Full && status != at::MemOverlapStatus::Partial, op, ": ",
+                out_name, " (written) must not share memory with ", in_name);
 }
 
 // A [rows, columns] tensor of one dtype, contiguous, on the reference device.

@@ -193,11 +193,12 @@ inline void check_rope_cache_write(const at::Tensor& q, const at::Tensor& k, con
   constexpr const char* op = "rope_cache_write";
   check_kv_cache_pair(op, k_cache, v_cache, q, "q");
   const int64_t kv_heads = k_cache.size(1), D = k_cache.size(3);
-  SPECDEC_CHECK(D % 2 == 0 && D <= kMaxHeadDim, op, ": the head dimension must be even and at most ", kMaxHeadDim,
-                ", got ", D);
+  SPECDEC_CHECK(D > 0 && D % 2 == 0 && D <= kMaxHeadDim, op, ": the head dimension must be even, > 0 and at most ",
+                kMaxHeadDim, ", got ", D);
   check_rank(op, "q", q, 3, "[M, H, D]");
   const int64_t M = q.size(0);
   check_heads(op, "q", q, M, -1, D);
+  check_no_internal_overlap(op, "q", q);  // (rotated in place)
   check_heads(op, "k", k, M, kv_heads, D);
   check_heads(op, "v", v, M, kv_heads, D);
   for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"cos", cos}, {"sin", sin}}) {
@@ -419,7 +420,9 @@ inline DecoderLayersShape check_decoder_layers(const at::Tensor& x, const LlamaM
   check_rank(op, "gate (layer 0)", model.layers[0].gate.weight, 2, "[I, d]");
   check_index_column(op, "start", pass.start, -1, "");
   const int64_t M = x.size(0), B = pass.start.size(0);
-  SPECDEC_CHECK(B > 0 && M % B == 0, op, ": x has ", M, " rows, not a whole number of blocks for the ", B,
+  SPECDEC_CHECK(B > 0, op, ": start must hold at least one row (decoder_layers runs no empty batch), got shape ",
+                shape_str(pass.start.sizes()));
+  SPECDEC_CHECK(M % B == 0, op, ": x has ", M, " rows, not a whole number of blocks for the ", B,
                 " rows of start");
   const int64_t T = M / B;
   const at::Tensor& cache_rows = pass.cache_rows;
@@ -490,8 +493,8 @@ inline void check_greedy_chain(const at::Tensor& tokens, int64_t steps, const Ll
   const int64_t* first = rows.start.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
     SPECDEC_CHECK(first[b] >= 0 && first[b] <= capacity - W, op, ": start[", b, "] = ", first[b],
-                  " must be in [0, capacity - W] = [0, ", capacity - W, "] (the feed writes its W = ", W,
-                  " columns from slot start)");
+                  W > 0 ? " must be in [0, capacity - W] = [0, " : " must be in [0, capacity] = [0, ", capacity - W,
+                  W > 0 ? "] (the feed writes its W columns from slot start)" : "] (a slot index)");
     const int64_t chain_start = first[b] + (counts == nullptr ? 0 : counts[b]);
     SPECDEC_CHECK(chain_start <= capacity - (steps - 1), op, ": start[", b, "] = ", chain_start,
                   counts == nullptr ? "" : " (with its feed_counts)", " must be in [0, capacity - (steps - 1)] = [0, ",
@@ -523,22 +526,22 @@ inline void check_eagle_chain(const at::Tensor& tokens, int64_t steps, const at:
   SPECDEC_CHECK(B > 0 && n > 0, op, ": tokens must hold at least one row and one column, got ",
                 shape_str(tokens.sizes()));
   SPECDEC_CHECK(steps >= 1 && steps <= n, op, ": steps must be in [1, n] = [1, ", n, "], got ", steps);
-  check_rows_matrix(op, "last", last, "[B, d]", B, {at::kFloat}, tokens);
-  const int64_t d = last.size(1);
-  const at::Tensor& embed = model.embed;
+  const at::Tensor& embed = model.embed;  // (the model's width d: the other arguments are checked against it)
   check_rank(op, "embed", embed, 2, "[V_in, d]");
-  check_size(op, "embed", embed, 1, d, "d (last dimension 1)");
   check_dtype(op, "embed", embed, {at::kFloat, at::kBFloat16, at::kHalf});
   check_contiguous(op, "embed", embed);
+  const int64_t d = embed.size(1);
+  check_rows_matrix(op, "last", last, "[B, d]", B, {at::kFloat}, tokens);
+  check_size(op, "last", last, 1, d, "d (embed dimension 1)");
   const LlamaLayerView& w = model.layers[0];
-  check_float_vector(op, "input_norm", w.input_norm, d, last, "d (last dimension 1)");
-  check_float_vector(op, "hidden_norm", eagle[0], d, last, "d (last dimension 1)");
+  check_float_vector(op, "input_norm", w.input_norm, d, last, "d (embed dimension 1)");
+  check_float_vector(op, "hidden_norm", eagle[0], d, last, "d (embed dimension 1)");
   check_rank(op, "q", w.q.weight, 2, "[H*D, 2d]");
   check_size(op, "q", w.q.weight, 1, 2 * d, "2d: the layer reads [embedding; features]");
   check_rank(op, "gate", w.gate.weight, 2, "[I, d]");
-  check_float_vector(op, "norm", model.norm, d, last, "d (last dimension 1)");
+  check_float_vector(op, "norm", model.norm, d, last, "d (embed dimension 1)");
   check_rank(op, "head", model.head.weight, 2, "[V_d, d]");
-  check_size(op, "head", model.head.weight, 1, d, "d (last dimension 1)");
+  check_size(op, "head", model.head.weight, 1, d, "d (embed dimension 1)");
   const at::Tensor& target_ids = eagle[1];
   check_index_column(op, "target_ids", target_ids, model.head.weight.size(0), "V_d (head dimension 0)");
   const int64_t* ids = target_ids.data_ptr<int64_t>();
@@ -598,8 +601,8 @@ inline void check_eagle_chain(const at::Tensor& tokens, int64_t steps, const at:
   const int64_t* first = start.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
     SPECDEC_CHECK(first[b] >= 0 && first[b] <= limit - W, op, ": start[", b, "] = ", first[b], " must be in [0, ",
-                  limit - W, "] (the feed writes its W = ", W, " columns from start; the cache and the rotary tables "
-                  "hold ", limit, ")");
+                  limit - W, W > 0 ? "] (the feed writes its W columns from start; " : "] (a slot index; ",
+                  "the cache and the rotary tables hold ", limit, ")");
     const int64_t chain = first[b] + (counts == nullptr ? 0 : counts[b]);
     SPECDEC_CHECK(chain <= limit - (steps - 1), op, ": start[", b, "] = ", chain, counts == nullptr ? "" :
                   " (with its feed count)", " must be in [0, ", limit - steps + 1, "] (the chain writes ", steps - 1,

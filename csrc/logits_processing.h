@@ -21,7 +21,7 @@
 //                      tree.h (-1 = a child of the root, -1 <= parents[b, i] < i).
 //   num_draft          Shape: [B]        int32 in [0, n]: the drafts row b uses.
 //   output_counts      Shape: [B, V]     int32, optional (0): how often each token occurs among row
-//                      b's generated tokens so far (the committed ones).
+//                      b's generated tokens so far (the committed ones), in [0, kMaxOutputCount].
 //   prompt_mask        Shape: [B, V]     bool, optional (false): the token occurs in row b's prompt.
 //   logit_bias         Shape: [B, V]     fp32, optional (0): added to the logit (-inf bans a token).
 //   allowed            Shape: [B, P, W]  int32, optional (all allowed), W = ceil(V / 32): a grammar
@@ -182,6 +182,9 @@ inline bool processes_anything(const ProcessLogitsView& v) {
   return v.logit_bias || v.allowed || v.presence_penalty || v.frequency_penalty || v.repetition_penalty || v.min_p;
 }
 
+// The largest output count: count[t] adds at most n drafts to it, which must not overflow an int32.
+constexpr int32_t kMaxOutputCount = 1 << 30;
+
 // The value errors of row b, as bits (ProcessLogitsError); 0 when its values are valid.
 enum ProcessLogitsError : uint32_t {
   kErrorNumDraft = 1u << 0,
@@ -191,6 +194,7 @@ enum ProcessLogitsError : uint32_t {
   kErrorMinP = 1u << 4,
   kErrorPresencePenalty = 1u << 5,
   kErrorFrequencyPenalty = 1u << 6,
+  kErrorOutputCounts = 1u << 7,
 };
 
 SPECDEC_HOST_DEVICE uint32_t row_value_errors(const ProcessLogitsView& v, int64_t b) {
@@ -214,6 +218,15 @@ SPECDEC_HOST_DEVICE uint32_t row_value_errors(const ProcessLogitsView& v, int64_
   if (v.presence_penalty && !is_finite_float(v.presence_penalty[b])) errors |= kErrorPresencePenalty;
   if (v.frequency_penalty && !is_finite_float(v.frequency_penalty[b])) errors |= kErrorFrequencyPenalty;
   return errors;
+}
+
+// kErrorOutputCounts when an output count among elements [begin, end) of output_counts (flattened [B, V])
+// lies outside [0, kMaxOutputCount], else 0 (a backend spreads the elements over its threads).
+SPECDEC_HOST_DEVICE uint32_t output_count_errors(const ProcessLogitsView& v, int64_t begin, int64_t end, int64_t step) {
+  if (v.output_counts == nullptr) return 0u;
+  bool bad = false;
+  for (int64_t i = begin; i < end; i += step) bad |= v.output_counts[i] < 0 || v.output_counts[i] > kMaxOutputCount;
+  return bad ? kErrorOutputCounts : 0u;
 }
 
 }  // namespace specdec

@@ -11,15 +11,18 @@
 //   draft_probs     [B, k, V]   fp32, optional: the distribution each draft token was sampled from;
 //                               absent means deterministic drafts (q one-hot at the drafted token)
 //   num_draft       [B] int32, optional (k): ragged draft lengths, 0 <= num_draft <= k
-//   uniforms        [B, k+1] fp32, optional: column i < k accepts draft position i, column k samples
-//                   the recovered or bonus token
+//   uniforms        [B, k+1] fp32, optional: column i < num_draft[b] accepts draft position i, column
+//                   num_draft[b] samples the recovered or bonus token (a row's draws do not depend on
+//                   the buffer's width k: a seeded row drafting 4 in a k = 8 buffer draws as with k = 4)
 //   tokens          [B, k+1] int64 out: accepted tokens, then the recovered/bonus token, then -1
 //   num_accepted    [B] int32 out: accepted draft tokens (the row emits num_accepted + 1 tokens),
 //                   or a negative RowStatus when the row's input is invalid (tokens then all -1)
 //   Per row, status checks before anything is emitted: validate_filter() (-5, -6, -7), num_draft in
 //   [0, k] (-4), draws (-11 when a sampling row has neither seed nor uniforms, -8 for a uniform
 //   outside [0, 1)), draft ids in [0, V) (-3); then the walk (-1 for a non-finite logits row, -2 for
-//   an invalid draft probability at a position read, or q(x) = 0 at a draft x: it cannot have been drawn).
+//   an invalid draft probability at a position read, a q row whose sum strays from 1 by more than
+//   kProbabilitySumTolerance where a rejection reads it whole, or q(x) = 0 at a draft x: it cannot have been
+//   drawn).
 //
 // residual_probs: normalise(max(0, p - q)) over the last dimension; p where that mass is zero.
 //   target_probs [..., V] fp32/bf16/fp16, draft_probs [..., V] same shape, out [..., V] fp32.

@@ -59,6 +59,8 @@ inline void check_commit_tokens(const at::Tensor& tokens, const at::Tensor& num_
                 shape_str(next_input.sizes()));
   check_dtype(op, "next_input", next_input, {at::kLong});
   check_same_device(op, "next_input", next_input, token_buffer, "token_buffer");
+  check_no_internal_overlap(op, "next_input", next_input);
+  check_no_internal_overlap(op, "token_buffer", token_buffer);
 }
 
 inline CommitTokensView commit_tokens_view(const at::Tensor& tokens, const at::Tensor& num_accepted,

@@ -50,7 +50,8 @@
 //                              both); the target distribution p at a position is the filtered
 //                              softmax of sampling_math.h (one-hot argmax below kGreedyTemperature).
 //   uniforms       [B, N+1] fp32, optional: column i (< N) is the acceptance draw of node i,
-//                              column N the single draw of the recovered/bonus token. Without it
+//                              column n = num_nodes[b] the single draw of the recovered/bonus token
+//                              (a row's draws do not depend on the buffer's width N). Without it
 //                              column c is philox_uniform(seed[b], offset[b] (default 0), c); with
 //                              neither, greedy rows run and sampling rows report -11.
 //   path           [B, N] int32 out: the accepted node indices from depth 1 down, then -1.
@@ -77,9 +78,10 @@
 //           if accept_draft(u(c), p(x), qx):                     (u * qx < p(x), sampling_math.h)
 //             path[d] = c; tokens[d] = x; d += 1; cur = c; continue the outer loop
 //           p <- normalise(max(0, p - q_row)), p kept where that mass is 0   (-2 if q_row has a
-//                                                   NaN, negative or > 1 entry; exactly
+//                                                   NaN, negative or > 1 entry, or its sum strays
+//                                                   from 1 by more than kProbabilitySumTolerance; exactly
 //                                                   TargetDistribution::subtract)
-//         no child accepted (or cur has no children): tokens[d] = sample(p, u(N)) (inverse CDF,
+//         no child accepted (or cur has no children): tokens[d] = sample(p, u(n)) (inverse CDF,
 //         sampling_math.h); num_accepted = d; stop.
 //   Both lossless rules are this one loop: with draft_probs it is SpecInfer's multi-step
 //   speculative sampling (accept w.p. min(1, p/q), residual max(0, p - q)); without, q one-hot
@@ -88,7 +90,7 @@
 //   A chain (parents = [-1, 0, 1, ..., N-2]) with the same logits, ids, q, filters and draws gives
 //   exactly chain_verify's tokens/num_accepted (num_nodes playing num_draft), and path = [0..d-1].
 //   Note: the per-child draw is u(c) for the node index c, not for the depth: a row uses the
-//   columns of the children it tries, and column N once.
+//   columns of the children it tries, and column n once.
 //
 // Notes for a backend (the CPU one is cpu/tree.cpp, one row per task):
 //   - The CPU holds p materialised in a [V] scratch row (TargetDistribution: load, prob, subtract,
@@ -159,6 +161,11 @@ inline void check_tree_verify(const TreeVerifyArgs& a) {
   check_matrix(op, "parents", a.parents, "[B, N]", shape.batch, "B", shape.drafts,
                "N (target_logits has N+1 positions)", at::kInt, logits, "target_logits");
   check_output(op, "path", a.path, shape.batch, shape.drafts, "N", at::kInt, logits);
+  for (const auto& out : {std::make_pair("path", &a.path), std::make_pair("tokens", &a.verifier.tokens),
+                          std::make_pair("num_accepted", &a.verifier.num_accepted)}) {
+    check_no_overlap(op, out.first, *out.second, "parents", a.parents);
+  }
+  check_outputs_apart({op, "N", "tree_token_ids", "num_nodes"}, a.verifier, {{"path", &a.path}});
 }
 
 inline TreeVerifyView tree_verify_view(const TreeVerifyArgs& a) {

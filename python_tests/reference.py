@@ -145,10 +145,10 @@ def chain_verify(logits, draft_ids, draft_probs, num_draft, temperature, top_k, 
                 tokens[b, i] = x
                 accepted += 1
                 continue
-            final = sample_inverse_cdf(residual(p, q), uniforms[b, k])
+            final = sample_inverse_cdf(residual(p, q), uniforms[b, n])
             break
         if final is None:
-            final = sample_inverse_cdf(filtered_probs(logits[b, n], **filt), uniforms[b, k])
+            final = sample_inverse_cdf(filtered_probs(logits[b, n], **filt), uniforms[b, n])
         tokens[b, accepted] = final
         num_accepted[b] = accepted
     return tokens, num_accepted

@@ -98,8 +98,8 @@ def tree_verify_row(logits, ids, parents_row, q_rows, n, filt, uniforms, skip_re
                 p = ref.residual(p, q)
         if accepted is None:
             if margin is not None:
-                margin.sample(p, uniforms[nodes])
-            tokens[depth] = ref.sample_inverse_cdf(p, uniforms[nodes])
+                margin.sample(p, uniforms[n])
+            tokens[depth] = ref.sample_inverse_cdf(p, uniforms[n])
             return path, tokens, depth
         path[depth] = accepted
         tokens[depth] = int(ids[accepted])

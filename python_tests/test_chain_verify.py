@@ -93,9 +93,10 @@ def test_mixed_rows_each_with_own_filter(rng):
 def test_ties_keep_every_tied_logit_and_greedy_takes_lowest_index():
     logits = torch.tensor([[[0.0, 2.0, 2.0, 2.0, -1.0]] * 2])
     draft = torch.tensor([[2]])
-    # top_k = 1 with three tied maxima keeps all three, each with probability 1/3.
+    # top_k = 1 with three tied maxima keeps all three, each with probability 1/3 (no draft: column 0 draws the
+    # bonus token)
     for u, expected in [(0.2, 1), (0.5, 2), (0.9, 3)]:
-        tokens, n = ops.chain_verify(logits, draft, num_draft=0, top_k=1, uniforms=torch.tensor([[0.0, u]]))
+        tokens, n = ops.chain_verify(logits, draft, num_draft=0, top_k=1, uniforms=torch.tensor([[u, 0.0]]))
         assert tokens.tolist() == [[expected, -1]] and n.item() == 0
     # greedy: argmax is the lowest tied index, so draft 2 is rejected and 1 emitted
     tokens, n = ops.chain_verify(logits, draft, temperature=0.0, seed=0)
@@ -156,6 +157,25 @@ def test_seeded_draws_are_philox_and_independent_of_batch_position(rng):
         one = {key: (v[b : b + 1] if isinstance(v, torch.Tensor) else v) for key, v in c_seeded.items()}
         t1, n1 = run_op(one, seed=seeds[b : b + 1], offset=offsets[b : b + 1])
         assert torch.equal(t1[0], tokens[b]) and n1.item() == n[b].item()
+
+
+@pytest.mark.parametrize("with_probs", [True, False])
+def test_a_rows_draws_do_not_depend_on_the_buffer_width(rng, with_probs):
+    """Rows drafting 3 tokens in k = 8 buffers emit exactly what the same rows give in k = 3 buffers, seeded:
+    column num_draft (not k) draws the recovered or bonus token (a server's k-by-load buffers hold a seeded
+    row pinned to 4 drafts, which must give generate()'s k = 4 tokens)."""
+    c = make_case(rng, batch=16, k=8, vocab=30, dtype=torch.float32, with_probs=with_probs, filters=(1.0, 0, 1.0))
+    c["num_draft"] = torch.full((16,), 3, dtype=torch.int32)
+    if with_probs:  # rows 0..7 draft from the target's own distribution: accepted whole, a bonus token
+        c["q"][:8] = torch.softmax(c["logits"][:8, :8].float(), dim=-1)
+    seeds, offsets = torch.arange(16, dtype=torch.int64) + 40, torch.full((16,), 6, dtype=torch.int64)
+    wide_tokens, wide_accepted = run_op(dict(c, uniforms=None), seed=seeds, offset=offsets)
+    narrow = dict(c, logits=c["logits"][:, :4].contiguous(), draft=c["draft"][:, :3].contiguous(),
+                  q=None if c["q"] is None else c["q"][:, :3].contiguous(), uniforms=None)
+    narrow_tokens, narrow_accepted = run_op(narrow, seed=seeds, offset=offsets)
+    assert torch.equal(wide_accepted, narrow_accepted)
+    assert torch.equal(wide_tokens[:, :4], narrow_tokens) and bool((wide_tokens[:, 4:] == -1).all())
+    assert 0 < int((wide_accepted < 3).sum()) < 16  # both a recovered token and a bonus token were drawn
 
 
 # ---------------------------------------------------------------------------------------------

@@ -357,3 +357,22 @@ def test_generate_over_the_lean_runner_matches_hf_greedy():
         result = generate(prompts, target, draft, max_new_tokens=20, k=k, runner="lean")
         assert result.plan.target_runner == result.plan.draft_runner == "lean"
         assert result.token_ids == refs
+
+
+def test_a_collected_models_packed_weight_copies_are_freed(monkeypatch):
+    """The CPU kernels pack each weight once (csrc/cpu/packed_weights.h); a collected model's copies were dropped
+    only when another weight was packed (a deleted fp32 bundled pair kept 91 MB). A collection now sweeps them."""
+    import gc
+
+    from specdec_ext import ops
+
+    monkeypatch.setenv("SPECDEC_CPU_KERNELS", "1")
+    gc.collect()
+    before = ops.packed_weight_bytes()
+    model = tiny("llama", seed=6)
+    LeanLlamaRunner(model, max_batch_size=1, max_seq_len=16).start([[5, 17, 3, 44, 9]])
+    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n)
+    assert ops.packed_weight_bytes() - before >= weights // 2
+    del model
+    gc.collect()
+    assert ops.packed_weight_bytes() <= before

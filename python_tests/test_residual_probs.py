@@ -48,14 +48,32 @@ def test_opcheck(rng):
     torch.library.opcheck(torch.ops.specdec_ext.residual_probs.default, (p.half(), q.half(), torch.empty(3, 5)))
 
 
+def _rows(*shape, **kw):
+    return torch.rand(*shape, **kw).softmax(-1)
+
+
 @pytest.mark.parametrize("p, q, message", [
-    (torch.rand(2, 5), torch.rand(2, 4), "draft_probs must have the shape of target_probs"),
-    (torch.rand(2, 5), torch.rand(2, 5).double(), "draft_probs must have the dtype"),
-    (torch.rand(2, 5).double(), torch.rand(2, 5).double(), "target_probs must have dtype"),
+    (_rows(2, 5), _rows(2, 4), "draft_probs must have the shape of target_probs"),
+    (_rows(2, 5), _rows(2, 5).double(), "draft_probs must have the dtype"),
+    (_rows(2, 5).double(), _rows(2, 5).double(), "target_probs must have dtype"),
     (torch.tensor([0.5, -0.1, 0.6]), torch.tensor([0.3, 0.3, 0.4]), "target_probs must hold probabilities"),
     (torch.tensor([0.5, 0.5]), torch.tensor([float("nan"), 0.5]), "draft_probs must hold probabilities"),
-    (torch.rand(2, 5), torch.rand(2, 5, device="meta"), "draft_probs must be on the same device"),
+    (_rows(2, 5), torch.rand(2, 5, device="meta"), "draft_probs must be on the same device"),
+    (_rows(2, 5), _rows(2, 5) * 0.5, "every row of draft_probs must sum to 1"),
+    (_rows(2, 5) * 2, _rows(2, 5), "every row of target_probs must sum to 1"),
 ])
 def test_bad_input_names_the_argument(p, q, message):
     with pytest.raises((ValueError, RuntimeError), match=message):
-        ops.residual_probs(p, q, check_values=q.device.type != "meta")
+        ops.residual_probs(p, q)
+
+
+def test_meta_inputs_give_a_meta_result_with_the_value_check_on():
+    out = ops.residual_probs(torch.empty(2, 5, device="meta"), torch.empty(2, 5, device="meta"))
+    assert out.device.type == "meta" and out.shape == (2, 5)
+
+
+def test_a_subnormal_residual_mass_is_normalised_not_overflowed():
+    """p - q leaves 1e-39 (a subnormal float) on one token: the residual is one-hot there, where 1 / mass
+    overflows to inf and a multiply by it gave [nan, nan, inf]."""
+    out = ops.residual_probs(torch.tensor([[0.3, 0.7, 1e-39]]), torch.tensor([[0.3, 0.7, 0.0]]), check_values=False)
+    assert out.tolist() == [[0.0, 0.0, 1.0]]

@@ -648,6 +648,23 @@ def test_a_seeded_sample_equals_itself_alone_under_k_by_load(pair):
     assert batched == alone
 
 
+def test_a_seeded_sample_under_k_by_load_returns_generates_tokens(pair):
+    """A seeded request at T = 1 (pinned to FIXED_K drafts in the server's k_max-wide buffers) returns the tokens
+    generate() gives it with k = FIXED_K: its draws do not depend on the buffers' width."""
+    from specdec_ext import generate
+    from specdec_ext.serve.build import FIXED_K
+
+    target, draft, tokenizer = pair
+    prompt = tokenizer("def fib(n):")["input_ids"]
+    assert "k by load" in _engine(pair, max_rows=4).description
+    for seed in (7, 8):
+        served = _run(_engine(pair, max_rows=4), [_request(tokenizer, prompt, max_new=32, sampling=SamplingParams(1.0), seed=seed,
+                                        seeded=True)])[0]
+        alone = generate([prompt], target, draft, k=FIXED_K, max_new_tokens=32, temperature=1.0, seed=seed,
+                         eos_token_id=False).token_ids[0]
+        assert served == alone
+
+
 def test_a_long_prompt_joins_in_chunks_while_a_running_row_keeps_emitting(pair):
     """A 200-token prompt with a chunk budget of 40 joins over several steps; the running row emits in
     every one of them (the step log), and the long request's tokens equal a whole-prompt prefill's and

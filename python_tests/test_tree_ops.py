@@ -359,6 +359,21 @@ def test_seeded_draws_are_philox_and_independent_of_batch_position(rng):
             assert torch.equal(a[0], full[b])
 
 
+
+@pytest.mark.parametrize("with_probs", [True, False])
+def test_a_rows_draws_do_not_depend_on_the_buffer_width(rng, with_probs):
+    """Rows using 4 nodes of N = 8 buffers emit exactly what the same 4-node trees give in N = 4 buffers,
+    seeded: column num_nodes (not N) draws the recovered or bonus token."""
+    c = make_case(rng, batch=16, nodes=8, vocab=30, dtype=torch.float32, with_probs=with_probs, filters=(1.0, 0, 1.0))
+    c["num_nodes"] = torch.full((16,), 4, dtype=torch.int32)
+    seeds, offsets = torch.arange(16, dtype=torch.int64) + 40, torch.full((16,), 6, dtype=torch.int64)
+    wide = run_op(c, uniforms=None, seed=seeds, offset=offsets)
+    narrow_case = dict(c, logits=c["logits"][:, :5].contiguous(), ids=c["ids"][:, :4].contiguous(),
+                       parents=c["parents"][:, :4].contiguous(), q=None if c["q"] is None else c["q"][:, :4].contiguous())
+    path, tokens, accepted = run_op(narrow_case, uniforms=None, seed=seeds, offset=offsets)
+    assert torch.equal(wide[2], accepted) and torch.equal(wide[0][:, :4], path) and torch.equal(wide[1][:, :5], tokens)
+    assert bool((wide[1][:, 5:] == -1).all())
+
 def test_out_buffers_are_written_in_place(rng):
     c = make_case(rng, batch=4, nodes=5, vocab=10, dtype=torch.float32, with_probs=False, filters=(1.0, 0, 1.0))
     out = (torch.full((4, 5), 77, dtype=torch.int32), torch.full((4, 6), 77), torch.full((4,), 77, dtype=torch.int32))

@@ -85,18 +85,19 @@ def verify(target: ModelRunner, meta: SpecDecodeMetadata, proposal: Proposal, ve
     """One target pass over [pending, drafts] and the verifier. The pass is only as wide as the
     proposal's longest row + 1; narrower logits are widened into a static [B, n+1, V] buffer (the
     verifier reads positions 0..num_draft[b] of row b only, so the stale columns are never read), but
-    a pass without drafts over greedy rows: its one position is verified as it is, against [B, 0]
-    drafts (widening a server's [16, 1, V] logits into fp32 [16, 9, V] cost 0.1 ms of a 6 ms plain
-    step). A sampling row's token comes from Philox column n whatever the pass's width (a seeded row's
-    tokens must not depend on whether the rows beside it drafted), so its narrow passes are widened.
-    ``meta.target_input[:, 0]`` already holds each row's pending token."""
+    a pass without drafts: its one position is verified as it is, against [B, 0] drafts (widening a
+    server's [16, 1, V] logits into fp32 [16, 9, V] cost 0.1 ms of a 6 ms plain step). A sampling row's
+    recovered or bonus token comes from Philox column num_draft[b] whatever the buffers' width, so its
+    tokens do not depend on whether the rows beside it drafted. ``meta.target_input[:, 0]`` already
+    holds each row's pending token."""
     width = verify_width(proposal)
     meta.target_input[:, 1:].copy_(proposal.token_ids)
     meta.target_num_tokens.copy_(proposal.num_draft.to(torch.int64) + 1)
     logits = target.forward(meta.target_input[:, :width], meta.target_num_tokens,
                             tree_parents=proposal.parents)  # [B, width, V]
-    if width == 1 and proposal.parents is None and meta.all_greedy:  # no row drafted: [B, 0] drafts, [B, 1, V]
-        proposal = dataclasses.replace(proposal, token_ids=proposal.token_ids[:, :0])
+    if width == 1 and proposal.parents is None:  # no row drafted: [B, 0] drafts, [B, 1, V]
+        probs = None if proposal.probs is None else proposal.probs[:, :0]
+        proposal = dataclasses.replace(proposal, token_ids=proposal.token_ids[:, :0], probs=probs)
         logits = logits.contiguous()  # (a runner may return a view of a wider pass)
     elif width < meta.slots + 1:
         logits = widen_logits(meta, logits)  # [B, n+1, V]

@@ -49,6 +49,10 @@ enum RowStatus : int32_t {
 // Temperatures below this are greedy (see the top of this file); specdec_ext.ops.GREEDY_TEMPERATURE
 // mirrors it for the Python side.
 constexpr float kGreedyTemperature = 1e-5f;
+// How far a draft distribution row (draft_probs, fp32) may sum from 1 when a verifier reads it whole (a
+// rejection): a row scaled by 0.5 or 2 changes what is accepted and is not q; fp32 sums of a valid row stray
+// by ~1e-6 (specdec_ext.ops.PROBABILITY_SUM_TOLERANCE[torch.float32] for residual_probs' inputs)
+constexpr float kProbabilitySumTolerance = 1e-3f;
 
 constexpr int32_t kEmptySlot = -1;  // token slots after the emitted ones
 

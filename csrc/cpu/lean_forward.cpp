@@ -72,6 +72,8 @@ void linear_on(Isa isa, const at::Tensor& x, const c10::optional<at::Tensor>& no
                at::TensorList weights, const c10::List<c10::optional<at::Tensor>>& biases, const std::string& epilogue,
                bool bf16_activations, at::TensorList outs, bool weights_cached = false) {
   check_fused_linear(x, norm_weight, weights, biases, epilogue, bf16_activations, outs);
+  SPECDEC_CHECK(!norm_weight.has_value() || (std::isfinite(norm_eps) && norm_eps >= 0.0),
+                "fused_linear: norm_eps must be finite and >= 0, got ", norm_eps);
   const int64_t M = x.size(0), K = x.size(1);
   if (M == 0) return;
   const int count = static_cast<int>(weights.size());
@@ -160,6 +162,8 @@ void attend(Isa isa, const at::Tensor& q, const at::Tensor& k_cache, const at::T
             const at::Tensor& start, const c10::optional<at::Tensor>& visible, double scale, at::Tensor& out,
             const int64_t* rows) {
   check_cache_attention(q, k_cache, v_cache, start, visible, out);
+  SPECDEC_CHECK(std::isfinite(scale) && scale > 0.0, "cache_attention: scale must be finite and > 0 (head_dim ** -0.5 "
+                "for a Llama), got ", scale);
   const int64_t B = q.size(0), T = q.size(1), H = q.size(2);
   const int64_t capacity = k_cache.size(2);
   const int64_t* starts = start.data_ptr<int64_t>();

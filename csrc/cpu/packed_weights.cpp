@@ -85,7 +85,7 @@ at::Tensor cached_copy(const at::Tensor& weight, const PanelLayout& layout, cons
   const uint64_t fingerprint = sampled_fingerprint(weight);
   at::Tensor packed = pack();
   std::lock_guard<std::mutex> lock(packed_mutex);
-  for (auto it = packed_entries.begin(); it != packed_entries.end();)
+  for (auto it = packed_entries.begin(); it != packed_entries.end();)  // (sweep_packed_weights, under this lock)
     it = it->second.owner.expired() ? packed_entries.erase(it) : std::next(it);
   packed_entries.insert_or_assign(key, PackedEntry{WeakStorage(weight.storage().getWeakStorageImpl()), weight.data_ptr(),
                                                    version, fingerprint, epoch, packed});
@@ -95,6 +95,19 @@ at::Tensor cached_copy(const at::Tensor& weight, const PanelLayout& layout, cons
 }  // namespace
 
 void recheck_packed_weights() { recheck_epoch.fetch_add(1, std::memory_order_relaxed); }
+
+int64_t packed_weight_bytes() {
+  std::lock_guard<std::mutex> lock(packed_mutex);
+  int64_t bytes = 0;
+  for (const auto& entry : packed_entries) bytes += entry.second.packed.nbytes();
+  return bytes;
+}
+
+void sweep_packed_weights() {
+  std::lock_guard<std::mutex> lock(packed_mutex);
+  for (auto it = packed_entries.begin(); it != packed_entries.end();)
+    it = it->second.owner.expired() ? packed_entries.erase(it) : std::next(it);
+}
 
 void forget_packed_weights() {
   std::lock_guard<std::mutex> lock(packed_mutex);

@@ -23,6 +23,13 @@ at::Tensor panel_packed_weight(const at::Tensor& weight, const PanelLayout& layo
 // Starts a new recheck epoch: each packed copy's fingerprint is compared again at its weight's next use.
 void recheck_packed_weights();
 
+// The bytes the packed copies hold (those of weights that are gone included, until a sweep).
+int64_t packed_weight_bytes();
+
+// Drops the packed copies of weights whose storage is gone (a collected model's): a copy is otherwise dropped
+// only when another weight is packed.
+void sweep_packed_weights();
+
 // Drops every packed copy: each weight is packed again at its next use (after a write that neither the
 // version counter nor the fingerprint sees: one row or a few elements written through `.data`).
 void forget_packed_weights();

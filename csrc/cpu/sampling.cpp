@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 
 #include "../sampling.h"
@@ -32,12 +33,12 @@ void chain_verify_rows(const ChainVerifyView& v) {
         row.set_token(accepted, row.token_id(accepted));
         continue;
       }
-      if (status == 0) emitted = p.sample(row.draw(k));  // the recovered token, from the residual
+      if (status == 0) emitted = p.sample(row.draw(n));  // the recovered token, from the residual
       break;
     }
     if (status == 0 && emitted < 0) {  // every draft accepted: the bonus token
       status = p.load(row.logits<scalar_t>(n), row.filter());
-      if (status == 0) emitted = p.sample(row.draw(k));
+      if (status == 0) emitted = p.sample(row.draw(n));
     }
     row.finish(status, accepted, emitted);
   });
@@ -94,9 +95,11 @@ void residual_rows(const ResidualProbsView& v) {
         out_row[j] = d > 0.0f ? d : 0.0f;
         mass += out_row[j];
       }
-      if (mass > 0.0f) {
-        const float inv_mass = 1.0f / mass;
+      const float inv_mass = 1.0f / mass;
+      if (mass > 0.0f && std::isfinite(inv_mass)) {
         for (int64_t j = 0; j < vocab; ++j) out_row[j] *= inv_mass;
+      } else if (mass > 0.0f) {  // a subnormal mass: its reciprocal overflows
+        for (int64_t j = 0; j < vocab; ++j) out_row[j] /= mass;
       } else {
         for (int64_t j = 0; j < vocab; ++j) out_row[j] = static_cast<float>(p_row[j]);
       }

@@ -91,7 +91,7 @@ void tree_verify_rows(const TreeVerifyView& v) {
       }
       if (status != 0) break;
       if (next < 0) {  // every child rejected, or a leaf: recovered or bonus token
-        emitted = p.sample(row.draw(nodes));
+        emitted = p.sample(row.draw(n));
         break;
       }
       row_path[accepted] = static_cast<int32_t>(next);

@@ -115,8 +115,8 @@ inline float exp_sum(const float* x, int64_t n, float shift, float scale, float*
   return out ? exp_sum_impl<true>(x, n, shift, scale, out) : exp_sum_impl<false>(x, n, shift, scale, nullptr);
 }
 
-// The residual r_j = max(0, w_j * inv_mass - q_j): its sum, and whether every q_j is in [0, 1].
-// Written over w when `write` is set.
+// The residual r_j = max(0, w_j * inv_mass - q_j): its sum, and whether q is a distribution (every q_j
+// in [0, 1], their sum within kProbabilitySumTolerance of 1). Written over w when `write` is set.
 struct ResidualSum {
   float mass;
   bool q_valid;
@@ -125,12 +125,14 @@ struct ResidualSum {
 template <bool kWrite>
 SPECDEC_CPU_CLONES inline ResidualSum residual_pass_impl(float* w, float inv_mass, const float* q, int64_t n) {
   float s[kLanes] = {};
+  float q_sum[kLanes] = {};
   int32_t bad[kLanes] = {};
   int64_t j = 0;
   for (; j + kLanes <= n; j += kLanes) {
     for (int l = 0; l < kLanes; ++l) {
       const float qv = q[j + l];
       bad[l] |= !(qv >= 0.0f && qv <= 1.0f);
+      q_sum[l] += qv;
       const float r = w[j + l] * inv_mass - qv;
       const float rp = r > 0.0f ? r : 0.0f;
       s[l] += rp;
@@ -139,6 +141,7 @@ SPECDEC_CPU_CLONES inline ResidualSum residual_pass_impl(float* w, float inv_mas
   }
   for (; j < n; ++j) {
     bad[0] |= !(q[j] >= 0.0f && q[j] <= 1.0f);
+    q_sum[0] += q[j];
     const float r = w[j] * inv_mass - q[j];
     const float rp = r > 0.0f ? r : 0.0f;
     s[0] += rp;
@@ -146,6 +149,8 @@ SPECDEC_CPU_CLONES inline ResidualSum residual_pass_impl(float* w, float inv_mas
   }
   bool q_valid = true;
   for (int l = 0; l < kLanes; ++l) q_valid = q_valid && bad[l] == 0;
+  const float total = lane_sum(q_sum);
+  q_valid = q_valid && total >= 1.0f - kProbabilitySumTolerance && total <= 1.0f + kProbabilitySumTolerance;
   return {lane_sum(s), q_valid};
 }
 

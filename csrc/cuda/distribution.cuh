@@ -496,11 +496,12 @@ struct DistState {
   }
 
   // Weights of the 8 elements [start, start + 8) (0 past `end`) from a row of logits; q_valid
-  // becomes false when the q row of the last level holds a NaN, negative or > 1 value there.
+  // becomes false when the q row of the last level holds a NaN, negative or > 1 value there, and
+  // q_sum adds its values there.
   template <typename T>
   __device__ __forceinline__ void group_weights(const T* __restrict__ row, int64_t start,
                                                 int64_t end, float (&w)[kVec],
-                                                bool& q_valid) const {
+                                                bool& q_valid, float& q_sum) const {
     float v[kVec];
     const int n = load_group(row, start, end, -INFINITY, v);
 #pragma unroll
@@ -514,7 +515,10 @@ struct DistState {
           load_group(level.q_row, start, end, 0.0f, q);
           if (t == num_levels - 1) {
 #pragma unroll
-            for (int e = 0; e < kVec; ++e) q_valid &= (e >= n) || (q[e] >= 0.0f && q[e] <= 1.0f);
+            for (int e = 0; e < kVec; ++e) {
+              q_valid &= (e >= n) || (q[e] >= 0.0f && q[e] <= 1.0f);
+              q_sum += e < n ? q[e] : 0.0f;
+            }
           }
         } else {
 #pragma unroll
@@ -528,19 +532,20 @@ struct DistState {
 };
 
 // Sum of the weights of `d` over the row (sum_j max(0, p_j - q_j) when d's last level is the new
-// residual update) and whether the last level's q row is a valid distribution (true when it has
-// no q row). Returns the validity; `mass` gets the sum.
+// residual update) and whether the last level's q row is a valid distribution: entries in [0, 1], their
+// sum within kProbabilitySumTolerance of 1 (true when it has no q row). Returns the validity; `mass`
+// gets the sum.
 template <typename T, int kThreads, int kGroups, int kMaxLevels>
 __device__ bool block_weight_mass(const DistState<kMaxLevels>& d, const T* __restrict__ row,
                                   int64_t vocab, float& mass, BlockTemp<kThreads>& temp) {
   constexpr int64_t kSpan = int64_t{kThreads} * kGroups * kVec;
-  float sum = 0.0f;
+  float sum = 0.0f, q_sum = 0.0f;
   bool valid = true;
   for (int64_t base = 0; base < vocab; base += kSpan) {
     float w[kGroups][kVec];
 #pragma unroll
     for (int g = 0; g < kGroups; ++g) {
-      d.group_weights(row, base + (int64_t{g} * kThreads + threadIdx.x) * kVec, vocab, w[g], valid);
+      d.group_weights(row, base + (int64_t{g} * kThreads + threadIdx.x) * kVec, vocab, w[g], valid, q_sum);
     }
 #pragma unroll
     for (int g = 0; g < kGroups; ++g) {
@@ -550,7 +555,9 @@ __device__ bool block_weight_mass(const DistState<kMaxLevels>& d, const T* __res
   }
   const bool all_valid = __syncthreads_and(valid) != 0;
   mass = block_reduce_sum<kThreads>(sum, temp);
-  return all_valid;
+  const bool has_q = d.num_levels > 0 && d.levels[d.num_levels - 1].q_row != nullptr;
+  const float q_total = has_q ? block_reduce_sum<kThreads>(q_sum, temp) : 1.0f;
+  return all_valid && q_total >= 1.0f - kProbabilitySumTolerance && q_total <= 1.0f + kProbabilitySumTolerance;
 }
 
 // The CPU's subtract(): p <- normalise(max(0, p - q)) for a draft sampled from q (a probability
@@ -596,17 +603,24 @@ __device__ int32_t block_load_distribution(const T* __restrict__ row, int64_t vo
   return 0;
 }
 
-// Whether every entry of a probability row lies in [0, 1] (false for NaN).
+// Whether a probability row is a distribution: every entry in [0, 1] (false for NaN), the sum within
+// kProbabilitySumTolerance of 1.
 template <int kThreads>
-__device__ bool block_probs_valid(const float* __restrict__ q_row, int64_t vocab) {
+__device__ bool block_probs_valid(const float* __restrict__ q_row, int64_t vocab, BlockTemp<kThreads>& temp) {
   bool valid = true;
+  float sum = 0.0f;
   for (int64_t start = int64_t{threadIdx.x} * kVec; start < vocab; start += int64_t{kThreads} * kVec) {
     float q[kVec];
     load_group(q_row, start, vocab, 0.0f, q);
 #pragma unroll
-    for (int e = 0; e < kVec; ++e) valid &= q[e] >= 0.0f && q[e] <= 1.0f;
+    for (int e = 0; e < kVec; ++e) {
+      valid &= q[e] >= 0.0f && q[e] <= 1.0f;
+      sum += q[e];
+    }
   }
-  return __syncthreads_and(valid) != 0;
+  const bool all_valid = __syncthreads_and(valid) != 0;
+  const float total = block_reduce_sum<kThreads>(sum, temp);
+  return all_valid && total >= 1.0f - kProbabilitySumTolerance && total <= 1.0f + kProbabilitySumTolerance;
 }
 
 // Inverse CDF over the weights of src: the smallest j whose running sum exceeds target, or the
@@ -662,8 +676,8 @@ __device__ int64_t block_inverse_cdf(const Source& src, int64_t vocab, float tar
 }
 
 // A DistState's weights over one logits row as a block_inverse_cdf source (prefetching the row and
-// the residual levels' q rows). The validity flag group_weights reports is not needed here: the
-// q rows were checked when the levels were added.
+// the residual levels' q rows). The validity flag and q sum group_weights reports are not needed
+// here: the q rows were checked when the levels were added.
 template <typename T, int kMaxLevels>
 struct DistWeights {
   const DistState<kMaxLevels>& d;
@@ -671,7 +685,8 @@ struct DistWeights {
 
   __device__ __forceinline__ void load(int64_t start, int64_t end, float (&w)[kVec]) const {
     bool unused_valid = true;
-    d.group_weights(row, start, end, w, unused_valid);
+    float unused_sum = 0.0f;
+    d.group_weights(row, start, end, w, unused_valid, unused_sum);
   }
   __device__ __forceinline__ void prefetch(int64_t start) const {
     prefetch_l2(row + start);

@@ -171,7 +171,7 @@ __global__ void __launch_bounds__(kDecideThreads) chain_decide_kernel(ChainVerif
     const T* row = logits + (b * (k + 1) + accepted) * vocab;
     if (greedy) {
       // p is one-hot at the argmax: the residual is that one-hot (or p itself), whatever q is.
-      if (q_row && !block_probs_valid<kThreads>(q_row, vocab)) status = kStatusInvalidDraftProbs;
+      if (q_row && !block_probs_valid<kThreads>(q_row, vocab, temp)) status = kStatusInvalidDraftProbs;
       emitted = d.argmax;
     } else {
       if (!q_row && !filtered && 2.0f * weight_x < d.mass) {
@@ -182,7 +182,7 @@ __global__ void __launch_bounds__(kDecideThreads) chain_decide_kernel(ChainVerif
         status = block_subtract<T, kThreads, kDecideGroups>(d, row, vocab, q_row, x, temp);
       }
       if (status == 0) {
-        emitted = block_sample<T, kThreads, kSampleGroups>(d, row, vocab, p.sampling.draw(b, k), temp);
+        emitted = block_sample<T, kThreads, kSampleGroups>(d, row, vocab, p.sampling.draw(b, n), temp);
       }
     }
   }
@@ -191,7 +191,7 @@ __global__ void __launch_bounds__(kDecideThreads) chain_decide_kernel(ChainVerif
     if (status == 0) {
       emitted = greedy ? d.argmax
                        : block_sample<T, kThreads, kSampleGroups>(
-                             d, logits + (b * (k + 1) + n) * vocab, vocab, p.sampling.draw(b, k), temp);
+                             d, logits + (b * (k + 1) + n) * vocab, vocab, p.sampling.draw(b, n), temp);
     }
   }
 
@@ -270,6 +270,7 @@ __global__ void __launch_bounds__(kResidualThreads) residual_probs_kernel(
   const float mass = block_reduce_sum<kThreads>(sum, temp);
   const bool keep_p = !(mass > 0.0f);
   const float inv_mass = keep_p ? 1.0f : 1.0f / mass;
+  const bool divide = !isfinite(inv_mass);  // a subnormal mass: its reciprocal overflows
   for (int64_t base = 0; base < vocab; base += kSpan) {
 #pragma unroll
     for (int g = 0; g < kGroups; ++g) {
@@ -281,7 +282,8 @@ __global__ void __launch_bounds__(kResidualThreads) residual_probs_kernel(
 #pragma unroll
       for (int e = 0; e < kVec; ++e) {
         const float d = pv[e] - qv[e];
-        r[e] = keep_p ? pv[e] : (d > 0.0f ? d : 0.0f) * inv_mass;
+        const float kept = d > 0.0f ? d : 0.0f;
+        r[e] = keep_p ? pv[e] : (divide ? kept / mass : kept * inv_mass);
       }
       float* dst = out_row + start;
       if (vocab - start >= kVec && (reinterpret_cast<uintptr_t>(dst) & 15u) == 0) {

@@ -175,13 +175,14 @@ __device__ __forceinline__ float residual_weight(float w, float inv_mass, float 
 }
 
 // q rule: r_j = max(0, w_j / mass - q_j) written to dst, its sum into `mass`; returns whether every
-// q_j lies in [0, 1] (false for NaN). TargetDistribution::subtract with a q row.
+// q_j lies in [0, 1] (false for NaN) and they sum to 1 within kProbabilitySumTolerance.
+// TargetDistribution::subtract with a q row.
 template <int kThreads, int kGroups, typename Source>
 __device__ bool block_residual_pass(const Source& src, const float* __restrict__ q_row,
                                     float inv_mass, float* dst, int64_t vocab, float& mass,
                                     BlockTemp<kThreads>& temp) {
   constexpr int64_t kSpan = int64_t{kThreads} * kGroups * kVec;
-  float sum = 0.0f;
+  float sum = 0.0f, q_sum = 0.0f;
   bool valid = true;
   for (int64_t base = 0; base < vocab; base += kSpan) {
     float w[kGroups][kVec], q[kGroups][kVec];
@@ -201,6 +202,7 @@ __device__ bool block_residual_pass(const Source& src, const float* __restrict__
       for (int e = 0; e < kVec; ++e) {
         const bool in_range = e < n[g];
         valid &= !in_range || (q[g][e] >= 0.0f && q[g][e] <= 1.0f);
+        q_sum += in_range ? q[g][e] : 0.0f;
         r[e] = in_range ? residual_weight(w[g][e], inv_mass, q[g][e]) : 0.0f;
         sum += r[e];
       }
@@ -209,7 +211,8 @@ __device__ bool block_residual_pass(const Source& src, const float* __restrict__
   }
   const bool all_valid = __syncthreads_and(valid) != 0;
   mass = block_reduce_sum<kThreads>(sum, temp);
-  return all_valid;
+  const float q_total = block_reduce_sum<kThreads>(q_sum, temp);
+  return all_valid && q_total >= 1.0f - kProbabilitySumTolerance && q_total <= 1.0f + kProbabilitySumTolerance;
 }
 
 // Deterministic rule: the sum of w without `token` (w_token taken as 0); with dst, the weights with
@@ -345,7 +348,7 @@ __global__ void __launch_bounds__(kTreeThreads) tree_verify_kernel(TreeVerifyPar
       // Rejected: p <- normalise(max(0, p - q)) for the next child (TargetDistribution::subtract).
       if (greedy) {
         // max(0, onehot(a) - q) is zero or a multiple of onehot(a): p stays; only q is checked.
-        if (q_row != nullptr && !block_probs_valid<kThreads>(q_row, vocab)) {
+        if (q_row != nullptr && !block_probs_valid<kThreads>(q_row, vocab, temp)) {
           status = kStatusInvalidDraftProbs;
           break;
         }
@@ -393,7 +396,7 @@ __global__ void __launch_bounds__(kTreeThreads) tree_verify_kernel(TreeVerifyPar
       if (greedy) {
         emitted = stats.argmax;
       } else {
-        const float target = p.sampling.draw(b, nodes) * mass;
+        const float target = p.sampling.draw(b, n) * mass;
         emitted = src < 0 ? block_inverse_cdf<kThreads, kTreeSampleGroups>(logit_weights, vocab,
                                                                            target, temp)
                           : block_inverse_cdf<kThreads, kTreeSampleGroups>(

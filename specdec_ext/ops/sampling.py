@@ -130,8 +130,9 @@ def raise_if_a_row_failed(op: str, num_accepted: torch.Tensor) -> None:
 
 # ------------------------------------------------------------------------------------------ the ops
 @with_sampling_parameters_doc(
-    "k", "column i < k decides draft position i, column k samples the recovered or bonus token by "
-    "inverse CDF (the smallest index whose running sum exceeds u times the total mass).")
+    "k", "column i < num_draft[b] decides draft position i, column num_draft[b] samples the recovered or "
+    "bonus token by inverse CDF (the smallest index whose running sum exceeds u times the total mass): a "
+    "row's draws do not depend on the buffer's width k.")
 def chain_verify(
     target_logits: torch.Tensor,
     draft_token_ids: torch.Tensor,
@@ -261,9 +262,22 @@ def sample_filtered(
     return probs, tokens
 
 
+# How far a probability row's sum may stray from 1 (float32 rows; bfloat16 and float16 rows round each entry to 8
+# or 11 significant bits)
+PROBABILITY_SUM_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 2e-2, torch.float16: 2e-2}
+
+
 def _check_probabilities(name: str, probs: torch.Tensor) -> None:
-    if probs.is_floating_point() and not bool(((probs >= 0) & (probs <= 1)).all()):
+    if probs.is_meta or not probs.is_floating_point() or probs.numel() == 0:  # (meta: shapes only)
+        return
+    if not bool(((probs >= 0) & (probs <= 1)).all()):
         raise ValueError(f"residual_probs: {name} must hold probabilities in [0, 1] (no NaN)")
+    tolerance = PROBABILITY_SUM_TOLERANCE.get(probs.dtype, 1e-3)
+    sums = probs.float().sum(dim=-1)
+    if not bool(((sums - 1).abs() <= tolerance).all()):
+        worst = float(sums.flatten()[(sums - 1).abs().flatten().argmax()])
+        raise ValueError(f"residual_probs: every row of {name} must sum to 1 (within {tolerance}), one sums to "
+                         f"{worst:.6g} (check_values=False skips this check)")
 
 
 def residual_probs(
@@ -288,7 +302,8 @@ def residual_probs(
     out : torch.Tensor, optional
         Preallocated fp32 output.
     check_values : bool
-        Check that both inputs lie in [0, 1] without NaN (reads a flag on the host).
+        Check that both inputs lie in [0, 1] without NaN and that each row sums to 1 (within
+        ``PROBABILITY_SUM_TOLERANCE`` of its dtype; reads a flag on the host; meta tensors are not read).
 
     Returns
     -------

@@ -79,7 +79,8 @@ def build_tree_mask(
 
 
 @with_sampling_parameters_doc(
-    "N", "column i < N decides node i, column N samples the recovered or bonus token by inverse CDF.")
+    "N", "column i < num_nodes[b] decides node i, column num_nodes[b] samples the recovered or bonus token "
+    "by inverse CDF: a row's draws do not depend on the buffer's width N.")
 def tree_verify(
     target_logits: torch.Tensor,
     tree_token_ids: torch.Tensor,
