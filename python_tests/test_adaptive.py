@@ -1666,3 +1666,26 @@ def test_decode_plans_at_the_rows_mean_context(tiny_pair):
     # (a row that reaches 24 tokens first leaves the mean: which one does depends on k's timed choices)
     assert contexts[-1] < 20 + 24
     assert result.stats.new_tokens == 48
+
+
+def test_a_collected_draft_models_shared_memory_goes_with_it():
+    """The shared memory of a draft model is keyed by its id: a long-lived target kept one entry per draft
+    model it ever drafted with, and a new model given a dead one's id took its acceptance and timings."""
+    import gc
+    import types
+
+    from specdec_ext.adaptive import _SHARED, DrafterMemory, drafter_key
+
+    class Model:  # (weakly referenceable, like an nn.Module)
+        pass
+
+    target, model, other = Model(), Model(), Model()
+    key, other_key = drafter_key(types.SimpleNamespace(model=model)), drafter_key(types.SimpleNamespace(model=other))
+    table = _SHARED.setdefault(target, {})
+    table[("drafter", 1, 8, key)] = DrafterMemory()
+    table[("drafter", 1, 8, other_key)] = DrafterMemory()
+    assert drafter_key(types.SimpleNamespace(model=model)) == key  # (watched once)
+    del model
+    gc.collect()
+    assert list(table) == [("drafter", 1, 8, other_key)]
+    del _SHARED[target]

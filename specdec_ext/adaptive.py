@@ -527,12 +527,31 @@ class DrafterMemory:
 _SHARED: "weakref.WeakKeyDictionary[object, Dict[tuple, object]]" = weakref.WeakKeyDictionary()
 
 
+_WATCHED_DRAFT_MODELS: "weakref.WeakSet[object]" = weakref.WeakSet()  # (their memories go when they do)
+
+
 def drafter_key(drafter) -> tuple:
-    """What identifies a drafter across generations (its model, else its class): the shared memory key."""
+    """What identifies a drafter across generations (its model, else its class): the shared memory key. A
+    model's memories are dropped when the model is collected (``_forget_draft_model``): else every draft model
+    a long-lived target ever drafted with kept an entry, and a new model given a dead one's id took its memory."""
     model = drafter.model
-    if model is not None:
-        return ("model", id(model))
-    return ("drafter", type(drafter).__module__, type(drafter).__qualname__)
+    if model is None:
+        return ("drafter", type(drafter).__module__, type(drafter).__qualname__)
+    key = ("model", id(model))
+    try:
+        if model not in _WATCHED_DRAFT_MODELS:
+            _WATCHED_DRAFT_MODELS.add(model)
+            weakref.finalize(model, _forget_draft_model, key)
+    except TypeError:  # not weakly referenceable: kept for the process
+        pass
+    return key
+
+
+def _forget_draft_model(key: tuple) -> None:
+    """Drop every shared DrafterMemory of the drafter ``key`` (its model was collected)."""
+    for table in list(_SHARED.values()):
+        for entry in [entry for entry in table if entry[0] == "drafter" and entry[-1] == key]:
+            del table[entry]
 
 
 def moving_average(old: float, new: float, weight: float) -> float:
