@@ -1,8 +1,41 @@
 """argparse types shared by the commands (cli.py, bench/compare.py, eagle/command.py): a bad value is a usage
-error naming the option, never a traceback from deep inside the run."""
+error naming the option, never a traceback from deep inside the run; OneLineParser prints it as one line."""
 from __future__ import annotations
 
 import argparse
+
+USAGE_ERROR_STATUS = 2  # argparse's exit status for a usage error (other bad input exits with 1)
+
+
+def usage_error_line(prog: str, message: str, listing: str = "options") -> str:
+    """A usage error as one line: "PROG: error: MESSAGE (PROG --help lists the LISTING)"."""
+    return f"{prog}: error: {' '.join(str(message).split())} ({prog} --help lists the {listing})"
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage error is one line on stderr naming the command, the option and the
+    problem (``usage_error_line``), exit status 2, without argparse's usage block above it (``--help``
+    shows the usage). Its subcommands' parsers (add_subparsers) print theirs so too, and each names itself for an
+    argument it does not know (argparse left that to the root parser: "specdec: error: unrecognized arguments",
+    no command named)."""
+
+    def add_subparsers(self, **kwargs):
+        kwargs.setdefault("parser_class", _SubcommandParser)
+        return super().add_subparsers(**kwargs)
+
+    def error(self, message: str):
+        listing = "commands" if self._subparsers is not None else "options"
+        self.exit(USAGE_ERROR_STATUS, usage_error_line(self.prog, message, listing) + "\n")
+
+
+class _SubcommandParser(OneLineParser):
+    """A subcommand's parser: an argument it does not know is its own usage error."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
 
 
 def _parsed(value: str, convert, valid, expected: str):
@@ -22,6 +55,19 @@ def at_least(low: int):
         return _parsed(value, int, lambda n: n >= low, f"an int >= {low}")
     parse.__name__ = f"int >= {low}"
     return parse
+
+
+def int_in(low: int, high: int):
+    """An int in [``low``, ``high``] (a port)."""
+    def parse(value: str) -> int:
+        return _parsed(value, int, lambda n: low <= n <= high, f"an int in [{low}, {high}]")
+    parse.__name__ = f"int in [{low}, {high}]"
+    return parse
+
+
+def positive(value: str) -> float:
+    """A finite number > 0 (a time budget)."""
+    return _parsed(value, float, lambda x: 0.0 < x < float("inf"), "a finite number > 0")
 
 
 def non_negative(value: str) -> float:

@@ -109,12 +109,15 @@ class AuditReport:
         for t in self.tests:
             lines.append(f"{t.prompt:>6} {t.position:>5} {t.samples_spec:>7} {t.samples_plain:>7} {t.categories:>5} "
                          f"{t.chi2:>9.2f} {t.dof:>4} {t.p_value:>9.3g} {t.tv:>7.4f} {t.tv_noise:>8.4f}")
-        lines.append(f"verdict: {self.verdict} (every p-value must exceed {self.threshold:.2g} = alpha {self.alpha:g} / "
-                     f"{len(self.tests)} tests); "
-                     + (f"no test had two categories of {MIN_POOLED_COUNT} samples (too few samples, or positions "
-                        "where the target is all but certain): nothing was tested" if self.inconclusive else
-                        "the speculative tokens are indistinguishable from plain sampling" if self.passed else
-                        "the speculative tokens do NOT follow plain target sampling"))
+        if self.inconclusive:  # (no p-value to compare with a threshold)
+            lines.append(f"verdict: {self.verdict}: nothing was tested: no test ({len(self.tests)} in all) had two "
+                         f"categories of {MIN_POOLED_COUNT} samples (too few samples, or positions where the target is "
+                         "all but certain)")
+        else:
+            lines.append(f"verdict: {self.verdict} (every p-value must exceed {self.threshold:.2g} = alpha "
+                         f"{self.alpha:g} / {len(self.tests)} tests); "
+                         + ("the speculative tokens are indistinguishable from plain sampling" if self.passed else
+                            "the speculative tokens do NOT follow plain target sampling"))
         if self.break_even:
             lines.append("")
             lines.append(f"break-even (plain target step {self.target_step_time * 1e3:.2f} ms, measured acceptance "

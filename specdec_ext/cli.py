@@ -4,17 +4,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import io
 import json
 import os
 import sys
 import warnings
 from typing import List, NoReturn, Optional
 
-from .arg_types import at_least, int_list, probability
+from .arg_types import (OneLineParser, USAGE_ERROR_STATUS, at_least, int_in, int_list, non_negative, positive,
+                        probability, usage_error_line)
 from .stats import format_measured
 from .bench.workloads import heldout_prompts
 from .eagle import command as eagle_command
 from .plots import check_plot_option, write_plot
+from .processing import REPETITION_PENALTY_RANGE
 from .progress import hf_progress_bars_off, progress_bar, progress_wanted
 
 DEMO_PROMPT_LINES = 20  # lines of each held-out file used as a demo prompt
@@ -66,12 +69,21 @@ def _tree_shape(value: str):
     return shape
 
 
-DRAFT_HELP = ("draft model sharing the target's vocabulary (generate: or with another tokenizer, see "
-              "--draft-tokenizer); 'ngram' for lookup drafting over the prompt and the "
-              "generated tokens (no draft model); 'heads' for the bundled target's Medusa-style heads, or a heads "
-              "directory (tools/train_heads.py) with --target; 'eagle' for the bundled target's EAGLE-3 head, or an "
-              "EAGLE-3 checkpoint directory (with its --target; alone: a head for the bundled target) (default: the "
-              "bundled pair's draft)")
+# --draft's help, by command (what each command runs)
+EAGLE_HELP = ("'eagle' for the bundled target's EAGLE-3 head, or an EAGLE-3 checkpoint directory (with its --target; "
+              "alone: a head for the bundled target)")
+LOOKUP_AND_HEADS_HELP = ("'ngram' for lookup drafting over the prompt and the generated tokens (no draft model); "
+                         "'heads' for the bundled target's Medusa-style heads, or a heads directory "
+                         "(tools/train_heads.py) with --target")
+DRAFT_HELP = ("draft model sharing the target's vocabulary, or with another tokenizer (see --draft-tokenizer); "
+              f"{LOOKUP_AND_HEADS_HELP}; {EAGLE_HELP} (default: the bundled pair's draft)")
+DEMO_DRAFT_HELP = ("draft model sharing the target's vocabulary; "
+                   f"{LOOKUP_AND_HEADS_HELP}; {EAGLE_HELP} (default: the bundled pair's draft)")
+AUDIT_DRAFT_HELP = ("draft model sharing the target's vocabulary, or with another tokenizer (see --draft-tokenizer); "
+                    f"{EAGLE_HELP} (default: the bundled pair's draft); lookup drafting and heads are not audited")
+SERVE_DRAFT_HELP = ("draft model sharing the target's vocabulary, or with another tokenizer (see --draft-tokenizer); "
+                    f"'ngram' for lookup drafting; {EAGLE_HELP}, drafting chains; 'none' for plain decoding (one "
+                    "target pass per token); heads and trees are not served (default: the bundled pair's draft)")
 
 
 def _model_args(parser: argparse.ArgumentParser, threads: Optional[int] = None, draft_help: str = DRAFT_HELP) -> None:
@@ -95,9 +107,10 @@ def _report_args(parser: argparse.ArgumentParser, figure: str) -> None:
                         help="no progress bars (they go to stderr, and only when it is a terminal)")
 
 
-def _sampling_args(parser: argparse.ArgumentParser, temperature: float, seed: str = "random") -> None:
+def _sampling_args(parser: argparse.ArgumentParser, temperature: float, seed: str = "random",
+                   greedy: str = "0 is greedy") -> None:
     parser.add_argument("--temperature", type=float, default=temperature,
-                        help=f"sampling temperature; 0 is greedy (default: {temperature})")
+                        help=f"sampling temperature; {greedy} (default: {temperature:g})")
     parser.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 is off (default: 0)")
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]; 1 is off (default: 1)")
     parser.add_argument("--seed", type=int, default=None, help=f"Philox seed of every row (default: {seed})")
@@ -116,14 +129,14 @@ def _generate_parser(sub) -> None:
                    help="a file whose content is one prompt (repeatable; - reads standard input)")
     _model_args(g)
     g.add_argument("--max-new-tokens", type=int, default=128, help="exact cap on new tokens per prompt (default: 128)")
-    _draft_tokenizer_arg(g)
+    _draft_tokenizer_arg(g, mode="--explain names the mode")
     g.add_argument("--tree", type=_tree_shape, default=None, metavar="B,D,N",
                    help="draft a token tree instead of a chain: top-B per node, D levels, N nodes (a draft model "
                    "or heads; heads default to 3,3,8); -k is then ignored")
     g.add_argument("-k", "--k", type=_draft_length, default=None, dest="k",
                    help="draft tokens per step, or 'auto' (chosen per step from the measured acceptance and "
                    "costs; seeded sampling is then not reproducible) (default: generate()'s: 'auto', or 4 with "
-                   "--seed at temperature > 0 and where CUDA graphs capture the steps)")
+                   "--seed at temperature > 0, with --tp, and where CUDA graphs capture the steps)")
     _sampling_args(g, temperature=0.0)
     g.add_argument("--eos-token-id", type=int, action="append", default=None,
                    help="stop a row at this token (repeatable; default: the target's EOS)")
@@ -147,7 +160,7 @@ def _generate_parser(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="specdec", description="Lossless speculative decoding for Hugging Face models: a small draft "
         "proposes k tokens, the target verifies them in one pass, and the output is distributed exactly as "
         "sampling from the target.")
@@ -164,9 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "break-even report: measured acceptance, draft cost c, verify cost v, predicted and "
                        "measured speedup for each k.")
     a.add_argument("prompts", nargs="*", help="prompt texts (default: two short code prompts)")
-    _model_args(a)
-    _sampling_args(a, temperature=1.0, seed="0, so that a verdict is reproducible")
-    _draft_tokenizer_arg(a)
+    _model_args(a, draft_help=AUDIT_DRAFT_HELP)
+    _sampling_args(a, temperature=1.0, seed="0, so that a verdict is reproducible",
+                   greedy="> 0: greedy decoding has no distribution to test (its tokens are checked against plain "
+                   "greedy's token for token instead)")
+    _draft_tokenizer_arg(a, mode="the audit samples, so it checks the shared-tokens mode")
     a.add_argument("--positions", type=at_least(1), default=3, help="generated positions compared (default: 3)")
     a.add_argument("--samples", type=at_least(2), default=1000,
                    help="samples per prompt of each sampler, speculative and plain (default: 1000; too few to fill "
@@ -189,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Complete a few held-out code prompts (the first lines of Python files the "
                        "bundled pair was not trained on) with speculative decoding and print each text with "
                        "tokens/s, speedup over plain decoding of the same target, and tokens per target pass.")
-    _model_args(d, threads=DEMO_THREADS)
+    _model_args(d, threads=DEMO_THREADS, draft_help=DEMO_DRAFT_HELP)
     d.add_argument("--files", type=at_least(1), default=DEMO_FILES, help=f"held-out files to complete (default: {DEMO_FILES})")
     d.add_argument("--lines", type=at_least(1), default=DEMO_PROMPT_LINES,
                    help=f"lines of each file used as the prompt (default: {DEMO_PROMPT_LINES})")
@@ -214,12 +229,8 @@ def _serve_parser(sub) -> None:
                        "and leave the running batch between decode steps; each keeps its own sampling parameters, "
                        "seed and stop checks, so a seeded request returns the same tokens whatever else runs. "
                        "Needs the [serve] extra (FastAPI, uvicorn).")
-    _model_args(s, draft_help="draft model (sharing the target's tokenizer, or with its own: --draft-tokenizer); "
-                "'ngram' for lookup drafting; 'eagle' "
-                "for the bundled target's EAGLE-3 head (chains), or an EAGLE-3 checkpoint directory with --target; "
-                "'none' for plain decoding (one target pass per token); heads and trees are not served (default: "
-                "the bundled pair's draft)")
-    _draft_tokenizer_arg(s)
+    _model_args(s, draft_help=SERVE_DRAFT_HELP)
+    _draft_tokenizer_arg(s, mode="the start-up line then says drafter cross-tokenizer")
     s.add_argument("--device", default=None,
                    help="where the models run: cpu, cuda or cuda:N (default: cuda where torch sees a GPU, else cpu); "
                    "on CUDA with a draft model, an EAGLE-3 head or none the decode steps are captured in CUDA graphs")
@@ -228,36 +239,38 @@ def _serve_parser(sub) -> None:
                    "stored dtype: each pass reads half the bytes of float32) and the loaded dtype for a --target "
                    "(default: auto); an EAGLE-3 head keeps its float32 weights (its CPU kernels read bf16 copies)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
-    s.add_argument("--port", type=int, default=8000, help="port to bind (default: 8000)")
+    s.add_argument("--port", type=int_in(0, 65535), default=8000,
+                   help="port to bind; 0: a free port the system chooses, which uvicorn names at --log-level info "
+                   "(default: 8000)")
     s.add_argument("--model-name", default=None,
                    help="the model id clients ask for (default: the target directory's name, or "
                    f"{BUNDLED_MODEL_NAME!r} for the bundled pair)")
-    s.add_argument("-k", "--k", type=int, default=None, dest="k",
+    s.add_argument("-k", "--k", type=at_least(1), default=None, dest="k",
                    help="draft tokens per step, fixed (default: by load: each step drafts the k that maximises the "
                    "measured tokens/s at the running batch width, 0 where speculation does not pay; seeded "
                    "requests draft a fixed k so that they reproduce)")
-    s.add_argument("--prefill-chunk", type=int, default=None, dest="prefill_chunk",
+    s.add_argument("--prefill-chunk", type=at_least(0), default=None, dest="prefill_chunk",
                    help="prompt tokens prefilled per decode step for joining requests, so running rows keep "
                    "emitting while a long prompt joins; 0 prefills whole prompts before the next step (default: "
                    "256 where the target runner can, lean or recompute)")
     s.add_argument("--no-calibrate", action="store_false", dest="calibrate",
                    help="skip the start-up request that times every draft length before the server listens (with "
                    "k by load: without it the first clients' steps measure the costs)")
-    s.add_argument("--tpot-slo-ms", type=float, default=None, dest="tpot_slo_ms",
+    s.add_argument("--tpot-slo-ms", type=positive, default=None, dest="tpot_slo_ms",
                    help="a target time per output token: each step's prefill chunk is cut to what the target "
                    "leaves after the decode step, and a waiting request joins only while the batch it would make "
                    "is measured to meet it; misses are counted in /metrics (default: no target)")
-    s.add_argument("--max-rows", type=int, default=DEFAULT_MAX_ROWS,
+    s.add_argument("--max-rows", type=at_least(1), default=DEFAULT_MAX_ROWS,
                    help=f"rows that decode at once (slots; default: {DEFAULT_MAX_ROWS})")
-    s.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
+    s.add_argument("--max-queue", type=at_least(0), default=DEFAULT_MAX_QUEUE,
                    help=f"requests that may wait for a row; more get 429 with Retry-After (default: {DEFAULT_MAX_QUEUE})")
-    s.add_argument("--max-seq-len", type=int, default=None,
+    s.add_argument("--max-seq-len", type=at_least(1), default=None,
                    help="positions per row: prompt + max_tokens + two steps of drafts (default: the models' "
                    "max_position_embeddings)")
-    s.add_argument("--cache-tokens", type=int, default=None,
+    s.add_argument("--cache-tokens", type=at_least(1), default=None,
                    help="with the paged runner: positions in the target's page pool shared by the rows (default: "
                    "max-rows x max-seq-len); a request that does not fit waits")
-    s.add_argument("--shutdown-grace", type=float, default=DEFAULT_SHUTDOWN_GRACE_S,
+    s.add_argument("--shutdown-grace", type=non_negative, default=DEFAULT_SHUTDOWN_GRACE_S,
                    help="seconds running requests get to finish after SIGTERM before they are aborted "
                    f"(default: {DEFAULT_SHUTDOWN_GRACE_S:g})")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
@@ -278,10 +291,10 @@ def _set_threads(threads: Optional[int]) -> None:
 def _pair_args(args):
     if args.draft in ("ngram", "heads", "eagle"):  # no draft model (the target defaults to the bundled one)
         return args.target, args.draft
-    if args.draft is not None and os.path.isfile(os.path.join(args.draft, "heads.safetensors")):
+    if _is_heads_directory(args.draft):
         if args.target is None:
-            raise SystemExit("specdec: a heads directory needs the --target it was trained for "
-                             "(--draft heads uses the bundled target's heads)")
+            raise SystemExit(f"specdec {args.command}: error: --draft {args.draft}: a heads directory needs the "
+                             "--target it was trained for (--draft heads uses the bundled target's heads)")
         from .heads import load_heads
         return args.target, load_heads(args.draft)
     if args.target is None and args.draft is not None:
@@ -289,9 +302,14 @@ def _pair_args(args):
         if is_eagle_draft(args.draft):  # a head trained for the bundled target (specdec train-eagle --out DIR)
             return None, args.draft
     if (args.target is None) != (args.draft is None):
-        raise SystemExit("specdec: give --target and --draft together (or neither, for the bundled pair; an "
-                         "EAGLE-3 head directory alone drafts for the bundled target)")
+        raise SystemExit(f"specdec {args.command}: error: give --target and --draft together (or neither, for the "
+                         "bundled pair; an EAGLE-3 head directory alone drafts for the bundled target)")
     return args.target, args.draft
+
+
+def _is_heads_directory(draft: Optional[str]) -> bool:
+    """Whether --draft names a directory of Medusa-style heads (tools/train_heads.py)."""
+    return draft is not None and os.path.isfile(os.path.join(draft, "heads.safetensors"))
 
 
 def cmd_generate(args) -> int:
@@ -302,10 +320,9 @@ def cmd_generate(args) -> int:
         if path == "-":
             prompts.append(sys.stdin.read())
             continue
-        with open(path, encoding="utf-8") as f:
-            prompts.append(f.read())
+        prompts.append(_read_text("--prompt-file", path))
     if not prompts:
-        raise SystemExit("specdec generate: give at least one prompt (positional, --prompt or --prompt-file)")
+        raise SystemExit("specdec generate: error: give at least one prompt (positional, --prompt or --prompt-file)")
     target, draft = _pair_args(args)
     eos = False if args.no_eos else args.eos_token_id
     kw = dict(max_new_tokens=args.max_new_tokens, k=args.k, temperature=args.temperature, top_k=args.top_k,
@@ -340,11 +357,15 @@ def _processing_args(parser) -> None:
                         "probability after temperature (default: 0, off)")
     parser.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (default: 0)")
     parser.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (default: 0)")
-    parser.add_argument("--repetition-penalty", type=float, default=1.0, help="HF's, > 0 (default: 1, off)")
+    low, high = REPETITION_PENALTY_RANGE
+    parser.add_argument("--repetition-penalty", type=float, default=1.0,
+                        help=f"HF's: a seen token's logit is divided by it where positive, multiplied where not; in "
+                        f"[{low:g}, {high:g}] (default: 1, off)")
     parser.add_argument("--logit-bias", default=None, metavar="JSON",
                         help='token id -> bias in [-100, 100], as JSON: \'{"11": 2.5, "25": -100}\'')
     parser.add_argument("--json-schema", default=None, metavar="FILE|JSON",
-                        help="the output is JSON matching this schema (a file, or the schema's JSON text)")
+                        help="the output is JSON matching this schema (a file, or the schema's JSON text: a value "
+                        "that ends in .json, or holds a / and does not start with { or [, is a file)")
     parser.add_argument("--regex", default=None, help="the output matches this regular expression")
     parser.add_argument("--grammar", default=None, metavar="FILE", help="the output follows this Lark grammar (a file)")
 
@@ -360,30 +381,57 @@ def _processing_kwargs(args) -> dict:
         kw["logit_bias"] = _json_flag("--logit-bias", args.logit_bias)
     if args.json_schema is not None:
         text = args.json_schema
-        if os.path.isfile(text):
-            with open(text, encoding="utf-8") as f:
-                text = f.read()
-        kw["json_schema"] = _json_flag("--json-schema", text)
+        if os.path.isfile(text) or _names_a_file(text):
+            kw["json_schema"] = _json_flag("--json-schema", _read_text("--json-schema", text),
+                                           f": the file {text} is not valid JSON")
+        else:
+            kw["json_schema"] = _json_flag("--json-schema", text, " is not valid JSON" if text.lstrip()[:1] in "{["
+                                           else " is neither a file nor valid JSON")
     if args.regex is not None:
         kw["regex"] = args.regex
     if args.grammar is not None:
-        with open(args.grammar, encoding="utf-8") as f:
-            kw["grammar"] = f.read()
+        kw["grammar"] = _read_text("--grammar", args.grammar)
     return kw
 
 
-def _json_flag(flag: str, text: str):
+def _names_a_file(value: str) -> bool:
+    """Whether a FILE|JSON value that is no file here was meant as one: it ends in .json, or holds a path
+    separator, and does not start as a JSON object or array does."""
+    if value.lstrip().startswith(("{", "[")):
+        return False
+    return value.endswith(".json") or "/" in value or os.sep in value
+
+
+def _read_text(option: str, path: str) -> str:
+    """The UTF-8 text of the file an option names; ValueError naming the option and the problem (a bare
+    OSError named neither: "[Errno 2] No such file or directory: 'x'")."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise ValueError(f"{option}: no such file: {path}") from None
+    except IsADirectoryError:
+        raise ValueError(f"{option}: {path} is a directory, not a file") from None
+    except OSError as error:
+        raise ValueError(f"{option}: cannot read {path}: {error.strerror or error}") from None
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{option}: {path} is not UTF-8 text ({error.reason} at byte {error.start})") from None
+
+
+def _json_flag(flag: str, text: str, problem: str = " is not valid JSON"):
+    """``text`` parsed as JSON; else exit with the flag, the ``problem`` and where the parser stopped."""
     try:
         return json.loads(text)
     except json.JSONDecodeError as error:
-        raise SystemExit(f"specdec: {flag} is not valid JSON: {error}") from None
+        raise SystemExit(f"specdec generate: error: {flag}{problem}: {error}") from None
 
 
-def _draft_tokenizer_arg(parser) -> None:
+def _draft_tokenizer_arg(parser, mode: str) -> None:
+    """--draft-tokenizer; ``mode`` says where the command names the cross-tokenizer mode it runs."""
     parser.add_argument("--draft-tokenizer", metavar="PATH",
                         help="the draft's tokenizer, when it differs from the target's (default: the one next to "
                         "--draft): a draft with another tokenizer drafts through text when greedy and from the "
-                        "tokens both vocabularies share when sampling, still lossless (--explain names the mode)")
+                        f"tokens both vocabularies share when sampling, still lossless ({mode})")
 
 
 def _load_tokenizer_arg(path: str):
@@ -393,7 +441,8 @@ def _load_tokenizer_arg(path: str):
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, TypeError) as error:
-        raise SystemExit(f"specdec: could not load the draft tokenizer from {path!r} (offline): {error}") from error
+        raise ValueError(f"--draft-tokenizer {path}: could not load a tokenizer from it (offline, local files "
+                         f"only): {error}") from error
 
 
 def _generate_tensor_parallel(args, prompts, target, draft, kw) -> NoReturn:
@@ -454,6 +503,9 @@ def _consume(stream, bar, *, echo: bool, several: bool):
 def cmd_audit(args) -> int:
     from .audit import audit
 
+    if args.draft in ("ngram", "heads") or _is_heads_directory(args.draft):
+        raise SystemExit(f"specdec audit: error: --draft {args.draft}: the audit runs a draft model or an EAGLE-3 "
+                         "head, not lookup drafting or heads")
     target, draft = _pair_args(args)
     check_plot_option("audit", args.plot)
     ks = tuple(args.ks)
@@ -519,8 +571,8 @@ def cmd_demo(args) -> int:
     target, tokenizer = models.target, models.tokenizer
     draft = {"model": models.draft, "heads": models.heads, "ngram": "ngram", "eagle": models.draft}.get(models.drafter)
     if draft is None:
-        raise ValueError(f"specdec demo runs a draft model, 'ngram', 'heads' or 'eagle', not a {models.drafter} "
-                         "draft: use specdec generate")
+        raise ValueError(f"--draft {args.draft}: the demo runs a draft model sharing the target's vocabulary, 'ngram', "
+                         f"'heads' or 'eagle', not a {models.drafter} draft: use specdec generate")
     kw = dict(max_new_tokens=args.max_new_tokens, eos_token_id=False, runner=args.runner, tokenizer=tokenizer)
     warm_up = {**kw, "max_new_tokens": 4}
     plan = generate(["x = 1"], target, draft, k=args.k, **warm_up).plan
@@ -554,6 +606,7 @@ def cmd_serve(args) -> int:
     from .serve.app import create_app
     from .serve.server import run_server
 
+    _check_served_draft(args.draft)
     if args.draft == "none":
         models = load_models(args.target, plain=True)
     else:
@@ -565,7 +618,7 @@ def cmd_serve(args) -> int:
     try:
         models.to(args.device or default_device())
     except ValueError as error:
-        raise SystemExit(f"specdec serve: {error}") from None
+        raise SystemExit(_prefixed("specdec serve", error)) from None
     options = EngineOptions(max_rows=args.max_rows, max_queue=args.max_queue, k=args.k, max_seq_len=args.max_seq_len,
                             cache_tokens=args.cache_tokens, runner=args.runner, prefill_chunk=args.prefill_chunk,
                             tpot_slo_ms=args.tpot_slo_ms)
@@ -575,15 +628,49 @@ def cmd_serve(args) -> int:
         app = create_app(engine, models.tokenizer, model_name=name,
                          eos_token_ids=eos_token_ids(models.target, models.tokenizer))
     except ValueError as error:
-        raise SystemExit(f"specdec serve: {error}") from None
+        raise SystemExit(_prefixed("specdec serve", error)) from None
     if args.calibrate:
         steps = engine.calibrate(models.tokenizer.encode(SERVE_CALIBRATION_TEXT))
         engine.description += f"; step costs calibrated in {steps} steps" if steps else ""
     running_dtype = str(next(models.target.parameters()).dtype).replace("torch.", "")
-    print(f"specdec serve: {name!r} on http://{args.host}:{args.port}/v1 (models in {running_dtype}; "
-          f"{engine.description})", file=sys.stderr)
+    where = (f"http://{args.host}:{args.port}/v1" if args.port else
+             f"http://{args.host}:PORT/v1, a free port the system chooses (uvicorn names it at --log-level info)")
+    print(f"specdec serve: {name!r} on {where} (models in {running_dtype}; {engine.description})", file=sys.stderr)
     return run_server(app, engine, host=args.host, port=args.port, shutdown_grace_s=args.shutdown_grace,
                       log_level=args.log_level)
+
+
+SERVED_DRAFTS = ("a draft model sharing the target's tokenizer, a draft model with another tokenizer "
+                 "(--draft-tokenizer), 'ngram', 'eagle' or an EAGLE-3 head directory (chains), or 'none'")
+
+
+def _check_served_draft(draft: Optional[str]) -> None:
+    """``specdec serve --draft``: the heads drafter (its bundled heads or a heads directory) is refused before
+    any model loads, naming what is served."""
+    if draft == "heads" or _is_heads_directory(draft):
+        raise SystemExit(f"specdec serve: error: --draft {draft}: Medusa-style heads draft token trees, which "
+                         f"continuous batching does not run; serve {SERVED_DRAFTS}")
+
+
+def _prefixed(prefix: str, error: BaseException) -> str:
+    """``error``'s message after ``prefix: ``, once (a library message may already start with the command)."""
+    message = _one_line(str(error))
+    return message if message.startswith(prefix) else f"{prefix}: {message}"
+
+
+def _without_command(command: str, message: str) -> str:
+    """``message`` as one line, less a leading "audit: " or "specdec audit: " (the library's own prefix, which the
+    command's line already has)."""
+    message = _one_line(message)
+    for prefix in (f"specdec {command}: ", f"{command}: "):
+        if command and message.startswith(prefix):
+            return message[len(prefix):]
+    return message
+
+
+def _one_line(message: str) -> str:
+    """A message of several lines (transformers' errors have some) as one."""
+    return " ".join(line.strip() for line in message.splitlines() if line.strip())
 
 
 COMMANDS = {"generate": cmd_generate, "audit": cmd_audit, "bench": cmd_bench, "demo": cmd_demo, "serve": cmd_serve,
@@ -593,6 +680,11 @@ COMMANDS = {"generate": cmd_generate, "audit": cmd_audit, "bench": cmd_bench, "d
 # What a command's bad input raises (the library's checks name the argument): a line, not a traceback
 # (SPECDEC_TRACEBACK=1 shows it). Other exceptions (a KeyError, an IndexError...) are bugs and keep theirs.
 USER_ERRORS = (ValueError, TypeError, OSError, RuntimeError)
+# Exit statuses: 0 done; 1 bad input found after parsing (and audit's FAIL or INCONCLUSIVE); 2 a usage error
+# (arg_types.USAGE_ERROR_STATUS, argparse's); 130 Ctrl-C and 141 a closed stdout (128 + SIGINT, SIGPIPE: what
+# a shell reports for a program those signals end, as `yes | head` ends `yes`)
+INTERRUPTED_STATUS = 130
+CLOSED_PIPE_STATUS = 141
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -600,21 +692,98 @@ def main(argv: Optional[List[str]] = None) -> int:
     command = argv[0] if argv and not argv[0].startswith("-") else ""
     try:
         with _one_line_warnings(command):
-            return _run(argv)
+            status = _run(argv)
+            sys.stdout.flush()  # (here, a reader gone before the last bytes is a closed pipe, not a message at exit)
+            return status
     except KeyboardInterrupt:
         print(f"specdec {command}: interrupted".replace("  ", " "), file=sys.stderr)
-        return 130
+        return INTERRUPTED_STATUS
     except BrokenPipeError:  # the reader went away (| head): nothing more to say, and nowhere to say it
         try:  # (so that flushing stdout at exit does not raise again)
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         except (OSError, ValueError):  # (a stdout without a file descriptor)
             pass
-        return 1
+        return CLOSED_PIPE_STATUS
     except USER_ERRORS as error:
         if os.environ.get("SPECDEC_TRACEBACK") == "1":
             raise
-        print(f"specdec {command}: error: {error}".replace("  ", " "), file=sys.stderr)
+        print(f"specdec {command}: error: {_without_command(command, str(error))}".replace("  ", " "), file=sys.stderr)
         return 1
+
+
+def _bench_args(argv: List[str]) -> argparse.Namespace:
+    """``specdec bench``'s arguments, parsed by its own parser (bench/compare.py), whose usage error is printed
+    here as one line as every command's (arg_types.OneLineParser) instead of argparse's usage block."""
+    from .bench.compare import parse_args
+
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            args = parse_args(argv)
+    except SystemExit as exit_:
+        said = captured.getvalue().strip().splitlines()
+        if exit_.code != USAGE_ERROR_STATUS or not said:
+            sys.stderr.write(captured.getvalue())
+            raise
+        prog, _, message = said[-1].partition(": error: ")  # (argparse's last line: "specdec bench: error: ...")
+        if message.endswith(" --help lists the options)"):
+            print(said[-1], file=sys.stderr)
+        else:
+            print(usage_error_line(prog, message), file=sys.stderr)
+        raise
+    sys.stderr.write(captured.getvalue())
+    return args
+
+
+DRAFT_KEYWORDS = ("ngram", "heads", "eagle")  # --draft values that name no directory (serve adds "none")
+MODEL_PATH_OPTIONS = (("--target", "target"), ("--draft", "draft"), ("--draft-tokenizer", "draft_tokenizer"))
+
+
+def _check_model_paths(args, drafts) -> None:
+    """ValueError naming the option for a model or tokenizer option (--target, --draft, --draft-tokenizer) that
+    names no directory here and no model in the Hugging Face cache: the models load offline, and the loader said
+    "Repo id must use alphanumeric chars" of a missing path, never that it does not exist."""
+    for option, name in MODEL_PATH_OPTIONS:
+        value = getattr(args, name, None)
+        if value is None or (name == "draft" and value in drafts):
+            continue
+        problem = _missing_model_directory(value)
+        if problem:
+            raise ValueError(f"{option}: {problem}")
+
+
+def _missing_model_directory(value: str) -> Optional[str]:
+    """Why ``value`` cannot be a model directory or a cached Hub model id, or None when it can be."""
+    if os.path.isdir(value):
+        return None
+    if os.path.exists(value):
+        return f"not a directory: {value}"
+    if not _could_be_hub_id(value):  # a path: it starts with / . or ~, or holds two slashes, a backslash...
+        return f"no such directory: {value}"
+    if _in_hub_cache(value):
+        return None
+    return f"no such directory: {value} (nor a model id in the Hugging Face cache: models load offline)"
+
+
+def _could_be_hub_id(value: str) -> bool:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(value)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    """Whether the Hugging Face cache holds any file of the model ``repo_id`` (transformers' offline loads read
+    it: HF_HUB_CACHE, or the older TRANSFORMERS_CACHE where set)."""
+    from huggingface_hub.constants import HF_HUB_CACHE
+    from huggingface_hub.file_download import repo_folder_name
+
+    folder = repo_folder_name(repo_id=repo_id, repo_type="model")
+    caches = [HF_HUB_CACHE] + [os.environ[v] for v in ("TRANSFORMERS_CACHE",) if os.environ.get(v)]
+    return any(os.path.isdir(os.path.join(cache, folder)) for cache in caches)
 
 
 @contextlib.contextmanager
@@ -635,9 +804,12 @@ def _run(argv: List[str]) -> int:
     if argv[:1] == ["bench"]:  # bench has its own parser (and its own --help)
         from .bench import main as bench_main
 
+        _check_model_paths(_bench_args(argv[1:]), drafts=())
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     args.argv = argv  # what the command was given (train-eagle records it)
+    if args.command != "train-eagle":  # (train-eagle checks its --data before its --target: eagle/command.py)
+        _check_model_paths(args, drafts=DRAFT_KEYWORDS + (("none",) if args.command == "serve" else ()))
     _set_threads(getattr(args, "threads", None))
     with hf_progress_bars_off(not progress_wanted(getattr(args, "quiet", False))):  # (a log is no terminal)
         return COMMANDS[args.command](args)

@@ -75,7 +75,7 @@ def build_engine(models: Models, options: EngineOptions = EngineOptions()) -> En
                                 scheduling=Scheduling(draft_length, plan.prefill_chunk, slo))
     engine = Engine(batcher, max_queue=options.max_queue, max_prefill_tokens=options.max_prefill_tokens)
     engine.description = (f"target runner {plan.target_runner}, drafter {models.drafter}"
-                          + (f" (draft runner {plan.draft_runner})" if plan.slots else "")
+                          + (f" (draft runner {plan.draft_runner})" if plan.draft_runner is not None else "")
                           + f"; {describe(draft_length, plan.slots)}; "
                           + (f"prefill in chunks of {plan.prefill_chunk} tokens per step" if plan.prefill_chunk
                              else "whole-prompt prefill")
