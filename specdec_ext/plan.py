@@ -373,8 +373,8 @@ def plan_server(target_model, draft_model, *, drafter: str, k: Optional[int], ru
     of ``prefill_chunk`` tokens between decode steps where the target runner can (``chunked_prefill``;
     None: DEFAULT_PREFILL_CHUNK, 0: whole prompts); the sampling filter is each request's own."""
     if drafter == "heads":
-        raise ValueError("specdec serve runs chain drafters (a draft model or ngram) or none: the heads drafter "
-                         "proposes trees, which continuous batching does not run")
+        raise ValueError("specdec serve runs chain drafters (a draft model, one with another tokenizer, ngram, "
+                         "eagle) or none: the heads drafter proposes trees, which continuous batching does not run")
     _check_kinds(drafter, runner)
     if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
                                       or prefill_chunk < 0):

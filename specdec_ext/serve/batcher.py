@@ -153,7 +153,8 @@ class ContinuousBatcher:
                  clock: Callable[[], float] = time.perf_counter, graphs: bool = False, graph_backend=None,
                  scheduling: Scheduling = Scheduling()):
         if drafter is not None and drafter.is_tree:
-            raise ValueError(f"continuous batching runs chain drafters (a draft model, ngram) or none, not "
+            raise ValueError(f"continuous batching runs chain drafters (a draft model, one with another tokenizer, "
+                             f"ngram, eagle) or none, not "
                              f"{type(drafter).__name__} (a tree)")
         if graphs and not target.capabilities.device_steps:
             raise ValueError(f"CUDA graphs in continuous batching need the paged target runner, not "
