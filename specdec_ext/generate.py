@@ -26,7 +26,7 @@ from .runners import output_vocab_size
 from .sampling import SamplingParams, as_float
 from .stats import GenerationStats
 from .step import Verifier, lossless_verify
-from .stops import RowState, StopCriteria
+from .stops import IncrementalText, RowState, StopCriteria
 from .vocab_bridge import check_round_trip
 
 Prompt = Union[str, Sequence[int]]
@@ -74,6 +74,9 @@ class GenerationStream:
         self._sent = [0] * len(rows)  # characters of each row's text already yielded
         self._closed = [False] * len(rows)  # finished and fully yielded
         self._held: List[List[int]] = [[] for _ in rows]  # each row's tokens whose text waits for more bytes
+        # each row's text, decoded a few tokens at a time (None without a tokenizer)
+        self._texts = [IncrementalText(finish.decode) for _ in rows] if finish.tokenizer is not None else None
+        self._look = max([len(s) for s in finish.stop_strings] + [1])  # the end of a text that the checks read
         self.result: Optional[GenerationResult] = None
 
     def __iter__(self) -> Iterator[TextPiece]:
@@ -83,18 +86,22 @@ class GenerationStream:
                 if self._closed[b] or (not tokens and not row.finished):
                     continue
                 self._closed[b] = row.finished
-                text = self._finish.row_text(row)
-                if text is None:
+                if self._texts is None:
                     if tokens:
                         yield TextPiece("", b, tokens)
                     continue
+                text = self._texts[b]  # the row's text: text.text == finisher.row_text(row) up to stop_text_end
+                text.follow(row.tokens)
+                end = len(text) if row.stop_text_end is None else min(len(text), row.stop_text_end)
                 if not row.finished:
-                    if text.endswith("\ufffd"):
+                    last = text.text_from(max(0, end - self._look))
+                    if last.endswith("\ufffd"):
                         self._held[b] += tokens  # an incomplete UTF-8 sequence: its tokens go with the next piece
                         continue
-                    text = text[: len(text) - self._finish.stop_prefix_len(text)]
-                piece = text[self._sent[b]:]
-                self._sent[b] = max(self._sent[b], len(text))
+                    end -= self._finish.stop_prefix_len(last)
+                sent = self._sent[b]
+                piece = text.text_from(sent)[: max(0, end - sent)]
+                self._sent[b] = max(sent, end)
                 tokens, self._held[b] = self._held[b] + tokens, []
                 if piece or tokens:
                     yield TextPiece(piece, b, tokens)
@@ -276,10 +283,15 @@ class _Finisher:
                     break
         return best
 
+    def decode(self, ids: List[int]) -> str:
+        """The text of ``ids`` (special tokens skipped)."""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
     def row_text(self, row: RowState) -> Optional[str]:
+        """A row's whole text (the stream keeps its own, IncrementalText, equal to it step by step)."""
         if self.tokenizer is None:
             return None
-        text = self.tokenizer.decode(row.tokens, skip_special_tokens=True)
+        text = self.decode(row.tokens)
         return text[: row.stop_text_end] if row.stop_text_end is not None else text
 
     def result(self) -> GenerationResult:

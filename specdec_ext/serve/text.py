@@ -12,12 +12,12 @@ import codecs
 import functools
 import re
 import threading
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..grammar import compile_grammar
+from ..stops import INCOMPLETE_CHARACTER, IncrementalText
 from .request import RowEvent
 
-INCOMPLETE_CHARACTER = "\ufffd"  # what the tokenizer decodes a partial UTF-8 sequence to
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
@@ -114,27 +114,41 @@ class SharedTokenizer:
 
 
 class TextStream:
-    """Accumulates a request's tokens; ``push`` returns the text that can be shown now."""
+    """Accumulates a request's tokens; ``push`` returns the text that can be shown now. The text is decoded a
+    few tokens at a time (stops.IncrementalText), the same as decoding all of the tokens at every push."""
 
     def __init__(self, decode: Callable[[List[int]], str], stop_strings: Sequence[str] = ()):
         self.decode = decode
         self.stop_strings = list(stop_strings)
-        self.tokens: List[int] = []
-        self.text = ""  # everything shown so far
+        self._decoded = IncrementalText(decode)
+        self.tokens: List[int] = self._decoded.tokens  # every token so far
+        self._look = max([len(s) for s in self.stop_strings] + [1])  # the end of a text that the checks read
+        self._shown = 0  # len(self.text)
+        self._text = ""
+        self._text_parts: Optional[Tuple[str, str]] = None  # self.text, not joined yet: (a + b)[:_shown]
+
+    @property
+    def text(self) -> str:
+        """Everything shown so far."""
+        if self._text_parts is not None:  # (joined when read, not at every push)
+            self._text, self._text_parts = "".join(self._text_parts)[: self._shown], None
+        return self._text
 
     def push(self, event: RowEvent) -> str:
         """The new piece of text after ``event`` (possibly empty)."""
-        self.tokens.extend(event.tokens)
-        text = self.decode(self.tokens)
+        decoded = self._decoded
+        decoded.extend(event.tokens)
+        end = len(decoded)
         if event.stop_text_end is not None:
-            text = text[: event.stop_text_end]
+            end = min(end, event.stop_text_end)
         elif not event.finished:
-            if text.endswith(INCOMPLETE_CHARACTER):
+            last = decoded.text_from(max(0, end - self._look))
+            if last.endswith(INCOMPLETE_CHARACTER):
                 return ""
-            text = text[: len(text) - self._held_back(text)]
-        piece = text[len(self.text):]
-        if len(text) > len(self.text):
-            self.text = text
+            end -= self._held_back(last)
+        piece = decoded.text_from(self._shown)[: max(0, end - self._shown)]
+        if end > self._shown:
+            self._shown, self._text_parts = end, decoded.parts()
         return piece
 
     def _held_back(self, text: str) -> int:
