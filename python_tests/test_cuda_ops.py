@@ -63,9 +63,13 @@ def run(case, device, uniforms=None, seed=None, offset=None):
     return tokens.cpu(), num_accepted.cpu()
 
 
-def nudged(uniforms, delta):
+def nudged(uniforms, num_draft, delta):
+    """The draws with the recovered/bonus token's (column num_draft[b]; k where None) moved by delta."""
     out = uniforms.clone()
-    out[:, -1] = (out[:, -1] + delta).clamp(0.0, U_MAX)
+    B, columns = out.shape
+    column = torch.full((B,), columns - 1) if num_draft is None else num_draft.long()
+    rows = torch.arange(B)
+    out[rows, column] = (out[rows, column] + delta).clamp(0.0, U_MAX)
     return out
 
 
@@ -76,8 +80,8 @@ def assert_same(case, cpu, gpu, uniforms):
     differ = (gpu_tokens != cpu_tokens).any(dim=1).nonzero().flatten().tolist()
     if not differ:
         return 0
-    lo_tokens, _ = run(case, "cpu", uniforms=nudged(uniforms, -DELTA))
-    hi_tokens, _ = run(case, "cpu", uniforms=nudged(uniforms, DELTA))
+    lo_tokens, _ = run(case, "cpu", uniforms=nudged(uniforms, case["num_draft"], -DELTA))
+    hi_tokens, _ = run(case, "cpu", uniforms=nudged(uniforms, case["num_draft"], DELTA))
     for b in differ:
         slot = int(cpu_accepted[b])
         assert slot >= 0, f"row {b}: tokens differ on a failed row"

@@ -43,7 +43,7 @@ def residual_from_p_verifier(meta, proposal, target_logits):
     n = verdict.num_accepted.long()
     rejected = n < proposal.num_draft.long()
     p = filtered_probs(target_logits[rows, n.clamp(max=k)], meta.sampling)  # [B, V]
-    u = ops.philox_uniforms(meta.seed, meta.verify_offset, k + 1)[:, k]
+    u = ops.philox_uniforms(meta.seed, meta.verify_offset, k + 1)[rows, proposal.num_draft.long()]  # (column num_draft)
     verdict.tokens[rows, n] = torch.where(rejected, sample_inverse_cdf(p, u), verdict.tokens[rows, n])
     return verdict
 

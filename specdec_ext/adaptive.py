@@ -549,9 +549,9 @@ def drafter_key(drafter) -> tuple:
 
 def _forget_draft_model(key: tuple) -> None:
     """Drop every shared DrafterMemory of the drafter ``key`` (its model was collected)."""
-    for table in list(_SHARED.values()):
-        for entry in [entry for entry in table if entry[0] == "drafter" and entry[-1] == key]:
-            del table[entry]
+    for table in list(_SHARED.values()):  # (on whichever thread collected the model: snapshots, pop)
+        for entry in [entry for entry in list(table) if entry[0] == "drafter" and entry[-1] == key]:
+            table.pop(entry, None)
 
 
 def moving_average(old: float, new: float, weight: float) -> float:

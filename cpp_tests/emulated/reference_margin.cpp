@@ -127,7 +127,6 @@ void sample(const std::vector<double>& w, double u, double& margin) {
 double decision_margin(const VerifierInputs& in, int64_t b) {
   const Row row(in, b);
   if (row.greedy()) return kInfinity;
-  const int64_t drafts = in.ids.size(1);
   const int64_t n = row.count();
   double margin = kInfinity;
   int64_t current = -1;  // chains walk position by position: current = i - 1
@@ -147,7 +146,7 @@ double decision_margin(const VerifierInputs& in, int64_t b) {
       subtract(w, q, x, margin);
     }
     if (next < 0) {
-      sample(w, row.draw(drafts), margin);
+      sample(w, row.draw(n), margin);
       return margin;
     }
     current = next;

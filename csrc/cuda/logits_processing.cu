@@ -2,6 +2,7 @@
 // declares. No torch: nvcc compiles this file with the kernels alone, and the torch wrapper
 // (logits_processing_ops.cpp) is the host compiler's; the emulated-kernel tests (cpp_tests/emulated)
 // compile this same file under the CPU emulator.
+#include <algorithm>
 #include <cstdint>
 
 #include "../logits_processing.h"
@@ -19,6 +20,12 @@ bool process_logits_fits(const ProcessLogitsView& v) {
 
 void launch_process_logits_check(const ProcessLogitsView& v, int32_t* errors, cudaStream_t stream) {
   launch_kernel(process_logits_check_kernel, dim3(1), dim3(kCheckThreads), stream, v, errors);
+  if (v.output_counts == nullptr || v.batch * v.vocab == 0) return;
+  constexpr int64_t kCountsPerThread = 16, kMaxBlocks = 1024;  // (a [16, 128k] counts tensor: 512 blocks)
+  const int64_t per_block = kCheckThreads * kCountsPerThread;
+  const int64_t blocks = std::min<int64_t>((v.batch * v.vocab + per_block - 1) / per_block, kMaxBlocks);
+  launch_kernel(process_logits_counts_check_kernel, dim3(static_cast<unsigned>(blocks)), dim3(kCheckThreads), stream,
+                v, errors);
 }
 
 void launch_process_logits(const ProcessLogitsView& v, cudaStream_t stream) {

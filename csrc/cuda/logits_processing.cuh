@@ -15,9 +15,9 @@
 // finite logit (a block max), and a second pass recomputes each logit, cuts it and stores it: the
 // cut sees the fp32 values, as on the CPU, not the values rounded to the dtype.
 //
-// process_logits_check_kernel: one block; each thread or-s row_value_errors over its rows and
-// output_count_errors over every kCheckThreads-th count, the block or-s the threads' bits into one
-// word (the wrapper reads it on the host).
+// process_logits_check_kernel: one block; each thread or-s row_value_errors over its rows, the
+// block or-s the threads' bits into one word (the wrapper reads it on the host);
+// process_logits_counts_check_kernel then or-s output_count_errors into it over a grid.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -140,10 +140,19 @@ __global__ void __launch_bounds__(kCheckThreads) process_logits_check_kernel(Pro
   __syncthreads();
   uint32_t thread_errors = 0u;
   for (int64_t b = threadIdx.x; b < v.batch; b += kCheckThreads) thread_errors |= row_value_errors(v, b);
-  thread_errors |= output_count_errors(v, threadIdx.x, v.batch * v.vocab, kCheckThreads);
   if (thread_errors != 0u) atomicOr(&block_errors, thread_errors);
   __syncthreads();
   if (threadIdx.x == 0) *errors = static_cast<int32_t>(block_errors);
+}
+
+// The output counts' range (output_count_errors) over a grid-stride loop of many blocks, or-ed into *errors
+// after process_logits_check_kernel has written it (the same stream): [B, V] counts are too many for one block.
+__global__ void __launch_bounds__(kCheckThreads) process_logits_counts_check_kernel(ProcessLogitsView v,
+                                                                                  int32_t* errors) {
+  const int64_t stride = int64_t{gridDim.x} * kCheckThreads;
+  const uint32_t thread_errors =
+      output_count_errors(v, int64_t{blockIdx.x} * kCheckThreads + threadIdx.x, v.batch * v.vocab, stride);
+  if (thread_errors != 0u) atomicOr(reinterpret_cast<unsigned int*>(errors), thread_errors);
 }
 
 }  // namespace specdec::cuda

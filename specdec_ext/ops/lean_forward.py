@@ -162,7 +162,8 @@ def _sweep_after_collection(phase: str, info: dict) -> None:
         _C.sweep_packed_weights()
 
 
-gc.callbacks.append(_sweep_after_collection)
+if _sweep_after_collection not in gc.callbacks:  # (a reload of this module registers it once)
+    gc.callbacks.append(_sweep_after_collection)
 
 
 def _sampled(weight: torch.Tensor) -> torch.Tensor:
