@@ -60,6 +60,9 @@ def test_greedy_tree_matches_hf_generate_batch1_and_batch3(pair, references, tre
     batch = generate(PROMPTS, target, draft, max_new_tokens=NEW, draft_tree=tree, runner=runner)
     assert batch.token_ids == references
     assert batch.stats.tokens_per_pass > 1.0  # the tree was used, not only bonus tokens
+    b, d, n = batch.stats.tree  # the stats name the tree, not its node budget as a draft length "k=N"
+    assert f"tree {b}x{d}, {n} nodes" in batch.stats.summary() and "k=" not in batch.stats.summary().splitlines()[0]
+    assert batch.stats.as_dict()["tree"] == [b, d, n]
     # an unrelated draft and the target as its own draft give the same tokens
     other = tiny_model("llama", vocab=96, hidden=32, layers=1, seed=7)
     assert generate(PROMPTS, target, other, max_new_tokens=NEW, draft_tree=tree).token_ids == references

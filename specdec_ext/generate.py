@@ -551,7 +551,7 @@ def _run(models: Models, prompts, request: RunRequest):
         print(plan.explain(), file=sys.stderr)
     B = len(token_prompts)
     seeds = seeds.to(plan.device)
-    stats = GenerationStats(k=plan.slots, batch_size=B)
+    stats = GenerationStats(k=plan.slots, batch_size=B, tree=plan.tree)
     rows = [RowState() for _ in range(B)]
     finisher = _Finisher(rows, tokenizer, stats, token_prompts, stop_strings, plan)
     if request.max_new_tokens == 0:

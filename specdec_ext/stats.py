@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -77,8 +77,9 @@ class StepOutcome:
 class GenerationStats:
     """What a generation measured. Times in seconds; rates per second."""
 
-    k: int
+    k: int  # draft slots per step (a tree: its node budget; ``tree``)
     batch_size: int
+    tree: Optional[Tuple[int, int, int]] = None  # (branch, depth, nodes) of a tree drafter, else None
     steps: int = 0  # decode steps (one target pass each, for the whole batch)
     row_steps: int = 0  # (row, step) pairs of active rows
     emitted: int = 0  # tokens the verifier emitted over active row-steps (before EOS/max cuts)
@@ -192,6 +193,7 @@ class GenerationStats:
     def as_dict(self) -> Dict[str, object]:
         return {
             "k": self.k,
+            "tree": None if self.tree is None else list(self.tree),
             "batch_size": self.batch_size,
             "steps": self.steps,
             "new_tokens": self.new_tokens,
@@ -221,7 +223,8 @@ class GenerationStats:
         lines = [
             f"tokens: {self.new_tokens} in {self.total_time:.3f}s ({format_measured(self.tokens_per_second, '{:.1f}')} tok/s, "
             f"TPOT {format_measured(self.tpot * 1e3, '{:.2f}')} ms), batch {self.batch_size}, "
-            + (f"k=auto (k_max {self.k})" if self.adaptive else f"k={self.k}"),
+            + (f"k=auto (k_max {self.k})" if self.adaptive
+               else f"tree {self.tree[0]}x{self.tree[1]}, {self.tree[2]} nodes" if self.tree else f"k={self.k}"),
             f"target passes: {self.steps}, tokens per pass {format_measured(self.tokens_per_pass, '{:.2f}')} "
             f"(cost model {format_measured(self.predicted_tokens_per_pass, '{:.2f}')}), acceptance a={format_measured(self.acceptance_rate, '{:.3f}')}, "
             f"by position [{by_pos}]",
