@@ -413,3 +413,19 @@ def test_decoded_tokens_grow_linearly_with_the_stream():
     for step in steps[: len(steps) // 2]:
         old.push(RowEvent(tokens=step))
     assert counted.decoded > 50 * n
+
+
+def test_the_detokenize_benchmark_runs_both_methods_and_counts_the_decoded_tokens(capsys):
+    """benchmarks/bench_detokenize.py end to end on a short stream: the whole-row baseline decodes more tokens
+    than the stream holds, the incremental text a few per token."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import bench_detokenize
+
+    assert bench_detokenize.main(["--lengths", "300", "--repeats", "1"]) == 0
+    rows = {line.split()[1]: line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("    300")}
+    assert set(rows) == {"whole", "incremental"}
+    whole, incremental = (int(rows[name][-5].replace(",", "")) for name in ("whole", "incremental"))  # (decoded)
+    assert whole > 10 * 300 and incremental < 20 * 300
