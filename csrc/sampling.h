@@ -56,7 +56,9 @@ namespace specdec {
 using ChainVerifyArgs = VerifierArgs;
 
 inline void check_chain_verify(const ChainVerifyArgs& a) {
-  check_verifier({"chain_verify", "k", "draft_token_ids", "num_draft"}, a);
+  const VerifierNames names{"chain_verify", "k", "draft_token_ids", "num_draft"};
+  check_verifier(names, a);
+  check_outputs_apart(names, a, nullptr, nullptr);
 }
 
 // chain_verify's schema around a backend's implementation, which gets checked arguments, B > 0.

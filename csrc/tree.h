@@ -156,16 +156,13 @@ struct TreeVerifyArgs {
 
 inline void check_tree_verify(const TreeVerifyArgs& a) {
   constexpr const char* op = "tree_verify";
-  const VerifierShape shape = check_verifier({op, "N", "tree_token_ids", "num_nodes"}, a.verifier);
+  const VerifierNames names{op, "N", "tree_token_ids", "num_nodes"};
+  const VerifierShape shape = check_verifier(names, a.verifier);
   const at::Tensor& logits = a.verifier.target_logits;
   check_matrix(op, "parents", a.parents, "[B, N]", shape.batch, "B", shape.drafts,
                "N (target_logits has N+1 positions)", at::kInt, logits, "target_logits");
   check_output(op, "path", a.path, shape.batch, shape.drafts, "N", at::kInt, logits);
-  for (const auto& out : {std::make_pair("path", &a.path), std::make_pair("tokens", &a.verifier.tokens),
-                          std::make_pair("num_accepted", &a.verifier.num_accepted)}) {
-    check_no_overlap(op, out.first, *out.second, "parents", a.parents);
-  }
-  check_outputs_apart({op, "N", "tree_token_ids", "num_nodes"}, a.verifier, {{"path", &a.path}});
+  check_outputs_apart(names, a.verifier, &a.path, &a.parents);
 }
 
 inline TreeVerifyView tree_verify_view(const TreeVerifyArgs& a) {

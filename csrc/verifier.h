@@ -18,10 +18,9 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/Optional.h>
 
-#include <initializer_list>
+#include <iterator>
 #include <string>
 #include <utility>
-#include <vector>
 
 #include "checks.h"
 #include "common/op_views.h"
@@ -89,30 +88,32 @@ inline void check_sampling_args(const char* op, int64_t batch, int64_t draws, co
   }
 }
 
-// No output of a verifier (tokens, num_accepted, and `more`: tree_verify's path) shares memory with
-// another output or with an input (the walk writes its outputs before it has read every input).
-inline void check_outputs_apart(const VerifierNames& names, const VerifierArgs& a,
-                                std::initializer_list<std::pair<const char*, const at::Tensor*>> more) {
-  std::vector<std::pair<const char*, const at::Tensor*>> outputs{{"tokens", &a.tokens},
-                                                                 {"num_accepted", &a.num_accepted}};
-  std::vector<std::pair<const char*, const at::Tensor*>> inputs{{"target_logits", &a.target_logits},
-                                                                {names.ids, &a.token_ids}};
-  for (const auto& extra : more) outputs.push_back(extra);
-  const auto optional = [&](const char* name, const c10::optional<at::Tensor>& t) {
-    if (t.has_value()) inputs.emplace_back(name, &*t);
-  };
-  optional("draft_probs", a.draft_probs);
-  optional(names.counts, a.counts);
-  optional("temperature", a.sampling.temperature);
-  optional("top_k", a.sampling.top_k);
-  optional("top_p", a.sampling.top_p);
-  optional("seed", a.sampling.seed);
-  optional("offset", a.sampling.offset);
-  optional("uniforms", a.sampling.uniforms);
-  for (size_t i = 0; i < outputs.size(); ++i) {
-    for (const auto& in : inputs) check_no_overlap(names.op, outputs[i].first, *outputs[i].second, in.first, *in.second);
-    for (size_t j = i + 1; j < outputs.size(); ++j) {
-      check_no_overlap(names.op, outputs[i].first, *outputs[i].second, outputs[j].first, *outputs[j].second);
+// No output of a verifier (tokens, num_accepted, and tree_verify's path and parents: `extra_output`,
+// `extra_input`, or null) shares memory with another output or with an input (the walk writes its outputs
+// before it has read every input). Called once per op, after the shape checks; no allocation.
+inline void check_outputs_apart(const VerifierNames& names, const VerifierArgs& a, const at::Tensor* extra_output,
+                                const at::Tensor* extra_input) {
+  using Named = std::pair<const char*, const at::Tensor*>;
+  const Named outputs[] = {{"tokens", &a.tokens}, {"num_accepted", &a.num_accepted}, {"path", extra_output}};
+  const Named inputs[] = {{"target_logits", &a.target_logits},
+                          {names.ids, &a.token_ids},
+                          {"parents", extra_input},
+                          {"draft_probs", a.draft_probs ? &*a.draft_probs : nullptr},
+                          {names.counts, a.counts ? &*a.counts : nullptr},
+                          {"temperature", a.sampling.temperature ? &*a.sampling.temperature : nullptr},
+                          {"top_k", a.sampling.top_k ? &*a.sampling.top_k : nullptr},
+                          {"top_p", a.sampling.top_p ? &*a.sampling.top_p : nullptr},
+                          {"seed", a.sampling.seed ? &*a.sampling.seed : nullptr},
+                          {"offset", a.sampling.offset ? &*a.sampling.offset : nullptr},
+                          {"uniforms", a.sampling.uniforms ? &*a.sampling.uniforms : nullptr}};
+  for (size_t i = 0; i < std::size(outputs); ++i) {
+    const auto& [out_name, out] = outputs[i];
+    if (out == nullptr) continue;
+    for (const auto& [in_name, in] : inputs) {
+      if (in != nullptr) check_no_overlap(names.op, out_name, *out, in_name, *in);
+    }
+    for (size_t j = i + 1; j < std::size(outputs); ++j) {
+      if (outputs[j].second != nullptr) check_no_overlap(names.op, out_name, *out, outputs[j].first, *outputs[j].second);
     }
   }
 }
@@ -148,7 +149,6 @@ inline VerifierShape check_verifier(const VerifierNames& names, const VerifierAr
   check_output(op, "tokens", a.tokens, shape.batch, shape.drafts + 1, (n + "+1").c_str(), at::kLong,
                a.target_logits);
   check_output(op, "num_accepted", a.num_accepted, shape.batch, -1, "", at::kInt, a.target_logits);
-  check_outputs_apart(names, a, {});
   return shape;
 }
 

@@ -19,6 +19,7 @@ from specdec_ext.generate import GenerationStream, _Finisher
 from specdec_ext.serve.request import RowEvent
 from specdec_ext.serve.text import TextStream
 from specdec_ext.stops import IncrementalText, RowState, StopCriteria, apply_stops
+from specdec_ext import stops as stops_module
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. Don't stop; it's fine, isn't it? Yes!",
@@ -137,36 +138,32 @@ def chunks(tokens: List[int], rng: random.Random, most: int = 7):
 
 
 # ---------------------------------------------------------------------- the old code (reference)
+def old_find_stop_string(row: RowState, start: int, stop: StopCriteria) -> Optional[int]:
+    """stops._find_stop_string as it was: the whole row decoded twice per step."""
+    text = stop.decode_text(row.tokens)
+    longest = max(len(s) for s in stop.stop_strings)
+    search_from = max(0, len(stop.decode_text(row.tokens[:start])) - longest)
+    hits = [(text.find(s, search_from), s) for s in stop.stop_strings]
+    hits = [(i, s) for i, s in hits if i >= 0]
+    if not hits:
+        return None
+    index, string = min(hits)
+    count = start + 1
+    while count < len(row.tokens) and stop.decode_text(row.tokens[:count])[index:index + len(string)] != string:
+        count += 1
+    del row.tokens[count:]
+    row.finished, row.finish_reason, row.stop_text_end = True, "stop", index
+    return count
+
+
 def old_append_until_stop(row: RowState, new_tokens: List[int], stop: StopCriteria) -> List[int]:
-    """stops._append_until_stop as it was: the whole row decoded twice per step."""
-    kept: List[int] = []
-    for token in new_tokens:
-        if len(row.tokens) + len(kept) >= stop.max_new_tokens:
-            break
-        kept.append(token)
-        if token in stop.eos_token_ids:
-            row.finished, row.finish_reason = True, "eos"
-            break
-    start = len(row.tokens)
-    row.tokens.extend(kept)
-    if stop.stop_strings and kept:
-        text = stop.decode_text(row.tokens)
-        longest = max(len(s) for s in stop.stop_strings)
-        search_from = max(0, len(stop.decode_text(row.tokens[:start])) - longest)
-        hits = [(text.find(s, search_from), s) for s in stop.stop_strings]
-        hits = [(i, s) for i, s in hits if i >= 0]
-        if hits:
-            index, string = min(hits)
-            end = index + len(string)
-            count = start + 1
-            while count < len(row.tokens) and stop.decode_text(row.tokens[:count])[index:end] != string:
-                count += 1
-            del row.tokens[count:]
-            row.finished, row.finish_reason, row.stop_text_end = True, "stop", index
-            kept = kept[: max(0, count - start)]
-    if not row.finished and len(row.tokens) >= stop.max_new_tokens:
-        row.finished, row.finish_reason = True, "length"
-    return kept
+    """apply_stops with the old stop-string search (old_find_stop_string)."""
+    current = stops_module._find_stop_string
+    stops_module._find_stop_string = old_find_stop_string
+    try:
+        return apply_stops(row, new_tokens, stop)
+    finally:
+        stops_module._find_stop_string = current
 
 
 class OldTextStream:
