@@ -80,7 +80,9 @@ def test_train_eagle_trains_resumes_and_exports(target_dir, tmp_path, monkeypatc
     (["--data", "{texts}", "--out", "{target}"], "is not empty and holds no train-eagle run"),
     (["--data", "{texts}", "--export", "{target}"], "is not empty and holds no earlier export"),
     (["--data", "{texts}", "--export", "{out}"], "--export must be another directory than --out"),
-    (["--target", "{texts}/nowhere", "--data", "{texts}"], "--target {texts}/nowhere: could not load a causal LM"),
+    (["--target", "{texts}/nowhere", "--data", "{texts}"], "--target: no such directory: {texts}/nowhere"),
+    (["--target", "{texts}/a.txt", "--data", "{texts}"], "--target: not a directory: {texts}/a.txt"),
+    (["--target", "{texts}", "--data", "{texts}"], "--target {texts}: could not load a causal LM"),
     (["--target", "{texts}/nowhere", "--data", "{texts}", "--chars", "100000"],  # (found before the target loads)
      "--data: no file holds a piece of --chars 100000 characters"),
 ])

@@ -743,47 +743,15 @@ def _check_model_paths(args, drafts) -> None:
     """ValueError naming the option for a model or tokenizer option (--target, --draft, --draft-tokenizer) that
     names no directory here and no model in the Hugging Face cache: the models load offline, and the loader said
     "Repo id must use alphanumeric chars" of a missing path, never that it does not exist."""
+    from .models import missing_model_directory
+
     for option, name in MODEL_PATH_OPTIONS:
         value = getattr(args, name, None)
         if value is None or (name == "draft" and value in drafts):
             continue
-        problem = _missing_model_directory(value)
+        problem = missing_model_directory(value)
         if problem:
             raise ValueError(f"{option}: {problem}")
-
-
-def _missing_model_directory(value: str) -> Optional[str]:
-    """Why ``value`` cannot be a model directory or a cached Hub model id, or None when it can be."""
-    if os.path.isdir(value):
-        return None
-    if os.path.exists(value):
-        return f"not a directory: {value}"
-    if not _could_be_hub_id(value):  # a path: it starts with / . or ~, or holds two slashes, a backslash...
-        return f"no such directory: {value}"
-    if _in_hub_cache(value):
-        return None
-    return f"no such directory: {value} (nor a model id in the Hugging Face cache: models load offline)"
-
-
-def _could_be_hub_id(value: str) -> bool:
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    try:
-        validate_repo_id(value)
-    except HFValidationError:
-        return False
-    return True
-
-
-def _in_hub_cache(repo_id: str) -> bool:
-    """Whether the Hugging Face cache holds any file of the model ``repo_id`` (transformers' offline loads read
-    it: HF_HUB_CACHE, or the older TRANSFORMERS_CACHE where set)."""
-    from huggingface_hub.constants import HF_HUB_CACHE
-    from huggingface_hub.file_download import repo_folder_name
-
-    folder = repo_folder_name(repo_id=repo_id, repo_type="model")
-    caches = [HF_HUB_CACHE] + [os.environ[v] for v in ("TRANSFORMERS_CACHE",) if os.environ.get(v)]
-    return any(os.path.isdir(os.path.join(cache, folder)) for cache in caches)
 
 
 @contextlib.contextmanager

@@ -356,3 +356,39 @@ def check_vocabularies(target_model, draft_model, target_tokenizer=None, draft_t
                 f"(config vocab_size {d_cfg}): first ids only one of them has: "
                 + ", ".join(str(i) for i in range(min(v_target, v_draft),
                                                   min(max(v_target, v_draft), min(v_target, v_draft) + MAX_MISMATCHES_REPORTED))))
+
+
+def missing_model_directory(value: str) -> Optional[str]:
+    """Why ``value`` cannot be a model directory or a cached Hub model id, or None when it can be (the models load
+    offline, and a missing path made the loader say "Repo id must use alphanumeric chars", never that it does not
+    exist: the command line checks its model options with this before any load)."""
+    if os.path.isdir(value):
+        return None
+    if os.path.exists(value):
+        return f"not a directory: {value}"
+    if not _could_be_hub_id(value):  # a path: it starts with / . or ~, or holds two slashes, a backslash...
+        return f"no such directory: {value}"
+    if _in_hub_cache(value):
+        return None
+    return f"no such directory: {value} (nor a model id in the Hugging Face cache: models load offline)"
+
+
+def _could_be_hub_id(value: str) -> bool:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(value)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _in_hub_cache(repo_id: str) -> bool:
+    """Whether the Hugging Face cache holds any file of the model ``repo_id`` (transformers' offline loads read
+    it: HF_HUB_CACHE, or the older TRANSFORMERS_CACHE where set)."""
+    from huggingface_hub.constants import HF_HUB_CACHE
+    from huggingface_hub.file_download import repo_folder_name
+
+    folder = repo_folder_name(repo_id=repo_id, repo_type="model")
+    caches = [HF_HUB_CACHE] + [os.environ[v] for v in ("TRANSFORMERS_CACHE",) if os.environ.get(v)]
+    return any(os.path.isdir(os.path.join(cache, folder)) for cache in caches)

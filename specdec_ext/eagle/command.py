@@ -166,6 +166,12 @@ def run(args) -> int:
     if not texts:  # (before the target loads, not after)
         raise SystemExit(f"specdec train-eagle: --data: no file holds a piece of --chars {args.chars} characters")
     device = args.device or default_device()
+    if args.target is not None:  # (a missing path: the loader would say "Repo id must be in the form ...")
+        from ..models import missing_model_directory
+
+        problem = missing_model_directory(args.target)
+        if problem:
+            raise SystemExit(f"specdec train-eagle: --target: {problem}")
     target, tokenizer = _load_target(args, device)
     vocab = int(target.get_output_embeddings().weight.shape[0])
     if args.draft_vocab > vocab:
