@@ -247,7 +247,8 @@ def _check_model_state(role: str, model: torch.nn.Module, param: Optional[torch.
 def _check_rope_switch(ask: "PlanRequest", slots: int, target, cache_len: int) -> None:
     """ValueError where a longrope target would switch its rotary factors inside the generation: HF's longrope
     uses the long factors for a whole forward once its furthest position passes original_max_position_embeddings,
-    and a verify pass reaches up to k positions further than a plain one, so it would switch earlier than the
+    and a verify pass reaches further than a plain one (the check keeps 2 x slots positions of margin), so it
+    would switch earlier than the
     target's own decoding does (its tokens then differ from the target's)."""
     config = text_config(getattr(target, "config", None))
     rope = rope_parameters(config) if config is not None else {}
@@ -369,7 +370,7 @@ def plan_server(target_model, draft_model, *, drafter: str, k: Optional[int], ru
     an int fixes it; the runners stay in host mode between steps (rows join and leave a shared page pool),
     so where CUDA graphs are on the batcher runs each step on the device by batch-size bucket
     (``static_shapes`` False, ``cuda_graphs`` True), k by load choosing among the few lengths it captures
-    (serve/draft_length.graph_draft_lengths); a joining prompt is prefilled in chunks
+    (``graph_draft_lengths``); a joining prompt is prefilled in chunks
     of ``prefill_chunk`` tokens between decode steps where the target runner can (``chunked_prefill``;
     None: DEFAULT_PREFILL_CHUNK, 0: whole prompts); the sampling filter is each request's own."""
     if drafter == "heads":

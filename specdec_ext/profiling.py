@@ -3,10 +3,10 @@
     with nvtx_range("verify"):
         ...
 
-The decode loop marks five ranges per request batch: ``prefill`` (once), then per step ``draft``,
-``verify`` (target forward + verifier), ``rejection_sampling`` (the verifier kernel, inside ``verify``
-when the step runs eagerly) and ``commit`` (the target keeps the accepted tokens, the drafter rolls
-back what was rejected). docs/profiling.md says how to read them with Nsight Systems.
+The decode loop marks these ranges per request batch: ``prefill`` (once, and a deferred draft prefill),
+then per step ``draft``, ``verify`` (target forward + verifier), ``rejection_sampling`` (the verifier kernel,
+inside ``verify`` when the step runs eagerly) and ``commit`` (the target keeps the accepted tokens, the
+drafter rolls back what was rejected); ``look`` marks adaptive k's greedy looks. docs/profiling.md says how to read them with Nsight Systems.
 
 Policy (decided once, at import):
 

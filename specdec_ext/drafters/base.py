@@ -18,8 +18,8 @@ class Drafter:
     is_tree: bool = False  # proposals carry tree parents
     model: Optional[torch.nn.Module] = None  # the draft model, if any (adaptive k keys its costs by it)
     device_steps: bool = False  # reserve_step / sync_host: a step runs on the device (serving under graphs)
-    # serving: a row may join with a one-token stand-in and be started with its committed tokens when it
-    # first drafts (start_rows needs nothing but token ids)
+    # serving: a row may join held (``hold_rows``: no forward) and be started with its committed tokens when
+    # it first drafts (start_rows needs nothing but token ids)
     deferrable_start: bool = False
     # prefill_window: a first look at a prompt may prefill its last tokens only (adaptive k, decode.py)
     windowed_prefill: bool = False
