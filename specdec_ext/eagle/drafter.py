@@ -55,6 +55,20 @@ __all__ = ["EagleDrafter"]
 CACHE_SLACK = 8  # draft cache slots past the token buffer's and the step's
 
 
+
+def processed_draft_logits(processing, logits: torch.Tensor, drafted: torch.Tensor, meta: SpecDecodeMetadata,
+                           counts: Optional[torch.Tensor]) -> torch.Tensor:
+    """The head's logits over target ids processed as the target's column after its drafts so far will be
+    (``ProcessingState.apply_draft_step``). A row left without a finite logit (a grammar or a ban excludes every
+    id the head's vocabulary maps to) keeps its unprocessed logits: verification keeps the output exact
+    whatever q proposes, and a q over no token is none.
+
+    logits [B, V]; drafted [B, i] int64; counts [B, V] int32 or None -> [B, V]
+    """
+    processed = processing.apply_draft_step(logits.clone(), drafted, meta.temperature, counts)
+    empty = torch.isneginf(processed).all(-1, keepdim=True)  # [B, 1]
+    return torch.where(empty, logits, processed)
+
 class EagleDrafter(Drafter):
     """EAGLE-3 chains (``k``) or trees (``tree=(b, d, N)``) over ``target``, a runner with hidden taps."""
 
@@ -209,8 +223,9 @@ class EagleDrafter(Drafter):
 
     # ------------------------------------------------------------------ chains
     def propose(self, meta: SpecDecodeMetadata, budget: Optional[Sequence[int]] = None) -> Proposal:
+        processing = meta.processing if meta.processing is not None and meta.processing.any_active else None
         fused = (meta.all_greedy and not self.is_tree and not self.fixed_shapes and kernels_apply(self.head)
-                 and (budget is None or max(budget, default=0) >= 1))
+                 and (budget is None or max(budget, default=0) >= 1) and processing is None)
         block = self._feed_block(meta, None) if fused else None
         if block is not None and not block[3]:  # the feed needs more than one pass (cache room): feed first
             self.feed(meta)
@@ -240,13 +255,20 @@ class EagleDrafter(Drafter):
                                     feed=None if block is None else block[:3])
                 if block is not None:
                     self.fed[:B] += block[2]
-            elif greedy and steps >= 1:
+            elif greedy and steps >= 1 and processing is None:
                 self.head.greedy_chain(self.token_ids[:B], steps, out, fed, self.cache, span=self._span)
-            for i in range(0 if greedy else steps):
-                # q is 0 off the draft vocabulary
-                logits = self.head.head(out)  # [B, V_d]
-                token = sample_draft(self.head.to_target_logits(logits), meta, uniforms[i], self.probs[:B, i])
+            counts = processing.output_counts.clone() if processing is not None and processing.any_penalised else None
+            for i in range(0 if greedy and processing is None else steps):
+                logits = self.head.to_target_logits(self.head.head(out))  # [B, V]: q is 0 off the draft vocabulary
+                if processing is not None:  # the head proposes from its processed q', as the target verifies p'
+                    logits = processed_draft_logits(processing, logits, self.token_ids[:B, :i], meta, counts)
+                if greedy:
+                    token = logits.argmax(-1)  # [B]
+                else:
+                    token = sample_draft(logits, meta, uniforms[i], self.probs[:B, i])
                 self.token_ids[:B, i].copy_(token)
+                if counts is not None:
+                    counts.scatter_add_(1, token[:, None], torch.ones_like(token[:, None], dtype=torch.int32))
                 if i + 1 < steps:  # the drafted token with the layer's own output, at slot fed + i
                     out = self.head.block(token[:, None], out[:, None], fed + i, self.cache, span=self._span)[:, 0]
         probs = None if greedy else self.probs[:B]
