@@ -1,6 +1,7 @@
 """Build what a DecodePlan runs: the target's runner and the drafter (plan.py decided everything)."""
 from __future__ import annotations
 
+import contextlib
 from typing import Optional, Tuple
 
 from .drafters import CrossTokenizerDrafter, Drafter, HeadsDrafter, ModelDrafter, NgramDrafter, TreeModelDrafter
@@ -19,8 +20,11 @@ def build(plan: DecodePlan, models: Models) -> Tuple[ModelRunner, Optional[Draft
     target = make_runner(plan.target_runner, models.target, max_batch_size=plan.padded_batch_size,
                          max_seq_len=plan.max_seq_len, static_shapes=plan.static_shapes, hidden_taps=plan.hidden_taps)
     drafter = build_drafter(plan, models, target)
-    if target.capabilities != plan.target_capabilities:  # (after the drafter: heads hook the target's head)
-        raise RuntimeError(f"the {plan.target_runner} target runner has capabilities {target.capabilities}, the "
+    # (after the drafter, as the loop runs it: heads hook the target's head for the passes of their generation)
+    with drafter.running() if drafter is not None else contextlib.nullcontext():
+        capabilities = target.capabilities
+    if capabilities != plan.target_capabilities:
+        raise RuntimeError(f"the {plan.target_runner} target runner has capabilities {capabilities}, the "
                            f"plan resolved {plan.target_capabilities}: runners.capabilities_of is out of date")
     return target, drafter
 

@@ -2,6 +2,7 @@
 build the runners and the drafter (build.py) -> decode (decode.py); the result object and streaming."""
 from __future__ import annotations
 
+import contextlib
 import numbers
 import operator
 import secrets
@@ -78,8 +79,24 @@ class GenerationStream:
         self._texts = [IncrementalText(finish.decode) for _ in rows] if finish.tokenizer is not None else None
         self._look = max([len(s) for s in finish.stop_strings] + [1])  # the end of a text that the checks read
         self.result: Optional[GenerationResult] = None
+        # one iterator for the stream's life: a loop left by break or an exception and entered again goes on
+        # where it stopped (a fresh generator per loop lost the rest of the step it was in)
+        self._pieces = self._generate()
 
-    def __iter__(self) -> Iterator[TextPiece]:
+    def __iter__(self) -> "GenerationStream":
+        return self
+
+    def __next__(self) -> TextPiece:
+        return next(self._pieces)
+
+    def close(self) -> None:
+        """Stop the generation where it is (``result`` stays None); its drafter's hooks on the target go."""
+        self._pieces.close()
+        close = getattr(self._events, "close", None)
+        if close is not None:
+            close()
+
+    def _generate(self) -> Iterator[TextPiece]:
         for new in self._events:
             for b, tokens in enumerate(new):
                 row = self._rows[b]
@@ -368,7 +385,8 @@ def generate(prompts, target: ModelSpec = None, draft: ModelSpec = None, *, max_
         Stop strings: a row ends after the token that completes one; the text excludes the stop string.
     stream : bool
         Return a ``GenerationStream``: an iterator of ``TextPiece`` (str with ``.index``), with
-        ``.result`` set once exhausted.
+        ``.result`` set once exhausted. One iterator for its life: a loop left by ``break`` and entered
+        again goes on where it stopped; it may be consumed on any thread; ``.close()`` ends it early.
     tokenizer, draft_tokenizer : optional tokenizers, or the directories they were saved to (default: loaded next
         to the model paths)
         A draft whose tokenizer spells some token id differently from the target's drafts through text
@@ -621,10 +639,16 @@ def _token_prompts(prompts, models: Models) -> List[List[int]]:
 
 
 def _real_rows(events, batch: int, drafter):
-    """The loop's events cut to the real rows (the padding of a CUDA-graph bucket emits nothing); the
-    drafter is closed (hooks on the target removed) when they end."""
+    """The loop's events cut to the real rows (the padding of a CUDA-graph bucket emits nothing); each
+    resumption of the loop runs inside ``drafter.running()`` on the thread resuming it, and the drafter is
+    closed (hooks on the target removed) when they end."""
+    running = drafter.running if drafter is not None else contextlib.nullcontext
     try:
-        for new in events:
+        while True:
+            with running():
+                new = next(events, None)
+            if new is None:
+                return
             yield new[:batch]
     finally:
         if drafter is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -178,8 +179,18 @@ def load_pair(target: ModelSpec = None, draft: ModelSpec = None, tokenizer=None)
     return target_model, draft_model, tokenizer
 
 
-@functools.lru_cache(maxsize=1)
+_BUNDLED_PAIR_LOCK = threading.Lock()
+
+
 def _bundled_pair():
+    """The bundled pair, loaded once per process: concurrent first calls wait for one load (lru_cache alone
+    let each of them load it)."""
+    with _BUNDLED_PAIR_LOCK:
+        return _load_bundled_pair()
+
+
+@functools.lru_cache(maxsize=1)
+def _load_bundled_pair():
     try:
         from .default_pair import load_default_pair
     except ImportError as error:

@@ -165,6 +165,16 @@ def read_step(proposal: Proposal, verdict: Verdict) -> Tuple[List[List[int]], Li
 
 
 # ------------------------------------------------------------------------------------------ the step
+@dataclass
+class _Handed:
+    """What the parts of a step hand on: the budget to the draft, its proposal to the verify, its verdict to
+    the commit."""
+
+    budget: Optional[List[int]]  # [B] host ints, or None (every row drafts k)
+    proposal: Proposal
+    verdict: Optional[Verdict]
+
+
 class DecodeSteps:
     """The draft, verify and commit parts over one metadata: CUDA graphs (cuda_graphs.StepGraph) when
     ``graphs``, plain calls otherwise (NVTX ranges around them where NVTX is on when they are built).
@@ -176,22 +186,22 @@ class DecodeSteps:
 
     def __init__(self, target: ModelRunner, drafter: Optional[Drafter], meta: SpecDecodeMetadata,
                  verifier: Verifier, *, graphs: bool, plain: bool = False, backend=None):
-        self.budget: Optional[List[int]] = None
-        self.proposal: Proposal = meta.no_drafts
-        self.verdict: Optional[Verdict] = None
+        # (the parts are closures over this holder, not over self, which holds them: that reference cycle kept
+        # the runners and their caches alive after a generation until the next collection pass)
+        handed = self._handed = _Handed(budget=None, proposal=meta.no_drafts, verdict=None)
         self.graphs: List[StepGraph] = []
         ranges = nvtx_enabled()
         if ranges:
             verifier = _ranged("rejection_sampling", verifier)
 
         def draft_part():
-            self.proposal = draft(drafter, meta, self.budget)
+            handed.proposal = draft(drafter, meta, handed.budget)
 
         def verify_part():
-            self.verdict = verify(target, meta, self.proposal, verifier)
+            handed.verdict = verify(target, meta, handed.proposal, verifier)
 
         def commit_part():
-            commit(target, drafter, meta, self.verdict)
+            commit(target, drafter, meta, handed.verdict)
 
         def part(fn, name, capturable):
             if graphs and capturable:
@@ -202,6 +212,25 @@ class DecodeSteps:
         self.draft = part(draft_part, "draft", drafter is not None and not plain)
         self.verify = part(verify_part, "verify", True)
         self.commit = part(commit_part, "commit", True)
+
+    @property
+    def budget(self) -> Optional[List[int]]:
+        """This step's draft budgets (adaptive k), read by the draft part."""
+        return self._handed.budget
+
+    @budget.setter
+    def budget(self, budget: Optional[List[int]]) -> None:
+        self._handed.budget = budget
+
+    @property
+    def proposal(self) -> Proposal:
+        """The draft part's proposal."""
+        return self._handed.proposal
+
+    @property
+    def verdict(self) -> Optional[Verdict]:
+        """The verify part's verdict."""
+        return self._handed.verdict
 
     @property
     def captured(self) -> Dict[str, bool]:

@@ -1,6 +1,7 @@
 """The drafter interface (the package docstring, specdec_ext/drafters/__init__.py, describes it)."""
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, List, Optional, Sequence
 
 import torch
@@ -82,6 +83,13 @@ class Drafter:
 
     def close(self) -> None:
         """Release what the drafter holds on the models (nothing by default)."""
+
+    @contextlib.contextmanager
+    def running(self):
+        """Around each resumption of generate()'s decode loop, on the thread that resumes it (a stream may be
+        consumed on another thread than the one that made it, and streams interleave on one thread): a
+        drafter with per-thread state on a shared model binds it to that thread here (nothing by default)."""
+        yield
 
     def reserve_step(self, width: int, drafts: int) -> None:
         """Device steps (``device_steps``): reserve what one step over rows 0..width-1 drafting at most

@@ -19,6 +19,9 @@ pass.
 """
 from __future__ import annotations
 
+import contextlib
+import threading
+import weakref
 from typing import Optional, Sequence
 
 import torch
@@ -48,15 +51,24 @@ class HeadsDrafter(Drafter):
         self.calibration = calibration  # None: rank by draft log-probability (EAGLE-2)
         self.tree: Optional[DraftTree] = None
         self.lm_head = lm_head_of(target_model)
-        self._capture = HeadCapture()  # the LM head's input of this thread's last target pass
+        self._capture = HeadCapture()  # the LM head's input of the generation's last target pass
         self._hidden: Optional[torch.Tensor] = None  # [B, H]: h at the pending token's logits
-        self._handle = self.lm_head.register_forward_pre_hook(self._capture)
+        # removed by close() when the decode loop ends, or when the drafter is collected: a stream dropped before
+        # its first piece never runs the loop (its hook stayed on the target for good)
+        self._unhook = weakref.finalize(self, self.lm_head.register_forward_pre_hook(self._capture).remove)
 
     def close(self) -> None:
         """Remove the hook from the target's LM head (the decode loop calls this when it ends)."""
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        self._unhook()
+
+    @contextlib.contextmanager
+    def running(self):
+        """(``Drafter.running``) The capture keeps the passes of the thread resuming the loop."""
+        self._capture.owner = threading.get_ident()
+        try:
+            yield
+        finally:
+            self._capture.owner = None
 
     # ------------------------------------------------------------------ the interface
     def prefill(self, prompts: Sequence[Sequence[int]], meta: SpecDecodeMetadata) -> None:

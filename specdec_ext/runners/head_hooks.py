@@ -2,11 +2,13 @@
 
 Heads on the target (drafters/heads_drafter.py) read the LM head's input of the target's last pass through a
 forward pre-hook, which sits on the model that every thread's generate() calls share. ``HeadCapture`` keeps
-only the passes of the thread that made it (the one its generation runs on), and ``head_hooked`` says whether a
-pass on this thread must call the head's hooks: another thread's capture does not count, so this thread's plan
-and its runner agree on greedy chains whatever the other threads hook meanwhile (they disagreed, and a plain
-generation beside a heads one stopped with "the plan resolved greedy_chain=True"; the heads read each other's
-passes and failed with an IndexError).
+only the passes of the thread its generation runs on right now (``owner``: set while the decode loop is
+resumed, ``Drafter.running``; None between resumptions), and ``head_hooked`` says whether a pass on this thread
+must call the head's hooks: a capture that is not running here does not count, so a plan and its runner agree
+on greedy chains whatever the other generations hook meanwhile (they disagreed, and a plain generation beside
+a heads one stopped with "the plan resolved greedy_chain=True"; the heads read each other's passes and failed
+with an IndexError). Owned by a thread for good, a capture broke a stream consumed on another thread than
+the one that made it, and a plain stream interleaved with a heads stream on one thread.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ class HeadCapture:
     """A forward pre-hook that keeps the LM head's input of the last pass its owner thread made."""
 
     def __init__(self):
-        self.owner = threading.get_ident()
+        self.owner: Optional[int] = None  # the thread running the generation now (None: it is not running)
         self.input: Optional[torch.Tensor] = None  # the head's input of the owner's last pass
 
     def __call__(self, module, args) -> None:

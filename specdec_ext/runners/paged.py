@@ -40,8 +40,9 @@ sdpa outside a paged forward). The page pool is sized from the keys and values t
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
@@ -198,19 +199,16 @@ class PagedModelRunner:
         mask = additive_mask(layout.visible, self.dtype)  # [B, 1, T, S]
         ids = torch.where(layout.valid, input_ids, 0)
         self.cache.activate(PagedStep(slot_mapping, gather_pages, mask, layout, self.cache.layout.windows))
-        if self._taps is not None:
-            self._tap_hooks.active = True
+        captured: Dict[int, torch.Tensor] = {}  # tapped layer -> its input [B, T, H] in this forward
         try:
-            with torch.no_grad():
+            with torch.no_grad(), (self._tap_hooks.capturing(captured) if self._taps is not None
+                                   else contextlib.nullcontext()):
                 out = self.model(input_ids=ids, attention_mask=mask, position_ids=layout.positions,
                                  use_cache=True, logits_to_keep=logits_to_keep, **{self._cache_arg: self.cache})
         finally:
             self.cache.activate(None)
-            if self._taps is not None:
-                self._tap_hooks.active = False
         if self._taps is not None:
             rows = self._rows[:B] if cache_rows is None else cache_rows
-            captured = self._tap_hooks.captured
             self._taps.write_valid(rows, layout.storage, layout.valid & (layout.storage < self.max_seq_len),
                                    [captured[i] for i in self._taps.layers])
         return out.logits.float()

@@ -18,7 +18,9 @@ this keeps it as often as it is named, so a shallow target's (2, 3, 3) still giv
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+import contextlib
+import threading
+from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
@@ -97,20 +99,32 @@ def decoder_layers_of(model) -> Sequence[torch.nn.Module]:
 
 
 class LayerInputHooks:
-    """Forward pre-hooks on a HF model's decoder layers that keep the inputs of ``layers`` while ``active``
-    (a runner's own forwards): ``captured[i]`` [B, T, H] after a forward."""
+    """Forward pre-hooks on a HF model's decoder layers that keep the inputs of ``layers`` during a runner's
+    own forwards (``capturing``). The state is per thread: the hooks sit on the model, which other callers
+    (another generation's runner, another thread's) run at the same time, and their forwards must neither be
+    captured nor overwrite this one's."""
 
     def __init__(self, model, layers: Tuple[int, ...]):
         modules = decoder_layers_of(model)
-        self.active = False
-        self.captured = {}
+        self._local = threading.local()  # .into: the dict this thread's forward fills, or absent
         self.handles = [modules[i].register_forward_pre_hook(self._hook(i), with_kwargs=True)
                         for i in sorted(set(layers))]
 
+    @contextlib.contextmanager
+    def capturing(self, into: Dict[int, torch.Tensor]):
+        """Within it, this thread's forwards of the model put the input of tapped layer i in ``into[i]``
+        [B, T, H]."""
+        self._local.into = into
+        try:
+            yield into
+        finally:
+            self._local.into = None
+
     def _hook(self, index: int):
         def hook(module, args, kwargs):
-            if self.active:
-                self.captured[index] = args[0] if args else kwargs["hidden_states"]
+            into = getattr(self._local, "into", None)
+            if into is not None:
+                into[index] = args[0] if args else kwargs["hidden_states"]
         hook.specdec_internal = True  # (runners/lean.py: not a user's hook, which the lean forward cannot honour)
         return hook
 
