@@ -18,11 +18,10 @@ How they were trained and how well they do: ``MODEL_CARD.md``; rebuild with
 import filecmp
 import json
 import os
-import shutil
 
 import torch
 
-from .packing import PACKED_SUFFIX, packed_digest, unpacked
+from .packing import PACKED_SUFFIX, packed_digest, unpacked, write_replacing
 
 PAIR_DIR = os.path.dirname(os.path.abspath(__file__))
 PACKED_TARGET_DIR = os.path.join(PAIR_DIR, "target")  # config files and the packed weights (packing.py)
@@ -52,7 +51,8 @@ def target_dir() -> str:
     for name in TARGET_FILES:
         source, copy = os.path.join(PACKED_TARGET_DIR, name), os.path.join(folder, name)
         if not os.path.isfile(copy) or not filecmp.cmp(source, copy, shallow=False):
-            shutil.copyfile(source, copy)
+            with open(source, "rb") as f:
+                write_replacing(copy, f.read())
     unpacked(os.path.join(PACKED_TARGET_DIR, "model.safetensors" + PACKED_SUFFIX), os.path.join(folder, "model.safetensors"))
     _MADE.add(folder)
     return folder

@@ -82,8 +82,14 @@ def unpacked(packed: str, out: str) -> str:
     temporary file beside it and renames it into place, so concurrent first loads never see half a file."""
     if os.path.isfile(out) and os.path.getmtime(out) >= os.path.getmtime(packed):
         return out
-    data = unpack_bytes(packed)
-    handle, temporary = tempfile.mkstemp(dir=os.path.dirname(out), prefix=".unpacking-")
+    write_replacing(out, unpack_bytes(packed))
+    return out
+
+
+def write_replacing(out: str, data: bytes) -> None:
+    """``data`` into the file ``out`` through a temporary file beside it renamed into place: a concurrent
+    reader (another process's first load) sees the old file or the new one, never half of one."""
+    handle, temporary = tempfile.mkstemp(dir=os.path.dirname(out), prefix=".writing-")
     try:
         with os.fdopen(handle, "wb") as f:
             f.write(data)
@@ -93,7 +99,6 @@ def unpacked(packed: str, out: str) -> str:
         if os.path.exists(temporary):
             os.remove(temporary)
         raise
-    return out
 
 
 if __name__ == "__main__":  # python -m specdec_ext.default_pair.packing path/to/model.safetensors
