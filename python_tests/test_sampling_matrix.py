@@ -462,20 +462,27 @@ def grammar_law(target, tokenizer, prompt: List[int], opts: Dict, max_new: int) 
     return law
 
 
-@pytest.mark.parametrize("draft_kind,opts,acceptance", [
-    ("near", dict(temperature=1.0, top_k=6, logit_bias={65: -100.0}, **PENALTIES), "mid"),  # 65 = "a" banned
-    ("self", dict(temperature=0.8, **STRONG), "high"),  # the draft's masks equal the verifier's: q = p
+@pytest.mark.parametrize("draft_kind,opts,acceptance,run", [
+    ("near", dict(temperature=1.0, top_k=6, logit_bias={65: -100.0}, **PENALTIES), "mid", dict(k=3)),  # 65 = "a"
+    ("self", dict(temperature=0.8, **STRONG), "high", dict(k=3)),  # the draft's masks equal the verifier's: q = p
     # an EAGLE-3 head proposes from its processed logits too (unprocessed, its random q over 8192 ids put almost
     # nothing on the few the grammar allows)
-    ("eagle", dict(temperature=1.0, **PENALTIES), "mid"),
-    ("eagle-excluded", dict(temperature=1.0), "none"),
-], ids=["near-k3-penalties-ban", "self-k3-penalties", "eagle-k3-penalties", "eagle-k3-vocabulary-excluded"])
-def test_structured_output_follows_the_masked_law(grammar_models, draft_kind, opts, acceptance):
+    ("eagle", dict(temperature=1.0, **PENALTIES), "mid", dict(k=3)),
+    ("eagle-excluded", dict(temperature=1.0), "none", dict(k=3)),
+    # trees: each node's children from its processed q (unprocessed, a (2,2,3) tree accepted nothing)
+    ("near", dict(temperature=1.0, **PENALTIES), "mid", dict(draft_tree=(2, 2, 4))),
+    ("eagle", dict(temperature=1.0), "mid", dict(draft_tree=(2, 2, 4))),
+    ("eagle-excluded", dict(temperature=1.0), "none", dict(draft_tree=(2, 2, 3))),
+], ids=["near-k3-penalties-ban", "self-k3-penalties", "eagle-k3-penalties", "eagle-k3-vocabulary-excluded",
+        "near-tree(2,2,4)-penalties", "eagle-tree(2,2,4)", "eagle-tree(2,2,3)-vocabulary-excluded"])
+def test_structured_output_follows_the_masked_law(grammar_models, draft_kind, opts, acceptance, run):
     tokenizer, target, drafts = grammar_models
     draft = drafts[draft_kind]
     prompt = tokenizer("x = ")["input_ids"]
-    out = generate([prompt] * GRAMMAR_SAMPLES, target, draft, tokenizer=tokenizer, regex=GRAMMAR_REGEX, k=3,
-                   max_new_tokens=3, seed=list(range(GRAMMAR_SAMPLES)), eos_token_id=False, cost_probe=False, **opts)
+    reset_calibrations()  # (seeded samples rank trees by the prior anyway)
+    out = generate([prompt] * GRAMMAR_SAMPLES, target, draft, tokenizer=tokenizer, regex=GRAMMAR_REGEX,
+                   max_new_tokens=3, seed=list(range(GRAMMAR_SAMPLES)), eos_token_id=False, cost_probe=False,
+                   **run, **opts)
     rate = check_acceptance(out, acceptance)
     assert all(set(text) <= set("abc") and len(text) == 3 for text in out.text)
     law = grammar_law(target, tokenizer, prompt, opts, 3)

@@ -348,8 +348,8 @@ def _describe_processing(ask: PlanRequest, models: _Models, reasons: List[Tuple[
     if ask.processing is not None and ask.processing.active:
         ask.processing.validate(output_vocab_size(models.target))
         reasons.append(("processing", f"{ask.processing.describe()}: on the target's logits at every position of "
-                                      "a verify pass (each with its drafts before it) and, in chains, on a draft "
-                                      "model's or an EAGLE-3 head's as it drafts (processing.py)"))
+                                      "a verify pass (each with its drafts before it) and on a draft model's, an "
+                                      "EAGLE-3 head's or the heads' as they draft (processing.py)"))
     if ask.top_logprobs is not None:
         reasons.append(("logprobs", f"each emitted token's logprob and the top {ask.top_logprobs} under the "
                                     "processed target at the row's temperature (logprobs.py)"))

@@ -1,9 +1,12 @@
 """Logits processing inside verification (issue 28): the request fields of OpenAI's and HF's sampling
 surface that change the target's distribution, applied to the target's logits at every position of a
 verify pass, each position with its own prefix (the committed tokens, then the drafts before it on
-its chain or tree path), and to a draft model's logits as it drafts. The verifier then compares the
-processed target p' with the processed draft q', so the output is distributed exactly as sampling
-from the processed target, whatever the drafter proposes.
+its chain or tree path), and to a drafter's logits as it drafts (a draft model's or an EAGLE-3 head's
+chain, ``apply_draft_step``; a draft model's, an EAGLE-3 head's or the heads' tree, ``apply_frontier``;
+not a draft with another tokenizer). The verifier then compares the processed target p' with the
+processed draft q', so the output is distributed exactly as sampling from the processed target, whatever
+the drafter proposes (an unprocessed q is exact too, only accepted less where the processors ban or
+penalise much).
 
     Processing          one request's fields (frozen): min_p, logit_bias, presence / frequency /
                         repetition penalties, a grammar (specdec_ext/grammar.py)
@@ -258,6 +261,29 @@ class ProcessingState:
         self._process(logits, none, num_draft, temperature, None, counts, allowed)
         return logits[:, 0]
 
+    def apply_frontier(self, logits: torch.Tensor, tokens: Optional[torch.Tensor], parents: Optional[torch.Tensor],
+                       frontier: Optional[torch.Tensor], temperature: torch.Tensor) -> torch.Tensor:
+        """A tree drafter's logits at its frontier, processed as the target's columns of those nodes will be
+        (each after its ancestors: ``apply`` over the tree grown so far, the frontier's logits in its nodes'
+        columns). A node left without a finite logit keeps its unprocessed logits (``with_some_token``).
+
+        logits [B, F, V]; tokens [B, C] int64 and parents [B, C] (expansion indices, parents first, -1 = the
+        root) the nodes so far, frontier [B, F] int64 their indices (-1 = the root); tokens, parents and
+        frontier None at the root (F = 1); temperature [B] fp32 -> [B, F, V] fp32
+        """
+        logits = logits.float()
+        B, F, V = logits.shape
+        if tokens is None:
+            tokens = torch.zeros((B, 0), dtype=torch.int64, device=logits.device)
+            frontier = torch.full((B, 1), -1, dtype=torch.int64, device=logits.device)
+        C = tokens.shape[1]
+        columns = (frontier + 1)[:, :, None].expand(B, F, V)  # [B, F, V]: node i is column i + 1, the root 0
+        buffer = logits.new_zeros((B, C + 1, V)).scatter_(1, columns, logits)  # [B, C + 1, V]
+        num_draft = torch.full((B,), C, dtype=torch.int32, device=logits.device)
+        tree = parents.to(torch.int32).contiguous() if C else None
+        self.apply(buffer, tokens.contiguous(), num_draft, temperature, parents=tree)
+        return with_some_token(buffer.gather(1, columns), logits)
+
     def _draft_masks(self, drafted: torch.Tensor) -> torch.Tensor:
         """The grammar masks of a draft step [B, 1, W]: each grammar row's column after its drafts so far
         (RowGrammar.draft_column: one new mask per step, the matcher kept between steps), all ones for the
@@ -348,3 +374,11 @@ class ProcessingState:
             return None
         # (accepting: a grammar that matched the empty text from the start, e.g. regex "", is not yet "stopped")
         return "stop" if grammar.is_complete() or grammar.is_accepting() else FINISH_DEAD_END
+
+
+def with_some_token(processed: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """``processed`` where it keeps a finite logit, else (a grammar or a ban excluded every token a drafter's
+    vocabulary holds) the unprocessed ``logits``: verification keeps the output exact whatever q proposes, and
+    a q over no token is none. [..., V] -> [..., V]"""
+    empty = torch.isneginf(processed).all(-1, keepdim=True)  # [..., 1]
+    return torch.where(empty, logits, processed)

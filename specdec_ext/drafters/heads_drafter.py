@@ -83,11 +83,18 @@ class HeadsDrafter(Drafter):
 
     def propose(self, meta: SpecDecodeMetadata, budget: Optional[Sequence[int]] = None) -> Proposal:
         with torch.no_grad():
-            logits = self.heads(self._hidden, self.lm_head)  # [B, m, V]
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
+            logits = self.heads(self._hidden, self.lm_head).float()  # [B, m, V]
+        logprobs = torch.log_softmax(logits, dim=-1)
+        processing = meta.processing if meta.processing is not None and meta.processing.any_active else None
 
         def frontier_logprobs(level, tokens, parents, frontier_index):
-            return logprobs[:, level:level + 1]  # [B, 1, V]: the same children under every parent
+            if processing is None:
+                return logprobs[:, level:level + 1]  # [B, 1, V]: the same children under every parent
+            # processed, each node's children depend on its ancestors: [B, F, V]
+            F = 1 if frontier_index is None else frontier_index.shape[1]
+            frontier = logits[:, level:level + 1].expand(-1, F, -1)
+            return torch.log_softmax(processing.apply_frontier(frontier, tokens, parents, frontier_index,
+                                                               meta.temperature), dim=-1)
 
         self.tree = grow_tree(frontier_logprobs, self.widths, self.branch, self.slots, self.calibration)
         self.token_ids.copy_(self.tree.tokens)

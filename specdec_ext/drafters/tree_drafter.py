@@ -253,15 +253,18 @@ class TreeModelDrafter(ModelDrafter):
     def propose(self, meta: SpecDecodeMetadata, budget: Optional[Sequence[int]] = None) -> Proposal:
         pending = meta.pending_tokens()  # [B, 1]
         first = self._fit_vocab(self._feed_unseen_and_pending(meta))[:, None]  # [B, 1, V]
+        processing = meta.processing if meta.processing is not None and meta.processing.any_active else None
 
         def frontier_logprobs(level, tokens, parents, frontier_index):
             if level == 0:
-                return torch.log_softmax(first.float(), dim=-1)
-            # draft logits at the frontier: one uncommitted tree forward of [pending, nodes so far]
-            feed = torch.cat([pending, tokens], dim=1)  # [B, nodes so far + 1]
-            out = self.runner.forward(feed, None, tree_parents=parents.to(torch.int32).contiguous())
-            logits = self._fit_vocab(out.gather(
-                1, (frontier_index + 1)[:, :, None].expand(-1, -1, out.shape[-1])))  # [B, F, V]
+                logits = first
+            else:  # draft logits at the frontier: one uncommitted tree forward of [pending, nodes so far]
+                feed = torch.cat([pending, tokens], dim=1)  # [B, nodes so far + 1]
+                out = self.runner.forward(feed, None, tree_parents=parents.to(torch.int32).contiguous())
+                logits = self._fit_vocab(out.gather(
+                    1, (frontier_index + 1)[:, :, None].expand(-1, -1, out.shape[-1])))  # [B, F, V]
+            if processing is not None:  # each node's children from its processed q', as the target verifies p'
+                logits = processing.apply_frontier(logits, tokens, parents, frontier_index, meta.temperature)
             return torch.log_softmax(logits.float(), dim=-1)
 
         sample_children = None if meta.sampling.greedy else self._sampler(meta)

@@ -45,6 +45,7 @@ from ..drafters.base import Drafter
 from ..drafters.model_drafter import draft_uniforms, sample_draft
 from ..drafters.tree_drafter import beam_widths, draw_without_replacement, grow_tree, tree_num_nodes
 from ..metadata import Proposal, SpecDecodeMetadata, Verdict
+from ..processing import with_some_token
 from ..sampling import filtered_probs
 from .checkpoints import check_target
 from .kernels import kernel_greedy_chain, kernels_apply
@@ -55,19 +56,6 @@ __all__ = ["EagleDrafter"]
 CACHE_SLACK = 8  # draft cache slots past the token buffer's and the step's
 
 
-
-def processed_draft_logits(processing, logits: torch.Tensor, drafted: torch.Tensor, meta: SpecDecodeMetadata,
-                           counts: Optional[torch.Tensor]) -> torch.Tensor:
-    """The head's logits over target ids processed as the target's column after its drafts so far will be
-    (``ProcessingState.apply_draft_step``). A row left without a finite logit (a grammar or a ban excludes every
-    id the head's vocabulary maps to) keeps its unprocessed logits: verification keeps the output exact
-    whatever q proposes, and a q over no token is none.
-
-    logits [B, V]; drafted [B, i] int64; counts [B, V] int32 or None -> [B, V]
-    """
-    processed = processing.apply_draft_step(logits.clone(), drafted, meta.temperature, counts)
-    empty = torch.isneginf(processed).all(-1, keepdim=True)  # [B, 1]
-    return torch.where(empty, logits, processed)
 
 class EagleDrafter(Drafter):
     """EAGLE-3 chains (``k``) or trees (``tree=(b, d, N)``) over ``target``, a runner with hidden taps."""
@@ -261,7 +249,9 @@ class EagleDrafter(Drafter):
             for i in range(0 if greedy and processing is None else steps):
                 logits = self.head.to_target_logits(self.head.head(out))  # [B, V]: q is 0 off the draft vocabulary
                 if processing is not None:  # the head proposes from its processed q', as the target verifies p'
-                    logits = processed_draft_logits(processing, logits, self.token_ids[:B, :i], meta, counts)
+                    raw = logits
+                    logits = with_some_token(processing.apply_draft_step(raw.clone(), self.token_ids[:B, :i],
+                                                                         meta.temperature, counts), raw)
                 if greedy:
                     token = logits.argmax(-1)  # [B]
                 else:
@@ -279,6 +269,7 @@ class EagleDrafter(Drafter):
         B, device = meta.batch_size, meta.device
         fed = self.fed[:B]
         node_out = torch.zeros((B, sum(self.widths), self.head.config.hidden_size), device=device)
+        processing = meta.processing if meta.processing is not None and meta.processing.any_active else None
 
         def frontier_logprobs(level, tokens, parents, frontier_index):
             with torch.no_grad():
@@ -286,7 +277,10 @@ class EagleDrafter(Drafter):
                     out = self.last[:B, None]  # [B, 1, h]
                 else:
                     out = self._feed_frontier(level, tokens, parents, frontier_index, fed, node_out)
-                return torch.log_softmax(self.head.to_target_logits(self.head.head(out)), dim=-1)  # [B, F, V]
+                logits = self.head.to_target_logits(self.head.head(out))  # [B, F, V]
+                if processing is not None:  # each node's children from its processed q', as the target verifies p'
+                    logits = processing.apply_frontier(logits, tokens, parents, frontier_index, meta.temperature)
+                return torch.log_softmax(logits, dim=-1)  # [B, F, V]
 
         sample_children = None if meta.all_greedy else self._sampler(meta)
         tree = grow_tree(frontier_logprobs, self.widths, self.branch, self.slots, None, sample_children)
