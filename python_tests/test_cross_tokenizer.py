@@ -260,6 +260,33 @@ def test_sampling_through_the_intersection_passes_the_audit_at_t1():
     assert sum(result.stats.accepted) > 0  # the intersection's drafts do get accepted
 
 
+def test_sampling_through_the_intersection_under_processors_passes_the_audit():
+    """With penalties and biases the intersection's q is processed as the target's p will be (the drafts
+    counted before each position), and the samples are still distributed as the processed target's."""
+    target_tokenizer, draft_tokenizer = bpe_tokenizer(TARGET_VOCAB), bpe_tokenizer(DRAFT_VOCAB)
+    target = tiny_model("llama", vocab=TARGET_VOCAB, hidden=32, seed=3, logit_scale=6.0)
+    draft = tiny_model("llama", vocab=DRAFT_VOCAB, hidden=32, seed=4, logit_scale=6.0)
+    bridge = VocabularyBridge.build(target_tokenizer, draft_tokenizer, TARGET_VOCAB, DRAFT_VOCAB)
+    banned = [int(t) for t in bridge.shared_target_ids[:20]]
+    processors = dict(presence_penalty=1.5, repetition_penalty=1.4, logit_bias={t: -100.0 for t in banned})
+    report = audit(target, draft, ["the quick"], temperature=1.0, positions=2, samples=1500, run_break_even=False,
+                   verbose=False, progress=False, tokenizer=target_tokenizer, draft_tokenizer=draft_tokenizer,
+                   processors=processors)
+    assert report.passed, report.text()
+    proposed = []
+
+    def recording_verifier(meta, proposal, logits):
+        for b, count in enumerate(proposal.num_draft.tolist()):
+            proposed.extend(int(t) for t in proposal.token_ids[b, :count])
+            assert float(proposal.probs[b, :count][:, banned].sum()) < 1e-30 * max(count, 1)  # bans reach q
+        return lossless_verify(meta, proposal, logits)
+
+    generate(["the quick", "def add(a, b):\n"], target, draft, tokenizer=target_tokenizer,
+             draft_tokenizer=draft_tokenizer, temperature=1.0, seed=0, k=3, max_new_tokens=12, eos_token_id=False,
+             verifier=recording_verifier, **processors)
+    assert len(proposed) > 10 and not set(proposed) & set(banned)
+
+
 def bridge_size(target_tokenizer, draft_tokenizer) -> int:
     return VocabularyBridge.build(target_tokenizer, draft_tokenizer, TARGET_VOCAB, DRAFT_VOCAB).intersection_size
 

@@ -447,8 +447,9 @@ def generate(prompts, target: ModelSpec = None, draft: ModelSpec = None, *, max_
         logits at every draft position, each with the drafts before it counted, so the output is distributed
         exactly as sampling from the processed target. A draft model, an EAGLE-3 head (chains and trees) and
         the heads propose from their processed logits too, grammar masks included (each tree node after its
-        ancestors); the n-gram lookup and a draft with another tokenizer propose unprocessed (still exact:
-        verification processes the target; fewer drafts are accepted where the processors ban or penalise much).
+        ancestors), and so does a sampled draft with another tokenizer; the n-gram lookup and a greedy draft
+        through text propose unprocessed (still exact: verification processes the target; fewer drafts are
+        accepted where the processors ban or penalise much).
         min_p in [0, 1] (0 off; tokens below min_p x the top probability after temperature dropped);
         logit_bias {token id: bias in [-100, 100]}; presence / frequency penalties in [-2, 2] over the
         generated tokens; repetition_penalty in [1e-30, 1e30] (1 off) over the prompt and generated tokens.

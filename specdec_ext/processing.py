@@ -2,8 +2,8 @@
 surface that change the target's distribution, applied to the target's logits at every position of a
 verify pass, each position with its own prefix (the committed tokens, then the drafts before it on
 its chain or tree path), and to a drafter's logits as it drafts (a draft model's or an EAGLE-3 head's
-chain, ``apply_draft_step``; a draft model's, an EAGLE-3 head's or the heads' tree, ``apply_frontier``;
-not a draft with another tokenizer). The verifier then compares the processed target p' with the
+chain or a sampled draft with another tokenizer, ``apply_draft_step``; a draft model's, an EAGLE-3 head's
+or the heads' tree, ``apply_frontier``; not the n-gram lookup or a greedy draft through text). The verifier then compares the processed target p' with the
 processed draft q', so the output is distributed exactly as sampling from the processed target, whatever
 the drafter proposes (an unprocessed q is exact too, only accepted less where the processors ban or
 penalise much).
