@@ -3,6 +3,8 @@ any work, ``explain`` in the API and the CLI; and the model loading around it (m
 bundled pair loaded once per process, a bundled target passed as an object finds its tokenizer."""
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -117,11 +119,16 @@ def test_bad_choices_are_refused_before_any_work(pair):
         make_plan(target, None, drafter="none", prompt_lengths=[5], max_new_tokens=-1)
 
 
-def test_a_draft_on_another_device_is_refused(pair):
+def test_a_draft_not_loaded_or_on_another_device_is_refused(pair):
     target, _ = pair
     draft = noisy_copy(target, 0.1).to(torch.device("meta"))
-    with pytest.raises(ValueError, match="the draft is on meta, the target on cpu"):
+    with pytest.raises(ValueError, match="the draft model's weights are on the meta device"):  # (not "on meta")
         make_plan(target, draft, drafter="model", prompt_lengths=[5], max_new_tokens=4)
+
+    elsewhere = torch.nn.Module()  # (a CPU torch makes no tensor on another device: a module that says it has one)
+    elsewhere.parameters = lambda recurse=True: iter([types.SimpleNamespace(device=torch.device("cuda", 0))])
+    with pytest.raises(ValueError, match="the draft is on cuda:0, the target on cpu: use one device"):
+        make_plan(target, elsewhere, drafter="model", prompt_lengths=[5], max_new_tokens=4)
 
 
 def test_generate_returns_its_plan_and_explains_it_on_stderr(pair, capsys):
@@ -242,8 +249,30 @@ def test_a_longrope_target_that_would_switch_factors_inside_the_generation_is_re
         rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 4,
                          "long_factor": [2.0] * 4, "original_max_position_embeddings": 16})
     target = transformers.LlamaForCausalLM(config).eval()
-    with pytest.raises(ValueError, match="longrope switches to its long factors at original_max_position_embeddings=16"):
+    with pytest.raises(ValueError, match="longrope rope switches to its long factors past "
+                                         "original_max_position_embeddings=16, inside this generation"):
         _plan_for(target, prompt_lengths=[10], max_new_tokens=8, k=2)
     assert _plan_for(target, prompt_lengths=[4], max_new_tokens=8, k=2).target_runner == "paged"  # 16 positions
     assert _plan_for(target, prompt_lengths=[20], max_new_tokens=8, k=2).target_runner == "paged"  # long throughout
     assert _plan_for(target, draft="none", drafter="none", prompt_lengths=[10], max_new_tokens=8).target_runner == "paged"
+    # a batch whose longest row sets the others' factors: refused for plain decoding too (rows of equal length
+    # cross the limit together)
+    with pytest.raises(ValueError, match="its prompts differ in length .3-20 tokens.: in one batch the longest row"):
+        _plan_for(target, draft="none", drafter="none", prompt_lengths=[3, 20], max_new_tokens=4)
+    assert _plan_for(target, draft="none", drafter="none", prompt_lengths=[10, 10], max_new_tokens=8).slots == 0
+    assert _plan_for(target, draft="none", drafter="none", prompt_lengths=[17, 20], max_new_tokens=8).slots == 0
+
+
+def test_a_dynamic_rope_target_is_refused_where_its_frequencies_would_follow_the_drafts_or_the_batch():
+    import transformers
+    config = transformers.LlamaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        max_position_embeddings=16, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0})
+    target = transformers.LlamaForCausalLM(config).eval()
+    with pytest.warns(UserWarning, match="past the"), pytest.raises(
+            ValueError, match="dynamic rope recomputes its frequencies .* past max_position_embeddings=16"):
+        _plan_for(target, prompt_lengths=[10], max_new_tokens=8, k=2, max_seq_len=64)
+    with pytest.warns(UserWarning, match="past the"), pytest.raises(ValueError, match="its prompts differ in length"):
+        _plan_for(target, draft="none", drafter="none", prompt_lengths=[3, 10], max_new_tokens=8, max_seq_len=64)
+    assert _plan_for(target, prompt_lengths=[4], max_new_tokens=4, k=2).slots == 2  # within the limit throughout

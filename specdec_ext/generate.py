@@ -400,7 +400,8 @@ def generate(prompts, target: ModelSpec = None, draft: ModelSpec = None, *, max_
         Cache capacity per row (default: the target's max_position_embeddings); a prompt that does not
         fit with what the loop writes (plan.loop_cache_len: prompt + max_new_tokens - 1 for plain decoding,
         prompt + max_new_tokens + 2 k with drafts) raises ValueError; one past the models'
-        max_position_embeddings warns (a model with an absolute position table, GPT-2's ``wpe``, is
+        max_position_embeddings warns (a model with an absolute position table, GPT-2's ``wpe``, GPT-J's
+        and CodeGen's sin/cos rows, CTRL's ``pos_encoding``, MPT's ALiBi bias of config.max_seq_len keys, is
         bounded by the table: it cannot look past it). With the default k (None or "auto") the drafts shrink to what the
         cache leaves past prompt + max_new_tokens, down to plain decoding (``result.plan.explain()`` says so);
         an asked k or draft_tree that does not fit is refused, and so are heads (their tree is fixed: the

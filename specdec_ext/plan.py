@@ -40,6 +40,7 @@ The rules, in the order ``make_plan`` applies them:
 """
 from __future__ import annotations
 
+import itertools
 import warnings
 from dataclasses import dataclass, field, replace
 from typing import List, Optional, Sequence, Tuple, Union
@@ -57,7 +58,8 @@ from .processing import Processing
 from .runners import RUNNER_KINDS, RunnerCapabilities, capabilities_of, unsupported_reason
 from .runners.checks import output_vocab_size, tensor_parallel_size, text_config
 from .runners.lean import forward_description, rope_parameters
-from .runners.support import unsupported_reason as paged_unsupported_reason
+from .runners.paged import DEFAULT_PAGE_SIZE
+from .runners.support import model_type, unsupported_reason as paged_unsupported_reason
 from .sampling import SamplingParams
 
 AUTO_K = "auto"  # k= value: the draft length chosen per step (adaptive.py); what k=None means by default
@@ -216,23 +218,28 @@ class _Models:
     @classmethod
     def of(cls, target_model, draft_model) -> "_Models":
         param = next(target_model.parameters())
-        _check_model_state("target", target_model, param)
+        _check_model_state("target", target_model)
         if draft_model is not None:
+            if isinstance(draft_model, torch.nn.Module):
+                _check_model_state("draft", draft_model)
             draft_device = next(draft_model.parameters()).device
             if draft_device != param.device:
                 raise ValueError(f"the draft is on {draft_device}, the target on {param.device}: use one device")
-            if isinstance(draft_model, torch.nn.Module):
-                _check_model_state("draft", draft_model, next(draft_model.parameters()))
         graphs_ok, graphs_reason = graphs_available(param.device)
         return cls(target_model, draft_model, param.device, param.dtype, graphs_ok, graphs_reason,
                    tensor_parallel_size(target_model))
 
 
-def _check_model_state(role: str, model: torch.nn.Module, param: Optional[torch.Tensor]) -> None:
-    """ValueError where the model cannot give its own output: weights on the meta device (not loaded), or
-    training mode with dropout (every pass random: no output to be lossless to)."""
-    if param is not None and param.is_meta:
-        raise ValueError(f"the {role} model's weights are on the meta device (not loaded): load them first")
+def _check_model_state(role: str, model: torch.nn.Module) -> None:
+    """ValueError where the model cannot give its own output: weights on the meta device (not loaded: any of
+    them, a partial load too, where torch computed with uninitialised memory), or training mode with dropout
+    (every pass random: no output to be lossless to)."""
+    tensors = itertools.chain(model.named_parameters(), model.named_buffers())
+    meta = next((name for name, tensor in tensors if tensor.is_meta), None)
+    if meta is not None:
+        first = next(model.parameters(), None)
+        what = "weights are" if first is not None and first.is_meta else f"{meta} is"
+        raise ValueError(f"the {role} model's {what} on the meta device (not loaded): load them first")
     if not model.training:
         return
     config = getattr(model, "config", None)
@@ -245,23 +252,36 @@ def _check_model_state(role: str, model: torch.nn.Module, param: Optional[torch.
 
 
 def _check_rope_switch(ask: "PlanRequest", slots: int, target, cache_len: int) -> None:
-    """ValueError where a longrope target would switch its rotary factors inside the generation: HF's longrope
-    uses the long factors for a whole forward once its furthest position passes original_max_position_embeddings,
-    and a verify pass reaches further than a plain one (the check keeps 2 x slots positions of margin), so it
-    would switch earlier than the
-    target's own decoding does (its tokens then differ from the target's)."""
+    """ValueError where a target's rotary frequencies depend on the furthest position of each forward (HF's
+    longrope: the long factors for a whole forward once it passes original_max_position_embeddings; dynamic
+    NTK: frequencies recomputed from it past max_position_embeddings) and this generation would give its rows
+    other frequencies than their own plain decoding does: a verify pass reaches further than a plain one (the
+    check keeps 2 x slots positions of margin), and in a batch the longest row sets them for every row (plain
+    decoding too). Its tokens would then differ from the target's, silently."""
     config = text_config(getattr(target, "config", None))
     rope = rope_parameters(config) if config is not None else {}
-    original = rope.get("original_max_position_embeddings", getattr(config, "original_max_position_embeddings", None))
-    if not slots or rope.get("rope_type") != "longrope" or not original:
+    rope_type = rope.get("rope_type")
+    if rope_type == "longrope":
+        limit = rope.get("original_max_position_embeddings", getattr(config, "original_max_position_embeddings", None))
+        name, what = "original_max_position_embeddings", "switches to its long factors"
+    elif rope_type == "dynamic":
+        limit = getattr(config, "max_position_embeddings", None)
+        name, what = "max_position_embeddings", "recomputes its frequencies from each forward's furthest position"
+    else:
         return
-    longest = max(ask.prompt_lengths)
-    if longest <= original < cache_len:
-        raise ValueError(f"the target's longrope switches to its long factors at original_max_position_embeddings="
-                         f"{original}, inside this generation (longest prompt {longest}, up to {cache_len} positions "
-                         f"with {slots} draft slots): a verify pass would switch before the target's own decoding "
-                         f"does. Keep the prompt plus max_new_tokens within {original - 2 * slots} or give a prompt "
-                         f"of more than {original} tokens, or decode plainly (draft='none')")
+    shortest, longest = min(ask.prompt_lengths), max(ask.prompt_lengths)
+    if not limit or not shortest <= limit < cache_len:  # every row stays on one side of the limit throughout
+        return
+    if slots:
+        raise ValueError(f"the target's {rope_type} rope {what} past {name}={limit}, inside this generation "
+                         f"(prompts of {shortest}-{longest} tokens, up to {cache_len} positions with {slots} draft "
+                         f"slots): a verify pass reaches further than the target's own decoding does. Keep every "
+                         f"row within {limit - 2 * slots} positions, or decode plainly (draft='none')")
+    if len(set(ask.prompt_lengths)) > 1:
+        raise ValueError(f"the target's {rope_type} rope {what} past {name}={limit}, inside this generation, and "
+                         f"its prompts differ in length ({shortest}-{longest} tokens): in one batch the longest row "
+                         f"would set the others' frequencies. Generate the rows one at a time (or in groups of "
+                         f"equal length), or keep every row within {limit} positions")
 
 
 def make_plan(target_model, draft_model, **request) -> DecodePlan:
@@ -271,7 +291,7 @@ def make_plan(target_model, draft_model, **request) -> DecodePlan:
     ask.validate()
     models = _Models.of(target_model, draft_model)
     reasons: List[Tuple[str, str]] = []
-    tree = _tree_shape(ask.drafter, ask.draft_tree)
+    tree = _tree_shape(ask.drafter, ask.draft_tree, output_vocab_size(models.target))
     slots, controller = _draft_length(ask, tree, models, reasons)
     if tree is None and slots and (ask.k is None or ask.k == AUTO_K):
         ask, slots, controller = _fit_default_draft_length(ask, slots, controller, models, reasons)
@@ -564,7 +584,7 @@ def _cache_limits(ask: PlanRequest, models: _Models) -> Tuple[Optional[int], Opt
         bounded["draft"] = models.draft
     positions = [(_max_positions(model), role) for role, model in bounded.items() if _max_positions(model)]
     model_limit = min(positions) if positions else None
-    source = f"the {model_limit[1]} model's max_position_embeddings" if model_limit else ""
+    source = f"the {model_limit[1]} model's {_limit_name(bounded[model_limit[1]])}" if model_limit else ""
     if ask.max_seq_len is None:
         return (model_limit[0] if model_limit else None), model_limit, source
     for limit, role in sorted(positions):
@@ -629,11 +649,14 @@ def _check_cache(ask: PlanRequest, slots: int, models: _Models) -> None:
             UserWarning, stacklevel=5)  # (generate -> _run -> make_plan)
 
 
-def _tree_shape(drafter: str, draft_tree) -> Optional[Tuple[int, int, int]]:
+def _tree_shape(drafter: str, draft_tree, vocab_size: int) -> Optional[Tuple[int, int, int]]:
     if draft_tree is not None:
         if (not isinstance(draft_tree, (tuple, list)) or len(draft_tree) != 3
                 or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in draft_tree)):
             raise ValueError(f"draft_tree must be a tuple (b, d, N) of ints >= 1, got {draft_tree!r}")
+        if draft_tree[0] > vocab_size:
+            raise ValueError(f"draft_tree={tuple(draft_tree)!r}: b = {draft_tree[0]} children per node, more than the "
+                             f"vocabulary's {vocab_size} tokens")
         if drafter == "ngram":
             raise ValueError("draft_tree needs a draft model or heads, not the n-gram drafter")
         if drafter == "cross-tokenizer":
@@ -725,17 +748,42 @@ def _graphs(graphs_ok: bool, graphs_reason: Optional[str], drafter: str, tree, c
     return True, "a chain of fixed k on the paged runners (static shapes): draft, verify and commit are graphs"
 
 
-# the names HF gives a learned (or fixed sinusoidal) absolute position table: GPT-2 / GPT-J-style ``wpe``, OPT's and
-# BART's ``embed_positions``, BERT-style ``position_embeddings``
+# the names HF gives a learned (or fixed sinusoidal) absolute position table: GPT-2-style ``wpe``, OPT's and
+# BART's ``embed_positions``, BERT-style ``position_embeddings`` (embeddings); GPT-J's and CodeGen's rotary
+# ``embed_positions`` and CTRL's ``pos_encoding`` (buffers of sin/cos rows indexed by position)
 POSITION_TABLE_NAMES = ("wpe", "embed_positions", "position_embeddings")
+POSITION_BUFFER_NAMES = ("embed_positions", "pos_encoding")
+# MPT builds its ALiBi bias over config.max_seq_len keys: a hard bound as a table is, which the paged runner's
+# whole pages of keys (runners/paged.py DEFAULT_PAGE_SIZE) must stay within too
+TABLE_LENGTH_CONFIGS = {"mpt": "max_seq_len"}
 
 
 def _position_table(model) -> Optional[str]:
-    """The name of ``model``'s absolute position table (an embedding indexed by position), or None: such a model
-    cannot run past the table, where a rotary or ALiBi model only leaves its training range."""
-    return next((name for name, module in model.named_modules()
-                 if isinstance(module, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in POSITION_TABLE_NAMES), None)
+    """The name of ``model``'s absolute position table (an embedding or buffer indexed by position, or MPT's
+    ALiBi bias), or None: such a model cannot run past the table, where a rotary or ALiBi model only leaves its
+    training range."""
+    length_config = TABLE_LENGTH_CONFIGS.get(model_type(model))
+    if length_config is not None:
+        return f"(its ALiBi bias over config.{length_config} keys)"
+    embedding = next((name for name, module in model.named_modules()
+                      if isinstance(module, torch.nn.Embedding) and name.rsplit(".", 1)[-1] in POSITION_TABLE_NAMES), None)
+    return embedding or next((name for name, _ in model.named_buffers()
+                              if name.rsplit(".", 1)[-1] in POSITION_BUFFER_NAMES), None)
+
+
+def _limit_name(model) -> str:
+    """What ``_max_positions`` read, for the messages."""
+    length_config = TABLE_LENGTH_CONFIGS.get(model_type(model))
+    if length_config is not None:
+        return f"ALiBi bias of config.{length_config} keys (in whole pages of {DEFAULT_PAGE_SIZE})"
+    return "max_position_embeddings"
 
 
 def _max_positions(model) -> Optional[int]:
+    """max_position_embeddings, or for MPT its ALiBi bias's length rounded down to whole pages of the paged
+    runner (it attends over whole pages: more keys than the bias has failed inside HF's attention)."""
+    length_config = TABLE_LENGTH_CONFIGS.get(model_type(model))
+    if length_config is not None:
+        length = getattr(text_config(model.config), length_config, None)
+        return length // DEFAULT_PAGE_SIZE * DEFAULT_PAGE_SIZE if isinstance(length, int) else None
     return getattr(model.config, "max_position_embeddings", None)

@@ -152,6 +152,9 @@ def unsupported_reason(model, max_seq_len: Optional[int] = None) -> Optional[str
                         f"such as LoRA, or a quantized layer): the lean forward reads the weight alone")
     if not _plain_module(base.embed_tokens, torch.nn.Embedding) or not _plain_module(head, torch.nn.Linear):
         return "the embedding or the LM head is not a plain torch.nn.Embedding / torch.nn.Linear"
+    layout = _weights_layout_reason(base, head)
+    if layout is not None:
+        return layout
     hooked = _hooked_module(model)
     if hooked is not None:
         return f"a forward hook on {hooked} (the lean forward runs the weights, not the modules)"
@@ -160,6 +163,22 @@ def unsupported_reason(model, max_seq_len: Optional[int] = None) -> Optional[str
             return f"{name} is set"
     if getattr(model, "training", False) and getattr(cfg, "attention_dropout", 0.0):
         return "training mode with attention dropout"
+    return None
+
+
+def _weights_layout_reason(base, head) -> Optional[str]:
+    """Why the lean forward cannot read the matrices as they are (the kernels stream each one contiguous, all
+    in one dtype), or None."""
+    named = [("embed_tokens", base.embed_tokens.weight), ("lm_head", head.weight)]
+    for i, layer in enumerate(base.layers):
+        for owner, names in ((layer.self_attn, ATTENTION_PROJECTIONS), (layer.mlp, MLP_PROJECTIONS)):
+            named += [(f"layer {i}'s {n}", getattr(owner, n).weight) for n in names]
+    strided = next((name for name, weight in named if not weight.is_contiguous()), None)
+    if strided is not None:
+        return f"{strided} weight is not contiguous (a view: a transposed or sliced tensor)"
+    dtypes = {weight.dtype for _, weight in named}
+    if len(dtypes) > 1:
+        return f"its matrices mix dtypes ({', '.join(sorted(str(d) for d in dtypes))}): model.to(one dtype) first"
     return None
 
 

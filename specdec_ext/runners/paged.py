@@ -76,9 +76,8 @@ class PagedModelRunner:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.model = model
         self.max_batch_size, self.max_seq_len, self.page_size = max_batch_size, max_seq_len, page_size
-        param = next(model.parameters())
-        self.device, self.dtype = param.device, param.dtype
         layout = kv_layout(model, max_seq_len)  # the cache shapes the model produces (UnsupportedModelError names why not)
+        self.device, self.dtype = next(model.parameters()).device, layout.dtype
         self.vocab_size: int = output_vocab_size(model)  # logits last dim
         pages_per_row = -(-max_seq_len // page_size)
         full_pool = max_batch_size * pages_per_row

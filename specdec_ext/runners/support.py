@@ -51,6 +51,8 @@ class KVLayout:
 
     layers: Tuple[Tuple[int, int, int, int], ...]
     windows: Tuple[Optional[int], ...]
+    dtype: torch.dtype  # the keys' and values' (the page pool's; not always the first parameter's: a model
+    #                     whose embedding was cast alone computes its layers in another dtype)
 
     @property
     def num_layers(self) -> int:
@@ -131,7 +133,7 @@ def _layout_of(name: str, cache):
         return f"{name}: the model returns no cache"
     if type(cache) is not DynamicCache:
         return f"{name}: the model keeps a cache of its own ({type(cache).__name__})"
-    layers, windows = [], []
+    layers, windows, dtypes = [], [], set()
     for i, layer in enumerate(cache.layers):
         keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
         if (type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer) or not isinstance(keys, torch.Tensor)
@@ -142,6 +144,9 @@ def _layout_of(name: str, cache):
             return f"{name}: layer {i} caches {keys.shape[2]} positions for {PROBE_TOKENS} tokens"
         layers.append((keys.shape[1], keys.shape[3], values.shape[1], values.shape[3]))
         windows.append(getattr(layer, "sliding_window", None))
+        dtypes |= {keys.dtype, values.dtype}
     if not layers:
         return f"{name}: the model caches nothing"
-    return KVLayout(tuple(layers), tuple(windows))
+    if len(dtypes) > 1:
+        return f"{name}: its layers cache keys and values in several dtypes ({', '.join(sorted(map(str, dtypes)))})"
+    return KVLayout(tuple(layers), tuple(windows), dtypes.pop())
