@@ -18,7 +18,6 @@ import gc
 import os
 import random
 import signal
-import statistics
 import subprocess
 import sys
 import textwrap
@@ -508,9 +507,9 @@ def _interrupt_at_random(jobs, alone, seconds, rng):
 
 
 # ------------------------------------------------------------------------------------- many calls
-def test_hundreds_of_short_calls_stay_exact_without_growth_or_slowdown(pair):
-    """200 short calls alternating every option: each equals its first run, and neither memory (resident,
-    packed weights, adaptive k's shared tables, hooks) nor the time per call trends upwards."""
+def test_hundreds_of_short_calls_stay_exact_without_growth(pair):
+    """200 short calls alternating every option: each equals its first run, and nothing grows (resident memory,
+    packed weights, adaptive k's shared tables, hooks)."""
     target, draft, tok = pair
     kw = dict(tokenizer=tok, eos_token_id=False)
     options = [
@@ -531,21 +530,17 @@ def test_hundreds_of_short_calls_stay_exact_without_growth_or_slowdown(pair):
     gc.collect()
     rss, packed = rss_mb(), ops.packed_weight_bytes()
     shared = {key: len(table) for key, table in adaptive._SHARED.items() if key is target}
-    round_seconds, wrong = [], []
+    wrong = []
     for round_ in range(20):
-        started = time.perf_counter()
         for i, option in enumerate(options):
             if outcome(option()) != first[i]:
                 wrong.append((round_, i))
-        round_seconds.append(time.perf_counter() - started)
     gc.collect()
     assert not wrong, f"(round, option) that differed from the first run: {wrong}"
     assert ops.packed_weight_bytes() == packed
     assert {key: len(table) for key, table in adaptive._SHARED.items() if key is target} == shared
     assert hooks_on(target) == 0 and hooks_on(draft) == 0
     assert rss_mb() - rss < 30, f"resident memory grew by {rss_mb() - rss:.0f} MB over 200 calls"
-    early, late = statistics.median(round_seconds[:6]), statistics.median(round_seconds[-6:])
-    assert late < 2.5 * early + 0.1, f"a round of 10 calls went from {early:.3f} s to {late:.3f} s"
 
 
 # ------------------------------------------------------------------------------------- model identity

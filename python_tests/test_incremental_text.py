@@ -189,6 +189,11 @@ class OldTextStream:
         return piece
 
 
+
+def held_back(text, stop_strings) -> int:
+    """The stream's held-back end, the whole-prefix way: every prefix length of every stop string."""
+    return max((n for stop in stop_strings for n in range(1, len(stop)) if text.endswith(stop[:n])), default=0)
+
 def old_stream_pieces(events, rows: List[RowState], finisher: _Finisher):
     """GenerationStream.__iter__ as it was (row_text decoded the whole row at every event)."""
     sent, closed, held = [0] * len(rows), [False] * len(rows), [[] for _ in rows]
@@ -204,7 +209,7 @@ def old_stream_pieces(events, rows: List[RowState], finisher: _Finisher):
                 if text.endswith("\ufffd"):
                     held[b] += tokens
                     continue
-                text = text[: len(text) - finisher.stop_prefix_len(text)]
+                text = text[: len(text) - held_back(text, finisher.stop_strings)]
             piece = text[sent[b]:]
             sent[b] = max(sent[b], len(text))
             tokens, held[b] = held[b] + tokens, []

@@ -34,3 +34,31 @@ def test_a_row_ends_after_the_token_that_completes_a_multi_byte_stop_string(step
     assert row.finished and row.finish_reason == "stop"
     assert byte_decode(row.tokens) == kept_text  # every byte of the stop string kept, nothing after it
     assert row.stop_text_end == kept_text.index(stop)
+
+
+def test_stop_prefix_len_is_the_longest_end_that_begins_a_stop_string():
+    """stops.stop_prefix_len (the end a stream holds back) against every prefix length of every stop string,
+    on random short texts; and a stop string of 400,000 characters costs no more than the text is long."""
+    import random
+
+    from specdec_ext.stops import stop_prefix_len
+
+    def every_prefix(text, stops):
+        return max((n for stop in stops for n in range(1, len(stop)) if text.endswith(stop[:n])), default=0)
+
+    rng = random.Random(0)
+    for _ in range(5000):
+        text = "".join(rng.choice("ab c") for _ in range(rng.randint(0, 12)))
+        stops = ["".join(rng.choice("abc ") for _ in range(rng.randint(1, 8))) for _ in range(rng.randint(1, 3))]
+        assert stop_prefix_len(text, stops) == every_prefix(text, stops), (text, stops)
+    class Counted(str):  # counts the stop string's indexings and slices
+        reads = 0
+
+        def __getitem__(self, key):
+            Counted.reads += 1
+            return super().__getitem__(key)
+
+    long = Counted("\x01" * 400_000)
+    text = "def f(x):\n    return x\x01\x01"
+    assert stop_prefix_len(text, [long]) == 2
+    assert Counted.reads <= len(text)  # (every prefix length: 399,999 slices of up to 400,000 characters)

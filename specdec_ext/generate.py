@@ -27,7 +27,7 @@ from .runners import output_vocab_size
 from .sampling import SamplingParams, as_float
 from .stats import GenerationStats
 from .step import Verifier, lossless_verify
-from .stops import IncrementalText, RowState, StopCriteria
+from .stops import IncrementalText, RowState, StopCriteria, stop_prefix_len
 from .vocab_bridge import check_round_trip
 
 Prompt = Union[str, Sequence[int]]
@@ -115,7 +115,7 @@ class GenerationStream:
                     if last.endswith("\ufffd"):
                         self._held[b] += tokens  # an incomplete UTF-8 sequence: its tokens go with the next piece
                         continue
-                    end -= self._finish.stop_prefix_len(last)
+                    end -= stop_prefix_len(last, self._finish.stop_strings)
                 sent = self._sent[b]
                 piece = text.text_from(sent)[: max(0, end - sent)]
                 self._sent[b] = max(sent, end)
@@ -289,16 +289,6 @@ class _Finisher:
         self.stop_strings = list(stop_strings)
         self.plan = plan
 
-    def stop_prefix_len(self, text: str) -> int:
-        """Length of the longest end of ``text`` that could begin a stop string (held back while
-        streaming, so that a stop string is never partly shown)."""
-        best = 0
-        for stop in self.stop_strings:
-            for n in range(min(len(stop) - 1, len(text)), best, -1):
-                if text.endswith(stop[:n]):
-                    best = n
-                    break
-        return best
 
     def decode(self, ids: List[int]) -> str:
         """The text of ``ids`` (special tokens skipped)."""

@@ -305,10 +305,11 @@ class TokenizerGrammar:
         matcher = LLMatcher(self.ll_tokenizer, grammar, log_level=0, limits=limits)
         if matcher.is_error():
             raise GrammarError(spec.field, matcher.get_error())
-        matcher.compute_bitmask()  # an unsatisfiable grammar shows only here: stopped, in error, not accepting
+        mask = matcher.compute_bitmask()  # an unsatisfiable grammar shows only here: stopped, in error, not accepting
         if matcher.is_error() or (matcher.is_stopped() and not matcher.is_accepting()):
             reason = matcher.get_error().split("\n")[0] or matcher.stop_reason()
             raise GrammarError(spec.field, f"matches no text (llguidance stops at the start: {reason})")
+        _check_first_token(spec, matcher, mask)
         compiled = CompiledGrammar(spec, matcher, self)
         with self._lock:
             self._templates[spec] = compiled
@@ -343,6 +344,24 @@ def grammar_spec(json_schema: Union[None, str, Mapping[str, Any]] = None, regex:
     if grammar is not None:
         return GrammarSpec.grammar(grammar)
     return None
+
+
+def _check_first_token(spec: GrammarSpec, matcher: LLMatcher, mask) -> None:
+    """GrammarError where llguidance's matcher fails on the first token the grammar allows: past its resource
+    limits (a regex "a{300000}" compiles, then its lexer gives up at the first "a", "too many expressions
+    constructed"), which a row would otherwise take for a dead end after one token. The matcher is rolled back."""
+    words = np.frombuffer(bytes(mask), dtype=np.uint32)
+    nonzero = np.flatnonzero(words)
+    if not len(nonzero):
+        return
+    word = int(nonzero[0])
+    token = word * 32 + (int(words[word]) & -int(words[word])).bit_length() - 1
+    matcher.consume_token(token)
+    failed = matcher.is_error()
+    reason = matcher.get_error().split("\n")[0] if failed else ""
+    if failed:
+        raise GrammarError(spec.field, f"llguidance cannot run it: {reason}")
+    matcher.rollback(1)
 
 
 def compile_grammar(spec: GrammarSpec, tokenizer: Any, vocab_size: Optional[int] = None,

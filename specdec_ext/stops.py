@@ -70,6 +70,23 @@ def _append_until_stop(row: RowState, new_tokens: List[int], stop: StopCriteria)
     return kept
 
 
+def stop_prefix_len(text: str, stop_strings: Sequence[str]) -> int:
+    """Length of the longest end of ``text`` that begins a stop string (a stream holds it back, so that a stop
+    string is never partly shown). Only the ends that start with a stop string's first character are compared,
+    and none longer than the text: trying every prefix length of a stop string was quadratic in its length (a
+    400,000-character stop string blocked the server's event loop for a second per event)."""
+    best = 0
+    for stop in stop_strings:
+        tail = text[len(text) - min(len(stop) - 1, len(text)):]  # (its last len(stop) - 1 characters at most)
+        i = tail.find(stop[0]) if tail else -1
+        while i != -1 and len(tail) - i > best:
+            if stop.startswith(tail[i:]):
+                best = len(tail) - i
+                break
+            i = tail.find(stop[0], i + 1)
+    return best
+
+
 def _find_stop_string(row: RowState, start: int, stop: StopCriteria) -> Optional[int]:
     """If a stop string now occurs in the row's text: cut the row's tokens after the token that
     completes it, mark the row finished and return the new token count; else None. Only the text that can

@@ -37,6 +37,11 @@ class StreamOptions(BaseModel):
 
     include_usage: bool = False
 
+    @field_validator("include_usage", mode="before")
+    @classmethod
+    def _null_is_false(cls, value):
+        return False if value is None else value  # (nullable in OpenAI's types, as SamplingFields' flags)
+
 
 class SamplingFields(BaseModel):
     """What completions and chat share. Strict types, as OpenAI's: "10" is not an integer nor "yes" a
@@ -62,6 +67,13 @@ class SamplingFields(BaseModel):
     repetition_penalty: Optional[float] = Field(None, gt=0.0, allow_inf_nan=False)  # an extension (HF semantics)
     regex: Optional[str] = None  # an extension: the output matches this regular expression
     grammar: Optional[str] = None  # an extension: the output follows this Lark grammar
+
+    @field_validator("stream", "n", "ignore_eos", "echo", mode="before", check_fields=False)
+    @classmethod
+    def _null_is_the_default(cls, value, info: ValidationInfo):
+        """OpenAI's types make these nullable (its Python client sends ``"n": null`` for n=None): null means
+        the default (echo: completions')."""
+        return cls.model_fields[info.field_name].get_default() if value is None else value
 
     @field_validator("temperature")
     @classmethod

@@ -15,7 +15,7 @@ import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..grammar import compile_grammar
-from ..stops import INCOMPLETE_CHARACTER, IncrementalText
+from ..stops import INCOMPLETE_CHARACTER, IncrementalText, stop_prefix_len
 from .request import RowEvent
 
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
@@ -145,13 +145,9 @@ class TextStream:
             last = decoded.text_from(max(0, end - self._look))
             if last.endswith(INCOMPLETE_CHARACTER):
                 return ""
-            end -= self._held_back(last)
+            end -= stop_prefix_len(last, self.stop_strings)
         piece = decoded.text_from(self._shown)[: max(0, end - self._shown)]
         if end > self._shown:
             self._shown, self._text_parts = end, decoded.parts()
         return piece
 
-    def _held_back(self, text: str) -> int:
-        """Length of the longest end of ``text`` that is the beginning of a stop string."""
-        return max((n for stop in self.stop_strings for n in range(1, len(stop)) if text.endswith(stop[:n])),
-                   default=0)
