@@ -230,13 +230,25 @@ class _Models:
                    tensor_parallel_size(target_model))
 
 
+def _holds_meta(model: torch.nn.Module) -> bool:
+    """Whether any parameter or buffer of ``model`` is on the meta device (the modules by their dicts)."""
+    stack = [model]
+    while stack:
+        module = stack.pop()
+        for tensors in (module._parameters, module._buffers):
+            if any(t is not None and t.is_meta for t in tensors.values()):
+                return True
+        stack.extend(child for child in module._modules.values() if child is not None)
+    return False
+
+
 def _check_model_state(role: str, model: torch.nn.Module) -> None:
     """ValueError where the model cannot give its own output: weights on the meta device (not loaded: any of
     them, a partial load too, where torch computed with uninitialised memory), or training mode with dropout
     (every pass random: no output to be lossless to)."""
-    tensors = itertools.chain(model.named_parameters(), model.named_buffers())
-    meta = next((name for name, tensor in tensors if tensor.is_meta), None)
-    if meta is not None:
+    if _holds_meta(model):  # (the names only then: named_parameters() costs 0.1 ms a call on the bundled target)
+        tensors = itertools.chain(model.named_parameters(), model.named_buffers())
+        meta = next(name for name, tensor in tensors if tensor.is_meta)
         first = next(model.parameters(), None)
         what = "weights are" if first is not None and first.is_meta else f"{meta} is"
         raise ValueError(f"the {role} model's {what} on the meta device (not loaded): load them first")

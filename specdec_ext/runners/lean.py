@@ -138,6 +138,7 @@ def unsupported_reason(model, max_seq_len: Optional[int] = None) -> Optional[str
         return "not a *ForCausalLM with .model.layers and .lm_head"
     if not hasattr(getattr(base, "rotary_emb", None), "inv_freq"):
         return "no rotary_emb.inv_freq buffer"
+    dtype = getattr(getattr(base.embed_tokens, "weight", None), "dtype", None)  # (every matrix's: _matrix_layout_reason)
     for i, layer in enumerate(base.layers):
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         parts = ((attn, ATTENTION_PROJECTIONS), (mlp, MLP_PROJECTIONS))
@@ -145,16 +146,21 @@ def unsupported_reason(model, max_seq_len: Optional[int] = None) -> Optional[str
             return f"layer {i} does not have the Llama attention/MLP layout"
         if hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
             return f"layer {i} has q/k norms"
-        for projection in (getattr(owner, n) for owner, names in parts for n in names):
-            if not _plain_module(projection, torch.nn.Linear):
-                name = next(n for owner, names in parts for n in names if getattr(owner, n) is projection)
-                return (f"layer {i}'s {name} is a {type(projection).__qualname__}, not a torch.nn.Linear (an adapter "
-                        f"such as LoRA, or a quantized layer): the lean forward reads the weight alone")
+        for owner, names in parts:
+            for name in names:
+                projection = owner._modules.get(name) or getattr(owner, name)  # (_modules: no __getattr__ per matrix)
+                if not _plain_module(projection, torch.nn.Linear):
+                    return (f"layer {i}'s {name} is a {type(projection).__qualname__}, not a torch.nn.Linear (an "
+                            f"adapter such as LoRA, or a quantized layer): the lean forward reads the weight alone")
+                layout = _matrix_layout_reason(projection._parameters["weight"], dtype)
+                if layout is not None:
+                    return f"layer {i}'s {name} {layout}"
     if not _plain_module(base.embed_tokens, torch.nn.Embedding) or not _plain_module(head, torch.nn.Linear):
         return "the embedding or the LM head is not a plain torch.nn.Embedding / torch.nn.Linear"
-    layout = _weights_layout_reason(base, head)
-    if layout is not None:
-        return layout
+    for name, matrix in (("embed_tokens", base.embed_tokens.weight), ("lm_head", head.weight)):
+        layout = _matrix_layout_reason(matrix, dtype)
+        if layout is not None:
+            return f"{name} {layout}"
     hooked = _hooked_module(model)
     if hooked is not None:
         return f"a forward hook on {hooked} (the lean forward runs the weights, not the modules)"
@@ -166,19 +172,13 @@ def unsupported_reason(model, max_seq_len: Optional[int] = None) -> Optional[str
     return None
 
 
-def _weights_layout_reason(base, head) -> Optional[str]:
-    """Why the lean forward cannot read the matrices as they are (the kernels stream each one contiguous, all
-    in one dtype), or None."""
-    named = [("embed_tokens", base.embed_tokens.weight), ("lm_head", head.weight)]
-    for i, layer in enumerate(base.layers):
-        for owner, names in ((layer.self_attn, ATTENTION_PROJECTIONS), (layer.mlp, MLP_PROJECTIONS)):
-            named += [(f"layer {i}'s {n}", getattr(owner, n).weight) for n in names]
-    strided = next((name for name, weight in named if not weight.is_contiguous()), None)
-    if strided is not None:
-        return f"{strided} weight is not contiguous (a view: a transposed or sliced tensor)"
-    dtypes = {weight.dtype for _, weight in named}
-    if len(dtypes) > 1:
-        return f"its matrices mix dtypes ({', '.join(sorted(str(d) for d in dtypes))}): model.to(one dtype) first"
+def _matrix_layout_reason(weight: torch.Tensor, dtype: torch.dtype) -> Optional[str]:
+    """Why the lean forward cannot read the matrix ``weight`` as it is (the kernels stream each one contiguous,
+    all in the embedding's ``dtype``), or None; the caller names the matrix before it."""
+    if not weight.is_contiguous():
+        return "weight is not contiguous (a view: a transposed or sliced tensor)"
+    if weight.dtype != dtype:
+        return f"weight is {weight.dtype} where the embedding is {dtype}: model.to(one dtype) first"
     return None
 
 
