@@ -276,3 +276,39 @@ def test_a_dynamic_rope_target_is_refused_where_its_frequencies_would_follow_the
     with pytest.warns(UserWarning, match="past the"), pytest.raises(ValueError, match="its prompts differ in length"):
         _plan_for(target, draft="none", drafter="none", prompt_lengths=[3, 10], max_new_tokens=8, max_seq_len=64)
     assert _plan_for(target, prompt_lengths=[4], max_new_tokens=4, k=2).slots == 2  # within the limit throughout
+    # past the limit from the start: every verify pass recomputes them (longrope would stay on its long factors)
+    with pytest.warns(UserWarning, match="past the"), pytest.raises(ValueError, match="dynamic rope"):
+        _plan_for(target, prompt_lengths=[17], max_new_tokens=4, k=2, max_seq_len=64)
+
+
+def test_a_server_whose_rows_could_change_each_others_rotary_frequencies_is_refused():
+    """A server's rows share every forward: past a longrope or dynamic-NTK limit one row would set the others'
+    frequencies. Refused at start-up unless max_seq_len stays within the limit."""
+    import transformers
+    from specdec_ext.plan import plan_server
+    config = transformers.LlamaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        max_position_embeddings=256, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 4,
+                         "long_factor": [2.0] * 4, "original_max_position_embeddings": 16})
+    target = transformers.LlamaForCausalLM(config).eval()
+    kw = dict(drafter="none", k=None, runner="auto", max_rows=4)
+    with pytest.raises(ValueError, match="longrope rope switches .* Serve with max_seq_len <= 16"):
+        plan_server(target, None, max_seq_len=64, **kw)
+    assert plan_server(target, None, max_seq_len=16, **kw).max_seq_len == 16
+
+
+def test_a_model_that_accelerate_offloads_is_not_taken_for_one_not_loaded():
+    """accelerate's offloading leaves the offloaded weights on the meta device and loads them for each forward
+    (its ``_hf_hook``): such a model runs, as HF runs it; a weight on meta without such a hook is refused."""
+    import tempfile
+    accelerate = pytest.importorskip("accelerate")
+    model = tiny_model("llama", vocab=96, hidden=32, layers=2)
+    prompt = [5, 17, 3, 44, 9]
+    expected = specdec_ext.plain_generate([prompt], model, max_new_tokens=6, eos_token_id=False).token_ids
+    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "disk", "model.norm": "cpu",
+                  "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    offloaded = accelerate.dispatch_model(model, device_map, main_device="cpu", offload_dir=tempfile.mkdtemp())
+    assert any(p.is_meta for p in offloaded.parameters())
+    out = specdec_ext.generate([prompt], offloaded, "ngram", k=2, runner="paged", max_new_tokens=6, eos_token_id=False)
+    assert out.token_ids == expected

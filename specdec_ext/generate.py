@@ -125,7 +125,6 @@ class GenerationStream:
         self.result = self._finish.result()
 
 
-
 # ------------------------------------------------------------------------------------- prompts
 def normalise_prompts(prompts, tokenizer) -> Tuple[List[List[int]], bool]:
     """-> (token id lists, whether the prompts were text)."""
@@ -313,7 +312,6 @@ class _Finisher:
         if self.plan is None or self.plan.top_logprobs is None:
             return None
         return [list(r.logprobs or [])[: len(r.tokens)] for r in self.rows]
-
 
 
 # ------------------------------------------------------------------------------------- generate

@@ -231,13 +231,15 @@ class _Models:
 
 
 def _holds_meta(model: torch.nn.Module) -> bool:
-    """Whether any parameter or buffer of ``model`` is on the meta device (the modules by their dicts)."""
+    """Whether any parameter or buffer of ``model`` is on the meta device (the modules by their dicts), those of
+    modules that accelerate offloads left out (their ``_hf_hook`` loads them for each forward)."""
     stack = [model]
     while stack:
         module = stack.pop()
-        for tensors in (module._parameters, module._buffers):
-            if any(t is not None and t.is_meta for t in tensors.values()):
-                return True
+        if not hasattr(module, "_hf_hook"):
+            for tensors in (module._parameters, module._buffers):
+                if any(t is not None and t.is_meta for t in tensors.values()):
+                    return True
         stack.extend(child for child in module._modules.values() if child is not None)
     return False
 
@@ -263,13 +265,9 @@ def _check_model_state(role: str, model: torch.nn.Module) -> None:
                          f"call model.eval() first")
 
 
-def _check_rope_switch(ask: "PlanRequest", slots: int, target, cache_len: int) -> None:
-    """ValueError where a target's rotary frequencies depend on the furthest position of each forward (HF's
-    longrope: the long factors for a whole forward once it passes original_max_position_embeddings; dynamic
-    NTK: frequencies recomputed from it past max_position_embeddings) and this generation would give its rows
-    other frequencies than their own plain decoding does: a verify pass reaches further than a plain one (the
-    check keeps 2 x slots positions of margin), and in a batch the longest row sets them for every row (plain
-    decoding too). Its tokens would then differ from the target's, silently."""
+def _rope_switch(target) -> Optional[Tuple[str, int, str, str]]:
+    """(rope type, the position past which a forward's furthest position changes every position's rotary
+    frequencies, that limit's config name, what happens there) of a longrope or dynamic-NTK target, else None."""
     config = text_config(getattr(target, "config", None))
     rope = rope_parameters(config) if config is not None else {}
     rope_type = rope.get("rope_type")
@@ -280,9 +278,26 @@ def _check_rope_switch(ask: "PlanRequest", slots: int, target, cache_len: int) -
         limit = getattr(config, "max_position_embeddings", None)
         name, what = "max_position_embeddings", "recomputes its frequencies from each forward's furthest position"
     else:
+        return None
+    return (rope_type, limit, name, what) if limit else None
+
+
+def _check_rope_switch(ask: "PlanRequest", slots: int, target, cache_len: int) -> None:
+    """ValueError where a target's rotary frequencies depend on the furthest position of each forward (HF's
+    longrope: the long factors for a whole forward once it passes original_max_position_embeddings; dynamic
+    NTK: frequencies recomputed from it past max_position_embeddings) and this generation would give its rows
+    other frequencies than their own plain decoding does: a verify pass reaches further than a plain one (the
+    check keeps 2 x slots positions of margin), and in a batch the longest row sets them for every row (plain
+    decoding too). Its tokens would then differ from the target's, silently."""
+    switch = _rope_switch(target)
+    if switch is None:
         return
+    rope_type, limit, name, what = switch
     shortest, longest = min(ask.prompt_lengths), max(ask.prompt_lengths)
-    if not limit or not shortest <= limit < cache_len:  # every row stays on one side of the limit throughout
+    # longrope flips once: a row that starts past the limit stays on the long factors; dynamic NTK recomputes
+    # its frequencies from every forward's furthest position past the limit, so no row may be there
+    crossing = limit < cache_len and (rope_type == "dynamic" or shortest <= limit)
+    if not crossing:
         return
     if slots:
         raise ValueError(f"the target's {rope_type} rope {what} past {name}={limit}, inside this generation "
@@ -420,6 +435,12 @@ def plan_server(target_model, draft_model, *, drafter: str, k: Optional[int], ru
     if required_cache_len(1, 0, slots) > max_seq_len:
         raise ValueError(f"max_seq_len={max_seq_len} leaves no room for a token with {slots} draft slots "
                          f"(a row needs {required_cache_len(1, 1, slots)} positions for a one-token prompt)")
+    switch = _rope_switch(models.target)
+    if switch is not None and switch[1] < max_seq_len:  # (a server's rows share every forward)
+        rope_type, limit, name, what = switch
+        raise ValueError(f"the target's {rope_type} rope {what} past {name}={limit}, and a server's rows share "
+                         f"their forwards: a row past it would change every other row's frequencies (and a verify "
+                         f"pass reaches further than the row's own decoding). Serve with max_seq_len <= {limit}")
     reasons.append(("cuda graphs", f"{'on, by batch-size bucket: ' if graphs else 'off: '}{why}"))
     reasons.append(("batch", f"{max_rows} slots of {max_seq_len} positions"))
     capabilities = _capabilities(runners, drafter, models, static_shapes=False)
@@ -602,7 +623,7 @@ def _cache_limits(ask: PlanRequest, models: _Models) -> Tuple[Optional[int], Opt
     for limit, role in sorted(positions):
         table = _position_table(bounded[role]) if limit < ask.max_seq_len else None  # (a walk only past a limit)
         if table is not None:
-            return limit, model_limit, (f"the {role} model's position table {table}, of max_position_embeddings"
+            return limit, model_limit, (f"the {role} model's position table {table}, of {_limit_name(bounded[role])}"
                                         f"={limit}, which it cannot look past whatever max_seq_len says")
     return ask.max_seq_len, model_limit, "max_seq_len"
 

@@ -9,8 +9,10 @@ pruned to N nodes. The candidates are a deterministic function of the target's p
 ``tree_verify(..., draft_probs=None)`` verifies them losslessly at any temperature.
 
 Where h comes from: a forward pre-hook on the target's LM head keeps its input of the last target pass
-on this thread (``runners.head_hooks.HeadCapture``: other threads' generate() calls on the same target
-neither feed it nor call it; registered when the drafter is made, removed by ``close``; the lean runner calls a hooked LM head
+made while its generation runs (``runners.head_hooks.HeadCapture``, bound to the thread resuming the loop by
+``running()``, which a caller driving the drafter outside generate() must enter around its target passes: other
+generations' calls on the same target neither feed it nor call it; registered when the drafter is made, removed
+by ``close`` or when the drafter is collected; the lean runner calls a hooked LM head
 module on the torch path and its hooks around the kernel's logits on the CPU kernels). After the prefill that is each prompt's last token ([B, 1, H], or [B, H]); after a
 verify pass [B, N+1, H] (column 0 at the pending token, column i+1 at node i), and ``commit`` keeps
 the column of the last accepted node (0 when none was accepted). The heads

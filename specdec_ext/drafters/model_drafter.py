@@ -40,6 +40,7 @@ import torch
 
 from .. import ops
 from ..metadata import Proposal, SpecDecodeMetadata, Verdict
+from ..processing import with_some_token
 from ..runners import ModelRunner
 from .base import Drafter
 
@@ -254,7 +255,9 @@ class ModelDrafter(Drafter):
         counts = processing.output_counts.clone() if processing is not None and processing.any_penalised else None
         for i in range(steps):
             if processing is not None:  # the draft proposes from its processed q', as the target verifies p'
-                logits = processing.apply_draft_step(logits, token_ids[:, :i], meta.temperature, counts)
+                raw = logits  # (a draft scoring fewer ids than the target: a grammar may leave it none)
+                logits = with_some_token(processing.apply_draft_step(raw.clone(), token_ids[:, :i], meta.temperature,
+                                                                     counts), raw)
             if greedy:
                 token = logits.argmax(-1)  # [B]
                 if drafting is not None:

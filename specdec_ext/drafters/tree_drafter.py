@@ -169,7 +169,9 @@ def grow_tree(frontier_logprobs: FrontierLogprobs, widths: Sequence[int], branch
             top_lp, top_tok = logprobs.topk(branch, dim=-1)  # [B, F or 1, b]
         else:
             top_lp, top_tok, top_q = sample_children(level, logprobs)  # [B, F, b], [B, F, b], [B, F, b, V]
-        step = top_lp if calibration is None else calibration.log_rate(level, top_lp)
+        # (a child the processors removed, log q = -inf, stays -inf: a calibrated score would keep certain rejections)
+        step = top_lp if calibration is None else torch.where(torch.isneginf(top_lp), top_lp,
+                                                              calibration.log_rate(level, top_lp))
         if sample_children is not None:
             ties = SIBLING_TIE_BREAK * torch.arange(branch, device=step.device)
             step = torch.cummin(step, dim=-1).values - ties

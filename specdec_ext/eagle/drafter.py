@@ -56,7 +56,6 @@ __all__ = ["EagleDrafter"]
 CACHE_SLACK = 8  # draft cache slots past the token buffer's and the step's
 
 
-
 class EagleDrafter(Drafter):
     """EAGLE-3 chains (``k``) or trees (``tree=(b, d, N)``) over ``target``, a runner with hidden taps."""
 
