@@ -43,3 +43,15 @@ def chi_square_p(samples, joint):
     keep = exp > 0
     assert obs[~keep].sum() == 0, "a sample has zero probability under the filtered target"
     return scipy_stats.chisquare(obs[keep], exp[keep]).pvalue
+
+
+def prefix_blind(original):
+    """A mutation of ``ProcessingState.apply`` (``original``): every column of a verify pass processed with the
+    committed counts only, as if it were the first, which is how a verifier that ignores its own drafts would
+    process them (the distribution tests must reject it)."""
+    def apply(self, logits, draft_tokens, num_draft, temperature, parents=None, counts=None):
+        for column in range(logits.shape[1]):
+            view = logits[:, column: column + 1].contiguous()
+            original(self, view, draft_tokens[:, :0], torch.zeros_like(num_draft), temperature, None, counts)
+            logits[:, column: column + 1] = view
+    return apply

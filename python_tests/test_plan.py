@@ -241,14 +241,19 @@ def test_models_that_cannot_give_their_own_output_are_refused_by_name():
         _plan_for(chunked, k=1)
 
 
-def test_a_longrope_target_that_would_switch_factors_inside_the_generation_is_refused():
+def _longrope_llama():
+    """A tiny Llama with longrope factors that switch at position 16."""
     import transformers
     config = transformers.LlamaConfig(
         vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
         max_position_embeddings=256, bos_token_id=None, eos_token_id=None, pad_token_id=None,
         rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 4,
                          "long_factor": [2.0] * 4, "original_max_position_embeddings": 16})
-    target = transformers.LlamaForCausalLM(config).eval()
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def test_a_longrope_target_that_would_switch_factors_inside_the_generation_is_refused():
+    target = _longrope_llama()
     with pytest.raises(ValueError, match="longrope rope switches to its long factors past "
                                          "original_max_position_embeddings=16, inside this generation"):
         _plan_for(target, prompt_lengths=[10], max_new_tokens=8, k=2)
@@ -284,14 +289,8 @@ def test_a_dynamic_rope_target_is_refused_where_its_frequencies_would_follow_the
 def test_a_server_whose_rows_could_change_each_others_rotary_frequencies_is_refused():
     """A server's rows share every forward: past a longrope or dynamic-NTK limit one row would set the others'
     frequencies. Refused at start-up unless max_seq_len stays within the limit."""
-    import transformers
     from specdec_ext.plan import plan_server
-    config = transformers.LlamaConfig(
-        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-        max_position_embeddings=256, bos_token_id=None, eos_token_id=None, pad_token_id=None,
-        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 4,
-                         "long_factor": [2.0] * 4, "original_max_position_embeddings": 16})
-    target = transformers.LlamaForCausalLM(config).eval()
+    target = _longrope_llama()
     kw = dict(drafter="none", k=None, runner="auto", max_rows=4)
     with pytest.raises(ValueError, match="longrope rope switches .* Serve with max_seq_len <= 16"):
         plan_server(target, None, max_seq_len=64, **kw)

@@ -16,6 +16,7 @@ from specdec_ext.audit import PlainProcessors, plain_samples, speculative_sample
 from specdec_ext.processing import Processing, ProcessingState
 from specdec_ext.sampling import SamplingParams
 from test_generate_sampling import TINY_VOCAB
+from sampling_stats import prefix_blind
 from test_generate_utils import tiny_model
 
 PROCESSORS = dict(presence_penalty=0.6, frequency_penalty=0.4, repetition_penalty=1.3, logit_bias={"11": 3.0},
@@ -134,15 +135,7 @@ def test_a_distribution_test_catches_penalty_counts_without_the_draft_prefix(tin
     target, draft = tiny_pair
     processors = dict(presence_penalty=2.0, frequency_penalty=2.0)
     assert _repeat_test(target, draft, processors) > 1e-3
-    original = ProcessingState.apply
-
-    def prefix_blind(self, logits, draft_tokens, num_draft, temperature, parents=None, counts=None):
-        for column in range(logits.shape[1]):
-            view = logits[:, column: column + 1].contiguous()
-            original(self, view, draft_tokens[:, :0], torch.zeros_like(num_draft), temperature, None, counts)
-            logits[:, column: column + 1] = view
-
-    monkeypatch.setattr(ProcessingState, "apply", prefix_blind)
+    monkeypatch.setattr(ProcessingState, "apply", prefix_blind(ProcessingState.apply))
     assert _repeat_test(target, draft, processors) < 1e-6
 
 

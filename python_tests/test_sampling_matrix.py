@@ -44,6 +44,7 @@ from specdec_ext.eagle import EagleConfig, EagleDrafterSpec, Eagle3Model
 from specdec_ext.heads import MedusaHeads
 from specdec_ext.processing import ProcessingState
 from test_generate_sampling import residual_from_p_verifier
+from sampling_stats import prefix_blind
 from test_generate_utils import tiny_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # conftest.py: one CPU thread per module
@@ -527,15 +528,7 @@ def test_a_broken_verifier_fails_the_same_check(models):
 def test_penalties_blind_to_the_drafts_before_a_position_fail_the_same_check(models, monkeypatch):
     """Every column of a verify pass processed with the committed counts only, as if it were the first."""
     case = Case("prefix-blind", "self", dict(temperature=1.0, **STRONG), dict(k=3))
-    original = ProcessingState.apply
-
-    def prefix_blind(self, logits, draft_tokens, num_draft, temperature, parents=None, counts=None):
-        for column in range(logits.shape[1]):
-            view = logits[:, column: column + 1].contiguous()
-            original(self, view, draft_tokens[:, :0], torch.zeros_like(num_draft), temperature, None, counts)
-            logits[:, column: column + 1] = view
-
-    monkeypatch.setattr(ProcessingState, "apply", prefix_blind)
+    monkeypatch.setattr(ProcessingState, "apply", prefix_blind(ProcessingState.apply))
     _, target, (rows,) = sample(models, case)
     assert p_value(rows, exact_law(target, PROMPT, case.opts)) < FAIL_P
 
