@@ -128,6 +128,19 @@ def test_an_int8_checkpoint_loads_within_half_a_step_and_drafts_losslessly(targe
     assert out.token_ids == [hf_greedy(target, p, 12) for p in PROMPTS]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_head_drafts_for_targets_in_either_precision(head, dtype):
+    """A head kept in bf16 or fp16 (a SpecForge checkpoint's dtype) computes its norms, attention and residuals
+    in fp32 as fc and lm_head do: it failed in its first projection ("expected m1 and m2 to have the same
+    dtype"). Greedy: plain decoding's tokens, over an fp32 target and a bf16 one on both runners."""
+    half = EagleDrafterSpec(copy.deepcopy(head).to(dtype))
+    for target_dtype, runner in ((torch.float32, "auto"), (torch.bfloat16, "auto"), (torch.bfloat16, "paged")):
+        model = tiny_target("llama").to(target_dtype)
+        kw = dict(max_new_tokens=12, eos_token_id=False, runner=runner)
+        expected = specdec_ext.plain_generate(PROMPTS, model, **kw).token_ids
+        assert specdec_ext.generate(PROMPTS, model, half, k=3, cost_probe=False, **kw).token_ids == expected
+
+
 def test_an_eagle_head_under_logits_processors_is_plain_decoding_with_them(target, head):
     kw = dict(max_new_tokens=16, presence_penalty=1.0, repetition_penalty=1.3, logit_bias={7: 3.0})
     speculative = specdec_ext.generate(PROMPTS, target, EagleDrafterSpec(head), k=3, **kw)

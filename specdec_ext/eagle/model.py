@@ -139,7 +139,14 @@ class _MLP(nn.Module):
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return _linear(self.down_proj, F.silu(_linear(self.gate_proj, x)) * _linear(self.up_proj, x))
+
+
+def _linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``layer`` on ``x`` in the weight's dtype, the result in the compute dtype (``_compute_dtype``): a head in
+    bf16 or fp16 computes its norms, attention and residuals in fp32, as fc and lm_head do (a bf16 head failed
+    with "expected m1 and m2 to have the same dtype")."""
+    return layer(x.to(layer.weight.dtype)).to(_compute_dtype(layer.weight))
 
 
 class _DecoderLayer(nn.Module):
@@ -251,9 +258,9 @@ class Eagle3Model(nn.Module):
         residual = normed if c.norm_before_residual else g.to(normed.dtype)
         x = torch.cat([layer.input_layernorm(self.embed_tokens(tokens)), normed], dim=-1)
         attn = layer.self_attn
-        q = attn.q_proj(x).view(B, T, c.num_attention_heads, c.head_dim).transpose(1, 2)
-        k = attn.k_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        v = attn.v_proj(x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        q = _linear(attn.q_proj, x).view(B, T, c.num_attention_heads, c.head_dim).transpose(1, 2)
+        k = _linear(attn.k_proj, x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        v = _linear(attn.v_proj, x).view(B, T, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         cos, sin = self.rope(positions)
         return _rotate(q, cos, sin), _rotate(k, cos, sin), v, residual
 
@@ -261,7 +268,7 @@ class Eagle3Model(nn.Module):
         """The layer's output [B, T, h] from the attention [B, H, T, D] and the residual."""
         B, H, T, D = attn.shape
         layer = self.midlayer
-        out = residual + layer.self_attn.o_proj(attn.transpose(1, 2).reshape(B, T, H * D))
+        out = residual + _linear(layer.self_attn.o_proj, attn.transpose(1, 2).reshape(B, T, H * D))
         return out + layer.mlp(layer.post_attention_layernorm(out))
 
     def head(self, out: torch.Tensor) -> torch.Tensor:
