@@ -247,19 +247,31 @@ class ProcessingState:
 
     def apply_draft_step(self, logits: torch.Tensor, drafted: torch.Tensor, temperature: torch.Tensor,
                          counts: Optional[torch.Tensor]) -> torch.Tensor:
-        """A draft model's logits for its next token, processed as the target's column i will be: after
-        its i drafts so far (``drafted``), ``counts`` the output counts with those drafts added (None
-        when no row is penalised). Returns the processed logits.
+        """A chain drafter's logits for its next token, processed as the target's column i will be: after
+        its i drafts so far (``drafted``), ``counts`` the output counts with those drafts added
+        (``draft_counts``, ``add_drafted``; None when no row is penalised). Returns the processed logits (a
+        copy; a row left without a finite logit keeps its own, ``with_some_token``).
 
         logits [B, V]; drafted [B, i] int64; temperature [B] fp32; counts [B, V] int32 -> [B, V]
         """
         B, i = drafted.shape
-        logits = logits.contiguous().unsqueeze(1)  # [B, 1, V]
+        processed = logits.clone().unsqueeze(1)  # [B, 1, V]
         none = drafted[:, :0]  # [B, 0]: the prefix is in ``counts`` and in the grammar's column i
         num_draft = torch.zeros((B,), dtype=torch.int32, device=logits.device)
         allowed = self._draft_masks(drafted) if self.has_grammar else None  # [B, 1, W]
-        self._process(logits, none, num_draft, temperature, None, counts, allowed)
-        return logits[:, 0]
+        self._process(processed, none, num_draft, temperature, None, counts, allowed)
+        return with_some_token(processed[:, 0], logits)
+
+    def draft_counts(self) -> Optional[torch.Tensor]:
+        """A chain drafter's running output counts (``apply_draft_step``): a copy of the rows', or None when no
+        row is penalised. [B, V] int32"""
+        return self.output_counts.clone() if self.any_penalised else None
+
+    @staticmethod
+    def add_drafted(counts: Optional[torch.Tensor], token: torch.Tensor) -> None:
+        """Count each row's drafted ``token`` [B] into ``counts`` (``draft_counts``; None: nothing to count)."""
+        if counts is not None:
+            counts.scatter_add_(1, token[:, None], torch.ones_like(token[:, None], dtype=torch.int32))
 
     def apply_frontier(self, logits: torch.Tensor, tokens: Optional[torch.Tensor], parents: Optional[torch.Tensor],
                        frontier: Optional[torch.Tensor], temperature: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,7 @@ import torch
 
 from .. import ops
 from ..metadata import Proposal, SpecDecodeMetadata, Verdict
-from ..processing import with_some_token
+from ..processing import ProcessingState
 from ..vocab_bridge import VocabularyBridge
 from .base import Drafter
 from .model_drafter import RunnerFactory, draft_uniforms, sample_draft
@@ -284,17 +284,15 @@ class CrossTokenizerDrafter(Drafter):
             self.probs = torch.zeros((self.token_ids.shape[0], self.slots, V), dtype=torch.float32,
                                      device=meta.device)  # [B, k, V]
         uniforms = draft_uniforms(meta, self.slots)  # [k, B, 1]
-        processing = meta.processing if meta.processing is not None and meta.processing.any_active else None
-        counts = processing.output_counts.clone() if processing is not None and processing.any_penalised else None
+        processing = meta.active_processing
+        counts = processing.draft_counts() if processing is not None else None
         for i in range(steps):
             shared = self.bridge.to_target_logits(logits)  # [B, V]
             if processing is not None:  # q' processed as the target's p' will be (a shared vocabulary may be banned whole)
-                shared = with_some_token(processing.apply_draft_step(shared.clone(), self.token_ids[:B, :i],
-                                                                     meta.temperature, counts), shared)
+                shared = processing.apply_draft_step(shared, self.token_ids[:B, :i], meta.temperature, counts)
             token = sample_draft(shared, meta, uniforms[i], self.probs[:B, i])  # [B]
             self.token_ids[:B, i].copy_(token)
-            if counts is not None:
-                counts.scatter_add_(1, token[:, None], torch.ones_like(token[:, None], dtype=torch.int32))
+            ProcessingState.add_drafted(counts, token)
             if i + 1 < steps:
                 logits = self._feed(self.lookup[token])
 

@@ -87,7 +87,7 @@ class HeadsDrafter(Drafter):
         with torch.no_grad():
             logits = self.heads(self._hidden, self.lm_head).float()  # [B, m, V]
         logprobs = torch.log_softmax(logits, dim=-1)
-        processing = meta.processing if meta.processing is not None and meta.processing.any_active else None
+        processing = meta.active_processing
 
         def frontier_logprobs(level, tokens, parents, frontier_index):
             if processing is None:

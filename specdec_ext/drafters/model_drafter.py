@@ -40,7 +40,7 @@ import torch
 
 from .. import ops
 from ..metadata import Proposal, SpecDecodeMetadata, Verdict
-from ..processing import with_some_token
+from ..processing import ProcessingState
 from ..runners import ModelRunner
 from .base import Drafter
 
@@ -241,7 +241,7 @@ class ModelDrafter(Drafter):
             num_draft.copy_(torch.tensor([min(k, b) for b in budget], dtype=torch.int32))
         drafting = torch.ones_like(meta.active) if self.confidence_threshold > 0 else None  # [B] bool
         self._fed_drafts, self._skipped_step = 0, False
-        processing = meta.processing if meta.processing is not None and meta.processing.any_active else None
+        processing = meta.active_processing
         if greedy and drafting is None and steps >= 1 and self.greedy_chains and processing is None:
             # the lean CPU runner feeds the unseen tokens and drafts the whole chain in one op call, bit
             # for bit the loop below
@@ -252,12 +252,10 @@ class ModelDrafter(Drafter):
             return Proposal(token_ids, probs, num_draft, longest=None if budget is None else steps)
         logits = self._fit_vocab(self._feed_unseen(meta))  # [B, V]
         uniforms = None if greedy else draft_uniforms(meta, k)  # [k, B, 1]
-        counts = processing.output_counts.clone() if processing is not None and processing.any_penalised else None
+        counts = processing.draft_counts() if processing is not None else None
         for i in range(steps):
             if processing is not None:  # the draft proposes from its processed q', as the target verifies p'
-                raw = logits  # (a draft scoring fewer ids than the target: a grammar may leave it none)
-                logits = with_some_token(processing.apply_draft_step(raw.clone(), token_ids[:, :i], meta.temperature,
-                                                                     counts), raw)
+                logits = processing.apply_draft_step(logits, token_ids[:, :i], meta.temperature, counts)
             if greedy:
                 token = logits.argmax(-1)  # [B]
                 if drafting is not None:
@@ -267,8 +265,7 @@ class ModelDrafter(Drafter):
                 if drafting is not None:
                     confidence = probs[:, i].gather(1, token[:, None])[:, 0]  # [B]
             token_ids[:, i].copy_(token)
-            if counts is not None:
-                counts.scatter_add_(1, token[:, None], torch.ones_like(token[:, None], dtype=torch.int32))
+            ProcessingState.add_drafted(counts, token)
             if drafting is not None:
                 stop = drafting & (confidence < self.confidence_threshold) & meta.active  # [B]
                 num_draft.masked_fill_(stop & (num_draft > i + 1), i + 1)

@@ -255,7 +255,7 @@ class TreeModelDrafter(ModelDrafter):
     def propose(self, meta: SpecDecodeMetadata, budget: Optional[Sequence[int]] = None) -> Proposal:
         pending = meta.pending_tokens()  # [B, 1]
         first = self._fit_vocab(self._feed_unseen_and_pending(meta))[:, None]  # [B, 1, V]
-        processing = meta.processing if meta.processing is not None and meta.processing.any_active else None
+        processing = meta.active_processing
 
         def frontier_logprobs(level, tokens, parents, frontier_index):
             if level == 0:

@@ -45,7 +45,7 @@ from ..drafters.base import Drafter
 from ..drafters.model_drafter import draft_uniforms, sample_draft
 from ..drafters.tree_drafter import beam_widths, draw_without_replacement, grow_tree, tree_num_nodes
 from ..metadata import Proposal, SpecDecodeMetadata, Verdict
-from ..processing import with_some_token
+from ..processing import ProcessingState
 from ..sampling import filtered_probs
 from .checkpoints import check_target
 from .kernels import kernel_greedy_chain, kernels_apply
@@ -210,7 +210,7 @@ class EagleDrafter(Drafter):
 
     # ------------------------------------------------------------------ chains
     def propose(self, meta: SpecDecodeMetadata, budget: Optional[Sequence[int]] = None) -> Proposal:
-        processing = meta.processing if meta.processing is not None and meta.processing.any_active else None
+        processing = meta.active_processing
         fused = (meta.all_greedy and not self.is_tree and not self.fixed_shapes and kernels_apply(self.head)
                  and (budget is None or max(budget, default=0) >= 1) and processing is None)
         block = self._feed_block(meta, None) if fused else None
@@ -244,20 +244,17 @@ class EagleDrafter(Drafter):
                     self.fed[:B] += block[2]
             elif greedy and steps >= 1 and processing is None:
                 self.head.greedy_chain(self.token_ids[:B], steps, out, fed, self.cache, span=self._span)
-            counts = processing.output_counts.clone() if processing is not None and processing.any_penalised else None
+            counts = processing.draft_counts() if processing is not None else None
             for i in range(0 if greedy and processing is None else steps):
                 logits = self.head.to_target_logits(self.head.head(out))  # [B, V]: q is 0 off the draft vocabulary
                 if processing is not None:  # the head proposes from its processed q', as the target verifies p'
-                    raw = logits
-                    logits = with_some_token(processing.apply_draft_step(raw.clone(), self.token_ids[:B, :i],
-                                                                         meta.temperature, counts), raw)
+                    logits = processing.apply_draft_step(logits, self.token_ids[:B, :i], meta.temperature, counts)
                 if greedy:
                     token = logits.argmax(-1)  # [B]
                 else:
                     token = sample_draft(logits, meta, uniforms[i], self.probs[:B, i])
                 self.token_ids[:B, i].copy_(token)
-                if counts is not None:
-                    counts.scatter_add_(1, token[:, None], torch.ones_like(token[:, None], dtype=torch.int32))
+                ProcessingState.add_drafted(counts, token)
                 if i + 1 < steps:  # the drafted token with the layer's own output, at slot fed + i
                     out = self.head.block(token[:, None], out[:, None], fed + i, self.cache, span=self._span)[:, 0]
         probs = None if greedy else self.probs[:B]
@@ -268,7 +265,7 @@ class EagleDrafter(Drafter):
         B, device = meta.batch_size, meta.device
         fed = self.fed[:B]
         node_out = torch.zeros((B, sum(self.widths), self.head.config.hidden_size), device=device)
-        processing = meta.processing if meta.processing is not None and meta.processing.any_active else None
+        processing = meta.active_processing
 
         def frontier_logprobs(level, tokens, parents, frontier_index):
             with torch.no_grad():
