@@ -112,12 +112,6 @@ class SpecDecodeMetadata:
     step_logprobs: Optional[Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None  # the last verify's
     #   (chosen [B, n+1], top ids [B, n+1, top], top values [B, n+1, top]); logprobs.step_logprobs
 
-    @property
-    def active_processing(self) -> Optional[ProcessingState]:
-        """``processing`` where some row has a processor that changes its logits, else None (what a drafter
-        applies to its own logits)."""
-        return self.processing if self.processing is not None and self.processing.any_active else None
-
     @classmethod
     def allocate(cls, *, batch_size: int, slots: int, max_seq_len: int, sampling: SamplingParams,
                  seeds: torch.Tensor, tree: bool = False) -> "SpecDecodeMetadata":

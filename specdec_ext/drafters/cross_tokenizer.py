@@ -44,7 +44,7 @@ from ..metadata import Proposal, SpecDecodeMetadata, Verdict
 from ..processing import ProcessingState
 from ..vocab_bridge import VocabularyBridge
 from .base import Drafter
-from .model_drafter import RunnerFactory, draft_uniforms, sample_draft
+from .model_drafter import RunnerFactory, active_processing, draft_uniforms, sample_draft
 
 GREEDY_THROUGH_TEXT = "greedy-through-text"
 INTERSECTION = "intersection"
@@ -284,7 +284,7 @@ class CrossTokenizerDrafter(Drafter):
             self.probs = torch.zeros((self.token_ids.shape[0], self.slots, V), dtype=torch.float32,
                                      device=meta.device)  # [B, k, V]
         uniforms = draft_uniforms(meta, self.slots)  # [k, B, 1]
-        processing = meta.active_processing
+        processing = active_processing(meta)
         counts = processing.draft_counts() if processing is not None else None
         for i in range(steps):
             shared = self.bridge.to_target_logits(logits)  # [B, V]

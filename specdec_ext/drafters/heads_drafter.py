@@ -33,6 +33,7 @@ from ..metadata import Proposal, SpecDecodeMetadata, Verdict
 from ..runners.head_hooks import HeadCapture
 from .base import Drafter
 from .calibration import NodeCalibration
+from .model_drafter import active_processing
 from .tree_drafter import DraftTree, beam_widths, grow_tree, observe_tree, tree_num_nodes
 
 
@@ -87,7 +88,7 @@ class HeadsDrafter(Drafter):
         with torch.no_grad():
             logits = self.heads(self._hidden, self.lm_head).float()  # [B, m, V]
         logprobs = torch.log_softmax(logits, dim=-1)
-        processing = meta.active_processing
+        processing = active_processing(meta)
 
         def frontier_logprobs(level, tokens, parents, frontier_index):
             if processing is None:

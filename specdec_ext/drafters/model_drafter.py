@@ -241,7 +241,7 @@ class ModelDrafter(Drafter):
             num_draft.copy_(torch.tensor([min(k, b) for b in budget], dtype=torch.int32))
         drafting = torch.ones_like(meta.active) if self.confidence_threshold > 0 else None  # [B] bool
         self._fed_drafts, self._skipped_step = 0, False
-        processing = meta.active_processing
+        processing = active_processing(meta)
         if greedy and drafting is None and steps >= 1 and self.greedy_chains and processing is None:
             # the lean CPU runner feeds the unseen tokens and drafts the whole chain in one op call, bit
             # for bit the loop below
@@ -472,6 +472,13 @@ def sample_draft(logits: torch.Tensor, meta: SpecDecodeMetadata, uniforms: torch
     ops.sample_filtered(logits.contiguous(), temperature=meta.temperature[:B], top_k=meta.top_k[:B],
                         top_p=meta.top_p[:B], uniforms=uniforms, out=(probs, tokens), check_status=False)
     return tokens.clamp_(min=0)
+
+
+def active_processing(meta: SpecDecodeMetadata) -> Optional[ProcessingState]:
+    """``meta.processing`` where some row has a processor that changes its logits, else None: what a drafter
+    applies to its own logits (here, beside the step's other drafter helpers: a greedy step stays within the
+    files it crosses, python_tests/test_step_trace.py)."""
+    return meta.processing if meta.processing is not None and meta.processing.any_active else None
 
 
 def draft_uniforms(meta: SpecDecodeMetadata, steps: int) -> torch.Tensor:

@@ -44,7 +44,7 @@ from .. import ops
 from ..metadata import Proposal, SpecDecodeMetadata, Verdict
 from ..sampling import filtered_probs, sample_inverse_cdf
 from .calibration import NodeCalibration
-from .model_drafter import ModelDrafter, RunnerFactory
+from .model_drafter import ModelDrafter, RunnerFactory, active_processing
 
 
 DEPTH_TIE_BREAK = 1e-4  # subtracted per level from the rerank score: a child never ties its parent
@@ -255,7 +255,7 @@ class TreeModelDrafter(ModelDrafter):
     def propose(self, meta: SpecDecodeMetadata, budget: Optional[Sequence[int]] = None) -> Proposal:
         pending = meta.pending_tokens()  # [B, 1]
         first = self._fit_vocab(self._feed_unseen_and_pending(meta))[:, None]  # [B, 1, V]
-        processing = meta.active_processing
+        processing = active_processing(meta)
 
         def frontier_logprobs(level, tokens, parents, frontier_index):
             if level == 0:

@@ -42,7 +42,7 @@ import torch
 
 from .. import ops
 from ..drafters.base import Drafter
-from ..drafters.model_drafter import draft_uniforms, sample_draft
+from ..drafters.model_drafter import active_processing, draft_uniforms, sample_draft
 from ..drafters.tree_drafter import beam_widths, draw_without_replacement, grow_tree, tree_num_nodes
 from ..metadata import Proposal, SpecDecodeMetadata, Verdict
 from ..processing import ProcessingState
@@ -210,7 +210,7 @@ class EagleDrafter(Drafter):
 
     # ------------------------------------------------------------------ chains
     def propose(self, meta: SpecDecodeMetadata, budget: Optional[Sequence[int]] = None) -> Proposal:
-        processing = meta.active_processing
+        processing = active_processing(meta)
         fused = (meta.all_greedy and not self.is_tree and not self.fixed_shapes and kernels_apply(self.head)
                  and (budget is None or max(budget, default=0) >= 1) and processing is None)
         block = self._feed_block(meta, None) if fused else None
@@ -265,7 +265,7 @@ class EagleDrafter(Drafter):
         B, device = meta.batch_size, meta.device
         fed = self.fed[:B]
         node_out = torch.zeros((B, sum(self.widths), self.head.config.hidden_size), device=device)
-        processing = meta.active_processing
+        processing = active_processing(meta)
 
         def frontier_logprobs(level, tokens, parents, frontier_index):
             with torch.no_grad():
