@@ -697,6 +697,36 @@ def test_a_regex_llguidance_cannot_run_is_refused(eagle, plain):
         assert len(choice["text"]) >= 6
 
 
+def test_a_grammar_compiling_blocks_neither_other_requests_nor_their_text(plain, plain_client, monkeypatch):
+    # Was a bug: a request's schema or regex compiled on the server's event loop, holding the tokenizer's lock
+    # (a 1-MB regex stalled every client ~1 s). Now it compiles in a worker thread, the lock held only while
+    # llguidance first reads the vocabulary: here a compile held open while a plain request is served.
+    def plain_text() -> str:
+        return plain_client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0,
+                                               extra_body={"ignore_eos": True}, timeout=30.0).choices[0].text
+
+    alone = plain_text()
+    compile_grammar = specdec_ext.grammar.TokenizerGrammar.compile
+    entered, release = threading.Event(), threading.Event()
+
+    def held_compile(self, spec):
+        entered.set()
+        assert release.wait(60)
+        return compile_grammar(self, spec)
+
+    monkeypatch.setattr(specdec_ext.grammar.TokenizerGrammar, "compile", held_compile)
+    regex = "[a-z]{1,8}"
+    with ThreadPoolExecutor(1) as pool:
+        try:
+            constrained = pool.submit(plain_client.completions.create, model=MODEL, prompt="name = ", max_tokens=8,
+                                      temperature=0, extra_body={"regex": regex})
+            assert entered.wait(60)
+            assert plain_text() == alone and not release.is_set()
+        finally:
+            release.set()
+        assert re.fullmatch(regex, constrained.result(60).choices[0].text)
+
+
 # ------------------------------------------------------------------------------------------ 5. metrics and health
 def test_metrics_count_what_was_served(eagle):
     """Rows (n counted as n), prompt tokens per row, generated tokens = the usage's completion tokens,

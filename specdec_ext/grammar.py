@@ -30,6 +30,7 @@ Costs are measured on the bundled 8192-token tokenizer by benchmarks/bench_gramm
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import weakref
@@ -365,11 +366,15 @@ def _check_first_token(spec: GrammarSpec, matcher: LLMatcher, mask) -> None:
 
 
 def compile_grammar(spec: GrammarSpec, tokenizer: Any, vocab_size: Optional[int] = None,
-                    eos_token_ids: Optional[Sequence[int]] = None) -> CompiledGrammar:
+                    eos_token_ids: Optional[Sequence[int]] = None, tokenizer_lock=None) -> CompiledGrammar:
     """``spec`` compiled for ``tokenizer`` (TokenizerGrammar.for_tokenizer: cached) and a model of
     ``vocab_size`` ids, its rows ending with ``eos_token_ids`` (None: the tokenizer's EOS). Raises
-    GrammarError naming the field (a grammar that does not compile, or matches nothing)."""
-    return TokenizerGrammar.for_tokenizer(tokenizer, vocab_size).compile(spec).with_eos(eos_token_ids)
+    GrammarError naming the field (a grammar that does not compile, or matches nothing).
+    ``tokenizer_lock`` (a shared tokenizer's lock) is held only while the vocabulary is read, not for the
+    compile itself (up to seconds for a large regex)."""
+    with tokenizer_lock or contextlib.nullcontext():
+        grammars = TokenizerGrammar.for_tokenizer(tokenizer, vocab_size)
+    return grammars.compile(spec).with_eos(eos_token_ids)
 
 
 def _pad_clear_words(tokenizer_size: int, vocab_size: int) -> List[Tuple[int, np.uint32]]:

@@ -142,7 +142,7 @@ class OpenAIService:
             raise ApiError(404, f"the model {model!r} does not exist: this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
-    def _generation_requests(self, body, prompt: List[int], max_tokens: int) -> List[GenerationRequest]:
+    async def _generation_requests(self, body, prompt: List[int], max_tokens: int) -> List[GenerationRequest]:
         """One engine request per choice (``n``): the same prompt, each choice its own Philox stream (the
         request's seed for choice 0, ``choice_seed`` for the others) and its own grammar matcher."""
         if not prompt:
@@ -150,12 +150,15 @@ class OpenAIService:
         if body.n > self.engine.batcher.max_rows:
             raise ApiError(400, f"n = {body.n} choices need {body.n} rows but this server runs {self.engine.batcher.max_rows}",
                            param="n")
+        if _asks_grammar(body):  # a large schema or regex compiles for up to seconds: not on the event loop
+            processing, compiled = await asyncio.to_thread(self._processing, body)
+        else:
+            processing, compiled = self._processing(body)
         sampling = SamplingParams(DEFAULT_TEMPERATURE if body.temperature is None else float(body.temperature),
                                   max(0, body.top_k or 0), 1.0 if body.top_p is None else float(body.top_p))
         stop = StopCriteria(max_new_tokens=max_tokens, eos_token_ids=[] if body.ignore_eos else self.eos_token_ids,
                             stop_strings=list(body.stop or []), decode_text=self.tokenizer.decode)
         seed = body.seed if body.seed is not None else secrets.randbits(SEED_BITS)
-        processing, compiled = self._processing(body)
         try:
             top_logprobs = body.top_logprobs_asked
         except ValueError as error:
@@ -199,7 +202,7 @@ class OpenAIService:
     # ------------------------------------------------------------------ responses
     async def _respond(self, body, prompt: List[int], max_tokens: int, http: Request, *, chat: bool,
                        echo: str = ""):
-        requests = self._generation_requests(body, prompt, max_tokens)
+        requests = await self._generation_requests(body, prompt, max_tokens)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()  # (choice, RowEvent)
         sinks = [(lambda event, choice=choice: loop.call_soon_threadsafe(events.put_nowait, (choice, event)))
@@ -370,6 +373,11 @@ def _event_error(event: RowEvent) -> Optional[ApiError]:
     if event.finish_reason == FAILED:
         return ApiError(500, event.message or "the request failed", "server_error", code="row_failed")
     return None
+
+
+def _asks_grammar(body) -> bool:
+    """Whether the request may compile a grammar (a schema, regex or grammar)."""
+    return body.response_format is not None or body.regex is not None or body.grammar is not None
 
 
 def _count(n: int, noun: str) -> str:

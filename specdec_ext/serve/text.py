@@ -103,9 +103,9 @@ class SharedTokenizer:
             return self.tokenizer.decode([int(token)], skip_special_tokens=True).encode("utf-8")
 
     def compile_grammar(self, spec, vocab_size: int, eos_token_ids: Sequence[int]):
-        """grammar.compile_grammar under the lock (llguidance reads the tokenizer's vocabulary once, cached)."""
-        with self._lock:
-            return compile_grammar(spec, self.tokenizer, vocab_size, eos_token_ids)
+        """grammar.compile_grammar with the tokenizer's lock held only while llguidance reads its vocabulary
+        (once, cached): the compile itself, up to seconds for a large regex, blocks no decode."""
+        return compile_grammar(spec, self.tokenizer, vocab_size, eos_token_ids, tokenizer_lock=self._lock)
 
     def chat_prompt(self, messages: List[Dict[str, Any]]) -> str:
         """The chat template applied to ``messages``, ending with the assistant's turn."""
