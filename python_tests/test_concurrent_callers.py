@@ -37,6 +37,7 @@ from specdec_ext.generate import plain_generate
 from specdec_ext.runners import PagedModelRunner
 from specdec_ext.runners.lean import LeanLlamaRunner
 from specdec_ext.step import lossless_verify
+from serve_utils import slow_target
 from test_generate_utils import CHAR_VOCAB, char_tokenizer, hf_greedy, noisy_copy, tiny_model
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # conftest.py: one CPU thread per module
@@ -254,6 +255,45 @@ def test_a_stream_made_on_one_thread_can_be_consumed_on_others(fresh_pair, kind)
     gc.collect()
     assert not failures, failures
     assert hooks_on(target) == 0
+
+
+@pytest.mark.parametrize("kind", ["model", "heads"])
+def test_a_stream_closed_from_another_thread_mid_step_stops_its_consumer(fresh_pair, kind):
+    """A server cancels a generation from its own thread while a worker is inside the stream's next(): the
+    worker's loop ends without an error after at most the step it was in, ``result`` stays None, no hook stays
+    on the target, and the next call is exact.
+
+    close() called the generator's close() while another thread was running it: "ValueError: generator already
+    executing" for the canceller, and the generation went on. Now close() waits for that next() to return and
+    closes after it (``GenerationStream.close``)."""
+    target, draft, tok = fresh_pair
+    alone = outcome(_stream(target, draft, tok, kind))
+    kw = dict(tokenizer=tok, eos_token_id=False, max_new_tokens=400)
+    drafter = draft if kind == "model" else kind
+    with slow_target(target, 0.02):  # the worker spends its time inside next()
+        stream = generate(PROMPTS[:2], target, drafter, stream=True, **kw)
+        first, pieces, errors = threading.Event(), [], []
+
+        def consume():
+            try:
+                for piece in stream:
+                    pieces.append(piece)
+                    first.set()
+            except BaseException as error:  # noqa: BLE001 (whatever reaches the consumer is the failure)
+                errors.append(error)
+            first.set()
+
+        worker = threading.Thread(target=consume)
+        worker.start()
+        assert first.wait(JOIN_TIMEOUT_S)
+        stream.close()
+        worker.join(JOIN_TIMEOUT_S)
+        assert not worker.is_alive(), "the consumer did not stop"
+    assert not errors and stream.result is None
+    assert 0 < sum(len(p.token_ids) for p in pieces) < 2 * 400
+    gc.collect()
+    assert hooks_on(target) == 0
+    assert outcome(_stream(target, draft, tok, kind)) == alone
 
 
 @pytest.mark.parametrize("with_heads", [False, True], ids=["without heads", "with heads"])

@@ -7,6 +7,7 @@ import numbers
 import operator
 import secrets
 import sys
+import threading
 import warnings
 from dataclasses import dataclass, field
 from typing import Iterator, List, Mapping, Optional, Sequence, Tuple, Union
@@ -82,15 +83,36 @@ class GenerationStream:
         # one iterator for the stream's life: a loop left by break or an exception and entered again goes on
         # where it stopped (a fresh generator per loop lost the rest of the step it was in)
         self._pieces = self._generate()
+        self._inside = threading.Lock()  # held by the thread inside next()
+        self._inside_thread: Optional[int] = None
+        self._close_asked = False
 
     def __iter__(self) -> "GenerationStream":
         return self
 
     def __next__(self) -> TextPiece:
-        return next(self._pieces)
+        with self._inside:
+            self._inside_thread = threading.get_ident()
+            try:
+                if self._close_asked:
+                    self._close_now()
+                return next(self._pieces)
+            finally:
+                self._inside_thread = None
+                if self._close_asked:
+                    self._close_now()
 
     def close(self) -> None:
-        """Stop the generation where it is (``result`` stays None); its drafter's hooks on the target go."""
+        """Stop the generation where it is (``result`` stays None); its drafter's hooks on the target go.
+        From another thread while one is inside ``next()``: waits for that step to end (that ``next()``
+        returns its piece or stops), then closes."""
+        self._close_asked = True
+        if self._inside_thread == threading.get_ident():
+            return  # called from inside this stream's own step (a callback): its next() closes on the way out
+        with self._inside:
+            self._close_now()
+
+    def _close_now(self) -> None:
         self._pieces.close()
         close = getattr(self._events, "close", None)
         if close is not None:
@@ -98,6 +120,8 @@ class GenerationStream:
 
     def _generate(self) -> Iterator[TextPiece]:
         for new in self._events:
+            if self._close_asked:  # close() from another thread waits for this next(): no more steps
+                return
             for b, tokens in enumerate(new):
                 row = self._rows[b]
                 if self._closed[b] or (not tokens and not row.finished):
