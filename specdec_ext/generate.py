@@ -96,7 +96,8 @@ class GenerationStream:
             try:
                 if self._close_asked:
                     self._close_now()
-                return next(self._pieces)
+                with torch.inference_mode(False):  # (as the stream was made: _run)
+                    return next(self._pieces)
             finally:
                 self._inside_thread = None
                 if self._close_asked:
@@ -221,9 +222,15 @@ def check_text(text: str, what: str) -> None:
 
 # generation_config fields that transformers' generate() applies by default and generate() does not read (it
 # decodes by its own arguments), with the value that means "off"
+# generation_config fields that change what transformers' generate() returns, with their values that change nothing:
+# sampling, penalties and banned tokens, beam / contrastive / guided search, forced and length-penalised ends
 UNREAD_GENERATION_FIELDS = {"do_sample": False, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
-                            "min_new_tokens": None, "suppress_tokens": None, "begin_suppress_tokens": None,
-                            "bad_words_ids": None, "sequence_bias": None}
+                            "min_new_tokens": None, "min_length": 0, "suppress_tokens": None,
+                            "begin_suppress_tokens": None, "bad_words_ids": None, "sequence_bias": None,
+                            "num_beams": 1, "num_beam_groups": 1, "penalty_alpha": None, "guidance_scale": None,
+                            "forced_bos_token_id": None, "forced_eos_token_id": None,
+                            "exponential_decay_length_penalty": None, "watermarking_config": None,
+                            "dola_layers": None}
 
 
 def warn_unread_generation_config(target_model) -> None:
@@ -566,10 +573,17 @@ class RunRequest:
 
 
 def _run(models: Models, prompts, request: RunRequest):
-    """Normalise the prompts -> plan -> build -> decode."""
+    """Normalise the prompts -> plan -> build -> decode, outside inference mode whatever the caller's: the
+    loop's buffers and what is kept across calls (a tree's calibration) are written in place later, maybe
+    outside it (a stream finished after its maker's ``torch.inference_mode()`` block, or on another thread)."""
     for name in ("stream", "explain", "cost_probe"):
         if not isinstance(getattr(request, name), bool):  # (stream="no" is truthy: a stream nobody asked for)
             raise TypeError(f"{name} must be True or False, got {getattr(request, name)!r}")
+    with torch.inference_mode(False):
+        return _plan_build_decode(models, prompts, request)
+
+
+def _plan_build_decode(models: Models, prompts, request: RunRequest):
     tokenizer = models.tokenizer
     stop_strings = _stop_strings(request.stop, tokenizer)
     token_prompts = _token_prompts(prompts, models)

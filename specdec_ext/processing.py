@@ -20,9 +20,12 @@ temperature; the verifier's temperature, top-k and top-p come after.
 """
 from __future__ import annotations
 
+import numbers
+import operator
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 
 from . import ops
@@ -56,12 +59,13 @@ class Processing:
         if logit_bias is not None and not isinstance(logit_bias, Mapping):
             raise ValueError(f"logit_bias must be a mapping of token id -> bias (a JSON object), got "
                              f"{type(logit_bias).__name__} {logit_bias!r:.60}")
-        bias = []
+        bias: Dict[int, float] = {}
         for key, value in (logit_bias or {}).items():
             token = _token_id(key)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(f"logit_bias[{key!r}] must be a number, got {value!r}")
-            bias.append((token, float(value)))
+            if token in bias:  # (9 and "9", or np.int64(9): which bias was meant?)
+                raise ValueError(f"logit_bias names token {token} twice (key {key!r})")
+            bias[token] = _bias_value(key, value)
+        bias = list(bias.items())
         return cls(min_p=as_float("min_p", min_p), presence_penalty=as_float("presence_penalty", presence_penalty),
                    frequency_penalty=as_float("frequency_penalty", frequency_penalty),
                    repetition_penalty=as_float("repetition_penalty", repetition_penalty),
@@ -113,11 +117,15 @@ class Processing:
 
 
 def _token_id(key) -> int:
-    """A logit_bias key: an int, or the canonical decimal string of one (JSON object keys are strings)."""
-    if isinstance(key, bool):
+    """A logit_bias key: an int (numpy's and 0-d integer tensors too), or the canonical decimal string of one
+    (JSON object keys are strings)."""
+    if isinstance(key, (bool, np.bool_)) or (isinstance(key, torch.Tensor) and key.dtype == torch.bool):
         raise ValueError(f"logit_bias key {key!r} is not an integer token id")
-    if isinstance(key, int):
-        return key
+    if not isinstance(key, str):
+        try:
+            return operator.index(key)
+        except TypeError:
+            pass
     if isinstance(key, str):
         try:
             token = int(key)
@@ -127,6 +135,15 @@ def _token_id(key) -> int:
             return token  #                              and non-ASCII digits ("١١")
     raise ValueError(f"logit_bias key {key!r} is not an integer token id (its ASCII decimal digits, as str(id) "
                      "writes them)")
+
+
+def _bias_value(key, value) -> float:
+    """A logit_bias value: a real number (numpy's and a 0-d real tensor's too), not a bool."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype != torch.bool and not value.is_complex():
+        value = value.item()
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise ValueError(f"logit_bias[{key!r}] must be a number, got {value!r}")
+    return float(value)
 
 
 @dataclass

@@ -39,7 +39,7 @@ without their states).
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -161,9 +161,9 @@ def unsupported_reason(model, max_seq_len: Optional[int] = None) -> Optional[str
         layout = _matrix_layout_reason(matrix, dtype)
         if layout is not None:
             return f"{name} {layout}"
-    hooked = _hooked_module(model)
-    if hooked is not None:
-        return f"a forward hook on {hooked} (the lean forward runs the weights, not the modules)"
+    modules = _module_reason(model, model_type)
+    if modules is not None:
+        return f"{modules} (the lean forward computes the stock {model_type} modules from their weights)"
     for name in ("final_logit_softcapping", "attn_logit_softcapping"):
         if getattr(cfg, name, None):
             return f"{name} is set"
@@ -191,21 +191,56 @@ def _plain_module(module, kind: type) -> bool:
 HF_OUTPUT_CAPTURING = "transformers.utils.output_capturing"  # the module of transformers 5's capturing hooks
 
 
-def _hooked_module(model) -> Optional[str]:
-    """The name of a module of ``model`` with a forward hook or pre-hook (a global one: "every module"), the
-    LM head's left out (it is called as a module: head_hooks.py), or None."""
+STOCK_FORWARD_MODULES = ("torch.nn.modules.", "transformers.activations")  # besides the model type's own file
+SILU_ACTIVATIONS = ("SiLU", "SiLUActivation")  # torch's and transformers' (ACT2FN["silu"])
+COMPILED_WRAPPER = "OptimizedModule"  # torch.compile's module: runs its _orig_mod's forward, compiled
+_STOCK_FORWARD: Dict[Tuple[type, str], bool] = {}  # (module class, the model type's module prefix) -> stock forward
+
+
+def _module_reason(model, model_type: str) -> Optional[str]:
+    """Why the lean forward, which computes the stock ``model_type`` modules from their weights, would not
+    compute what ``model``'s modules do, or None: a forward hook or pre-hook on a module (a global one, "every
+    module"; the LM head's left out: it is called as a module, head_hooks.py), a subclass overriding forward, a
+    forward patched on the instance, a module swapped for another kind (an activation other than SiLU, a norm
+    that is not the model's RMSNorm)."""
     from torch.nn.modules import module as torch_module
 
     if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
-        return "every module (torch.nn.modules.module.register_module_forward_hook)"
+        return "a forward hook on every module (torch.nn.modules.module.register_module_forward_hook)"
+    own = f"transformers.models.{model_type}."
     head = getattr(model, "lm_head", None)
+    name = lambda m: next(n for n, each in model.named_modules() if each is m) or "the model"  # noqa: E731
     stack = [model]  # (the modules by their _modules dicts: named_modules() took 3x as long, per plan and runner)
     while stack:
         m = stack.pop()
+        stack.extend(child for child in m._modules.values() if child is not None)
         if (m._forward_hooks or m._forward_pre_hooks) and m is not head and not all(
                 map(_observes_only, [*m._forward_hooks.values(), *m._forward_pre_hooks.values()])):
-            return next(name for name, each in model.named_modules() if each is m) or "the model"
-        stack.extend(child for child in m._modules.values() if child is not None)
+            return f"a forward hook on {name(m)}"
+        kind = type(m)
+        if kind.__name__ == COMPILED_WRAPPER:  # (its forward, set on the instance, runs _orig_mod's: walked)
+            continue
+        stock = _STOCK_FORWARD.get((kind, own))
+        if stock is None:
+            source = getattr(kind.forward, "__module__", None) or ""
+            stock = _STOCK_FORWARD[(kind, own)] = source.startswith(own) or source.startswith(STOCK_FORWARD_MODULES)
+        if "forward" in m.__dict__:
+            return f"{name(m)}'s forward is patched on the instance"
+        if not stock:
+            return (f"{name(m)} runs its own forward ({kind.__qualname__}.forward, from "
+                    f"{getattr(kind.forward, '__module__', None) or 'an unknown module'})")
+    base = model.model
+    norms = [("model.norm", base._modules.get("norm"))]
+    for i, layer in enumerate(base.layers):
+        parts = layer._modules
+        norms += [(f"layer {i}'s input_layernorm", parts.get("input_layernorm")),
+                  (f"layer {i}'s post_attention_layernorm", parts.get("post_attention_layernorm"))]
+        act = parts["mlp"]._modules.get("act_fn")
+        if type(act).__name__ not in SILU_ACTIVATIONS:
+            return f"layer {i}'s mlp.act_fn is a {type(act).__qualname__}, not SiLU"
+    for where, norm in norms:
+        if not type(norm).__name__.endswith("RMSNorm") or norm._parameters.get("weight") is None:
+            return f"{where} is a {type(norm).__qualname__}, not the model's RMSNorm"
     return None
 
 

@@ -84,7 +84,7 @@ def unsupported_reason(model, tree: bool = False, cache_len: Optional[int] = Non
         return f"{name}: {UNSUPPORTED_MODEL_TYPES[name]}"
     if tree and name in SLOT_ALIBI_MODEL_TYPES:
         return f"{name}: its ALiBi bias follows cache slots, not a tree node's depth (draft chains, not trees)"
-    if "position_ids" not in inspect.signature(model.forward).parameters and name not in ALIBI_MODEL_TYPES:
+    if not _takes_position_ids(model) and name not in ALIBI_MODEL_TYPES:
         return (f"{name}: its forward takes no position_ids (it computes positions from the cache length, which "
                 "a ragged batch of rows cannot give it)")
     cfg = text_config(model.config)
@@ -97,6 +97,19 @@ def unsupported_reason(model, tree: bool = False, cache_len: Optional[int] = Non
         return f"{name}: Falcon with ALiBi (alibi=True) builds its bias from a 2D attention mask"
     layout = _probe(model)
     return layout if isinstance(layout, str) else None
+
+
+def _takes_position_ids(model) -> bool:
+    """Whether ``model.forward`` takes position_ids: by name, or through ``**kwargs`` of a wrapper (a subclass's
+    or an instance's pass-through forward) over a class forward that names it."""
+    model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper runs the module's own forward
+    parameters = inspect.signature(model.forward).parameters
+    if "position_ids" in parameters:
+        return True
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return False
+    return any("position_ids" in inspect.signature(cls.__dict__["forward"]).parameters
+               for cls in type(model).__mro__ if callable(cls.__dict__.get("forward")))
 
 
 def kv_layout(model, cache_len: Optional[int] = None) -> KVLayout:
