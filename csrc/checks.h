@@ -61,6 +61,27 @@ inline void check_no_overlap(const char* op, const char* out_name, const at::Ten
                 out_name, " (written) must not share memory with ", in_name);
 }
 
+// A tensor argument by name; t null for an absent optional one.
+struct NamedTensor {
+  const char* name;
+  const at::Tensor* t;
+};
+
+// Every tensor the op writes apart from every other one it writes and from every one it reads (the op may
+// write an output before it has read all of an input). Absent (null) arguments are skipped; no allocation.
+inline void check_written_apart(const char* op, std::initializer_list<NamedTensor> written,
+                                std::initializer_list<NamedTensor> read) {
+  for (auto out = written.begin(); out != written.end(); ++out) {
+    if (out->t == nullptr) continue;
+    for (const NamedTensor& in : read) {
+      if (in.t != nullptr) check_no_overlap(op, out->name, *out->t, in.name, *in.t);
+    }
+    for (auto other = out + 1; other != written.end(); ++other) {
+      if (other->t != nullptr) check_no_overlap(op, out->name, *out->t, other->name, *other->t);
+    }
+  }
+}
+
 // A [rows, columns] tensor of one dtype, contiguous, on the reference device.
 inline void check_matrix(const char* op, const char* name, const at::Tensor& t, const char* layout,
                          int64_t rows, const char* rows_what, int64_t columns, const char* columns_what,

@@ -63,6 +63,8 @@ inline void check_kv_write(const at::Tensor& key, const at::Tensor& value,
   check_same_device(op, "value", value, kv_cache, "kv_cache");
   check_matrix(op, "slot_mapping", slot_mapping, "[B, T]", batch, "B (key dimension 0)", tokens,
                "T (key dimension 1)", at::kLong, kv_cache, "kv_cache");
+  check_written_apart(op, {{"kv_cache", &kv_cache}},
+                      {{"key", &key}, {"value", &value}, {"slot_mapping", &slot_mapping}});
 }
 
 inline void check_kv_compact(const at::Tensor& kv_cache, const at::Tensor& block_tables,

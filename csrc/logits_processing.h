@@ -23,7 +23,8 @@
 //   output_counts      Shape: [B, V]     int32, optional (0): how often each token occurs among row
 //                      b's generated tokens so far (the committed ones), in [0, kMaxOutputCount].
 //   prompt_mask        Shape: [B, V]     bool, optional (false): the token occurs in row b's prompt.
-//   logit_bias         Shape: [B, V]     fp32, optional (0): added to the logit (-inf bans a token).
+//   logit_bias         Shape: [B, V]     fp32, optional (0): added to the logit (-inf bans a token; no NaN
+//                      or +inf).
 //   allowed            Shape: [B, P, W]  int32, optional (all allowed), W = ceil(V / 32): a grammar
 //                      bitmask per column in the llguidance / xgrammar layout: token t is allowed at
 //                      column c iff bit t % 32 of word allowed[b, c, t / 32] is set (the word read as
@@ -57,7 +58,8 @@
 //
 // Value checks (the same on both backends; each error names the argument): num_draft in [0, n];
 // for i < num_draft[b]: draft_tokens[b, i] in [0, V) and -1 <= parents[b, i] < i;
-// repetition_penalty finite and > 0; min_p in [0, 1]; presence and frequency penalties finite.
+// repetition_penalty finite and > 0; min_p in [0, 1]; presence and frequency penalties finite;
+// output_counts in [0, kMaxOutputCount]; logit_bias neither NaN nor +inf.
 // The CPU reads them directly; CUDA runs a check kernel and reads one word on the host, except
 // during a CUDA graph capture, where nothing can be read: there the values are not checked, and the
 // kernel stays in bounds whatever they are (a token id outside [0, V) counts for nothing, a parent
@@ -125,6 +127,7 @@ SPECDEC_HOST_DEVICE float sub_rn(float a, float b) {
 }
 SPECDEC_HOST_DEVICE bool is_finite_float(float x) { return (float_bits(x) & 0x7F800000u) != 0x7F800000u; }
 SPECDEC_HOST_DEVICE bool is_nan_float(float x) { return (float_bits(x) & 0x7FFFFFFFu) > 0x7F800000u; }
+constexpr uint32_t kPositiveInfinityBits = 0x7F800000u;
 
 // One row's processor parameters (the op's defaults where a tensor is absent).
 struct RowProcessors {
@@ -195,6 +198,7 @@ enum ProcessLogitsError : uint32_t {
   kErrorPresencePenalty = 1u << 5,
   kErrorFrequencyPenalty = 1u << 6,
   kErrorOutputCounts = 1u << 7,
+  kErrorLogitBias = 1u << 8,
 };
 
 SPECDEC_HOST_DEVICE uint32_t row_value_errors(const ProcessLogitsView& v, int64_t b) {
@@ -220,13 +224,22 @@ SPECDEC_HOST_DEVICE uint32_t row_value_errors(const ProcessLogitsView& v, int64_
   return errors;
 }
 
-// kErrorOutputCounts when an output count among elements [begin, end) of output_counts (flattened [B, V])
-// lies outside [0, kMaxOutputCount], else 0 (a backend spreads the elements over its threads).
-SPECDEC_HOST_DEVICE uint32_t output_count_errors(const ProcessLogitsView& v, int64_t begin, int64_t end, int64_t step) {
-  if (v.output_counts == nullptr) return 0u;
-  bool bad = false;
-  for (int64_t i = begin; i < end; i += step) bad |= v.output_counts[i] < 0 || v.output_counts[i] > kMaxOutputCount;
-  return bad ? kErrorOutputCounts : 0u;
+// The [B, V] tables' errors among their elements [begin, end) (flattened; a backend spreads the elements
+// over its threads): kErrorOutputCounts for an output count outside [0, kMaxOutputCount], kErrorLogitBias
+// for a NaN or +inf bias (it would make the logit NaN or +inf, which the verifier blames on the logits).
+SPECDEC_HOST_DEVICE uint32_t table_errors(const ProcessLogitsView& v, int64_t begin, int64_t end, int64_t step) {
+  bool bad_count = false, bad_bias = false;
+  if (v.output_counts != nullptr) {
+    for (int64_t i = begin; i < end; i += step) {
+      bad_count |= v.output_counts[i] < 0 || v.output_counts[i] > kMaxOutputCount;
+    }
+  }
+  if (v.logit_bias != nullptr) {
+    for (int64_t i = begin; i < end; i += step) {
+      bad_bias |= is_nan_float(v.logit_bias[i]) || float_bits(v.logit_bias[i]) == kPositiveInfinityBits;
+    }
+  }
+  return (bad_count ? kErrorOutputCounts : 0u) | (bad_bias ? kErrorLogitBias : 0u);
 }
 
 }  // namespace specdec

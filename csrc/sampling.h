@@ -95,6 +95,8 @@ inline void check_residual_probs(const at::Tensor& target_probs, const at::Tenso
   check_contiguous(op, "target_probs", target_probs);
   check_contiguous(op, "draft_probs", draft_probs);
   check_contiguous(op, "out", out);
+  // (a row's residual mass is summed before the row is written)
+  check_written_apart(op, {{"out", &out}}, {{"target_probs", &target_probs}, {"draft_probs", &draft_probs}});
 }
 
 inline ResidualProbsView residual_probs_view(const at::Tensor& target_probs, const at::Tensor& draft_probs,

@@ -61,6 +61,10 @@ inline void check_commit_tokens(const at::Tensor& tokens, const at::Tensor& num_
   check_same_device(op, "next_input", next_input, token_buffer, "token_buffer");
   check_no_internal_overlap(op, "next_input", next_input);
   check_no_internal_overlap(op, "token_buffer", token_buffer);
+  check_written_apart(op,
+                      {{"token_buffer", &token_buffer}, {"seq_lens", &seq_lens}, {"num_kept", &num_kept},
+                       {"next_input", &next_input}},
+                      {{"tokens", &tokens}, {"num_accepted", &num_accepted}, {"active", &active}});
 }
 
 inline CommitTokensView commit_tokens_view(const at::Tensor& tokens, const at::Tensor& num_accepted,

@@ -93,29 +93,19 @@ inline void check_sampling_args(const char* op, int64_t batch, int64_t draws, co
 // before it has read every input). Called once per op, after the shape checks; no allocation.
 inline void check_outputs_apart(const VerifierNames& names, const VerifierArgs& a, const at::Tensor* extra_output,
                                 const at::Tensor* extra_input) {
-  using Named = std::pair<const char*, const at::Tensor*>;
-  const Named outputs[] = {{"tokens", &a.tokens}, {"num_accepted", &a.num_accepted}, {"path", extra_output}};
-  const Named inputs[] = {{"target_logits", &a.target_logits},
-                          {names.ids, &a.token_ids},
-                          {"parents", extra_input},
-                          {"draft_probs", a.draft_probs ? &*a.draft_probs : nullptr},
-                          {names.counts, a.counts ? &*a.counts : nullptr},
-                          {"temperature", a.sampling.temperature ? &*a.sampling.temperature : nullptr},
-                          {"top_k", a.sampling.top_k ? &*a.sampling.top_k : nullptr},
-                          {"top_p", a.sampling.top_p ? &*a.sampling.top_p : nullptr},
-                          {"seed", a.sampling.seed ? &*a.sampling.seed : nullptr},
-                          {"offset", a.sampling.offset ? &*a.sampling.offset : nullptr},
-                          {"uniforms", a.sampling.uniforms ? &*a.sampling.uniforms : nullptr}};
-  for (size_t i = 0; i < std::size(outputs); ++i) {
-    const auto& [out_name, out] = outputs[i];
-    if (out == nullptr) continue;
-    for (const auto& [in_name, in] : inputs) {
-      if (in != nullptr) check_no_overlap(names.op, out_name, *out, in_name, *in);
-    }
-    for (size_t j = i + 1; j < std::size(outputs); ++j) {
-      if (outputs[j].second != nullptr) check_no_overlap(names.op, out_name, *out, outputs[j].first, *outputs[j].second);
-    }
-  }
+  const auto optional = [](const c10::optional<at::Tensor>& t) { return t ? &*t : nullptr; };
+  check_written_apart(names.op, {{"tokens", &a.tokens}, {"num_accepted", &a.num_accepted}, {"path", extra_output}},
+                      {{"target_logits", &a.target_logits},
+                       {names.ids, &a.token_ids},
+                       {"parents", extra_input},
+                       {"draft_probs", optional(a.draft_probs)},
+                       {names.counts, optional(a.counts)},
+                       {"temperature", optional(a.sampling.temperature)},
+                       {"top_k", optional(a.sampling.top_k)},
+                       {"top_p", optional(a.sampling.top_p)},
+                       {"seed", optional(a.sampling.seed)},
+                       {"offset", optional(a.sampling.offset)},
+                       {"uniforms", optional(a.sampling.uniforms)}});
 }
 
 // The one check of a verifier's shared arguments; returns (B, n, V).

@@ -54,7 +54,7 @@ def test_the_wrappers_name_what_the_ops_would_take_wrongly():
     with pytest.raises(ValueError, match="num_draws must be an int >= 0, got -1"):
         ops.philox_uniforms(torch.ones(2, dtype=torch.int64), torch.ones(2, dtype=torch.int64), -1)
     p = torch.tensor([[0.25, 0.75]])
-    with pytest.raises(ValueError, match="out must be another tensor than target_probs and draft_probs"):
+    with pytest.raises(RuntimeError, match=r"out \(written\) must not share memory with target_probs"):
         ops.residual_probs(p, p.clone(), out=p)
     assert ops.chain_verify(torch.randn(1, 4, 5), torch.zeros(1, 3, dtype=torch.int64), num_draft=2.0,
                             temperature=0.0)[1].tolist()[0] <= 2  # (a whole float is taken)

@@ -563,7 +563,7 @@ def test_good_args_work():
     (dict(seed=None, uniforms=torch.full((2, 4), 1.0)), ValueError, "uniforms: row 0"),
     (dict(draft_probs=torch.full((2, 3, 5), -0.2)), ValueError, "draft_probs: row 0"),
     (dict(draft_probs=torch.tensor([0.0, 0.25, 0.25, 0.25, 0.25]).expand(2, 3, 5).contiguous()), ValueError,
-     "draft_probs: row 0 .* or 0 at its drafted token"),  # node 0's token 0 cannot have been drawn from its q
+     r"draft_probs: row 0 .* > 1 or 0 \(x cannot have been drawn from it\)"),  # node 0's token 0 cannot have been drawn from its q
     (dict(target_logits=torch.full((2, 4, 5), float("nan"))), ValueError, "target_logits: row 0"),
 ])
 def test_bad_inputs_raise_naming_the_problem(overrides, error, pattern):

@@ -8,9 +8,9 @@ import torch
 
 ROW_STATUS_MESSAGES = {
     -1: "target_logits: row {row} has a NaN or +inf logit (or every logit is -inf) at a verified position",
-    -2: "draft_probs: row {row} has a NaN, negative or > 1 probability at a verified position, a row that does not "
-        "sum to 1 (within 1e-3) where a rejection reads it, or 0 at its drafted token (which cannot have been drawn "
-        "from it)",
+    -2: "draft_probs: row {row} has an invalid probability where the walk reads it: q(x) at a verified draft x that "
+        "is NaN, negative, > 1 or 0 (x cannot have been drawn from it), or, where a rejection resamples from the "
+        "whole q row, a NaN, negative or > 1 entry or a sum off 1 by more than 1e-3",
     -3: "{ids}: row {row} has a token id outside [0, V) among its first {counts} entries",
     -4: "num_draft: row {row} is outside [0, k]",
     -5: "temperature: row {row} is negative or NaN",

@@ -109,6 +109,7 @@ void raise_process_logits_value_errors(uint32_t errors, const ProcessLogitsView&
   SPECDEC_CHECK(!(errors & kErrorPresencePenalty), kOp, ": presence_penalty must be finite");
   SPECDEC_CHECK(!(errors & kErrorFrequencyPenalty), kOp, ": frequency_penalty must be finite");
   SPECDEC_CHECK(!(errors & kErrorOutputCounts), kOp, ": output_counts must lie in [0, ", kMaxOutputCount, "]");
+  SPECDEC_CHECK(!(errors & kErrorLogitBias), kOp, ": logit_bias must hold no NaN or +inf (-inf bans a token)");
   SPECDEC_CHECK(false, kOp, ": invalid values (error bits ", errors, ")");
 }
 
@@ -170,7 +171,7 @@ void process_columns(const ProcessLogitsView& v) {
 void process_logits(const ProcessLogitsArgs& args, const ProcessLogitsView& view) {
   uint32_t errors = 0;
   for (int64_t b = 0; b < view.batch; ++b) errors |= row_value_errors(view, b);
-  errors |= output_count_errors(view, 0, view.batch * view.vocab, 1);
+  errors |= table_errors(view, 0, view.batch * view.vocab, 1);
   raise_process_logits_value_errors(errors, view);
   AT_DISPATCH_V2(args.logits.scalar_type(), "process_logits_cpu", AT_WRAP([&] { process_columns<scalar_t>(view); }),
                  at::kFloat, at::kBFloat16, at::kHalf);

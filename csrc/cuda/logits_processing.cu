@@ -20,11 +20,11 @@ bool process_logits_fits(const ProcessLogitsView& v) {
 
 void launch_process_logits_check(const ProcessLogitsView& v, int32_t* errors, cudaStream_t stream) {
   launch_kernel(process_logits_check_kernel, dim3(1), dim3(kCheckThreads), stream, v, errors);
-  if (v.output_counts == nullptr || v.batch * v.vocab == 0) return;
-  constexpr int64_t kCountsPerThread = 16, kMaxBlocks = 1024;  // (a [16, 128k] counts tensor: 512 blocks)
-  const int64_t per_block = kCheckThreads * kCountsPerThread;
+  if ((v.output_counts == nullptr && v.logit_bias == nullptr) || v.batch * v.vocab == 0) return;
+  constexpr int64_t kEntriesPerThread = 16, kMaxBlocks = 1024;  // (a [16, 128k] table: 512 blocks)
+  const int64_t per_block = kCheckThreads * kEntriesPerThread;
   const int64_t blocks = std::min<int64_t>((v.batch * v.vocab + per_block - 1) / per_block, kMaxBlocks);
-  launch_kernel(process_logits_counts_check_kernel, dim3(static_cast<unsigned>(blocks)), dim3(kCheckThreads), stream,
+  launch_kernel(process_logits_tables_check_kernel, dim3(static_cast<unsigned>(blocks)), dim3(kCheckThreads), stream,
                 v, errors);
 }
 

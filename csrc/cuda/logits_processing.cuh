@@ -17,7 +17,7 @@
 //
 // process_logits_check_kernel: one block; each thread or-s row_value_errors over its rows, the
 // block or-s the threads' bits into one word (the wrapper reads it on the host);
-// process_logits_counts_check_kernel then or-s output_count_errors into it over a grid.
+// process_logits_tables_check_kernel then or-s table_errors (output_counts, logit_bias) into it over a grid.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -145,13 +145,13 @@ __global__ void __launch_bounds__(kCheckThreads) process_logits_check_kernel(Pro
   if (threadIdx.x == 0) *errors = static_cast<int32_t>(block_errors);
 }
 
-// The output counts' range (output_count_errors) over a grid-stride loop of many blocks, or-ed into *errors
-// after process_logits_check_kernel has written it (the same stream): [B, V] counts are too many for one block.
-__global__ void __launch_bounds__(kCheckThreads) process_logits_counts_check_kernel(ProcessLogitsView v,
+// The [B, V] tables' values (table_errors) over a grid-stride loop of many blocks, or-ed into *errors after
+// process_logits_check_kernel has written it (the same stream): [B, V] entries are too many for one block.
+__global__ void __launch_bounds__(kCheckThreads) process_logits_tables_check_kernel(ProcessLogitsView v,
                                                                                   int32_t* errors) {
   const int64_t stride = int64_t{gridDim.x} * kCheckThreads;
   const uint32_t thread_errors =
-      output_count_errors(v, int64_t{blockIdx.x} * kCheckThreads + threadIdx.x, v.batch * v.vocab, stride);
+      table_errors(v, int64_t{blockIdx.x} * kCheckThreads + threadIdx.x, v.batch * v.vocab, stride);
   if (thread_errors != 0u) atomicOr(reinterpret_cast<unsigned int*>(errors), thread_errors);
 }
 

@@ -9,8 +9,10 @@ turns the per-row status codes of the verifiers into errors. The decode loop pas
 """
 from __future__ import annotations
 
+import numbers
 from typing import Optional, Tuple, TypedDict, Union
 
+import numpy as np
 import torch
 from typing_extensions import Unpack
 
@@ -36,10 +38,23 @@ class SamplingKeywords(TypedDict, total=False):
 
 
 # ------------------------------------------------------------------------ the verifiers' arguments
+def python_number(value):
+    """numpy's (and any numbers.Real's) scalars as Python ints / floats, as Python numbers are taken; a bool or
+    anything else as given."""
+    if isinstance(value, (bool, np.bool_)) or isinstance(value, (int, float)):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return value
+
+
 def row_tensor(value: RowParam, name: str, batch: int, dtype: torch.dtype, device: torch.device):
-    """A [B] tensor from a scalar (broadcast to every row), a tensor, or None (op default)."""
+    """A [B] tensor from a scalar (broadcast to every row; numpy's too), a tensor, or None (op default)."""
     if value is None or isinstance(value, torch.Tensor):
         return value
+    value = python_number(value)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a number or a [B] tensor, got {type(value).__name__}")
     if not dtype.is_floating_point and not float(value).is_integer():  # (torch.full would truncate it)
@@ -57,6 +72,7 @@ def saturated_top_k(top_k: RowParam) -> RowParam:
     """A top_k past int32 is off (as any top_k >= V is): int32's largest, which the op's rows hold (the op
     wrappers' and SamplingParams' one rule)."""
     limit = torch.iinfo(torch.int32).max
+    top_k = python_number(top_k)
     return limit if isinstance(top_k, int) and not isinstance(top_k, bool) and top_k > limit else top_k
 
 
@@ -162,7 +178,9 @@ def chain_verify(
         Shape: [B, k]
     draft_probs : torch.Tensor, optional
         The (filtered) distribution each draft token was sampled from, fp32. None for deterministic
-        drafters (n-gram lookup, greedy drafts): q is then one-hot at the drafted token.
+        drafters (n-gram lookup, greedy drafts): q is then one-hot at the drafted token. Checked where the
+        walk reads it (``ROW_STATUS_MESSAGES[-2]``): q(x) at each verified draft x, and a whole row only where
+        a rejection resamples from it (an accepted position's other entries are never read).
         Shape: [B, k, V]
     num_draft : int or torch.Tensor, optional
         Drafted tokens per row (ragged batches), int32, each in [0, k]; default k.
@@ -300,7 +318,7 @@ def residual_probs(
         Draft distribution q, same dtype as ``target_probs``.
         Shape: [..., V]
     out : torch.Tensor, optional
-        Preallocated fp32 output.
+        Preallocated fp32 output, sharing no memory with the inputs (a row's mass is summed before it is written).
     check_values : bool
         Check that both inputs lie in [0, 1] without NaN and that each row sums to 1 (within
         ``PROBABILITY_SUM_TOLERANCE`` of its dtype; reads a flag on the host; meta tensors are not read).
@@ -316,9 +334,6 @@ def residual_probs(
         _check_probabilities("draft_probs", draft_probs)
     if out is None:
         out = torch.empty(target_probs.shape, dtype=torch.float32, device=target_probs.device)
-    elif out is target_probs or out is draft_probs:
-        raise ValueError("residual_probs: out must be another tensor than target_probs and draft_probs (a row's "
-                         "residual mass is summed before it is written)")
     torch.ops.specdec_ext.residual_probs(target_probs, draft_probs, out)
     return out
 

@@ -124,7 +124,8 @@ def tree_verify(
         Shape: [B, N] or [N]
     draft_probs : torch.Tensor, optional
         Row i is the draft distribution node i was sampled from (shared by siblings), fp32. None for
-        deterministic candidates.
+        deterministic candidates. Checked where the walk reads it, as chain_verify's: q(x) at each child
+        tried, a whole row only where a rejection resamples from it.
         Shape: [B, N, V]
     num_nodes : int or torch.Tensor, optional
         Nodes used per row, int32, each in [0, N]; default N.
