@@ -610,7 +610,7 @@ BAD = [  # (path, body or raw bytes, status, param)
     ("chat/completions", dict(CHAT, logprobs=True, top_logprobs=21), 400, "top_logprobs"),
     ("chat/completions", dict(CHAT, n=17), 400, "n"),
     ("chat/completions", dict(CHAT, logit_bias={"9999": 1}), 400, "logit_bias"),
-    ("chat/completions", dict(CHAT, max_completion_tokens=10 ** 6), 400, "max_tokens"),
+    ("chat/completions", dict(CHAT, max_completion_tokens=10 ** 6), 400, "max_completion_tokens"),  # (as the client named it)
     ("chat/completions", dict(CHAT, tools=[{"type": "function"}]), 400, "tools"),
     ("chat/completions", dict(CHAT, messages=[{"role": "user", "content": [{"type": "image_url",
                                                                             "image_url": {"url": "x"}}]}]),

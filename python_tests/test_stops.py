@@ -62,3 +62,44 @@ def test_stop_prefix_len_is_the_longest_end_that_begins_a_stop_string():
     text = "def f(x):\n    return x\x01\x01"
     assert stop_prefix_len(text, [long]) == 2
     assert Counted.reads <= len(text)  # (every prefix length: 399,999 slices of up to 400,000 characters)
+
+
+def test_the_stop_a_step_of_many_tokens_finds_is_the_one_tokens_one_at_a_time_find():
+    """A speculative step appends several tokens at once; its stop check must end the row exactly where checks
+    after each token would (else the output depends on how many drafts a step accepted). Random texts of
+    multi-character and multi-byte tokens, overlapping stop strings, random step sizes, against one token at a
+    time. It failed for overlapping stops: of "p=" and "3p==" in "3p==", the step chose the one that starts
+    first ("3p==", the text "") where one token at a time ends at "p=" (the text "3")."""
+    import random
+
+    pieces = ["a", "b", "ab", "=", "==", "p", "3p", "本"]
+    vocabulary = {i: piece.encode("utf-8") for i, piece in enumerate(pieces)}
+    split = {}  # multi-byte pieces also as byte tokens, so that a prefix can end inside a character
+    for piece in ("本",):
+        for byte in piece.encode("utf-8"):
+            split[len(vocabulary)] = bytes([byte])
+            vocabulary[len(vocabulary)] = bytes([byte])
+
+    def decode(tokens):
+        return b"".join(vocabulary[t] for t in tokens).decode("utf-8", errors="replace")
+
+    def run(tokens, stops, sizes):
+        criteria = StopCriteria(max_new_tokens=100, stop_strings=stops, decode_text=decode)
+        row, i = RowState(), 0
+        while i < len(tokens) and not row.finished:
+            size = next(sizes)
+            apply_stops(row, tokens[i:i + size], criteria)
+            i += size
+        return row.tokens, row.finish_reason, row.stop_text_end
+
+    rng = random.Random(0)
+    stop_pool = ["p=", "3p==", "==", "ab", "bab", "b=", "本", "a本", "a=="]
+    ended_by_stop = 0
+    for _ in range(3000):
+        tokens = [rng.randrange(len(vocabulary)) for _ in range(rng.randint(1, 14))]
+        stops = rng.sample(stop_pool, rng.randint(2, 4))
+        alone = run(tokens, stops, iter(lambda: 1, None))
+        many = run(tokens, stops, iter(lambda: rng.randint(1, 6), None))
+        assert many == alone, (decode(tokens), stops)
+        ended_by_stop += alone[1] == "stop"
+    assert ended_by_stop > 500  # (the stops do end rows)

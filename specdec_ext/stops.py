@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 INCOMPLETE_CHARACTER = "\ufffd"  # what a tokenizer decodes a partial UTF-8 sequence to
+FINISH_STOP_STRING = "stop"  # a row's finish_reason when a stop string ended it
 
 
 @dataclass
@@ -100,20 +101,31 @@ def _find_stop_string(row: RowState, start: int, stop: StopCriteria) -> Optional
     decoded.extend(row.tokens[start:])
     text = decoded.text_from(search_from)  # the row's text from search_from on
     hits = [(text.find(s), s) for s in stop.stop_strings]
-    hits = [(search_from + i, s) for i, s in hits if i >= 0]
+    hits = sorted((search_from + i, s) for i, s in hits if i >= 0)
     if not hits:
         return None
-    index, string = min(hits)
+    # The stop that one token at a time would have seen first: the one completed by the fewest tokens (not the
+    # one that starts first: of "p=" and "3p==" in "3p==", "p=" ends a token sooner), the earliest start among
+    # those completed by the same token (as a check after that token alone takes).
+    count, index = len(row.tokens) + 1, None
+    for hit_index, string in hits:
+        hit_count = _completing_count(row, start, hit_index, string, stop, count)
+        if hit_count < count:
+            count, index = hit_count, hit_index
+    del row.tokens[count:]
+    row.finished, row.finish_reason, row.stop_text_end = True, FINISH_STOP_STRING, index
+    return count
+
+
+def _completing_count(row: RowState, start: int, index: int, string: str, stop: StopCriteria, limit: int) -> int:
+    """The fewest of the row's tokens (more than ``start``) whose text holds ``string`` at ``index``, or ``limit``
+    if that takes ``limit`` or more. (A prefix that ends inside a multi-byte character decodes it to a
+    replacement character, as long as the text that follows but not the same; this runs when a row stops.)"""
     end = index + len(string)
     count = start + 1
-    # (the first prefix whose text holds the whole string: a prefix that ends inside a multi-byte character
-    # decodes it to a replacement character, as long as the text that follows but not the same; this runs
-    # once per row, when it stops)
-    while count < len(row.tokens) and stop.decode_text(row.tokens[:count])[index:end] != string:
+    while count < min(len(row.tokens), limit) and stop.decode_text(row.tokens[:count])[index:end] != string:
         count += 1
-    del row.tokens[count:]
-    row.finished, row.finish_reason, row.stop_text_end = True, "stop", index
-    return count
+    return count if count < limit else limit
 
 
 class IncrementalText:

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import secrets
 from typing import Any, AsyncIterator, Callable, List, Optional, Sequence, Tuple
 
@@ -33,7 +34,7 @@ from starlette.exceptions import HTTPException
 from ..grammar import GrammarError, GrammarSpec, grammar_spec
 from ..processing import Processing
 from ..sampling import SamplingParams
-from ..stops import StopCriteria
+from ..stops import FINISH_STOP_STRING, StopCriteria
 from . import protocol
 from .engine import RUNNING, Engine
 from .protocol import ChatRequest, CompletionRequest
@@ -107,7 +108,7 @@ class OpenAIService:
             raise ApiError(400, f"messages: the chat template refused them: {error}", param="messages") from None
         prompt = await self._tokens(text, "messages", add_special_tokens=False)  # (the template wrote the specials)
         max_tokens = body.token_limit
-        self._check_context(len(prompt), max_tokens or 0, "messages")
+        self._check_context(len(prompt), max_tokens or 0, "messages", body.token_limit_field)
         if max_tokens is None:  # as OpenAI: up to the end of the context
             max_tokens = self.context - len(prompt)
         return await self._respond(body, prompt, max_tokens, http, chat=True)
@@ -121,17 +122,17 @@ class OpenAIService:
                                  f"{self.context} (max_model_len): shorten the prompt", param)
         return await asyncio.to_thread(self.tokenizer.encode, text, **kwargs)
 
-    def _check_context(self, prompt_len: int, max_tokens: int, param: str) -> None:
+    def _check_context(self, prompt_len: int, max_tokens: int, param: str, limit_field: str = "max_tokens") -> None:
         """A 400 with the numbers (OpenAI's code context_length_exceeded) when the prompt leaves no room to
-        generate, or the prompt and max_tokens together pass the context."""
+        generate, or the prompt and max_tokens (named ``limit_field`` as the request did) pass the context."""
         if prompt_len >= self.context:
             raise self._too_long(f"{param}: the prompt has {_count(prompt_len, 'token')}, which leaves no room to "
                                  f"generate in this server's context of {self.context} (max_model_len): shorten the "
                                  "prompt", param)
         if prompt_len + max_tokens > self.context:
-            raise self._too_long(f"the prompt has {_count(prompt_len, 'token')} and max_tokens={max_tokens}: "
+            raise self._too_long(f"the prompt has {_count(prompt_len, 'token')} and {limit_field}={max_tokens}: "
                                  f"{prompt_len + max_tokens} tokens, past this server's context of {self.context} "
-                                 "(max_model_len): shorten the prompt or lower max_tokens", "max_tokens")
+                                 f"(max_model_len): shorten the prompt or lower {limit_field}", limit_field)
 
     def _too_long(self, message: str, param: str) -> ApiError:
         self.engine.metrics.record_rejected("too_large")
@@ -234,11 +235,28 @@ class Choice:
     def __init__(self, request: GenerationRequest, decode: Callable[[List[int]], str]):
         self.request = request
         self.text = TextStream(decode, request.stop.stop_strings)
-        self.logprobs: List = []  # logprobs.TokenLogprob of every token so far (when asked for)
+        self.logprobs: List = []  # logprobs.TokenLogprob of every token sent so far (when asked for)
         self.prompt_logprobs: Optional[List] = None  # echo with logprobs: the prompt tokens' (the first event's)
         self.logprob_offsets = TextOffsets()  # completions: the characters before the next token's text_offset
         self.finished = False
         self.last: Optional[RowEvent] = None  # its final event
+        self._held: List[Tuple[int, object]] = []  # (its first character, entry) of tokens whose text is not shown yet
+        self._token_starts = TextOffsets()
+
+    def take_logprobs(self, entries: Sequence, token_bytes: Callable[[int], bytes], event: RowEvent) -> List:
+        """Of the tokens so far and ``entries`` (this event's), the logprob entries to send now: a token's goes
+        with its text, once shown; when a stop string ends the row, the tokens past the text (the stop string's)
+        are left out, so that the logprobs describe the text returned."""
+        for entry in entries:
+            self._held.append((self._token_starts.take(token_bytes(entry.token)), entry))
+        if event.finished and event.finish_reason != FINISH_STOP_STRING:
+            shown = math.inf  # (an EOS, which has no text, included)
+        else:
+            shown = len(self.text.text)
+        ready = [entry for start, entry in self._held if start < shown]
+        self._held = [] if event.finished else self._held[len(ready):]
+        self.logprobs += ready
+        return ready
 
 
 class Reply:
@@ -248,6 +266,7 @@ class Reply:
                  echo: str = ""):
         self.service, self.body, self.chat, self.echo = service, body, chat, echo  # echo: completions' prompt text
         self.choices = [Choice(request, service.tokenizer.decode) for request in requests]
+        self.ready_logprobs: List[List] = [[] for _ in requests]  # per choice: its last event's entries to send
         self.id = protocol.new_id("chatcmpl" if chat else "cmpl")
         self.created = protocol.now()
 
@@ -272,7 +291,9 @@ class Reply:
         piece = choice.text.push(event)
         if event.prompt_logprobs is not None:
             choice.prompt_logprobs = event.prompt_logprobs
-        choice.logprobs += event.logprobs or []
+        if choice.request.top_logprobs is not None:
+            self.ready_logprobs[index] = choice.take_logprobs(event.logprobs or [], self.service.tokenizer.token_bytes,
+                                                              event)
         if event.finished:
             choice.finished, choice.last = True, event
         return piece
@@ -312,6 +333,18 @@ class Reply:
         return protocol.completion_logprobs(entries, top, token_bytes, choice.logprob_offsets)
 
     async def chunks(self, events: asyncio.Queue) -> AsyncIterator[str]:
+        """The response's server-sent events; a failure while streaming ends them with an error event and
+        [DONE] (the status line is sent: a cut body would leave the client a protocol error to guess from)."""
+        try:
+            async for chunk in self._chunks(events):
+                yield chunk
+        except Exception as error:  # noqa: BLE001 (whatever it is, the client hears of it)
+            log.exception("a streamed response failed")
+            yield _sse(protocol.error_body(f"the server failed while streaming: {type(error).__name__}: {error}",
+                                           "server_error"))
+            yield "data: [DONE]\n\n"
+
+    async def _chunks(self, events: asyncio.Queue) -> AsyncIterator[str]:
         for index in range(len(self.choices)):
             if self.chat:
                 yield _sse(self._object(protocol.chat_delta({"role": "assistant", "content": ""}, None, index=index),
@@ -330,9 +363,10 @@ class Reply:
                     yield self._chunk(index, piece, None)
                 yield _sse(protocol.error_body(str(error), error.error_type, code=error.code))
                 break
-            if piece or event.finished or event.logprobs:
+            ready = self.ready_logprobs[index]
+            if piece or event.finished or ready:
                 yield self._chunk(index, piece, protocol.finish_reason(event.finish_reason) if event.finished else None,
-                                  self._logprobs_object(self.choices[index], event.logprobs or []))
+                                  self._logprobs_object(self.choices[index], ready))
         else:
             if self.body.include_usage:
                 yield _sse(self._object(None, chunk=True, usage=self._usage(), choices=[]))

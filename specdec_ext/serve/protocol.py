@@ -8,7 +8,8 @@ frequency_penalty, logit_bias and the extensions min_p and repetition_penalty (s
 structured output: response_format json_object / json_schema (with strict) and the extensions regex and
 grammar (a Lark grammar; specdec_ext/grammar.py); logprobs (completions: an int up to 20; chat: logprobs
 with top_logprobs up to 20). Fields this server does not implement are refused when they would change
-the output (best_of > 1, suffix, tools); other unknown fields are ignored. echo prepends the prompt's
+the output (best_of > 1, suffix, tools / functions and a tool_choice / function_call that asks for a call);
+other unknown fields are ignored. echo prepends the prompt's
 text to each choice, and with logprobs the prompt tokens' logprobs to its logprobs (the first: null).
 """
 from __future__ import annotations
@@ -170,11 +171,16 @@ class ChatRequest(SamplingFields):
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: Optional[List[Any]] = None
+    functions: Optional[List[Any]] = None  # (tools' older spelling)
+    tool_choice: Optional[Any] = None
+    function_call: Optional[Any] = None
 
-    @field_validator("tools")
+    @field_validator("tools", "functions", "tool_choice", "function_call")
     @classmethod
     def _unsupported(cls, value, info: ValidationInfo):
-        return _refuse_unless(value, (None, []), info.field_name)
+        # no function calling: no tools to offer, and no choice but "none" (or "auto": call none, there being none)
+        allowed = (None, []) if info.field_name in ("tools", "functions") else (None, "none", "auto")
+        return _refuse_unless(value, allowed, info.field_name)
 
     @property
     def top_logprobs_asked(self) -> Optional[int]:
@@ -185,6 +191,11 @@ class ChatRequest(SamplingFields):
     @property
     def token_limit(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def token_limit_field(self) -> str:
+        """The field ``token_limit`` comes from (errors name what the client sent)."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
 
 def _refuse_unless(value, allowed, name: str):

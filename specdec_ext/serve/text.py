@@ -87,13 +87,16 @@ class SharedTokenizer:
             return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
     def token_bytes(self, token: int) -> bytes:
-        """The bytes token ``token`` stands for (b"" for a special token, as its text is skipped): a token of a
+        """The bytes token ``token`` stands for (b"" for a special token, as its text is skipped, and for an id
+        past the tokenizer's, in a model vocabulary padded beyond it): a token of a
         byte-level BPE may hold part of a multi-byte character, which decode() alone shows as a replacement
         character."""
         with self._lock:
             if int(token) in self.tokenizer.all_special_ids:
                 return b""
             piece = self.tokenizer.convert_ids_to_tokens(int(token))
+            if piece is None:  # an id of a vocabulary padded past the tokenizer's: no text
+                return b""
             decoder = getattr(getattr(self.tokenizer, "backend_tokenizer", None), "decoder", None)
             if type(decoder).__name__ == "ByteLevel" and all(c in _BYTE_OF_CHARACTER for c in piece):
                 return bytes(_BYTE_OF_CHARACTER[c] for c in piece)
