@@ -220,10 +220,9 @@ def check_text(text: str, what: str) -> None:
                          "surrogate, which has no UTF-8 encoding") from None
 
 
-# generation_config fields that transformers' generate() applies by default and generate() does not read (it
-# decodes by its own arguments), with the value that means "off"
-# generation_config fields that change what transformers' generate() returns, with their values that change nothing:
-# sampling, penalties and banned tokens, beam / contrastive / guided search, forced and length-penalised ends
+# generation_config fields that generate() does not read (it decodes by its own arguments) and that change what
+# transformers' generate() returns, with their values that change nothing: sampling, penalties and banned tokens,
+# beam / contrastive / guided search, forced and length-penalised ends
 UNREAD_GENERATION_FIELDS = {"do_sample": False, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
                             "min_new_tokens": None, "min_length": 0, "suppress_tokens": None,
                             "begin_suppress_tokens": None, "bad_words_ids": None, "sequence_bias": None,
