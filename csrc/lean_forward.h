@@ -483,6 +483,8 @@ inline void check_greedy_chain(const at::Tensor& tokens, int64_t steps, const Ll
     check_float_vector(op, "head_bias", *model.head.bias, V, embed, "V_out (head dimension 0)");
   SPECDEC_CHECK(vocab_limit >= 1 && vocab_limit <= V, op, ": vocab_limit must be in [1, V_out] = [1, ", V, "], got ",
                 vocab_limit);
+  SPECDEC_CHECK(vocab_limit <= embed.size(0), op, ": the chain feeds the ids it picks, below vocab_limit = ", vocab_limit,
+                ", but embed holds V_in = ", embed.size(0), " rows (a head wider than the embedding): pass vocab_limit <= V_in");
   const bool fed = rows.feed.has_value();
   if (fed) check_feed(rows, B, tokens, embed);
   const int64_t W = fed ? rows.feed->size(1) : 0;

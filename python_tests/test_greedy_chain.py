@@ -286,3 +286,21 @@ def test_the_model_drafter_chains_and_proposes_what_its_loop_proposes(monkeypatc
     assert chained.token_ids == looped.token_ids == plain.token_ids
     for field in ("steps", "reached", "accepted"):
         assert getattr(chained.stats, field) == getattr(looped.stats, field), field
+
+
+def test_the_op_refuses_to_pick_ids_past_the_embedding():
+    """The chain feeds back the ids it picks: given a head wider than the embedding (the lean runner refuses such a
+    model; the op is public) and no vocab_limit below the embedding's rows, ops.greedy_chain refuses up front. It
+    read past the embedding's rows (csrc/cpu/lean_forward.cpp embed_rows) and drafted from that memory."""
+    import dataclasses
+
+    runner = _runners(tiny("llama", **SHAPE))[0]
+    weights = runner.weights
+    wider = torch.cat([weights.head.weight, weights.head.weight[:8]])  # [V + 8, d]
+    runner.weights = dataclasses.replace(weights, head=dataclasses.replace(weights.head, weight=wider))
+    tokens = torch.zeros((3, 4), dtype=torch.int64)
+    tokens[:, 0] = _first_tokens()
+    with pytest.raises(RuntimeError, match="embed holds V_in = .* rows \\(a head wider than the embedding\\)"):
+        runner.greedy_chain(tokens, 4, vocab_limit=VOCAB + 8)
+    runner.weights = weights
+    runner.greedy_chain(tokens, 4, vocab_limit=VOCAB)  # (the same runner, its own head: runs)

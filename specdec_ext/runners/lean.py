@@ -161,6 +161,9 @@ def unsupported_reason(model, max_seq_len: Optional[int] = None) -> Optional[str
         layout = _matrix_layout_reason(matrix, dtype)
         if layout is not None:
             return f"{name} {layout}"
+    if head.weight.shape[0] > base.embed_tokens.weight.shape[0]:  # (its chains feed back what the head picks)
+        return (f"the LM head scores {head.weight.shape[0]} tokens, more than the embedding's "
+                f"{base.embed_tokens.weight.shape[0]} rows: a token past them could not be fed back")
     modules = _module_reason(model, model_type)
     if modules is not None:
         return f"{modules} (the lean forward computes the stock {model_type} modules from their weights)"
