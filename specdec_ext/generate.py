@@ -594,7 +594,8 @@ def _plan_build_decode(models: Models, prompts, request: RunRequest):
                      k=request.k, draft_tree=request.draft_tree, runner=request.runner, sampling=request.sampling,
                      seeded=request.seed is not None, max_seq_len=request.max_seq_len,
                      draft_confidence=request.draft_confidence, tp_check=request.tp_check, vocab_bridge=models.bridge,
-                     processing=request.processing, top_logprobs=request.top_logprobs)
+                     processing=request.processing, top_logprobs=request.top_logprobs,
+                     num_heads=getattr(models.heads, "num_heads", None))
     if request.explain and distributed.rank() == 0:
         print(plan.explain(), file=sys.stderr)
     B = len(token_prompts)

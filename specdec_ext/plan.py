@@ -177,6 +177,7 @@ class PlanRequest:
     vocab_bridge: object = None  # drafter "cross-tokenizer": its vocab_bridge.VocabularyBridge
     processing: Optional[Processing] = None  # logits processors (checked against the target's vocabulary)
     top_logprobs: Optional[int] = None
+    num_heads: Optional[int] = None  # drafter "heads": how many (a tree is no deeper)
 
     def validate(self) -> None:
         _check_kinds(self.drafter, self.runner)
@@ -318,7 +319,7 @@ def make_plan(target_model, draft_model, **request) -> DecodePlan:
     ask.validate()
     models = _Models.of(target_model, draft_model)
     reasons: List[Tuple[str, str]] = []
-    tree = _tree_shape(ask.drafter, ask.draft_tree, output_vocab_size(models.target))
+    tree = _tree_shape(ask.drafter, ask.draft_tree, output_vocab_size(models.target), ask.num_heads)
     slots, controller = _draft_length(ask, tree, models, reasons)
     if tree is None and slots and (ask.k is None or ask.k == AUTO_K):
         ask, slots, controller = _fit_default_draft_length(ask, slots, controller, models, reasons)
@@ -682,7 +683,9 @@ def _check_cache(ask: PlanRequest, slots: int, models: _Models) -> None:
             UserWarning, stacklevel=5)  # (generate -> _run -> make_plan)
 
 
-def _tree_shape(drafter: str, draft_tree, vocab_size: int) -> Optional[Tuple[int, int, int]]:
+def _tree_shape(drafter: str, draft_tree, vocab_size: int, num_heads: Optional[int] = None
+                ) -> Optional[Tuple[int, int, int]]:
+    """The (b, d, N) tree asked (checked), or the heads' default (``HEADS_TREE``, no deeper than the heads)."""
     if draft_tree is not None:
         if (not isinstance(draft_tree, (tuple, list)) or len(draft_tree) != 3
                 or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in draft_tree)):
@@ -697,8 +700,14 @@ def _tree_shape(drafter: str, draft_tree, vocab_size: int) -> Optional[Tuple[int
                              "tokenizer drafts chains")
         if drafter == "none":
             raise ValueError("draft_tree needs a draft model or heads (plain decoding drafts nothing)")
+        if num_heads is not None and draft_tree[1] > num_heads:
+            raise ValueError(f"draft_tree={tuple(draft_tree)!r}: depth d = {draft_tree[1]} exceeds the {num_heads} "
+                             "heads (one head per depth)")
         return tuple(draft_tree)
-    return HEADS_TREE if drafter == "heads" else None
+    if drafter != "heads":
+        return None
+    b, d, n = HEADS_TREE
+    return b, d if num_heads is None else min(d, num_heads), n  # (fewer heads than its depth: as deep as they reach)
 
 
 def _cross_tokenizer_mode(ask: PlanRequest, reasons: List[Tuple[str, str]]) -> Optional[str]:

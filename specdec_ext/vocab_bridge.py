@@ -26,6 +26,10 @@ ROUND_TRIP_PROBES = (
     "hello, world! 123",
     "two  spaces; x = [1, 2] # done",
 )
+# Texts with capitals and tabs: the draft must round-trip each one the target does (a lowercasing or tab-dropping
+# draft; all-lower-case probes and prompts let one through). A target that cannot spell them (a test's character
+# vocabulary) never emits them, and is not refused for it.
+DRAFT_FIDELITY_PROBES = ("Hello, World!\tDone", "class Point:\n\tX = A1\n")
 MIN_INTERSECTION = 32  # shared tokens below this leave a sampled draft too little to propose from
 BOUNDARY_LOOKBEHIND = 3  # committed target tokens re-encoded with a draft's text (the last may merge with it)
 # Word-start markers that spell a leading space: byte-level BPE's and SentencePiece's (one key for both).
@@ -45,15 +49,22 @@ def _decode(tokenizer, ids: Sequence[int]) -> str:
 
 
 def check_round_trip(target_tokenizer, draft_tokenizer, texts: Sequence[str] = ROUND_TRIP_PROBES) -> None:
-    """Raise TokenizerRoundTripError naming every (tokenizer, text) whose decode(encode(text)) != text."""
+    """Raise TokenizerRoundTripError naming every (tokenizer, text) whose decode(encode(text)) != text: each of
+    ``texts`` for both, each of ``DRAFT_FIDELITY_PROBES`` that the target round-trips for the draft."""
+    def back(tokenizer, text: str) -> str:
+        return _decode(tokenizer, _encode(tokenizer, text, special=False))
+
     failures = []
     for role, tokenizer in (("target", target_tokenizer), ("draft", draft_tokenizer)):
         for text in texts:
-            back = _decode(tokenizer, _encode(tokenizer, text, special=False))
-            if back != text:
-                failures.append(f"{role} tokenizer: {text!r} -> {back!r}")
+            if back(tokenizer, text) != text:
+                failures.append(f"{role} tokenizer: {text!r} -> {back(tokenizer, text)!r}")
+    fidelity = [text for text in DRAFT_FIDELITY_PROBES if back(target_tokenizer, text) == text]
+    for text in fidelity:
+        if back(draft_tokenizer, text) != text:
+            failures.append(f"draft tokenizer: {text!r} -> {back(draft_tokenizer, text)!r} (the target's round-trips)")
     if failures:
-        tried = ", ".join(repr(t) for t in texts)
+        tried = ", ".join(repr(t) for t in list(texts) + fidelity)
         raise TokenizerRoundTripError(
             "a draft with another tokenizer needs both tokenizers to decode back the text they encode; "
             f"tried {tried}; failed: " + "; ".join(failures))
