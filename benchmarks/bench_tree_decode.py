@@ -28,7 +28,8 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from specdec_ext.bench.compare import PassCounter, load, run_methods, workloads_of
+from specdec_ext.arg_types import subset_of
+from specdec_ext.bench.compare import WORKLOADS, PassCounter, load, run_methods, workloads_of
 
 DEFAULT_KS = (4, 8, 16)
 
@@ -46,7 +47,8 @@ def parse_args(argv):
     p.add_argument("--ks", default=",".join(map(str, DEFAULT_KS)))
     p.add_argument("--branches", default="2,3", help="tree branching factors b (default: 2,3)")
     p.add_argument("--temperatures", default="0,1", help="sampling temperatures (default: 0,1)")
-    p.add_argument("--workloads", default="code", help="one of code, edit (specdec_ext/bench/workloads.py; default: code)")
+    p.add_argument("--workloads", type=subset_of(WORKLOADS), default=["code"],
+                   help="one of code, edit (specdec_ext/bench/workloads.py; default: code)")
     p.add_argument("--prompts", type=int, default=3)
     p.add_argument("--lines", type=int, default=20)
     p.add_argument("--prompt-file", action="append", default=[])

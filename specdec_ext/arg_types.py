@@ -75,6 +75,48 @@ def non_negative(value: str) -> float:
     return _parsed(value, float, lambda x: 0.0 <= x < float("inf"), "a finite number >= 0")
 
 
+def fraction(value: str) -> float:
+    """A number in [0, 1] (a share of another value)."""
+    return _parsed(value, float, lambda x: 0.0 <= x <= 1.0, "a number in [0, 1]")
+
+
+def below_one(value: str) -> float:
+    """A number in [0, 1) (a probability threshold where 1 would drop everything)."""
+    return _parsed(value, float, lambda x: 0.0 <= x < 1.0, "a number in [0, 1)")
+
+
+def tree_shape(value: str):
+    """A draft tree 'B,D,N': three ints >= 1."""
+    try:
+        shape = tuple(int(x) for x in value.split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) != 3 or min(shape) < 1:
+        raise argparse.ArgumentTypeError(f"expected B,D,N (three ints >= 1), got {value!r}")
+    return shape
+
+
+def tree_list(value: str):
+    """Draft trees 'B,D,N;B,D,N...' (each as ``tree_shape``), at least one."""
+    trees = [tree_shape(part) for part in value.split(";") if part.strip()]
+    if not trees:
+        raise argparse.ArgumentTypeError(f"expected B,D,N trees separated by ';', got {value!r}")
+    return trees
+
+
+def subset_of(choices):
+    """A comma-separated non-empty subset of ``choices`` (kept in the order given)."""
+    def parse(value: str):
+        picked = [part.strip() for part in value.split(",") if part.strip()]
+        unknown = [part for part in picked if part not in choices]
+        if not picked or unknown:
+            raise argparse.ArgumentTypeError(f"expected one or more of {','.join(choices)} (comma-separated), got "
+                                             f"{value!r}")
+        return picked
+    parse.__name__ = f"subset of {','.join(choices)}"
+    return parse
+
+
 def int_list(value: str):
     """Comma-separated ints >= 1 (draft lengths)."""
     try:
@@ -101,3 +143,19 @@ def device(value: str) -> str:
 def probability(value: str) -> float:
     """A number in (0, 1) (a significance level)."""
     return _parsed(value, float, lambda x: 0.0 < x < 1.0, "a number in (0, 1)")
+
+
+def read_text_option(option: str, path: str) -> str:
+    """The UTF-8 text of the file an option names; ValueError naming the option and the problem (a bare
+    OSError named neither: "[Errno 2] No such file or directory: 'x'")."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise ValueError(f"{option}: no such file: {path}") from None
+    except IsADirectoryError:
+        raise ValueError(f"{option}: {path} is a directory, not a file") from None
+    except OSError as error:
+        raise ValueError(f"{option}: cannot read {path}: {error.strerror or error}") from None
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{option}: {path} is not UTF-8 text ({error.reason} at byte {error.start})") from None

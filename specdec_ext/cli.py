@@ -9,10 +9,10 @@ import json
 import os
 import sys
 import warnings
-from typing import List, NoReturn, Optional
+from typing import Dict, List, NoReturn, Optional
 
 from .arg_types import (OneLineParser, USAGE_ERROR_STATUS, at_least, int_in, int_list, non_negative, positive,
-                        probability, usage_error_line)
+                        probability, read_text_option, tree_shape, usage_error_line)
 from .stats import format_measured
 from .bench.workloads import heldout_prompts
 from .eagle import command as eagle_command
@@ -55,18 +55,6 @@ def _json(value) -> str:
             return [strict(x) for x in v]
         return v
     return json.dumps(strict(value), indent=2, allow_nan=False)
-
-
-def _tree_shape(value: str):
-    """--tree: 'B,D,N', three ints >= 1."""
-    parts = value.split(",")
-    try:
-        shape = tuple(int(x) for x in parts)
-    except ValueError:
-        shape = ()
-    if len(shape) != 3 or min(shape) < 1:
-        raise argparse.ArgumentTypeError(f"expected B,D,N (three ints >= 1), got {value!r}")
-    return shape
 
 
 # --draft's help, by command (what each command runs)
@@ -128,9 +116,10 @@ def _generate_parser(sub) -> None:
     g.add_argument("--prompt-file", action="append", default=[],
                    help="a file whose content is one prompt (repeatable; - reads standard input)")
     _model_args(g)
-    g.add_argument("--max-new-tokens", type=int, default=128, help="exact cap on new tokens per prompt (default: 128)")
+    g.add_argument("--max-new-tokens", type=at_least(0), default=128,
+                   help="exact cap on new tokens per prompt (default: 128)")
     _draft_tokenizer_arg(g, mode="--explain names the mode")
-    g.add_argument("--tree", type=_tree_shape, default=None, metavar="B,D,N",
+    g.add_argument("--tree", type=tree_shape, default=None, metavar="B,D,N",
                    help="draft a token tree instead of a chain: top-B per node, D levels, N nodes (a draft model "
                    "or heads; heads default to 3,3,8); -k is then ignored")
     g.add_argument("-k", "--k", type=_draft_length, default=None, dest="k",
@@ -150,7 +139,7 @@ def _generate_parser(sub) -> None:
     g.add_argument("--tp", type=int, default=None, metavar="N",
                    help="shard --target over N ranks with tensor parallelism: run under "
                    "torchrun --nproc_per_node=N -m specdec_ext generate --tp N ... (rank 0 prints; docs/multi-gpu.md)")
-    g.add_argument("--tp-check", default="broadcast", choices=["broadcast", "verify", "off"],
+    g.add_argument("--tp-check", default=None, choices=TP_CHECK_CHOICES,
                    help="with --tp: broadcast rank 0's proposals and verdicts (default), verify that the ranks "
                    "agree and fail otherwise, or trust that they do")
     g.add_argument("--explain", action="store_true",
@@ -288,8 +277,17 @@ def _set_threads(threads: Optional[int]) -> None:
         torch.set_num_threads(threads)
 
 
+BUNDLED_DRAFT_DIRECTORIES = {"heads": "a heads directory trained for it (tools/train_heads.py)",
+                             "eagle": "an EAGLE-3 head directory trained for it (specdec train-eagle --target it)"}
+
+
 def _pair_args(args):
     if args.draft in ("ngram", "heads", "eagle"):  # no draft model (the target defaults to the bundled one)
+        if args.draft in BUNDLED_DRAFT_DIRECTORIES and args.target is not None:
+            from .models import is_bundled_target
+            if not is_bundled_target(args.target):
+                raise ValueError(f"--draft {args.draft} is the bundled target's, and --target {args.target} is another "
+                                 f"model: give --draft {BUNDLED_DRAFT_DIRECTORIES[args.draft]}")
         return args.target, args.draft
     if _is_heads_directory(args.draft):
         if args.target is None:
@@ -318,11 +316,14 @@ def cmd_generate(args) -> int:
     prompts: List[str] = list(args.prompts) + list(args.prompt_flags)
     for path in args.prompt_file:
         if path == "-":
+            if sys.stdin is None:  # (started with standard input closed)
+                raise SystemExit("specdec generate: error: --prompt-file -: standard input is closed")
             prompts.append(sys.stdin.read())
             continue
-        prompts.append(_read_text("--prompt-file", path))
+        prompts.append(read_text_option("--prompt-file", path))
     if not prompts:
         raise SystemExit("specdec generate: error: give at least one prompt (positional, --prompt or --prompt-file)")
+    _check_ignored_options(args)
     target, draft = _pair_args(args)
     eos = False if args.no_eos else args.eos_token_id
     kw = dict(max_new_tokens=args.max_new_tokens, k=args.k, temperature=args.temperature, top_k=args.top_k,
@@ -343,12 +344,30 @@ def cmd_generate(args) -> int:
         with progress_bar(args.max_new_tokens * len(prompts), "generating", unit="token", show=show_bar,
                           delay_s=GENERATE_PROGRESS_DELAY_S, leave=False) as bar:
             result = _consume(generate(prompts, target, draft, stream=True, **kw), bar, echo=streamed,
-                              several=len(prompts) > 1)
+                              rows=len(prompts))
     _print_result(result, prompts, args.json, streamed)
     if args.plot:
         pair = f"target / draft: {args.target or 'bundled'} / {args.draft or 'bundled'}"
         write_plot("generate", lambda: result.stats.plot(args.plot, label=pair))
     return 0
+
+
+TP_CHECK_CHOICES = ("broadcast", "verify", "off")  # --tp-check (the first: the default with --tp)
+NO_DRAFT_MODEL = ("none", "ngram", "heads", "eagle")  # --draft values with no draft model (and no tokenizer of one)
+
+
+def _check_ignored_options(args) -> None:
+    """ValueError naming an option the command would run without using: given, it was meant to change something."""
+    draft = getattr(args, "draft", None)
+    if getattr(args, "draft_tokenizer", None) is not None and draft in NO_DRAFT_MODEL:
+        raise ValueError(f"--draft-tokenizer is the tokenizer of a draft model, and --draft {draft} has none: "
+                         "drop one of them")
+    if getattr(args, "no_eos", False) and getattr(args, "eos_token_id", None) is not None:
+        raise ValueError("--eos-token-id and --no-eos contradict each other: give one of them")
+    if getattr(args, "tp_check", None) is not None and getattr(args, "tp", None) is None:
+        raise ValueError("--tp-check applies to a tensor-parallel run: give --tp N too, or drop it")
+    if draft == "none" and getattr(args, "k", None) is not None:
+        raise ValueError("-k is a draft length, and --draft none drafts nothing: drop one of them")
 
 
 def _processing_args(parser) -> None:
@@ -382,7 +401,7 @@ def _processing_kwargs(args) -> dict:
     if args.json_schema is not None:
         text = args.json_schema
         if os.path.isfile(text) or _names_a_file(text):
-            kw["json_schema"] = _json_flag("--json-schema", _read_text("--json-schema", text),
+            kw["json_schema"] = _json_flag("--json-schema", read_text_option("--json-schema", text),
                                            f": the file {text} is not valid JSON")
         else:
             kw["json_schema"] = _json_flag("--json-schema", text, " is not valid JSON" if text.lstrip()[:1] in "{["
@@ -390,7 +409,7 @@ def _processing_kwargs(args) -> dict:
     if args.regex is not None:
         kw["regex"] = args.regex
     if args.grammar is not None:
-        kw["grammar"] = _read_text("--grammar", args.grammar)
+        kw["grammar"] = read_text_option("--grammar", args.grammar)
     return kw
 
 
@@ -400,22 +419,6 @@ def _names_a_file(value: str) -> bool:
     if value.lstrip().startswith(("{", "[")):
         return False
     return value.endswith(".json") or "/" in value or os.sep in value
-
-
-def _read_text(option: str, path: str) -> str:
-    """The UTF-8 text of the file an option names; ValueError naming the option and the problem (a bare
-    OSError named neither: "[Errno 2] No such file or directory: 'x'")."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except FileNotFoundError:
-        raise ValueError(f"{option}: no such file: {path}") from None
-    except IsADirectoryError:
-        raise ValueError(f"{option}: {path} is a directory, not a file") from None
-    except OSError as error:
-        raise ValueError(f"{option}: cannot read {path}: {error.strerror or error}") from None
-    except UnicodeDecodeError as error:
-        raise ValueError(f"{option}: {path} is not UTF-8 text ({error.reason} at byte {error.start})") from None
 
 
 def _json_flag(flag: str, text: str, problem: str = " is not valid JSON"):
@@ -455,7 +458,8 @@ def _generate_tensor_parallel(args, prompts, target, draft, kw) -> NoReturn:
     if target is None:
         raise SystemExit("specdec generate --tp: give --target PATH (the model to shard) and --draft")
     try:
-        result = generate(prompts, target, draft, tp_size=args.tp, tp_check=args.tp_check, **kw)
+        result = generate(prompts, target, draft, tp_size=args.tp, tp_check=args.tp_check or TP_CHECK_CHOICES[0],
+                          **kw)
     except Exception as error:
         print(f"specdec generate --tp {args.tp}: rank {distributed.rank()} failed: {type(error).__name__}: {error}",
               file=sys.stderr, flush=True)
@@ -484,18 +488,23 @@ def _print_result(result, prompts: List[str], as_json: bool, streamed: bool) -> 
     print("\n" + result.stats.summary(), file=sys.stderr)
 
 
-def _consume(stream, bar, *, echo: bool, several: bool):
+def _consume(stream, bar, *, echo: bool, rows: int):
     """Run a generation stream to its end, advancing ``bar`` by the tokens of each piece and printing the
-    pieces when ``echo`` (with a header per prompt when ``several``); -> its GenerationResult."""
-    last = None
+    pieces when ``echo``; -> its GenerationResult. Several prompts are shown one after the other, each under
+    one header: the first prompt's pieces as they come, the others' when the generation ends (interleaved,
+    the rows' pieces made neither text readable)."""
+    held: Dict[int, List[str]] = {index: [] for index in range(1, rows)}
+    if echo and rows > 1:
+        print("--- [0] ", end="")
     for piece in stream:
         bar.update(len(piece.token_ids))
-        if echo:
-            if piece.index != last and several:
-                print(f"\n--- [{piece.index}] ", end="")
-            last = piece.index
+        if echo and piece.index > 0:
+            held[piece.index].append(str(piece))
+        elif echo:
             print(piece, end="", flush=True)
     if echo:
+        for index in range(1, rows):
+            print(f"\n--- [{index}] " + "".join(held[index]), end="")
         print()
     return stream.result
 
@@ -584,7 +593,8 @@ def cmd_demo(args) -> int:
         spec = generate([prompt], target, draft, k=args.k, **kw)
         same = "identical to plain greedy" if spec.token_ids == plain.token_ids else "DIFFERS from plain greedy"
         print(f"=== {name} (first {args.lines} lines) ===")
-        print(prompt + "\033[1m" + spec.text[0] + "\033[0m" if sys.stdout.isatty() else prompt + spec.text[0])
+        highlight = sys.stdout.isatty() and not os.environ.get("NO_COLOR")  # (no-color.org)
+        print(prompt + "\033[1m" + spec.text[0] + "\033[0m" if highlight else prompt + spec.text[0])
         s, p = spec.stats, plain.stats
         how = _draft_shape(spec.stats, tree=spec.plan.is_tree)
         per_pass, acceptance = format_measured(s.tokens_per_pass, "{:.2f}"), format_measured(s.acceptance_rate, "{:.2f}")
@@ -607,6 +617,7 @@ def cmd_serve(args) -> int:
     from .serve.server import run_server
 
     _check_served_draft(args.draft)
+    _check_ignored_options(args)
     if args.draft == "none":
         models = load_models(args.target, plain=True)
     else:
@@ -693,7 +704,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         with _one_line_warnings(command):
             status = _run(argv)
-            sys.stdout.flush()  # (here, a reader gone before the last bytes is a closed pipe, not a message at exit)
+            if sys.stdout is not None:  # (None: started with standard output closed, whose prints went nowhere)
+                sys.stdout.flush()  # (here, a reader gone before the last bytes is a closed pipe, not a message at exit)
             return status
     except KeyboardInterrupt:
         print(f"specdec {command}: interrupted".replace("  ", " "), file=sys.stderr)

@@ -224,7 +224,7 @@ class GenerationStats:
             f"tokens: {self.new_tokens} in {self.total_time:.3f}s ({format_measured(self.tokens_per_second, '{:.1f}')} tok/s, "
             f"TPOT {format_measured(self.tpot * 1e3, '{:.2f}')} ms), batch {self.batch_size}, "
             + (f"k=auto (k_max {self.k})" if self.adaptive
-               else f"tree {self.tree[0]}x{self.tree[1]}, {self.tree[2]} nodes" if self.tree else f"k={self.k}"),
+               else f"tree {self.tree[0]}x{self.tree[1]}, {self.k} nodes" if self.tree else f"k={self.k}"),
             f"target passes: {self.steps}, tokens per pass {format_measured(self.tokens_per_pass, '{:.2f}')} "
             f"(cost model {format_measured(self.predicted_tokens_per_pass, '{:.2f}')}), acceptance a={format_measured(self.acceptance_rate, '{:.3f}')}, "
             f"by position [{by_pos}]",

@@ -43,8 +43,9 @@ from typing import Dict, List, Optional
 
 import torch
 
-from ..arg_types import at_least, device, int_list
+from ..arg_types import at_least, below_one, device, int_list, read_text_option, subset_of, tree_list
 from ..cost_model import expected_tokens_per_pass, predicted_speedup
+from ..plan import loop_cache_len
 from ..plots import BenchPanel, BenchPoint, check_plot_option, pair_label, plot_bench, write_plot
 from ..progress import hf_progress_bars_off, progress_bar, progress_wanted
 from .workloads import WORKLOADS, workload_prompts
@@ -115,16 +116,17 @@ def parse_args(argv):
     p.add_argument("--target", help="target model path/id (default: the bundled pair; give --draft too)")
     p.add_argument("--draft", help="draft model path/id (default: the bundled pair)")
     p.add_argument("--ks", type=int_list, default=list(DEFAULT_KS), help="our draft lengths (default: 2,4,6,8)")
-    p.add_argument("--drafters", default=",".join(DRAFTERS),
+    p.add_argument("--drafters", type=subset_of(DRAFTERS), default=list(DRAFTERS),
                    help=f"our drafters besides the model chain at --ks (default: {','.join(DRAFTERS)})")
     p.add_argument("--ngram-ks", type=int_list, default=list(DEFAULT_NGRAM_KS),
                    help="draft lengths of the lookup drafter (default: 4,8)")
-    p.add_argument("--trees", default=DEFAULT_TREES, help="draft-model trees b,d,N separated by ';' (default: 2,3,6)")
-    p.add_argument("--heads-trees", default=DEFAULT_HEADS_TREES,
+    p.add_argument("--trees", type=tree_list, default=tree_list(DEFAULT_TREES), help="draft-model trees b,d,N separated by ';' (default: 2,3,6)")
+    p.add_argument("--heads-trees", type=tree_list, default=tree_list(DEFAULT_HEADS_TREES),
                    help="heads trees b,d,N separated by ';' (default: 3,3,8)")
     p.add_argument("--eagle-ks", type=int_list, default=list(DEFAULT_EAGLE_KS),
                    help="chain lengths of the EAGLE-3 head (default: 4)")
-    p.add_argument("--workloads", default=",".join(WORKLOADS), help="subset of code,edit (default: code,edit)")
+    p.add_argument("--workloads", type=subset_of(WORKLOADS), default=list(WORKLOADS),
+                   help="subset of code,edit (default: code,edit)")
     p.add_argument("--prompts", type=at_least(1), default=3, help="held-out prompts per workload (default: 3)")
     p.add_argument("--lines", type=at_least(1), default=20, help="lines of each held-out file per prompt (default: 20)")
     p.add_argument("--prompt-file", action="append", default=[], help="a file whose content is one prompt (repeatable)")
@@ -137,7 +139,7 @@ def parse_args(argv):
                    "dtype; in fp32 a one-thread CPU is compute-bound and verifying k+1 tokens costs more)")
     p.add_argument("--runner", default="auto", choices=["auto", "lean", "paged", "recompute"], help="our model runner")
     p.add_argument("--device", type=device, default="cpu", help="where both models run, e.g. cuda (default: cpu)")
-    p.add_argument("--confidence", type=float, default=0.0,
+    p.add_argument("--confidence", type=below_one, default=0.0,
                    help="our drafter stops a row's draft after a token it gives probability below this "
                    "(like HF's assistant_confidence_threshold); 0 = always k (default: 0)")
     p.add_argument("--no-hf", action="store_true", help="skip the three HF baselines (ours only)")
@@ -165,17 +167,29 @@ def load(args):
 def workloads_of(args, tokenizer) -> Dict[str, List[List[int]]]:
     """{workload: prompt token lists}: --prompt-file as one workload "files", else --workloads."""
     if args.prompt_file:
-        texts = []
-        for path in args.prompt_file:
-            with open(path, encoding="utf-8") as f:
-                texts.append(f.read())
+        texts = [read_text_option("--prompt-file", path) for path in args.prompt_file]
         return {"files": [tokenizer(t)["input_ids"] for t in texts]}
     return {w: [tokenizer(t)["input_ids"] for t in workload_prompts(w, args.prompts, args.lines)]
-            for w in args.workloads.split(",") if w.strip()}
+            for w in args.workloads}
 
 
-def parse_trees(text: str) -> List[tuple]:
-    return [tuple(int(x) for x in t.split(",")) for t in text.split(";") if t.strip()]
+def _check_draft_lengths(args, target, workloads, lengths: Dict[str, List[int]]) -> None:
+    """ValueError naming the option for a draft length whose chain does not fit the target's positions with the
+    longest prompt and --max-new-tokens (the plan would refuse it, in its own terms, only when it comes up)."""
+    config = target.config  # (an HF model's)
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is None:
+        return
+    longest = max((len(p) for prompts in workloads.values() for p in prompts), default=0)
+    new = max(args.max_new_tokens, WARMUP_TOKENS)
+    for option, ks in lengths.items():
+        for k in ks:
+            needed = loop_cache_len(longest, new, k)
+            if needed > limit:
+                raise ValueError(f"{option} {k}: a chain of {k} drafts needs {needed} cache positions for the longest "
+                                 f"prompt ({longest} tokens) and {new} new tokens (the larger of --max-new-tokens "
+                                 f"{args.max_new_tokens} and the warm-up's {WARMUP_TOKENS}), past the target's {limit} "
+                                 f"(max_position_embeddings): lower {option}")
 
 
 def main(argv=None) -> int:
@@ -185,16 +199,15 @@ def main(argv=None) -> int:
     with hf_progress_bars_off(not progress_wanted(args.quiet)):
         target, draft, tokenizer = load(args)
     workloads = workloads_of(args, tokenizer)
-    drafters = {d.strip() for d in args.drafters.split(",") if d.strip()}
-    unknown = drafters - set(DRAFTERS)
-    if unknown:
-        raise SystemExit(f"bench: unknown drafters {sorted(unknown)}; choose from {','.join(DRAFTERS)}")
+    drafters = set(args.drafters)
     for bundled in ("heads", "eagle"):
         if bundled in drafters and args.target is not None:
             print(f"({bundled} rows skipped: the bundled {bundled} head(s) belong to the bundled target)", flush=True)
             drafters.discard(bundled)
     ks = args.ks
     ngram_ks = args.ngram_ks if "ngram" in drafters else []
+    _check_draft_lengths(args, target, workloads, {"--ks": ks, "--ngram-ks": ngram_ks,
+                                                   "--eagle-ks": args.eagle_ks if "eagle" in drafters else []})
     counter = PassCounter(target)
     print(f"pair: target {sum(p.numel() for p in target.parameters()) / 1e6:.1f}M, draft "
           f"{sum(p.numel() for p in draft.parameters()) / 1e6:.1f}M params, {args.dtype}, {args.threads} thread(s); "
@@ -268,11 +281,11 @@ def build_methods(args, target, draft, tokenizer, drafters, ks, ngram_ks):
     if "ngram" in drafters and "auto" in drafters:
         add("ours ngram k=auto", ours("ngram", k="auto"), PlotPlace("ours ngram k=auto"))
     if "tree" in drafters:
-        for tree in parse_trees(args.trees):
+        for tree in args.trees:
             add(f"ours tree {','.join(map(str, tree))}", ours(draft, draft_tree=tree),
                 PlotPlace("ours draft-model trees (b,d,N)", tree[2]))
     if heads is not None:
-        for tree in parse_trees(args.heads_trees):
+        for tree in args.heads_trees:
             add(f"ours heads {','.join(map(str, tree))}", ours(heads, draft_tree=tree),
                 PlotPlace("ours heads trees (b,d,N)", tree[2]))
     if "eagle" in drafters:
@@ -281,7 +294,7 @@ def build_methods(args, target, draft, tokenizer, drafters, ks, ngram_ks):
         eagle = EagleDrafterSpec(load_default_eagle(target))
         for k in args.eagle_ks:
             add(f"ours eagle k={k}", ours(eagle, k=k), PlotPlace("ours EAGLE-3", k))
-        for tree in parse_trees(args.heads_trees):
+        for tree in args.heads_trees:
             add(f"ours eagle tree {','.join(map(str, tree))}", ours(eagle, draft_tree=tree),
                 PlotPlace("ours EAGLE-3 trees (b,d,N)", tree[2]))
     return methods, places

@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Optional
 
-from ..arg_types import at_least, device, non_negative
+from ..arg_types import at_least, device, fraction, non_negative, positive
 
 DEFAULTS = dict(pieces=4096, chars=400, steps=2400, draft_vocab=2048, prompt_tokens=32, new_tokens=64,
                 ttt_steps=3, batch=8, lr=1e-3, warmup_steps=50, min_lr_ratio=0.1, save_every=100, seed=0)
@@ -51,10 +51,10 @@ def add_parser(sub) -> None:
     t.add_argument("--ttt-steps", type=at_least(1), default=d["ttt_steps"],
                    help=f"draft steps unrolled in training (default: {d['ttt_steps']})")
     t.add_argument("--batch", type=at_least(1), default=d["batch"], help=f"sequences per step (default: {d['batch']})")
-    t.add_argument("--lr", type=float, default=d["lr"], help=f"peak learning rate (default: {d['lr']})")
+    t.add_argument("--lr", type=positive, default=d["lr"], help=f"peak learning rate (default: {d['lr']})")
     t.add_argument("--warmup-steps", type=at_least(0), default=d["warmup_steps"],
                    help=f"linear warm-up of the learning rate (default: {d['warmup_steps']})")
-    t.add_argument("--min-lr-ratio", type=float, default=d["min_lr_ratio"],
+    t.add_argument("--min-lr-ratio", type=fraction, default=d["min_lr_ratio"],
                    help=f"the cosine schedule's floor at the last step, a fraction of --lr (default: {d['min_lr_ratio']})")
     t.add_argument("--save-every", type=at_least(1), default=d["save_every"],
                    help=f"steps between checkpoints (default: {d['save_every']})")

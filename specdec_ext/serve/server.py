@@ -81,6 +81,11 @@ def run_server(app: FastAPI, engine: Engine, *, host: str, port: int, shutdown_g
     freeze_start_up_objects()
     try:
         server.run()
+    except SystemExit as failed:  # uvicorn's start-up failure (a port in use: exit status 3 after its log line)
+        if server.started:
+            raise
+        raise SystemExit(f"specdec serve: error: could not listen on {host}:{port} (exit status {failed.code} from "
+                         "uvicorn, whose message is above: the port in use?)") from None
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
