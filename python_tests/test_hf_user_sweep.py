@@ -4,7 +4,8 @@ user has customised (subclassed forward, patched modules, hooks), inference_mode
 (limits that must be greedy, logit_bias key types), logprobs against an independent reference of the
 processed target, streams, and state that must not leak between calls.
 
-Tests whose docstring starts with "DEFECT" assert the correct behaviour of something that is wrong today.
+Tests whose docstring starts with "Was a defect" assert the correct behaviour of something that was wrong when the
+sweep ran, fixed since.
 """
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ def _greedy(target, draft, prompts=PROMPTS, **kw):
     return generate(prompts, target, draft, **{**dict(max_new_tokens=NEW, eos_token_id=False), **kw})
 
 
-# ============================================================================ DEFECTS (fail today)
+# ============================================================================ defects found (fixed)
 BIAS_ID = 9
 
 
@@ -93,7 +94,7 @@ def _as(cls, model):
 
 
 def test_a_subclass_whose_forward_changes_the_logits_decodes_as_hf_generate(llama):
-    """DEFECT: the lean runner (runner="auto" for any model_type "llama") reads the weights and never calls the
+    """Was a defect, fixed: the lean runner (runner="auto" for any model_type "llama") reads the weights and never calls the
     model's forward, so a LlamaForCausalLM subclass that overrides forward is decoded as if it were plain Llama:
     silently other tokens than HF's generate() (the paged and recompute runners give HF's). Expected: auto picks
     a runner that calls the forward (or refuses); runner="lean" refuses with a reason."""
@@ -141,7 +142,7 @@ def _patch_norm_class(model):
 @pytest.mark.parametrize("patch", [_patch_act_fn, _patch_mlp_forward, _patch_linear_forward, _patch_norm_class],
                          ids=["act_fn-tanh", "mlp-instance-forward", "linear-instance-forward", "norm-subclass"])
 def test_a_patched_module_inside_a_llama_is_not_silently_ignored(llama, patch):
-    """DEFECT: runners/lean.py unsupported_reason checks that each projection is a plain nn.Linear *class* and
+    """Was a defect, fixed: runners/lean.py unsupported_reason checks that each projection is a plain nn.Linear *class* and
     that no hooks are registered, but not an instance-level ``module.forward = ...`` patch, a replaced
     ``mlp.act_fn`` or a norm subclass with its own forward: the lean runner (auto's choice for Llama) then runs
     plain Llama math and returns other tokens than HF's generate() of the patched model, silently. The paged
@@ -156,7 +157,7 @@ def test_a_patched_module_inside_a_llama_is_not_silently_ignored(llama, patch):
 
 
 def test_a_final_norm_replaced_by_another_module_runs_or_is_refused_clearly(llama):
-    """DEFECT: ``model.model.norm = torch.nn.Identity()`` (an ablation; HF's generate() runs it) crashes the
+    """Was a defect, fixed: ``model.model.norm = torch.nn.Identity()`` (an ablation; HF's generate() runs it) crashes the
     default runner with ``AttributeError: 'Identity' object has no attribute 'weight'`` from inside the lean
     runner, instead of auto falling back to the paged runner (which gives HF's tokens)."""
     target, draft = llama
@@ -173,7 +174,7 @@ class _PassThroughNeoX(transformers.GPTNeoXForCausalLM):
 
 
 def test_a_pass_through_forward_taking_kwargs_is_not_refused_for_want_of_position_ids():
-    """DEFECT: runners/support.py looks for "position_ids" among the forward's named parameters, so a subclass
+    """Was a defect, fixed: runners/support.py looks for "position_ids" among the forward's named parameters, so a subclass
     (or an instance wrapper) whose forward is ``forward(self, *args, **kwargs)`` is refused with a false
     reason: "its forward takes no position_ids (it computes positions from the cache length ...)" although
     it passes position_ids on to HF's forward, and HF's generate() runs it."""
@@ -191,7 +192,7 @@ def test_a_pass_through_forward_taking_kwargs_is_not_refused_for_want_of_positio
 
 @pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
 def test_a_stream_started_under_inference_mode_can_be_finished_outside_it(arch):
-    """DEFECT: a web handler under ``@torch.inference_mode()`` makes the stream and takes its first piece; the
+    """Was a defect, fixed: a web handler under ``@torch.inference_mode()`` makes the stream and takes its first piece; the
     rest is consumed after the handler returned (or on another thread: inference mode is thread-local, and the
     docstring says a stream "may be consumed on any thread"). The next step raises ``RuntimeError: Inplace
     update to inference tensor outside InferenceMode is not allowed``: the loop's buffers were made as
@@ -224,7 +225,7 @@ def test_a_stream_started_under_inference_mode_can_be_finished_outside_it(arch):
 
 @pytest.mark.parametrize("arch", ["llama", "gpt_neox"])
 def test_a_greedy_tree_call_under_inference_mode_does_not_break_the_next_call(arch):
-    """DEFECT: the tree drafter's node calibration is kept per draft model across calls
+    """Was a defect, fixed: the tree drafter's node calibration is kept per draft model across calls
     (drafters/calibration.py); made inside ``torch.inference_mode()`` its tensors are inference tensors, and the
     next greedy draft_tree call on the same draft outside the mode dies in ``calibration.observe``
     (``scatter_add_``): "Inplace update to inference tensor outside InferenceMode is not allowed"."""
@@ -237,7 +238,7 @@ def test_a_greedy_tree_call_under_inference_mode_does_not_break_the_next_call(ar
 
 
 def test_logit_bias_takes_numpy_and_torch_integers_as_the_other_arguments_do(llama):
-    """DEFECT: every other integer argument of generate() takes numpy / torch integers (prompts, k, top_k,
+    """Was a defect, fixed: every other integer argument of generate() takes numpy / torch integers (prompts, k, top_k,
     seed, eos_token_id, max_new_tokens) and temperature takes np.float32, but a logit_bias key np.int64(9) is
     refused as "not an integer token id" (false: it is one; ids from np.argsort / torch.topk are such keys) and
     a value np.float32(5.0) as "must be a number"."""
@@ -249,7 +250,7 @@ def test_logit_bias_takes_numpy_and_torch_integers_as_the_other_arguments_do(lla
 
 
 def test_logit_bias_naming_one_token_twice_is_refused(llama):
-    """DEFECT (minor): {9: 5.0, "9": -5.0} names token 9 twice with opposite biases; it is taken silently, and
+    """Was a defect (minor), fixed: {9: 5.0, "9": -5.0} names token 9 twice with opposite biases; it is taken silently, and
     the bias that wins is the larger one whatever the order (Processing.of sorts the (id, bias) pairs and the
     last of a token's entries wins), not an error naming the duplicated id."""
     target, draft = llama
@@ -260,7 +261,7 @@ def test_logit_bias_naming_one_token_twice_is_refused(llama):
 @pytest.mark.parametrize("field,value", [("num_beams", 4), ("forced_eos_token_id", 7),
                                          ("exponential_decay_length_penalty", (2, 1.5))])
 def test_generation_config_settings_that_change_hfs_greedy_output_are_warned(llama, field, value):
-    """DEFECT: README: generate() "warns where the config sets sampling or penalties that transformers'
+    """Was a defect, fixed: README: generate() "warns where the config sets sampling or penalties that transformers'
     generate() would apply". A generation_config with num_beams=4 (beam search), forced_eos_token_id or
     exponential_decay_length_penalty (a length penalty) makes HF's model.generate() return other tokens (checked
     here), yet generate() decodes greedily without a word (UNREAD_GENERATION_FIELDS lists do_sample,

@@ -585,7 +585,7 @@ def test_opcheck_on_unusual_shapes(name):
 
 
 # =============================================================================================================
-# DEFECTS: each test asserts the correct behaviour (and fails on the library as found)
+# Defects found: each test asserts the correct behaviour (it failed on the library as found; fixed since)
 # =============================================================================================================
 def test_kv_write_from_a_view_of_the_pool_is_refused_or_reads_before_writing():
     """key/value that are views of kv_cache (moving K/V between slots): torch's index_put_ refuses such a source

@@ -81,7 +81,7 @@ def _first_stop(text: str, stops) -> str:
 
 
 def test_overlapping_stop_strings_end_the_text_where_plain_decoding_ends_it(spec, ngram, plain):
-    """DEFECT: with stop = [t[2:4], t[1:5]] the shorter string is completed one token before the longer one,
+    """Was a defect, fixed: with stop = [t[2:4], t[1:5]] the shorter string is completed one token before the longer one,
     so plain decoding ends the text at t[:2]. When a step accepts the whole run of drafts, the stop check picks
     the string that STARTS first (stops._find_stop_string: min over start indices) and ends the text at t[:1]:
     the answer depends on how many drafts were accepted in a step, i.e. it is not lossless
@@ -137,7 +137,7 @@ def test_a_held_back_beginning_of_a_stop_string_is_sent_when_the_row_ends(spec):
 
 
 def test_logprobs_describe_the_returned_text_when_a_stop_string_ends_it(spec):
-    """DEFECT: a stop string is cut from the text but its tokens stay in the logprobs (stops.apply_stops keeps
+    """Was a defect, fixed: a stop string is cut from the text but its tokens stay in the logprobs (stops.apply_stops keeps
     the logprobs of every token through the one that completes the string): with stop '==' the text is '-3p'
     and the legacy logprobs' tokens are ['-', '3', 'p', '=', '='] with text_offset past the end of the text;
     chat's logprobs.content ("the message content tokens") spells more than the message. On the char pair every
@@ -171,7 +171,7 @@ def test_logprobs_describe_the_returned_text_when_a_stop_string_ends_it(spec):
 
 # ------------------------------------------------------------------------------------------ logprobs
 def test_logprobs_over_a_vocabulary_padded_past_the_tokenizer_are_served(spec):
-    """DEFECT: the model's vocabulary (64) is padded past the tokenizer's 61 tokens, as many real checkpoints'
+    """Was a defect, fixed: the model's vocabulary (64) is padded past the tokenizer's 61 tokens, as many real checkpoints'
     are; ids 61-63 are valid (logit_bias takes them). A logprobs response whose tokens or top alternatives hold
     such an id failed: SharedTokenizer.token_bytes ran a regex over convert_ids_to_tokens(id), which is None,
     so `logprobs: 20` gave a 500 (TypeError) and a stream was cut mid-body without an error event or [DONE].
@@ -224,7 +224,7 @@ def test_a_stream_that_fails_ends_with_an_error_event_and_done(spec, monkeypatch
 
 # ------------------------------------------------------------------------------------------ request fields
 def test_function_calling_fields_are_refused_like_tools(spec):
-    """DEFECT: `tools` is refused (400, param tools: the server cannot call functions), but the same request
+    """Was a defect, fixed: `tools` is refused (400, param tools: the server cannot call functions), but the same request
     in the older spelling, `functions` / `function_call`, or a `tool_choice` that demands a call, is served as
     if the fields were not there: the client gets plain text where it asked for a function call. OpenAI
     answers 400 for tool_choice without tools; by the server's own rule (protocol.py: fields that would change
@@ -250,7 +250,7 @@ def test_function_calling_fields_are_refused_like_tools(spec):
 
 
 def test_a_context_overflow_names_max_completion_tokens_when_the_client_sent_it(spec):
-    """DEFECT (an unclear error): chat's max_completion_tokens past the context is refused with param
+    """Was a defect (an unclear error), fixed: chat's max_completion_tokens past the context is refused with param
     "max_tokens" and a message about "max_tokens=1000", a field the client never sent."""
     client = openai_client(spec)
     with pytest.raises(openai.BadRequestError) as refused:
