@@ -671,13 +671,13 @@ class AdaptiveOptions:
     Parameters
     ----------
     prior_acceptance, prior_strength : float
-        p0 and m of the acceptance prior.
+        p0 in [0, 1] and m (finite, > 0) of the acceptance prior.
     forgetting : float
         g in (0, 1]: decay of the acceptance counts per drafting step of a row (1 = never forget).
     cost_smoothing : float
         Weight of a new time measurement in the moving averages of V(t) and c.
     prior_draft_cost : float
-        c / V(1) assumed until the first draft pass is timed.
+        c / V(1) assumed until the first draft pass is timed (finite, >= 0).
     explore_every, explore_k : int
         Every explore_every steps (backing off to EXPLORE_BACKOFF x that while explorations find
         nothing) the rows whose choice is 0 draft explore_k tokens (0 disables; at most k_max).
@@ -705,8 +705,10 @@ class AdaptiveOptions:
     def __post_init__(self):
         if not 0.0 <= self.prior_acceptance <= 1.0:
             raise ValueError(f"prior_acceptance must lie in [0, 1], got {self.prior_acceptance}")
-        if not self.prior_strength > 0.0:
-            raise ValueError(f"prior_strength must be > 0, got {self.prior_strength}")
+        if not 0.0 < self.prior_strength < math.inf:
+            raise ValueError(f"prior_strength must be a finite number > 0, got {self.prior_strength}")
+        if not 0.0 <= self.prior_draft_cost < math.inf:
+            raise ValueError(f"prior_draft_cost must be a finite number >= 0, got {self.prior_draft_cost}")
         if not 0.0 < self.forgetting <= 1.0:
             raise ValueError(f"forgetting must lie in (0, 1], got {self.forgetting}")
         if not 0.0 < self.cost_smoothing <= 1.0:
@@ -1107,13 +1109,14 @@ class AdaptiveK:
             self.follow_up_any = False
 
     def observe_plain(self, passes: int, seconds: float, active: Sequence[bool],
-                      context: Optional[float] = None) -> None:
+                      context: Optional[float] = None, counted: Optional[int] = None) -> None:
         """A plain chain segment the loop ran because ``plan`` gave every row 0: ``passes`` one-token
         passes of the batch in ``seconds`` (the host time since the previous step or segment
         included), ``active`` the rows that were unfinished at its start, ``context`` their mean committed
         tokens halfway through it (None: unknown). Counts ``passes`` steps (the exploration schedule, the
         staleness of the costs) and updates P where the segment ran a whole chain (``plain_chain``
-        passes: see the module docstring); no acceptance data."""
+        passes: see the module docstring); no acceptance data. ``counted``: the passes the stats count as steps
+        (those before every row had finished; default all), which the summary's step counts follow."""
         if passes <= 0:
             return
         self.step += passes
@@ -1132,7 +1135,7 @@ class AdaptiveK:
             costs.plain_obs = moving_average(costs.plain_obs, per_pass, w)
             costs.plain_obs_step = costs.step
         self._prev_off = True  # the next draft pass also feeds the segment's tokens: not timed
-        self.history[0] = self.history.get(0, 0) + passes
+        self.history[0] = self.history.get(0, 0) + (passes if counted is None else counted)
         self.plain_passes += passes
         self.row_steps += passes * sum(1 for a in active if a)
         if self.follow_up_any:

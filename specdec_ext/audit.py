@@ -14,9 +14,11 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
+from typing import Iterable, List, Optional, Sequence
 
+import numpy as np
 import torch
 
 from .grammar import compile_grammar, grammar_spec
@@ -325,8 +327,18 @@ def break_even(target, draft, prompts: List[List[int]], sampling: SamplingParams
 
 
 # ------------------------------------------------------------------------------- the audit
+DEFAULT_SAMPLES = 1000  # per prompt and sampler
+PROCESSOR_SAMPLES = 4000  # ... with processors: a prefix-blind penalty (sampling_stats.prefix_blind) passed the
+#   joint test at 1000 (p = 0.052; its samples repeat a token 10x as often as the target's) and failed at 3000
+
+
+def _whole(value) -> bool:
+    """An int (numpy's too), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
 def audit(target=None, draft=None, prompts=None, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-          positions: int = 3, samples: int = 1000, ks=DEFAULT_KS, bench_tokens: int = 48, alpha: float = DEFAULT_ALPHA,
+          positions: int = 3, samples: Optional[int] = None, ks=DEFAULT_KS, bench_tokens: int = 48, alpha: float = DEFAULT_ALPHA,
           seed: int = 0, tokenizer=None, runner="auto", max_prompts: int = 2, run_break_even: bool = True,
           verbose: bool = True, verifier=lossless_verify, progress: Optional[bool] = None,
           draft_tokenizer=None, processors: Optional[dict] = None) -> AuditReport:
@@ -339,8 +351,10 @@ def audit(target=None, draft=None, prompts=None, *, temperature: float = 1.0, to
     temperature, top_k, top_p : the sampling filter audited (temperature > 0)
     positions : int
         Generated positions compared (each on its own, and jointly).
-    samples : int
-        Samples per prompt of each of the speculative and the plain sampler.
+    samples : int, optional
+        Samples per prompt of each of the speculative and the plain sampler (default ``DEFAULT_SAMPLES``, 1000;
+        ``PROCESSOR_SAMPLES``, 4000, with ``processors``: a penalty that forgets the drafts before it shows in
+        the joint law of the positions, which 1000 samples a side did not resolve).
     ks : draft lengths of the break-even report (default 1..8)
     bench_tokens : new tokens per timed run of the break-even report
     alpha : family-wise significance level of the verdict
@@ -361,8 +375,14 @@ def audit(target=None, draft=None, prompts=None, *, temperature: float = 1.0, to
     sampling.validate()
     if sampling.greedy:
         raise ValueError("audit: temperature must be > 0 (greedy decoding is checked token for token instead)")
-    if positions < 1 or samples < 2:
-        raise ValueError(f"audit: positions must be >= 1 and samples >= 2, got {positions} and {samples}")
+    if samples is None:
+        samples = PROCESSOR_SAMPLES if processors else DEFAULT_SAMPLES
+    if not (_whole(positions) and positions >= 1 and _whole(samples) and samples >= 2):
+        raise ValueError(f"audit: positions must be an int >= 1 and samples an int >= 2, got {positions!r} and "
+                         f"{samples!r}")
+    if run_break_even and (isinstance(ks, (str, bytes)) or not isinstance(ks, Iterable) or not list(ks)
+                           or not all(_whole(k) and k >= 1 for k in ks)):
+        raise ValueError(f"audit: ks (the break-even table's draft lengths) must be one or more ints >= 1, got {ks!r}")
     if not 0.0 < alpha < 1.0:  # (alpha 1 failed a lossless pair, 0 passed anything)
         raise ValueError(f"audit: alpha must be in (0, 1), got {alpha}")
     if max_prompts < 1 or (run_break_even and bench_tokens < 1):  # (bench_tokens 0 divided by zero)

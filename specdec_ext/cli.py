@@ -540,7 +540,7 @@ def _draft_shape(stats, tree: bool) -> str:
     if tree:
         return f"{stats.k}-node tree"
     if stats.adaptive is not None:
-        return f"k=auto (mean k {stats.adaptive['mean_row_k']:.1f})"
+        return f"k=auto (mean k {format_measured(stats.adaptive['mean_row_k'], '{:.1f}')})"
     return f"k={stats.k}"
 
 

@@ -285,9 +285,12 @@ def timed_segment(loop: "LoopState", drafter: Optional[Drafter], adaptive: Adapt
         return [], 0
     t1 = host.timer.now()
     loop.stats.verify_time += t1 - t0
-    adaptive.observe_plain(passes, t1 - t0 + host.since(t0), active, context + passes / 2)
+    steps = loop.stats.steps
+    new = stop_passes(loop.rows, emitted, loop.stop, loop.stats)
+    adaptive.observe_plain(passes, t1 - t0 + host.since(t0), active, context + passes / 2,
+                           counted=loop.stats.steps - steps)
     host.end(t1)
-    return stop_passes(loop.rows, emitted, loop.stop, loop.stats), passes
+    return new, passes
 
 
 def skip_drafter(drafter: Drafter, meta: SpecDecodeMetadata, steps: int) -> None:

@@ -337,9 +337,10 @@ def make_plan(target_model, draft_model, **request) -> DecodePlan:
                                                  if padded > batch else "")))
     _check_cache(ask, slots, models)
     _check_rope_switch(ask, slots, models.target, cache_len)
-    reasons.append(("cache", f"{cache_len} positions per row (longest prompt {max(ask.prompt_lengths)} + "
-                             + (f"{ask.max_new_tokens} new - 1: the last is never fed)" if slots == 0 else
-                                f"{ask.max_new_tokens} new + 2 x {slots} draft slots)")))
+    reasons.append(("cache", f"{cache_len} positions per row (longest prompt {max(ask.prompt_lengths)}"
+                             + (", no new token)" if ask.max_new_tokens == 0 and slots == 0 else
+                                f" + {ask.max_new_tokens} new - 1: the last is never fed)" if slots == 0 else
+                                f" + {ask.max_new_tokens} new + 2 x {slots} draft slots)")))
     capabilities = _capabilities(runners, ask.drafter, models, static_shapes=graphs)
     every_token_sampled = (ask.processing is not None and ask.processing.active) or ask.top_logprobs is not None
     reasons.append(("capabilities", _describe_capabilities(*capabilities, ask.sampling, every_token_sampled)))
@@ -648,9 +649,14 @@ def _fit_default_draft_length(ask: PlanRequest, slots: int, controller, models: 
         if controller is not None:
             return ask, room, adaptive_k.AdaptiveK(room)  # (k None or "auto": the default controller)
         return ask, room, None
-    reasons.append(("drafter", f"none: the longest prompt ({longest}) and max_new_tokens={ask.max_new_tokens} "
-                               f"leave no room for drafts in the cache's {limit} positions (two steps of drafts need "
-                               f"2 x k more): plain decoding"))
+    plain = ("drafter", f"none: the longest prompt ({longest}) and max_new_tokens={ask.max_new_tokens} leave no room "
+                        f"for drafts in the cache's {limit} positions (two steps of drafts need 2 x k more): plain "
+                        "decoding")
+    asked = [i for i, (name, _) in enumerate(reasons) if name == "drafter"]  # (the drafter that will not run)
+    if asked:
+        reasons[asked[0]] = plain
+    else:
+        reasons.append(plain)
     return replace(ask, drafter="none", vocab_bridge=None), 0, None
 
 

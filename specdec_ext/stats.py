@@ -68,9 +68,16 @@ class StepOutcome:
         object.__setattr__(self, "reached", [min(n + 1, d) for n, d in zip(self.accepted, self.drafted)])
 
     @classmethod
-    def of(cls, num_accepted: Sequence[int], num_draft: Sequence[int], active: Sequence[bool]) -> "StepOutcome":
+    def of(cls, num_accepted: Sequence[int], num_draft: Sequence[int], active: Sequence[bool],
+           ended_at_leaf: Optional[Sequence[bool]] = None) -> "StepOutcome":
+        """``ended_at_leaf`` (a tree step, per row): whether the accepted path ends at a node without children,
+        past which no position was reached (a tree of N nodes is not N positions deep)."""
         rows = [b for b, live in enumerate(active) if live]
-        return cls(rows, [num_draft[b] for b in rows], [max(num_accepted[b], 0) for b in rows])
+        outcome = cls(rows, [num_draft[b] for b in rows], [max(num_accepted[b], 0) for b in rows])
+        if ended_at_leaf is not None:
+            object.__setattr__(outcome, "reached", [min(n + (0 if ended_at_leaf[b] else 1), d) for b, n, d in
+                                                    zip(rows, outcome.accepted, outcome.drafted)])
+        return outcome
 
 
 @dataclass
@@ -242,6 +249,7 @@ class GenerationStats:
                 f"(measured {format_measured(self.measured_decode_speedup, '{:.2f}x')})")
         if self.adaptive:
             a = self.adaptive
-            lines.append(f"adaptive k (k_max={a['k_max']}): mean k per row {a['mean_row_k']:.2f}, steps by verify "
-                         f"width {a['steps_by_width']}, speculation off for {a['speculation_off_steps']} steps")
+            lines.append(f"adaptive k (k_max={a['k_max']}): mean k per row {format_measured(a['mean_row_k'], '{:.2f}')}, "
+                         f"steps by verify width {a['steps_by_width']}, speculation off for "
+                         f"{a['speculation_off_steps']} steps")
         return "\n".join(lines)

@@ -164,6 +164,17 @@ def read_step(proposal: Proposal, verdict: Verdict) -> Tuple[List[List[int]], Li
     return host, [r[0] for r in host], [r[1] for r in host]
 
 
+def ended_at_leaf(proposal: Proposal, verdict: Verdict, num_accepted: List[int]) -> List[bool]:
+    """A tree step, per row: whether its accepted path ends at a node without children (a host read of the
+    parents [B, N] and the path [B, N]; trees run eagerly)."""
+    parents, path, counts = proposal.parents.tolist(), verdict.path.tolist(), proposal.num_draft.tolist()
+    ends = []
+    for b, accepted in enumerate(num_accepted):
+        last = path[b][accepted - 1] if accepted > 0 else -1  # (-1: the root)
+        ends.append(last not in parents[b][:counts[b]])
+    return ends
+
+
 # ------------------------------------------------------------------------------------------ the step
 @dataclass
 class _Handed:
@@ -318,7 +329,8 @@ class Stepper:
         if self.options.device_steps:
             self._hand_back(drafts)
         ended = self.clock()
-        outcome = StepOutcome.of(num_accepted, num_draft, active)
+        outcome = StepOutcome.of(num_accepted, num_draft, active,
+                                 None if proposal.parents is None else ended_at_leaf(proposal, verdict, num_accepted))
         if self.recorder is not None:
             self.recorder.record_step(outcome)
         emitted = {b: host[b][2: 3 + num_accepted[b]] for b in range(len(rows)) if active[b]}
