@@ -119,6 +119,8 @@ class CrossTokenizerDrafter(Drafter):
             self.fed[row] = [self._filler_token()]
 
     def free_rows(self, rows: Sequence[int]) -> None:
+        if self.runner is None:  # (no row has joined the draft yet: a server's first row ended at its prefill)
+            return
         self.runner.free_rows([int(row) for row in rows])
         for row in rows:
             self.fed[int(row)] = [self._filler_token()]  # a free slot inside the batch is fed one token

@@ -164,6 +164,8 @@ class ModelDrafter(Drafter):
         self._offsets[list(rows)] = 0
 
     def free_rows(self, rows: Sequence[int]) -> None:
+        if self.runner is None:  # (no row has joined the draft yet: a server's first row ended at its prefill)
+            return
         self.runner.free_rows(rows)
         self._offsets[list(rows)] = 0  # (a free slot inside the batch feeds as an empty cache)
 

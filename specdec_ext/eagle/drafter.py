@@ -105,6 +105,8 @@ class EagleDrafter(Drafter):
         self._behind = True
 
     def free_rows(self, rows: Sequence[int]) -> None:
+        if self.last is None:  # (no row has joined the head yet: a server's first row ended at its prefill)
+            return
         self._reset(rows)
 
     def _reset(self, rows: Sequence[int]) -> None:

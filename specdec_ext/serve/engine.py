@@ -147,7 +147,8 @@ class Engine:
                     raise ShuttingDownError("the server is shutting down and takes no new requests")
                 if self._state == BROKEN:
                     raise ShuttingDownError(f"the engine failed and takes no new requests: {self.failure}")
-                free_slots = self.batcher.max_rows - self._running - self._admitting
+                # (the slots a TPOT target keeps closed are no place to wait in: only open ones count)
+                free_slots = min(self.batcher.max_rows - self._running, self.batcher.open_slots) - self._admitting
                 if len(self._waiting) + len(requests) - 1 >= self.max_queue + max(0, free_slots):
                     raise QueueFullError(f"all {self.batcher.max_rows} rows are running and {len(self._waiting)} "
                                          f"requests are queued (the most): retry later", self._retry_after())
@@ -278,7 +279,10 @@ class Engine:
             count = self._group_length()
             units = budget.group_units(len(request.prompt), request.max_new_tokens, count)
             whole = not self.batcher.prefill_chunk  # (chunked prefill bounds each step's prompt tokens itself)
-            if (len(taken) + count > free_slots or units > free_units
+            # an empty batch takes the next request whole, its choices together (a TPOT target opens one slot of
+            # an empty batch: n choices would wait for a width that nothing runs to measure)
+            slots = self.batcher.free_slots if not taken and not self.batcher.running else free_slots
+            if (len(taken) + count > slots or units > free_units
                     or (whole and taken and tokens + len(request.prompt) > self.max_prefill_tokens)):
                 break
             taken.extend(self._waiting.popleft() for _ in range(count))
