@@ -127,7 +127,14 @@ def config_to_dict(config: EagleConfig, layout: str) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ tensors
+SHARD_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")  # HF's sharded layout (large heads)
+
+
 def _read_weights(path: str) -> dict:
+    for index_name in SHARD_INDEXES:
+        index = os.path.join(path, index_name)
+        if os.path.isfile(index):
+            return _read_shards(path, index)
     for name in WEIGHTS:
         file = os.path.join(path, name)
         if os.path.isfile(file):
@@ -136,8 +143,28 @@ def _read_weights(path: str) -> dict:
                 state = load_file(file)
                 return dequantize_rows(state) if name == INT8_WEIGHTS else state
             return torch.load(file, map_location="cpu", weights_only=True)
-    raise FileNotFoundError(f"load_eagle: {path} holds none of {WEIGHTS} (an EAGLE-3 checkpoint directory holds "
-                            f"{CONFIG} and its weights)")
+    raise FileNotFoundError(f"load_eagle: {path} holds none of {WEIGHTS} nor a shard index {SHARD_INDEXES} (an "
+                            f"EAGLE-3 checkpoint directory holds {CONFIG} and its weights)")
+
+
+def _read_shards(path: str, index: str) -> dict:
+    """The tensors of a sharded checkpoint: its index's weight_map names each tensor's shard file."""
+    try:
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"load_eagle: {index} is not a shard index with a weight_map ({error})") from None
+    state = {}
+    for shard in sorted(set(weight_map.values())):
+        file = os.path.join(path, shard)
+        if not os.path.isfile(file):
+            raise FileNotFoundError(f"load_eagle: {index} names the shard {shard}, which {path} does not hold")
+        if shard.endswith(".safetensors"):
+            from safetensors.torch import load_file
+            state.update(load_file(file))
+        else:
+            state.update(torch.load(file, map_location="cpu", weights_only=True))
+    return state
 
 
 def quantize_rows(weight: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -187,16 +214,41 @@ def load_eagle(path: str, target=None, *, device=None) -> Eagle3Model:
     missing = [m for m in missing if m != EMBED and not (full_vocab and m in ("d2t", "t2d"))]
     if missing or unexpected:
         raise ValueError(f"load_eagle: {path}: tensors missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+    _check_draft_vocab(head, path)
     if EMBED not in state:
         if target is None:
             raise ValueError(f"load_eagle: {path} has no {EMBED}: pass target= (EAGLE-3 uses the target's embedding)")
         embedding = target.get_input_embeddings().weight
+        if embedding.shape[-1] != config.hidden_size:
+            raise ValueError(f"load_eagle: {path} has no {EMBED}, and the target's embedding is {embedding.shape[-1]} "
+                             f"wide where the head's hidden_size is {config.hidden_size}: a head narrower than its "
+                             f"target needs its own {EMBED}")
         if hasattr(embedding, "full_tensor"):  # a tensor-parallel target's DTensor: the whole table (replicated)
             embedding = embedding.full_tensor()
         with torch.no_grad():
             head.embed_tokens.weight.copy_(embedding.float())
     head.to(device=device if device is not None else _device_of(target))
     return head.eval().requires_grad_(False)
+
+
+def _check_draft_vocab(head: Eagle3Model, path: str) -> None:
+    """d2t maps every draft id to a distinct target id inside the vocabulary, and t2d marks exactly those: a d2t
+    written as absolute ids, or one that disagrees with t2d, drafted ids the head was not trained on (or failed
+    mid-decode, naming neither the checkpoint nor d2t)."""
+    ids = head.target_ids
+    vocab = head.t2d.numel()
+    bad = ((ids < 0) | (ids >= vocab)).nonzero().flatten()
+    if bad.numel():
+        first = int(bad[0])
+        raise ValueError(f"load_eagle: {path}: d2t maps draft id {first} to target id {int(ids[first])}, outside the "
+                         f"vocabulary [0, {vocab}) (d2t holds offsets, target id - draft id, not the target ids)")
+    if torch.unique(ids).numel() != ids.numel():
+        raise ValueError(f"load_eagle: {path}: d2t maps two draft ids to one target id")
+    marked = torch.zeros_like(head.t2d)
+    marked[ids] = True
+    if not torch.equal(marked, head.t2d.bool()):
+        raise ValueError(f"load_eagle: {path}: t2d marks {int(head.t2d.sum())} target ids, not the {ids.numel()} "
+                         "that d2t maps the draft ids to: the two disagree")
 
 
 def save_eagle(head: Eagle3Model, path: str, *, layout: str = "eagle", dtype: torch.dtype = torch.float32,
@@ -248,8 +300,14 @@ def check_target(config: EagleConfig, target) -> None:
     if config.target_num_layers is not None and int(config.target_num_layers) != layers:
         raise EagleMismatchError(f"the EAGLE head was trained on a target of {config.target_num_layers} layers, this "
                                  f"target has {layers}")
-    if config.layer_ids is not None and any(not 0 <= i < layers for i in config.layer_ids):
-        raise EagleMismatchError(f"the EAGLE head reads the target's layers {list(config.layer_ids)}, this target has "
+    check_layer_ids(config.layer_ids, target)
+
+
+def check_layer_ids(layer_ids, target) -> None:
+    """EagleMismatchError unless every one of ``layer_ids`` (None: the defaults) is a layer of ``target``."""
+    layers = _target_shape(target)[2]
+    if layer_ids is not None and any(not 0 <= i < layers for i in layer_ids):
+        raise EagleMismatchError(f"the EAGLE head reads the target's layers {list(layer_ids)}, this target has "
                                  f"{layers} layers (ids are the inputs of layers 0 .. {layers - 1})")
 
 

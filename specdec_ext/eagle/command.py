@@ -173,6 +173,9 @@ def run(args) -> int:
         if problem:
             raise SystemExit(f"specdec train-eagle: --target: {problem}")
     target, tokenizer = _load_target(args, device)
+    from .checkpoints import check_layer_ids
+
+    check_layer_ids(layer_ids, target)  # (before the training data are made: the longest part of a run)
     vocab = int(target.get_output_embeddings().weight.shape[0])
     if args.draft_vocab > vocab:
         raise SystemExit(f"specdec train-eagle: --draft-vocab {args.draft_vocab} is more than the target's "

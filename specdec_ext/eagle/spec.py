@@ -44,8 +44,10 @@ def is_eagle_checkpoint(path) -> bool:
     except (OSError, ValueError):
         return False
     architectures = raw.get("architectures") or []
+    # (SafeAILab/EAGLE's released EAGLE-3 heads say "LlamaForCausalLM": their draft_vocab_size, a field no HF
+    # config has, is what tells them from a Llama draft model)
     return (EAGLE_ARCHITECTURE in architectures or SPECULATORS_ARCHITECTURE in architectures
-            or raw.get("speculators_model_type") == "eagle3")
+            or raw.get("speculators_model_type") == "eagle3" or "draft_vocab_size" in raw)
 
 
 def is_eagle_draft(draft) -> bool:

@@ -39,7 +39,7 @@ def read_pieces(files: Sequence[str], pieces: int, chars: int, seed: int) -> Lis
     for path in order:
         with open(path, errors="replace") as f:
             text = f.read()
-        for start in range(0, max(len(text) - chars, 0), chars * PIECE_STRIDE):
+        for start in range(0, max(len(text) - chars + 1, 0), chars * PIECE_STRIDE):  # (a text of chars: one piece)
             out.append(text[start:start + chars])
             if len(out) == pieces:
                 return out

@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import shutil
 import time
 import warnings
 from dataclasses import asdict, dataclass, field, replace
@@ -42,6 +43,7 @@ __all__ = ["TrainConfig", "TrainResult", "train_eagle", "ttt_losses", "choose_dr
            "learning_rate"]
 
 TRAINER_STATE = "trainer.pt"
+SAVING = ".saving"  # a checkpoint being written, inside the run's directory (_save)
 DATA = "data.pt"
 DATA_CHUNK = 16  # sequences per target call when making the data
 
@@ -266,9 +268,17 @@ def learning_rate(step: int, steps: int, config: TrainConfig) -> float:
 
 def _save(head: Eagle3Model, optimizer, losses: List[float], step: int, seconds: float, out_dir: str,
           config: TrainConfig) -> None:
-    save_eagle(head, out_dir, layout="eagle", embed=False)
+    """A checkpoint, written beside the last one (``SAVING``) and then moved over it file by file (each move
+    atomic): a run stopped while saving resumes from the last whole checkpoint (save_eagle removed the old
+    weights before it wrote the new, so a stop in between left no head at all)."""
+    saving = os.path.join(out_dir, SAVING)
+    shutil.rmtree(saving, ignore_errors=True)
+    save_eagle(head, saving, layout="eagle", embed=False)
     torch.save({"optimizer": optimizer.state_dict(), "losses": losses, "step": step, "seconds": seconds,
-                "config": asdict(config)}, os.path.join(out_dir, TRAINER_STATE))
+                "config": asdict(config)}, os.path.join(saving, TRAINER_STATE))
+    for name in sorted(os.listdir(saving), key=lambda n: n == TRAINER_STATE):  # (the trainer's state last)
+        os.replace(os.path.join(saving, name), os.path.join(out_dir, name))
+    os.rmdir(saving)
 
 
 def train_eagle(target, tokenizer, texts: Sequence[str], out_dir: str, steps: int,
