@@ -32,6 +32,46 @@ def tiny_pair(seed: int = 0):
     return target, noisy_copy(target, noise=0.3), tokenizer
 
 
+def save_tiny_pair(root, max_positions: int):
+    """``tiny_pair``'s models with ``max_positions`` positions saved as model directories under ``root`` (the
+    tokenizer, with its chat template, beside the target): (target directory, draft directory)."""
+    target = tiny_model("llama", vocab=CHAR_VOCAB, hidden=48, layers=2, logit_scale=4.0, max_positions=max_positions)
+    tokenizer = char_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    target.save_pretrained(root / "target")
+    tokenizer.save_pretrained(root / "target")
+    noisy_copy(target, noise=0.3).save_pretrained(root / "draft")
+    return root / "target", root / "draft"
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a server started in a subprocess)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+SERVER_START_TIMEOUT_S = 120.0  # importing torch and transformers in a fresh process is slow on a shared machine
+
+
+def wait_healthy(process, url: str, timeout_s: float = SERVER_START_TIMEOUT_S) -> None:
+    """Wait until the ``specdec serve`` subprocess ``process`` answers ``url``/health with 200 (AssertionError if it
+    exits first, with its stderr, or takes longer than ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"specdec serve exited with {process.returncode}: {process.stderr.read()}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("specdec serve did not become healthy")
+
+
 def make_app(target, draft, tokenizer, **options):
     """(app, engine) over the pair (``draft`` a model, "ngram" or None for plain decoding)."""
     drafter = "model" if not isinstance(draft, str) and draft is not None else (draft or "none")
@@ -41,7 +81,7 @@ def make_app(target, draft, tokenizer, **options):
     return app, engine
 
 
-__all__ = ["MODEL_NAME", "CHAT_TEMPLATE", "ServerThread", "tiny_pair", "make_app", "serve_app", "openai_client", "metrics",
+__all__ = ["MODEL_NAME", "CHAT_TEMPLATE", "ServerThread", "tiny_pair", "save_tiny_pair", "free_port", "wait_healthy", "make_app", "serve_app", "openai_client", "metrics",
            "wait_until", "slow_target", "Collector", "serve_staggered", "EVENT_TIMEOUT_S"]
 
 EVENT_TIMEOUT_S = 60.0  # the longest a test waits for an engine event

@@ -18,12 +18,13 @@ import transformers
 from specdec_ext import generate, plain_generate
 from specdec_ext._C import SuffixAutomaton
 from specdec_ext.drafters.ngram import NgramDrafter
-from specdec_ext.heads import MedusaHeads, lm_head_of
 from specdec_ext.metadata import SpecDecodeMetadata
 from specdec_ext.sampling import SamplingParams
 from specdec_ext.vocab_bridge import ROUND_TRIP_PROBES, TokenizerRoundTripError, check_round_trip
 from sampling_stats import chi_square_p, exact_joint
 from test_generate_utils import char_tokenizer, noisy_copy, tiny_model
+from test_heads import random_heads
+from test_ngram_drafter import ref_propose
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # conftest.py: one CPU thread per module
 
@@ -52,18 +53,7 @@ def z_reference(seq):
 
 
 def rule_propose(seq, m, min_match, overlap_copy=True):
-    length, end = z_reference(seq)
-    if m == 0 or length < min_match:
-        return []
-    ext = list(seq)
-    out = []
-    for j in range(m):
-        i = end + 1 + j
-        if i >= len(seq) and not overlap_copy:
-            break
-        out.append(ext[i])
-        ext.append(ext[i])
-    return out
+    return ref_propose(seq, m, min_match, overlap_copy, match=z_reference)  # (its match from the Z-function)
 
 
 def test_z_reference_agrees_with_hand_cases():
@@ -226,19 +216,9 @@ def heads_target():
     return tiny_model("llama", vocab=96, hidden=64, layers=2, seed=0, logit_scale=3.0, max_positions=512)
 
 
-def _random_heads(model, num_heads, seed=0, scale=0.5):
-    weight = lm_head_of(model).weight
-    heads = MedusaHeads(weight.shape[1], num_heads, weight.shape[0])
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for block in heads.blocks:
-            block.linear.weight.copy_(torch.randn(block.linear.weight.shape, generator=generator) * scale)
-    return heads.eval()
-
-
 @pytest.mark.parametrize("tree", [(1, 1, 1), (1, 4, 4), (4, 1, 4), (2, 2, 1), (3, 2, 100), (96, 1, 96)])
 def test_heads_trees_at_the_edges_with_ragged_batches_and_eos(heads_target, tree):
-    heads = _random_heads(heads_target, 4)
+    heads = random_heads(heads_target, 4)
     prompts = [p for p in _sweep_prompts(9, seed=4)]
     plain = plain_generate(prompts, heads_target, max_new_tokens=12, eos_token_id=False)
     spec = generate(prompts, heads_target, heads, draft_tree=tree, max_new_tokens=12, eos_token_id=False)
@@ -251,14 +231,14 @@ def test_heads_trees_at_the_edges_with_ragged_batches_and_eos(heads_target, tree
 
 def test_heads_tree_deeper_than_the_heads_is_refused_naming_both(heads_target):
     with pytest.raises(ValueError, match="depth d = 3 exceeds the 2 heads"):
-        generate([[1, 2]], heads_target, _random_heads(heads_target, 2), draft_tree=(2, 3, 4), max_new_tokens=2)
+        generate([[1, 2]], heads_target, random_heads(heads_target, 2), draft_tree=(2, 3, 4), max_new_tokens=2)
 
 
 def test_heads_fewer_than_the_default_trees_depth_draft_as_deep_as_they_reach(heads_target):
     """Was a defect: MedusaHeads with 2 heads and no draft_tree were refused with "draft tree depth 3 exceeds the
     2 heads", a tree the user never asked for (the default HEADS_TREE = (3, 3, 8)). Now the default tree is no
     deeper than the heads, and an asked tree deeper than them is refused naming draft_tree."""
-    heads = _random_heads(heads_target, 2)
+    heads = random_heads(heads_target, 2)
     plain = plain_generate([[1, 2]], heads_target, max_new_tokens=6)
     result = generate([[1, 2]], heads_target, heads, max_new_tokens=6)
     assert result.token_ids == plain.token_ids and result.plan.tree == (3, 2, 8)
@@ -500,7 +480,7 @@ def _drafter_options(name, target, draft):
     if name == "tree":
         return dict(draft=draft, draft_tree=(2, 2, 3))
     if name == "heads":
-        return dict(draft=_random_heads(target, 2, seed=5), draft_tree=(2, 2, 3))
+        return dict(draft=random_heads(target, 2, seed=5), draft_tree=(2, 2, 3))
     draft_tok = byte_level_bpe(300)
     return dict(draft=tiny_model("llama", vocab=len(draft_tok), hidden=32, seed=6, logit_scale=3.0),
                 draft_tokenizer=draft_tok, k=3)

@@ -43,8 +43,10 @@ def ref_match(seq):
     return 0, -1
 
 
-def ref_propose(seq, max_tokens, min_match=2, overlap_copy=True):
-    length, end = ref_match(seq)
+def ref_propose(seq, max_tokens, min_match=2, overlap_copy=True, match=None):
+    """The lookup's proposal from the match ``match(seq)`` -> (length, end) (default ``ref_match``): the
+    continuation of the match's end, copied on past the sequence's end (an overlap) when ``overlap_copy``."""
+    length, end = (match or ref_match)(seq)
     if max_tokens == 0 or length < min_match:
         return []
     extended, out = list(seq), []

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,10 +15,8 @@ import pytest
 import torch
 
 from specdec_ext import cli, models
-from serve_utils import CHAT_TEMPLATE, MODEL_NAME
-from test_generate_utils import CHAR_VOCAB, char_tokenizer, noisy_copy, tiny_model
+from serve_utils import MODEL_NAME, free_port, save_tiny_pair, wait_healthy
 
-START_TIMEOUT_S = 120.0  # importing torch and transformers in a fresh process is slow on a shared machine
 EXIT_TIMEOUT_S = 30.0
 ROW_POSITIONS = 4096  # long rows: the tiny model cannot finish one before the signal lands
 
@@ -27,39 +24,12 @@ ROW_POSITIONS = 4096  # long rows: the tiny model cannot finish one before the s
 @pytest.fixture(scope="module")
 def saved_pair(tmp_path_factory):
     """A tiny pair saved as model directories (the tokenizer next to the target)."""
-    root = tmp_path_factory.mktemp("pair")
-    target = tiny_model("llama", vocab=CHAR_VOCAB, hidden=48, layers=2, logit_scale=4.0, max_positions=ROW_POSITIONS)
-    tokenizer = char_tokenizer()
-    tokenizer.chat_template = CHAT_TEMPLATE
-    target.save_pretrained(root / "target")
-    tokenizer.save_pretrained(root / "target")
-    noisy_copy(target, noise=0.3).save_pretrained(root / "draft")
-    return root / "target", root / "draft"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_healthy(process, url: str) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise AssertionError(f"specdec serve exited with {process.returncode}: {process.stderr.read()}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError("specdec serve did not become healthy")
+    return save_tiny_pair(tmp_path_factory.mktemp("pair"), ROW_POSITIONS)
 
 
 def test_sigterm_aborts_in_flight_requests_with_a_message_and_exits_0(saved_pair):
     target, draft = saved_pair
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "specdec_ext", "serve", "--target", str(target), "--draft", str(draft),
                "--port", str(port), "--model-name", MODEL_NAME, "-k", "3", "--max-rows", "2", "--threads", "1",
@@ -67,7 +37,7 @@ def test_sigterm_aborts_in_flight_requests_with_a_message_and_exits_0(saved_pair
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        _wait_healthy(process, url)
+        wait_healthy(process, url)
         body = {"model": MODEL_NAME, "prompt": "def f(x):", "max_tokens": ROW_POSITIONS - 40, "temperature": 0,
                 "stream": True, "ignore_eos": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=EXIT_TIMEOUT_S) as response:

@@ -31,8 +31,8 @@ from specdec_ext.serve.engine import DRAINING
 from specdec_ext.serve.request import (ABORTED, CANCELLED, GenerationRequest, QueueFullError, RequestTooLargeError,
                                        ShuttingDownError)
 from specdec_ext.stops import StopCriteria
-from serve_utils import (MODEL_NAME, Collector, ServerThread, make_app, metrics, openai_client, serve_app,
-                         slow_target, tiny_pair, wait_until)
+from serve_utils import (MODEL_NAME, Collector, ServerThread, free_port, make_app, metrics, openai_client, serve_app,
+                         save_tiny_pair, slow_target, tiny_pair, wait_healthy, wait_until)
 
 pytestmark = pytest.mark.usefixtures("single_thread")  # conftest.py: one CPU thread per module
 
@@ -83,33 +83,30 @@ def _plain(pair, prompt_ids, max_new, stop=(), eos=False) -> List[int]:
     return _PLAIN[key]
 
 
-def _wait(sink: Collector, timeout_s: float = WAIT_S) -> bool:
-    """Whether ``sink``'s request ended within ``timeout_s`` (its events consumed)."""
-    deadline = time.monotonic() + timeout_s
-    while sink.reason is None:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return False
-        try:
-            event = sink.events.get(timeout=left)
-        except Exception:
-            return False
-        sink.tokens += event.tokens
-        if event.finished:
-            sink.reason, sink.message = event.finish_reason, event.message
-    return True
-
-
-def _first_event(sink: Collector, timeout_s: float = WAIT_S) -> bool:
-    """Wait for ``sink``'s first event (consumed)."""
+def _take_event(sink: Collector, timeout_s: float) -> bool:
+    """Consume ``sink``'s next event within ``timeout_s`` (its tokens and how it ended); False if none came."""
     try:
-        event = sink.events.get(timeout=timeout_s)
+        event = sink.events.get(timeout=max(timeout_s, 0.0))
     except Exception:
         return False
     sink.tokens += event.tokens
     if event.finished:
         sink.reason, sink.message = event.finish_reason, event.message
     return True
+
+
+def _wait(sink: Collector, timeout_s: float = WAIT_S) -> bool:
+    """Whether ``sink``'s request ended within ``timeout_s`` (its events consumed)."""
+    deadline = time.monotonic() + timeout_s
+    while sink.reason is None:
+        if deadline <= time.monotonic() or not _take_event(sink, deadline - time.monotonic()):
+            return False
+    return True
+
+
+def _first_event(sink: Collector, timeout_s: float = WAIT_S) -> bool:
+    """Wait for ``sink``'s first event (consumed)."""
+    return _take_event(sink, timeout_s)
 
 
 def _settled(engine) -> bool:
@@ -393,23 +390,7 @@ def test_a_group_leader_cancelled_during_its_chunked_prefill_hands_the_prompt_to
 @pytest.fixture(scope="module")
 def saved_pair(tmp_path_factory):
     """A tiny pair saved as model directories (the tokenizer beside the target), rows of 2048 positions."""
-    from test_generate_utils import CHAR_VOCAB, char_tokenizer, noisy_copy, tiny_model
-    from serve_utils import CHAT_TEMPLATE
-
-    root = tmp_path_factory.mktemp("pair")
-    target = tiny_model("llama", vocab=CHAR_VOCAB, hidden=48, layers=2, logit_scale=4.0, max_positions=2048)
-    tokenizer = char_tokenizer()
-    tokenizer.chat_template = CHAT_TEMPLATE
-    target.save_pretrained(root / "target")
-    tokenizer.save_pretrained(root / "target")
-    noisy_copy(target, noise=0.3).save_pretrained(root / "draft")
-    return root / "target", root / "draft"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return save_tiny_pair(tmp_path_factory.mktemp("pair"), 2048)
 
 
 def _sse_lines(url: str, body: dict, out: list) -> None:
@@ -429,7 +410,7 @@ def test_sigterm_lets_the_request_in_flight_finish_aborts_the_queued_one_and_exi
     [DONE]), the one in flight finishes all its tokens ("length", the usage's count), a new request is
     refused (503, or no listener any more), and the process exits 0."""
     target, draft = saved_pair
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     command = [sys.executable, "-m", "specdec_ext", "serve", "--target", str(target), "--draft", str(draft),
                "--port", str(port), "--model-name", MODEL_NAME, "--max-rows", "1", "--max-queue", "4",
@@ -437,16 +418,7 @@ def test_sigterm_lets_the_request_in_flight_finish_aborts_the_queued_one_and_exi
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, process.stderr.read()
-            assert time.monotonic() < deadline, "specdec serve did not become healthy"
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
+        wait_healthy(process, url)
         new_tokens = 1200
         running: list = []
         queued: list = []
