@@ -139,7 +139,9 @@ def chunks(tokens: List[int], rng: random.Random, most: int = 7):
 
 # ---------------------------------------------------------------------- the old code (reference)
 def old_find_stop_string(row: RowState, start: int, stop: StopCriteria) -> Optional[int]:
-    """stops._find_stop_string as it was: the whole row decoded twice per step."""
+    """stops._find_stop_string as it was, the whole row decoded twice per step (and once per prefix where a stop
+    ends the row), with today's choice among several stops: the one completed by the fewest tokens, the earliest
+    start among those (as one token at a time finds it: test_stops.py)."""
     text = stop.decode_text(row.tokens)
     longest = max(len(s) for s in stop.stop_strings)
     search_from = max(0, len(stop.decode_text(row.tokens[:start])) - longest)
@@ -147,10 +149,14 @@ def old_find_stop_string(row: RowState, start: int, stop: StopCriteria) -> Optio
     hits = [(i, s) for i, s in hits if i >= 0]
     if not hits:
         return None
-    index, string = min(hits)
-    count = start + 1
-    while count < len(row.tokens) and stop.decode_text(row.tokens[:count])[index:index + len(string)] != string:
-        count += 1
+
+    def completing(index: int, string: str) -> int:
+        count = start + 1
+        while count < len(row.tokens) and stop.decode_text(row.tokens[:count])[index:index + len(string)] != string:
+            count += 1
+        return count
+
+    count, index = min((completing(i, s), i) for i, s in hits)
     del row.tokens[count:]
     row.finished, row.finish_reason, row.stop_text_end = True, "stop", index
     return count
