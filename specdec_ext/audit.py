@@ -14,11 +14,9 @@
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass, field
 from typing import Iterable, List, Optional, Sequence
 
-import numpy as np
 import torch
 
 from .grammar import compile_grammar, grammar_spec
@@ -26,7 +24,7 @@ from .ops import GREEDY_TEMPERATURE
 from .processing import Processing
 from .runners import output_vocab_size
 from .step import lossless_verify
-from .generate import generate, normalise_prompts, plain_generate
+from .generate import generate, is_integer, normalise_prompts, plain_generate
 from .eagle.spec import is_eagle_draft
 from .models import load_models, load_pair
 from .plots import pair_label
@@ -332,11 +330,6 @@ PROCESSOR_SAMPLES = 4000  # ... with processors: a prefix-blind penalty (samplin
 #   joint test at 1000 (p = 0.052; its samples repeat a token 10x as often as the target's) and failed at 3000
 
 
-def _whole(value) -> bool:
-    """An int (numpy's too), not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
-
-
 def audit(target=None, draft=None, prompts=None, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
           positions: int = 3, samples: Optional[int] = None, ks=DEFAULT_KS, bench_tokens: int = 48, alpha: float = DEFAULT_ALPHA,
           seed: int = 0, tokenizer=None, runner="auto", max_prompts: int = 2, run_break_even: bool = True,
@@ -377,11 +370,11 @@ def audit(target=None, draft=None, prompts=None, *, temperature: float = 1.0, to
         raise ValueError("audit: temperature must be > 0 (greedy decoding is checked token for token instead)")
     if samples is None:
         samples = PROCESSOR_SAMPLES if processors else DEFAULT_SAMPLES
-    if not (_whole(positions) and positions >= 1 and _whole(samples) and samples >= 2):
+    if not (is_integer(positions) and positions >= 1 and is_integer(samples) and samples >= 2):
         raise ValueError(f"audit: positions must be an int >= 1 and samples an int >= 2, got {positions!r} and "
                          f"{samples!r}")
     if run_break_even and (isinstance(ks, (str, bytes)) or not isinstance(ks, Iterable) or not list(ks)
-                           or not all(_whole(k) and k >= 1 for k in ks)):
+                           or not all(is_integer(k) and k >= 1 for k in ks)):
         raise ValueError(f"audit: ks (the break-even table's draft lengths) must be one or more ints >= 1, got {ks!r}")
     if not 0.0 < alpha < 1.0:  # (alpha 1 failed a lossless pair, 0 passed anything)
         raise ValueError(f"audit: alpha must be in (0, 1), got {alpha}")

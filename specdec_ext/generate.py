@@ -169,7 +169,7 @@ def normalise_prompts(prompts, tokenizer) -> Tuple[List[List[int]], bool]:
         raise TypeError(f"prompts must be a string, a list of strings or token ids, got {type(prompts).__name__}")
     if not prompts:
         raise ValueError("prompts is empty: pass at least one prompt")
-    if all(_token_id(t) for t in prompts):
+    if all(is_integer(t) for t in prompts):
         prompts = [list(prompts)]  # one prompt as token ids
     is_text = isinstance(prompts[0], str)
     out = []
@@ -189,7 +189,7 @@ def normalise_prompts(prompts, tokenizer) -> Tuple[List[List[int]], bool]:
             if getattr(p, "is_meta", False):
                 raise ValueError(f"prompt {b} is a tensor on the meta device: it holds no token ids")
             ids = p.tolist() if hasattr(p, "tolist") else list(p)  # (a tensor or a numpy array of ids too)
-            if not isinstance(ids, list) or not all(_token_id(t) for t in ids):
+            if not isinstance(ids, list) or not all(is_integer(t) for t in ids):
                 raise TypeError(f"prompt {b} must be a string or a list of int token ids")
         if not ids:
             raise ValueError(f"prompt {b} is empty (no tokens)")
@@ -197,7 +197,7 @@ def normalise_prompts(prompts, tokenizer) -> Tuple[List[List[int]], bool]:
     return out, is_text
 
 
-def _token_id(value) -> bool:
+def is_integer(value) -> bool:
     """An integer that is no bool (numpy's and torch's integer scalars included)."""
     if isinstance(value, torch.Tensor):
         return value.dim() == 0 and not value.is_floating_point() and not value.is_complex() and value.dtype != torch.bool
@@ -207,7 +207,7 @@ def _token_id(value) -> bool:
 def _plain_int(value):
     """numpy's and torch's integer scalars as ints, as token ids take them (the argument checks want int);
     anything else as given."""
-    return int(value) if not isinstance(value, int) and _token_id(value) else value
+    return int(value) if not isinstance(value, int) and is_integer(value) else value
 
 
 def check_text(text: str, what: str) -> None:
@@ -567,7 +567,7 @@ class RunRequest:
     def __post_init__(self):
         for name in ("max_new_tokens", "max_seq_len", "k", "top_logprobs"):
             object.__setattr__(self, name, _plain_int(getattr(self, name)))  # (frozen)
-        if isinstance(self.draft_tree, (tuple, list)) and all(_token_id(v) for v in self.draft_tree):
+        if isinstance(self.draft_tree, (tuple, list)) and all(is_integer(v) for v in self.draft_tree):
             object.__setattr__(self, "draft_tree", tuple(int(v) for v in self.draft_tree))
 
 
